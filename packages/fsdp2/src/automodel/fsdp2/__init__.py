@@ -1,0 +1,1 @@
+"""FSDP2/HSDP, tensor and sequence parallel, activation checkpointing and DDP for Hugging Face models."""

@@ -1,0 +1,1 @@
+"""strategy: megatron_fsdp through the megatron-fsdp package."""

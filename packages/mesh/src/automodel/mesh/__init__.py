@@ -1,0 +1,31 @@
+"""automodel.mesh: parallelism sizes, device meshes, process-group setup, the multi-rank harness."""
+
+from automodel.mesh.context import MeshContext
+from automodel.mesh.distributed import (
+    DistInfo,
+    LaunchEnv,
+    default_backend,
+    destroy_distributed,
+    detect_launch_env,
+    distributed,
+    fake_world,
+    init_distributed,
+)
+from automodel.mesh.sizes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, ParallelismSizes, ResolvedLayout
+
+__all__ = [
+    "DENSE_AXES",
+    "FLATTENED_AXES",
+    "MOE_AXES",
+    "DistInfo",
+    "LaunchEnv",
+    "MeshContext",
+    "ParallelismSizes",
+    "ResolvedLayout",
+    "default_backend",
+    "destroy_distributed",
+    "detect_launch_env",
+    "distributed",
+    "fake_world",
+    "init_distributed",
+]

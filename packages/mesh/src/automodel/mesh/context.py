@@ -1,0 +1,131 @@
+"""`MeshContext`: the one source of layout truth (sizes, meshes by axis name, `*_enabled`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from automodel.mesh.sizes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, ParallelismSizes, ResolvedLayout
+
+
+@dataclass
+class MeshContext:
+    """Device meshes of one rank plus the resolved layout they were built from.
+
+    The dense mesh has dims ``(pp, dp_replicate, dp_shard, cp, tp)`` and flattened views ``dp``,
+    ``dp_shard_cp`` and ``dp_cp``. When ``ep > 1`` a MoE mesh ``(pp, ep_shard, ep)`` spans the
+    ``dp*cp`` ranks of this rank's pp stage and tp coordinate.
+    """
+
+    layout: ResolvedLayout
+    device_mesh: DeviceMesh
+    moe_mesh: DeviceMesh | None = None
+    _flattened: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        sizes: ParallelismSizes,
+        *,
+        world_size: int | None = None,
+        device_type: str | None = None,
+    ) -> MeshContext:
+        """Resolve `sizes` for the current process group and create every mesh and group.
+
+        Needs an initialized default process group (real, or torch's ``fake`` backend for
+        planning a large job in one process).
+        """
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "MeshContext.build needs an initialized process group: call "
+                "automodel.mesh.init_distributed() (or automodel.mesh.fake_world() for planning) first"
+            )
+        actual = dist.get_world_size()
+        if world_size is not None and world_size != actual:
+            raise ValueError(f"world_size={world_size} but the process group has {actual} ranks")
+        layout = sizes.resolve(actual)
+        if device_type is None:
+            device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, layout.dense_shape, mesh_dim_names=DENSE_AXES)
+        flattened = {name: mesh[axes]._flatten(name) for name, axes in FLATTENED_AXES.items()}
+        moe_mesh = None
+        if layout.ep_enabled:
+            ranks = torch.arange(layout.world_size).reshape(layout.moe_shape)
+            moe_root = DeviceMesh(device_type, ranks, mesh_dim_names=(*MOE_AXES, "moe_tp"))
+            moe_mesh = moe_root[MOE_AXES]
+        return cls(layout=layout, device_mesh=mesh, moe_mesh=moe_mesh, _flattened=flattened)
+
+    # ---- lookup --------------------------------------------------------------------------
+    def get_mesh(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of a dense, flattened (dp, dp_shard_cp, dp_cp) or MoE (ep, ep_shard) axis."""
+        if name in DENSE_AXES:
+            return self.device_mesh[name]
+        if name in self._flattened:
+            return self._flattened[name]
+        if name in ("ep", "ep_shard"):
+            if self.moe_mesh is None:
+                raise ValueError(f"mesh axis {name!r} exists only when ep_size > 1 (ep_size={self.layout.ep})")
+            return self.moe_mesh[name]
+        raise ValueError(f"unknown mesh axis {name!r}; known: {', '.join(ResolvedLayout.axis_names())}")
+
+    def get_optional_mesh(self, name: str) -> DeviceMesh | None:
+        """Like `get_mesh`, but None when the axis has size 1 (the parallelism is off)."""
+        if self.layout.axis_size(name) == 1:
+            return None
+        return self.get_mesh(name)
+
+    # ---- convenience views of the layout -------------------------------------------------
+    @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        return self.layout.coordinates(self.rank)
+
+    def size(self, name: str) -> int:
+        return self.layout.axis_size(name)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.layout.pp_enabled
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.layout.dp_enabled
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.layout.dp_replicate_enabled
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.layout.dp_shard_enabled
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.layout.fsdp_enabled
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.layout.cp_enabled
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.layout.tp_enabled
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.layout.ep_enabled

@@ -1,0 +1,170 @@
+"""Process-group set-up and teardown for torchrun, SLURM `srun` and a plain single process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Rank/world/rendezvous as read from the launcher's environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun" | "slurm" | "single"
+
+
+def _slurm_master_addr(env: Mapping[str, str]) -> str:
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if nodelist:
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+            )
+            return out.stdout.split()[0]
+        except (OSError, subprocess.CalledProcessError, IndexError):
+            pass
+    return env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read rank and rendezvous from torchrun's or SLURM's variables; a plain process is world 1."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        job_id = int(env.get("SLURM_JOB_ID", "0"))
+        return LaunchEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            master_addr=env.get("MASTER_ADDR") or _slurm_master_addr(env),
+            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
+            launcher="slurm",
+        )
+    return LaunchEnv(
+        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=_free_port(), launcher="single"
+    )
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(*, backend: str | None = None, timeout_minutes: float = 10.0) -> DistInfo:
+    """Initialize the default process group for this process, or return it if already up.
+
+    NCCL bound to the local rank's GPU when CUDA is present, gloo on CPU otherwise. Collectives
+    that wait longer than `timeout_minutes` fail instead of hanging.
+    """
+    if timeout_minutes <= 0:
+        raise ValueError(f"timeout_minutes must be > 0, got {timeout_minutes}")
+    backend = backend or default_backend()
+    if backend not in ("nccl", "gloo", "cpu:gloo,cuda:nccl"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    launch = detect_launch_env()
+    device = torch.device("cpu")
+    if "nccl" in backend:
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use 'gloo'")
+        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # torchrun's agent already hosts the store (env://); SLURM and plain processes rendezvous over tcp.
+        init_method = (
+            "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
+        )
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+            **kwargs,
+        )
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=launch.local_rank,
+        backend=dist.get_backend(),
+        device=device,
+    )
+
+
+def destroy_distributed() -> None:
+    """Barrier, then destroy: destroying without the barrier aborts ranks still in flight."""
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+@contextmanager
+def distributed(*, backend: str | None = None, timeout_minutes: float = 10.0) -> Iterator[DistInfo]:
+    """`init_distributed` for the duration of a block, with clean teardown."""
+    info = init_distributed(backend=backend, timeout_minutes=timeout_minutes)
+    try:
+        yield info
+    finally:
+        destroy_distributed()
+
+
+@contextmanager
+def fake_world(world_size: int, *, rank: int = 0) -> Iterator[None]:
+    """A process group of `world_size` ranks that exists only in this process (torch's fake backend).
+
+    Meshes and groups are created as for a real job, so layouts far beyond this machine can be
+    built and checked; collectives do nothing. Used by `recipes validate` and layout planning.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world needs no process group to be initialized in this process")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

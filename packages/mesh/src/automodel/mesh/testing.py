@@ -1,0 +1,156 @@
+"""Multi-rank test harness: run a function on N real gloo ranks forked from this process.
+
+Forking from the already-imported test process costs ~0.3 s per world instead of ~8 s for
+torchrun. Every rank's result comes back to the caller; the first failing rank is re-raised
+with its rank and traceback; a rank that hangs fails the call at the time-out instead of
+hanging CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; carries the rank and its formatted traceback."""
+
+    def __init__(self, rank: int, remote_traceback: str, failed_ranks: list[int]) -> None:
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.failed_ranks = failed_ranks
+        super().__init__(f"rank {rank} failed (failed ranks so far: {failed_ranks}):\n{remote_traceback}")
+
+
+class RankTimeout(RuntimeError):
+    """Some ranks did not finish within the time-out."""
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    timeout_s: float,
+    args: tuple,
+    kwargs: dict,
+    conn: Any,
+) -> None:
+    status, payload = "ok", b""
+    try:
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR=host,
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        torch.set_num_threads(1)
+        store = dist.TCPStore(host, port, world_size=world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        result = fn(*args, **kwargs)
+        payload = pickle.dumps(result)
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        status, payload = "error", traceback.format_exc().encode()
+    try:
+        conn.send((status, rank, payload))
+        conn.close()
+    finally:
+        if status == "ok" and dist.is_initialized():
+            dist.destroy_process_group()
+        os._exit(0)
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    *,
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on `world_size` gloo ranks; return the results in rank order.
+
+    Each rank is a forked child with an initialized default process group (gloo, one intra-op
+    thread, ``RANK``/``WORLD_SIZE`` set as torchrun would). `fn` and its results must be
+    picklable; `fn` must be defined at module level or be otherwise reachable after fork.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if dist.is_initialized():
+        raise RuntimeError("run_on_ranks must be called from a process without a process group")
+    kwargs = kwargs or {}
+    host = "127.0.0.1"
+    store = dist.TCPStore(host, 0, world_size=world_size + 1, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("fork")
+    procs, conns = [], []
+    for rank in range(world_size):
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, host, store.port, timeout_s, args, kwargs, child_conn),
+            daemon=True,
+        )
+        p.start()
+        child_conn.close()
+        procs.append(p)
+        conns.append(parent_conn)
+    try:
+        return _collect(procs, conns, timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=5)
+        del store
+
+
+def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
+    world_size = len(procs)
+    results: dict[int, Any] = {}
+    failures: list[tuple[int, str]] = []
+    deadline = time.monotonic() + timeout_s
+    pending = set(range(world_size))
+    while pending:
+        ready = mp.connection.wait([conns[r] for r in pending], timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RankTimeout(
+                f"ranks {sorted(pending)} of {world_size} did not finish within {timeout_s:.0f} s "
+                f"(finished: {sorted(results)}); they were killed"
+            )
+        for conn in ready:
+            rank = conns.index(conn)
+            pending.discard(rank)
+            try:
+                status, _, payload = conn.recv()
+            except EOFError:
+                code = procs[rank].exitcode
+                procs[rank].join(timeout=1)
+                failures.append((rank, f"rank {rank} died without reporting (exit code {procs[rank].exitcode or code})"))
+                break
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                failures.append((rank, payload.decode()))
+        if failures:
+            # The first failure is the cause; others are usually peers losing their connection.
+            rank, tb = failures[0]
+            raise RankFailure(rank, tb, [r for r, _ in failures])
+    return [results[r] for r in range(world_size)]

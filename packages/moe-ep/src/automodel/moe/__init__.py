@@ -1,0 +1,1 @@
+"""Expert parallelism for Hugging Face mixture-of-experts models."""

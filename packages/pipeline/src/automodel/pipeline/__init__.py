@@ -1,0 +1,1 @@
+"""Pipeline parallelism with every torch schedule; usable on its own."""

@@ -1,0 +1,1 @@
+"""YAML -> composed model -> training loop, checkpoints, and the `recipes` CLI."""
