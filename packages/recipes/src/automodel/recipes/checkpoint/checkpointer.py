@@ -1,0 +1,252 @@
+"""`Checkpointer`: save, resume and pre-emption for the training loop.
+
+Save: every rank writes its DCP shards (and its share of the consolidated HF export) into
+``.tmp-step_<N>``; after a barrier rank 0 writes ``checkpoint.json``, renames the directory to
+``step_<N>``, then replaces ``LATEST`` and applies retention. A crash at any point leaves the
+previous checkpoint and ``LATEST`` untouched. Restore resolves ``restore_from`` on rank 0 and
+broadcasts the choice, so all ranks load the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from automodel.mesh import MeshContext
+from automodel.recipes.checkpoint import paths
+from automodel.recipes.checkpoint.config import CheckpointConfig
+from automodel.recipes.checkpoint.consolidated import save_consolidated
+from automodel.recipes.checkpoint.paths import CheckpointError
+from automodel.recipes.checkpoint.state import (
+    EXTRA_PREFIX,
+    OPTIM_KEY,
+    TrainingState,
+    apply_loaded_state,
+    build_load_state,
+    build_save_state,
+)
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_from_0(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Checkpointer:
+    """Saves and restores a `TrainingState` under ``checkpoint_dir``; flags SIGTERM as `preempted`.
+
+    Every public method except `preempted`'s local flag is collective: call it on all ranks.
+    """
+
+    def __init__(
+        self, config: CheckpointConfig, *, output_dir: str | os.PathLike, mesh: MeshContext | None = None
+    ):
+        self.config = config
+        self.mesh = mesh
+        self.root = Path(config.checkpoint_dir) if config.checkpoint_dir else Path(output_dir) / "checkpoints"
+        self.last_saved_step: int | None = None
+        self._sigterm = False
+        self._previous_handler: Any = None
+        self._install_sigterm_handler()
+
+    # ---- pre-emption ---------------------------------------------------------------------
+    def _install_sigterm_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("Checkpointer created off the main thread: SIGTERM will not trigger a save")
+            return
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._sigterm = True
+
+    @property
+    def preempted(self) -> bool:
+        """True once any rank got SIGTERM. Collective (an all-reduce): every rank asks at the same point."""
+        flag = self._sigterm
+        if dist.is_initialized() and dist.get_backend() != "fake":
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            t = torch.tensor([int(flag)], device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag
+
+    def close(self) -> None:
+        """Put back the SIGTERM handler that was there before."""
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    # ---- save ----------------------------------------------------------------------------
+    def maybe_save(self, state: TrainingState, *, every_steps: int | None) -> Path | None:
+        """`save` when checkpointing is on and ``state.step`` is a positive multiple of `every_steps`."""
+        if not self.config.enabled or not every_steps or state.step <= 0 or state.step % every_steps:
+            return None
+        return self.save(state)
+
+    def save(self, state: TrainingState) -> Path | None:
+        """Write ``step_<state.step>`` atomically and point ``LATEST`` at it; None when disabled.
+
+        Saving the step already saved by this checkpointer is a no-op returning its path.
+        """
+        if not self.config.enabled:
+            return None
+        final = self.root / paths.step_dir_name(state.step)
+        if self.last_saved_step == state.step:
+            return final
+        started = time.perf_counter()
+        tmp = self.root / f"{paths.TMP_PREFIX}{final.name}"
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        dcp.save(build_save_state(state), checkpoint_id=str(tmp))
+        files: list[str] = []
+        if self.config.save_consolidated:
+            (tmp / paths.CONSOLIDATED_DIR).mkdir(exist_ok=True)
+            files = save_consolidated(
+                model_parts=state.model_parts,
+                directory=tmp / paths.CONSOLIDATED_DIR,
+                model_save_format=self.config.model_save_format,
+                hf_config=state.hf_config,
+                tokenizer=state.tokenizer,
+            )
+        _barrier()
+        if _rank() == 0:
+            info = {
+                "format_version": FORMAT_VERSION,
+                "step": state.step,
+                "world_size": _world(),
+                "layout": self._layout_summary(),
+                "model_save_format": self.config.model_save_format,
+                "files": [f"{paths.CONSOLIDATED_DIR}/{f}" for f in files],
+                "saved_at": time.time(),
+            }
+            info_tmp = tmp / f"{paths.INFO_FILE}.tmp"
+            with open(info_tmp, "w") as f:
+                json.dump(info, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(info_tmp, tmp / paths.INFO_FILE)
+            paths.publish(tmp, final)
+            paths.write_latest(self.root, final.name)
+            if self.config.keep_last_n is not None:
+                for removed in paths.apply_retention(self.root, self.config.keep_last_n):
+                    log.info("retention (keep_last_n=%d): removed %s", self.config.keep_last_n, removed)
+            log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
+        _barrier()
+        self.last_saved_step = state.step
+        return final
+
+    def _layout_summary(self) -> dict[str, int] | None:
+        if self.mesh is None:
+            return None
+        lay = self.mesh.layout
+        return {k: getattr(lay, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+
+    # ---- restore -------------------------------------------------------------------------
+    def resolve_restore_path(self) -> Path | None:
+        """Which checkpoint `restore` would load (None: start fresh). Collective."""
+        choice: tuple[str | None, str | None] = (None, None)
+        if _rank() == 0:
+            try:
+                path = self._resolve_on_rank0()
+                choice = (str(path) if path is not None else None, None)
+            except (CheckpointError, ValueError) as err:
+                choice = (None, f"{type(err).__name__}: {err}")
+        path_str, error = _broadcast_from_0(choice)
+        if error is not None:
+            raise CheckpointError(error)
+        return Path(path_str) if path_str is not None else None
+
+    def _resolve_on_rank0(self) -> Path | None:
+        paths.remove_stale(self.root)
+        spec = self.config.restore_from
+        if spec is None:
+            path = paths.newest_complete(self.root)
+            if path is None:
+                log.info("no complete checkpoint in %s: starting from scratch", self.root)
+            return path
+        if spec == paths.LATEST_FILE:
+            path = paths.read_latest(self.root)
+        elif paths.parse_step(spec) is not None and (self.root / spec).exists():
+            path = self.root / spec
+        else:
+            path = Path(spec)
+        paths.check_complete(path)
+        return path
+
+    def restore(self, state: TrainingState, *, restore_rng: bool = True) -> int | None:
+        """Load the checkpoint chosen by ``restore_from`` into `state`; return its step, or None.
+
+        None means there was nothing to resume from (``restore_from`` unset and no complete
+        checkpoint). Works across layouts: model and optimizer reshard; the per-rank RNG state
+        is restored only when the world size is unchanged.
+        """
+        if not self.config.enabled:
+            return None
+        path = self.resolve_restore_path()
+        if path is None:
+            return None
+        reader = dcp.FileSystemReader(str(path))
+        try:
+            saved_keys = set(reader.read_metadata().state_dict_metadata)
+        except Exception as err:  # noqa: BLE001 - any unreadable metadata is a corrupt checkpoint
+            raise CheckpointError(f"checkpoint {path} is corrupt: cannot read DCP metadata ({err})") from err
+        own_key = f"{EXTRA_PREFIX}{_rank()}"
+        info = paths.check_complete(path)
+        same_world = info.get("world_size") == _world() and own_key in saved_keys
+        extra_key = own_key if same_world else f"{EXTRA_PREFIX}0"
+        if extra_key not in saved_keys:
+            raise CheckpointError(f"checkpoint {path} is corrupt: it has no {extra_key!r} entry")
+        if not same_world and _rank() == 0:
+            log.info(
+                "checkpoint %s was saved by %s ranks, this run has %d: model and optimizer reshard; "
+                "step, schedulers and dataloader come from rank 0, RNG states are not restored",
+                path,
+                info.get("world_size"),
+                _world(),
+            )
+        with_optim = any(k.startswith(f"{OPTIM_KEY}.") for k in saved_keys)
+        if state.optimizers and not with_optim:
+            raise CheckpointError(f"checkpoint {path} holds no optimizer state but this run has optimizers")
+        loaded = build_load_state(state, extra_key=extra_key, with_optim=with_optim)
+        try:
+            dcp.load(loaded, storage_reader=reader)
+        except Exception as err:  # noqa: BLE001 - re-raised with the checkpoint named
+            raise CheckpointError(f"could not load checkpoint {path}: {type(err).__name__}: {err}") from err
+        apply_loaded_state(state, loaded, extra_key=extra_key, restore_rng=restore_rng and same_world)
+        self.last_saved_step = state.step
+        if _rank() == 0:
+            log.info("resumed from %s at step %d", path, state.step)
+        return state.step

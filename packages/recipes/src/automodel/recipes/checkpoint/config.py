@@ -1,0 +1,57 @@
+"""`CheckpointConfig`: the YAML ``checkpoint:`` section, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODEL_SAVE_FORMATS = ("safetensors", "torch_save")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and how training state is saved, and what a run resumes from.
+
+    ``checkpoint_dir`` None means ``<output_dir>/checkpoints``. ``restore_from`` None resumes
+    from the newest complete checkpoint in that directory if there is one (a fresh start
+    otherwise); ``"LATEST"`` follows the ``LATEST`` file and fails if there is none; any
+    other string is a step directory name (``step_5``) inside ``checkpoint_dir`` or a path.
+    """
+
+    enabled: bool = True
+    checkpoint_dir: str | None = None
+    save_consolidated: bool = True
+    model_save_format: str = "safetensors"
+    keep_last_n: int | None = None
+    restore_from: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"checkpoint.enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.save_consolidated, bool):
+            raise ValueError(
+                f"checkpoint.save_consolidated must be true or false, got {self.save_consolidated!r}"
+            )
+        if self.model_save_format not in MODEL_SAVE_FORMATS:
+            raise ValueError(
+                f"checkpoint.model_save_format must be one of {MODEL_SAVE_FORMATS}, got {self.model_save_format!r}"
+            )
+        if self.keep_last_n is not None and (
+            isinstance(self.keep_last_n, bool)
+            or not isinstance(self.keep_last_n, int)
+            or self.keep_last_n < 1
+        ):
+            raise ValueError(
+                f"checkpoint.keep_last_n must be None or an integer >= 1, got {self.keep_last_n!r}"
+            )
+        if self.checkpoint_dir is not None and (
+            not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir
+        ):
+            raise ValueError(
+                f"checkpoint.checkpoint_dir must be a non-empty path or None, got {self.checkpoint_dir!r}"
+            )
+        if self.restore_from is not None and (
+            not isinstance(self.restore_from, str) or not self.restore_from
+        ):
+            raise ValueError(
+                f"checkpoint.restore_from must be None, 'LATEST', a step directory or a path, got {self.restore_from!r}"
+            )

@@ -1,0 +1,112 @@
+"""Consolidated Hugging Face export: full tensors, HF file names, ``config.json``, tokenizer.
+
+Each parameter is gathered to full size by the ranks that hold it (a collective over its own
+mesh, so PP stages gather independently) and written by the lowest rank holding it; one file
+per writer, plus the HF index when there is more than one. Keys are the model's FQNs, which
+are HF's own names (MoE experts stay stacked as transformers keeps them), so
+``AutoModelForCausalLM.from_pretrained`` loads the directory with no code of ours.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+_FILE_NAMES = {
+    "safetensors": (
+        "model.safetensors",
+        "model-{i:05d}-of-{n:05d}.safetensors",
+        "model.safetensors.index.json",
+    ),
+    "torch_save": (
+        "pytorch_model.bin",
+        "pytorch_model-{i:05d}-of-{n:05d}.bin",
+        "pytorch_model.bin.index.json",
+    ),
+}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def save_consolidated(
+    *,
+    model_parts: list[nn.Module],
+    directory: Path,
+    model_save_format: str,
+    hf_config: Any = None,
+    tokenizer: Any = None,
+) -> list[str]:
+    """Write this rank's share of the consolidated checkpoint; collective over all ranks.
+
+    Returns the file names written by all ranks (the same list on every rank).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local: dict[str, Any] = {}
+    for part in model_parts:
+        local.update(get_model_state_dict(part))
+    sizes = {k: _nbytes(v) for k, v in local.items()}
+    gathered: list[Any] = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(gathered, sizes)
+    else:
+        gathered = [sizes]
+    writer_of: dict[str, int] = {}
+    total_size = 0
+    for r, rank_sizes in enumerate(gathered):
+        for key, nbytes in rank_sizes.items():
+            if key not in writer_of:
+                writer_of[key] = r
+                total_size += nbytes
+    writers = sorted(set(writer_of.values()))
+    single, pattern, index_name = _FILE_NAMES[model_save_format]
+    file_of_writer = {
+        w: single if len(writers) == 1 else pattern.format(i=i + 1, n=len(writers))
+        for i, w in enumerate(writers)
+    }
+
+    mine: dict[str, torch.Tensor] = {}
+    for key, value in local.items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if writer_of[key] == rank:
+            # Own storage per key: safetensors refuses shared (tied) tensors.
+            mine[key] = full.detach().to("cpu").contiguous().clone()
+        del full
+    if rank in file_of_writer:
+        _write(mine, directory / file_of_writer[rank], model_save_format)
+    del mine
+
+    if rank == 0:
+        if len(writers) > 1:
+            index = {
+                "metadata": {"total_size": total_size},
+                "weight_map": {k: file_of_writer[w] for k, w in sorted(writer_of.items())},
+            }
+            (directory / index_name).write_text(json.dumps(index, indent=2) + "\n")
+        config = hf_config if hf_config is not None else getattr(model_parts[0], "config", None)
+        if config is not None:
+            config.save_pretrained(str(directory))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(directory))
+    files = sorted(file_of_writer.values())
+    if len(writers) > 1:
+        files.append(index_name)
+    return files
+
+
+def _write(tensors: dict[str, torch.Tensor], path: Path, model_save_format: str) -> None:
+    if model_save_format == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    else:
+        torch.save(tensors, str(path))
