@@ -149,7 +149,9 @@ class Checkpointer:
                 "world_size": _world(),
                 "layout": self._layout_summary(),
                 "model_save_format": self.config.model_save_format,
-                "files": [f"{paths.CONSOLIDATED_DIR}/{f}" for f in files],
+                "consolidated_files": [f"{paths.CONSOLIDATED_DIR}/{f}" for f in files],
+                # Sizes of everything written, so a truncated file marks the checkpoint corrupt.
+                "files": paths.file_sizes(tmp),
                 "saved_at": time.time(),
             }
             info_tmp = tmp / f"{paths.INFO_FILE}.tmp"

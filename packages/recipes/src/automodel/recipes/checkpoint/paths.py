@@ -51,12 +51,21 @@ def check_complete(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is corrupt: {INFO_FILE} is unreadable ({err})") from err
     if not isinstance(info, dict) or not isinstance(info.get("step"), int):
         raise CheckpointError(f"checkpoint {path} is corrupt: {INFO_FILE} has no integer 'step'")
-    missing = [f for f in info.get("files", []) if not (path / f).is_file()]
-    if not (path / DCP_METADATA_FILE).is_file():
-        missing.insert(0, DCP_METADATA_FILE)
+    files = info.get("files")
+    if not isinstance(files, dict) or DCP_METADATA_FILE not in files:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {INFO_FILE} lists no files")
+    missing = sorted(f for f in files if not (path / f).is_file())
     if missing:
-        raise CheckpointError(f"checkpoint {path} is partial: missing {', '.join(sorted(set(missing)))}")
+        raise CheckpointError(f"checkpoint {path} is partial: missing {', '.join(missing)}")
+    wrong = sorted(f for f, size in files.items() if (path / f).stat().st_size != size)
+    if wrong:
+        raise CheckpointError(f"checkpoint {path} is corrupt: wrong size of {', '.join(wrong)}")
     return info
+
+
+def file_sizes(path: Path) -> dict[str, int]:
+    """Relative path -> size in bytes of every file under `path`."""
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
