@@ -1,0 +1,164 @@
+"""Strategy configs: `FSDP2Config` and `DDPConfig` (fields and defaults follow seed 02).
+
+Sizes (dp, tp, pp, cp, ep, dp_replicate) live in `automodel.mesh.ParallelismSizes`; these configs
+carry only the flags unique to each strategy. Values read from YAML (dtype names, policy dicts)
+are normalised here so the appliers only ever see torch objects.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from automodel.fsdp2.utils import import_class_from_path
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+_BACKENDS = ("nccl", "gloo", "cpu:gloo,cuda:nccl")
+
+
+def default_mp_policy() -> MixedPrecisionPolicy:
+    """bf16 parameters/compute, fp32 gradient reduction: the FSDP2Config default."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
+    )
+
+
+def to_dtype(value: Any, *, key: str) -> torch.dtype | None:
+    """`torch.bfloat16`, ``"bfloat16"`` or ``"torch.bfloat16"`` -> torch.dtype; None stays None."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        dtype = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    raise ValueError(f"{key} must be a torch dtype or its name (e.g. 'bfloat16'), got {value!r}")
+
+
+def _policy_kwargs(value: dict, *, key: str) -> tuple[Any, dict]:
+    value = dict(value)
+    target = value.pop("_target_", None)
+    cls = import_class_from_path(target) if isinstance(target, str) else target
+    return cls, value
+
+
+def _to_mp_policy(value: Any) -> MixedPrecisionPolicy:
+    if value is None:
+        return default_mp_policy()
+    if isinstance(value, MixedPrecisionPolicy):
+        return value
+    if isinstance(value, dict):
+        cls, kwargs = _policy_kwargs(value, key="mp_policy")
+        if cls not in (None, MixedPrecisionPolicy):
+            raise ValueError(
+                f"mp_policy._target_ must be torch.distributed.fsdp.MixedPrecisionPolicy, got {cls!r}"
+            )
+        for k in ("param_dtype", "reduce_dtype", "output_dtype"):
+            if k in kwargs:
+                kwargs[k] = to_dtype(kwargs[k], key=f"mp_policy.{k}")
+        try:
+            return MixedPrecisionPolicy(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"mp_policy: {e}") from e
+    raise ValueError(f"mp_policy must be a MixedPrecisionPolicy, a dict or None, got {value!r}")
+
+
+def _to_offload_policy(value: Any) -> OffloadPolicy | None:
+    if value is None or isinstance(value, OffloadPolicy):
+        return value
+    if value is True:
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if isinstance(value, dict):
+        cls, kwargs = _policy_kwargs(value, key="offload_policy")
+        cls = cls or CPUOffloadPolicy
+        if not (isinstance(cls, type) and issubclass(cls, OffloadPolicy)):
+            raise ValueError(f"offload_policy._target_ must name an OffloadPolicy class, got {cls!r}")
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"offload_policy: {e}") from e
+    raise ValueError(f"offload_policy must be a CPUOffloadPolicy, a dict, True or None, got {value!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_backend(value: Any) -> None:
+    if value not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {value!r}")
+
+
+@dataclass
+class FSDP2Config:
+    """Flags of the FSDP2 strategy (TP/SP plan, precision, offload, AC, compile, prefetch).
+
+    ``mp_policy=None`` resolves to bf16 params with fp32 reduction (`default_mp_policy`); pass
+    ``MixedPrecisionPolicy()`` for pure fp32 training.
+    """
+
+    sequence_parallel: bool = False
+    tp_plan: dict | str | None = None
+    patch_is_packed_sequence: bool = False
+    mp_policy: MixedPrecisionPolicy | None = None
+    offload_policy: CPUOffloadPolicy | None = None
+    autocast_dtype: torch.dtype | None = None
+    activation_checkpointing: bool = False
+    defer_fsdp_grad_sync: bool = True
+    backend: str = "nccl"
+    enable_async_tensor_parallel: bool = False
+    enable_compile: bool = False
+    enable_fsdp2_prefetch: bool = False
+    fsdp2_backward_prefetch_depth: int = 2
+    fsdp2_forward_prefetch_depth: int = 1
+
+    def __post_init__(self) -> None:
+        for name in (
+            "sequence_parallel",
+            "patch_is_packed_sequence",
+            "activation_checkpointing",
+            "defer_fsdp_grad_sync",
+            "enable_async_tensor_parallel",
+            "enable_compile",
+            "enable_fsdp2_prefetch",
+        ):
+            _check_bool(name, getattr(self, name))
+        if self.tp_plan is not None and not isinstance(self.tp_plan, dict | str):
+            raise ValueError(f"tp_plan must be a dict, an import path string or None, got {self.tp_plan!r}")
+        self.mp_policy = _to_mp_policy(self.mp_policy)
+        self.offload_policy = _to_offload_policy(self.offload_policy)
+        self.autocast_dtype = to_dtype(self.autocast_dtype, key="autocast_dtype")
+        _check_backend(self.backend)
+        for name in ("fsdp2_backward_prefetch_depth", "fsdp2_forward_prefetch_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.enable_async_tensor_parallel and not self.sequence_parallel:
+            warnings.warn(
+                "enable_async_tensor_parallel=True requires sequence_parallel; setting sequence_parallel=True",
+                UserWarning,
+                stacklevel=3,
+            )
+            self.sequence_parallel = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """Shallow dict of every field (policy objects are kept as objects)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class DDPConfig:
+    """Flags of the DDP strategy (pure data parallel: no TP, PP, CP or EP)."""
+
+    activation_checkpointing: bool = False
+    backend: str = "nccl"
+
+    def __post_init__(self) -> None:
+        _check_bool("activation_checkpointing", self.activation_checkpointing)
+        _check_backend(self.backend)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Shallow dict of every field."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

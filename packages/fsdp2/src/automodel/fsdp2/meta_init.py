@@ -1,0 +1,124 @@
+"""Meta-device path: build on ``meta``, shard, then materialize only this rank's shards.
+
+Every parameter is generated in full on CPU from a generator seeded by (seed, FQN) and this
+rank keeps its shard, so the values do not depend on the layout: the same call on the unsharded
+model in one process gives bit-identical parameters. Peak extra memory is one full parameter.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+#: ``init_fn(fqn, full_tensor, generator)`` fills `full_tensor` (CPU, full shape) in place.
+InitFn = Callable[[str, torch.Tensor, torch.Generator], None]
+
+_WRAPPER_ATOMS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module")
+
+
+def canonical_fqn(fqn: str) -> str:
+    """The FQN without wrapper atoms (checkpoint wrapper, compile, DDP), as in the bare model."""
+    return ".".join(a for a in fqn.split(".") if a not in _WRAPPER_ATOMS)
+
+
+def default_init_fn(std: float = 0.02) -> InitFn:
+    """HF-style init: matrices ~ N(0, std), biases 0, 1-D weights (norms) 1."""
+
+    def init(fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        if fqn.endswith("bias"):
+            tensor.zero_()
+        elif tensor.ndim == 1:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(mean=0.0, std=std, generator=generator)
+
+    return init
+
+
+def _seed_for(seed: int, fqn: str) -> int:
+    return zlib.crc32(f"{seed}:{fqn}".encode())
+
+
+def _meta_buffers(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [
+        (module, name)
+        for module in model.modules()
+        for name, buf in module.named_buffers(recurse=False)
+        if buf is not None and buf.is_meta
+    ]
+
+
+def _rebuild_buffers(module: nn.Module, names: list[str], device: torch.device) -> None:
+    """Recompute buffers lost on meta (e.g. rotary ``inv_freq``) by re-creating the module on CPU."""
+    config = getattr(module, "config", None)
+    fresh = None
+    if config is not None:
+        with torch.device("cpu"):
+            for call in (lambda: type(module)(config=config), lambda: type(module)(config)):
+                try:
+                    fresh = call()
+                    break
+                except TypeError:
+                    continue
+    if fresh is None:
+        raise ValueError(
+            f"cannot recompute buffers {names} of {type(module).__name__} after meta init; "
+            "build that module off the meta device or pass buffer values yourself"
+        )
+    fresh_buffers = dict(fresh.named_buffers(recurse=False))
+    for name in names:
+        module._buffers[name] = fresh_buffers[name].to(device)
+
+
+@torch.no_grad()
+def materialize_meta_model(
+    model: nn.Module,
+    *,
+    device: torch.device | str,
+    seed: int = 0,
+    init_fn: InitFn | None = None,
+) -> nn.Module:
+    """Allocate (``to_empty``) and initialize `model`'s parameters and lost buffers on `device`.
+
+    Run after TP/FSDP2 sharding: each rank allocates only its shards. Works unchanged on an
+    unsharded or already-materialized model (the values are the same). `init_fn` defaults to
+    `default_init_fn` with the config's ``initializer_range``.
+    """
+    device = torch.device(device)
+    if init_fn is None:
+        config = getattr(model, "config", None)
+        init_fn = default_init_fn(float(getattr(config, "initializer_range", 0.02) or 0.02))
+    lost = _meta_buffers(model)
+    if any(t.is_meta for t in model.parameters()) or lost:
+        model.to_empty(device=device)
+    for fqn, param in model.named_parameters():
+        name = canonical_fqn(fqn)
+        full = torch.empty(param.shape, dtype=param.dtype, device="cpu")
+        init_fn(name, full, torch.Generator().manual_seed(_seed_for(seed, name)))
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            replicated = DTensor.from_local(full.to(device), mesh, [Replicate()] * mesh.ndim, run_check=False)
+            local = replicated.redistribute(mesh, param.placements).to_local()
+            target = param.to_local()
+            assert target.shape == local.shape, (fqn, target.shape, local.shape)
+            target.copy_(local)
+        else:
+            param.copy_(full)
+    by_module: dict[int, tuple[nn.Module, list[str]]] = {}
+    for module, name in lost:
+        by_module.setdefault(id(module), (module, []))[1].append(name)
+    for module, names in by_module.values():
+        _rebuild_buffers(module, names, device)
+    return model
+
+
+def local_numel_fraction(model: nn.Module) -> float:
+    """This rank's share of the parameter elements (1.0 unsharded), e.g. to check FSDP memory."""
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    full = sum(math.prod(p.shape) for p in model.parameters())
+    return local / full

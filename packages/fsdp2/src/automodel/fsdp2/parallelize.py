@@ -1,0 +1,119 @@
+"""`fsdp2_strategy_parallelize` and `FSDP2Manager`: the appliers composed in the fixed order.
+
+Order: TP/SP -> activation checkpointing -> per-layer compile -> FSDP2 (layers, then root) ->
+prefetch chains -> autocast. (CP hooks and EP go between TP and AC; the recipes call the
+appliers one by one in that case.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from automodel.fsdp2.activation_checkpointing import apply_activation_checkpointing
+from automodel.fsdp2.autocast import apply_autocast
+from automodel.fsdp2.compile import apply_compile
+from automodel.fsdp2.config import FSDP2Config
+from automodel.fsdp2.fsdp import apply_fsdp2_sharding_recursively
+from automodel.fsdp2.grad_sync import grad_sync_context
+from automodel.fsdp2.packed_sequence import patch_is_packed_sequence
+from automodel.fsdp2.prefetch import apply_fsdp2_prefetch
+from automodel.fsdp2.tensor_parallel import apply_tp, enable_async_tp
+from automodel.mesh import MeshContext
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+
+def fsdp2_strategy_parallelize(
+    model: nn.Module,
+    *,
+    mesh: MeshContext,
+    config: FSDP2Config | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    sequence_parallel: bool | None = None,
+    activation_checkpointing: bool | None = None,
+    tp_plan: Mapping[str, Any] | str | None = None,
+    gradient_divide_factor: float | None = None,
+    pp_enabled: bool | None = None,
+    compile_backend: str = "inductor",
+) -> nn.Module:
+    """Apply TP/SP, AC, compile and FSDP2 to `model` in place and return it.
+
+    Flags come from `config` (default `FSDP2Config()`); an explicit keyword overrides its field.
+    ``mp_policy`` falls back to ``config.mp_policy`` (bf16 params / fp32 reduce by default).
+    The model may live on the meta device; call `materialize_meta_model` afterwards.
+    """
+    config = config or FSDP2Config()
+    sequence_parallel = config.sequence_parallel if sequence_parallel is None else sequence_parallel
+    activation_checkpointing = (
+        config.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    )
+    tp_plan = config.tp_plan if tp_plan is None else tp_plan
+    mp_policy = config.mp_policy if mp_policy is None else mp_policy
+    offload_policy = config.offload_policy if offload_policy is None else offload_policy
+    pp_enabled = mesh.pp_enabled if pp_enabled is None else pp_enabled
+
+    if config.patch_is_packed_sequence:
+        patch_is_packed_sequence()
+    tp_mesh = mesh.get_optional_mesh("tp")
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh=tp_mesh, tp_plan=tp_plan, sequence_parallel=sequence_parallel)
+        if config.enable_async_tensor_parallel:
+            enable_async_tp(tp_mesh)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if config.enable_compile:
+        apply_compile(model, backend=compile_backend)
+    apply_fsdp2_sharding_recursively(
+        model,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        pp_enabled=pp_enabled,
+        gradient_divide_factor=gradient_divide_factor,
+    )
+    if config.enable_fsdp2_prefetch:
+        apply_fsdp2_prefetch(
+            model,
+            forward_depth=config.fsdp2_forward_prefetch_depth,
+            backward_depth=config.fsdp2_backward_prefetch_depth,
+        )
+    if config.autocast_dtype is not None:
+        apply_autocast(model, dtype=config.autocast_dtype, device_type=mesh.device_type)
+    return model
+
+
+class FSDP2Manager:
+    """Applies an `FSDP2Config` on a `MeshContext`: ``FSDP2Manager(config, mesh).parallelize(model)``."""
+
+    def __init__(
+        self,
+        config: FSDP2Config,
+        mesh: MeshContext,
+        *,
+        gradient_divide_factor: float | None = None,
+        compile_backend: str = "inductor",
+    ) -> None:
+        if not isinstance(config, FSDP2Config):
+            raise ValueError(f"config must be an FSDP2Config, got {type(config).__name__}")
+        self.config = config
+        self.mesh = mesh
+        self.gradient_divide_factor = gradient_divide_factor
+        self.compile_backend = compile_backend
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """`fsdp2_strategy_parallelize` with this manager's config and mesh."""
+        return fsdp2_strategy_parallelize(
+            model,
+            mesh=self.mesh,
+            config=self.config,
+            gradient_divide_factor=self.gradient_divide_factor,
+            compile_backend=self.compile_backend,
+        )
+
+    def grad_sync_context(self, model: nn.Module, *, is_last_microbatch: bool):
+        """`grad_sync_context` honouring ``config.defer_fsdp_grad_sync``."""
+        return grad_sync_context(
+            model, is_last_microbatch=is_last_microbatch, enabled=self.config.defer_fsdp_grad_sync
+        )

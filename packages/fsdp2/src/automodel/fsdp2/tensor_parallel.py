@@ -1,0 +1,71 @@
+"""`apply_tp`: tensor (and sequence) parallelism on a model, from a resolved plan."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from automodel.fsdp2.tp_plan import (
+    check_plan_matches_model,
+    plan_has_sequence_parallel,
+    resolve_tp_plan,
+    validate_tp_mesh,
+)
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+
+def _add_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Sequence-sharded embeddings hide the sequence length from HF: pass positions explicitly."""
+    if kwargs.get("position_ids") is not None:
+        return args, kwargs
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            return args, kwargs
+        seq_len, device = embeds.shape[1], embeds.device
+    else:
+        seq_len, device = ids.shape[1], ids.device
+    kwargs = dict(kwargs)
+    kwargs["position_ids"] = torch.arange(seq_len, device=device).unsqueeze(0)
+    return args, kwargs
+
+
+def apply_tp(
+    model: nn.Module,
+    *,
+    tp_mesh: DeviceMesh,
+    tp_plan: Mapping[str, Any] | str | None = None,
+    sequence_parallel: bool = False,
+) -> dict[str, ParallelStyle]:
+    """Shard `model` over `tp_mesh` in place; returns the plan that was applied.
+
+    The plan is resolved by `resolve_tp_plan` (explicit -> HF -> Llama default). Heads must divide
+    the TP size and every plan key must name a module, else ValueError. When the plan shards the
+    sequence, a pre-hook fills ``position_ids`` if the caller gave none.
+    """
+    validate_tp_mesh(model, tp_mesh)
+    plan = resolve_tp_plan(model, tp_plan=tp_plan, sequence_parallel=sequence_parallel)
+    check_plan_matches_model(model, plan)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*could not be resolved.*")
+        parallelize_module(model, tp_mesh, plan)
+    if plan_has_sequence_parallel(plan):
+        model.register_forward_pre_hook(_add_position_ids, with_kwargs=True)
+    return plan
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Async TP (inductor micro-pipelining + symmetric memory); CUDA and torch.compile only."""
+    if tp_mesh.device_type != "cuda":
+        raise ValueError(
+            f"enable_async_tensor_parallel needs a CUDA mesh, got device_type={tp_mesh.device_type!r}"
+        )
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -1,0 +1,297 @@
+"""Tensor-parallel plan resolution: HF plan strings -> torch ``ParallelStyle`` objects.
+
+Resolution order (`resolve_tp_plan`): an explicit plan (dict, or import path of a dict or of a
+function returning one) -> the model's own Hugging Face plan (`get_hf_tp_shard_plan`) -> a
+Llama-style default built from the module names the model actually has. With sequence parallel
+and no explicit plan the Llama-style SP plan is used (HF plans carry no SP entries).
+
+Reused by the megatron-fsdp adapter; depends on torch only (transformers is never imported).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from automodel.fsdp2.utils import import_class_from_path
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+logger = logging.getLogger(__name__)
+
+TPPlan = dict[str, ParallelStyle]
+
+#: HF styles with a DTensor equivalent, and what they become.
+_STYLE_FACTORIES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "local_colwise": ColwiseParallel,
+    "local_rowwise": RowwiseParallel,
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "sequence_parallel": SequenceParallel,
+    # A replicated module fed head-sharded activations (e.g. Qwen3 q_norm/k_norm after a colwise
+    # q_proj): its weight grad is a partial sum over TP ranks, which DTensor all-reduces.
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=-2, use_local_output=True),
+}
+#: HF styles we know but do not translate: expert/packed/EP styles belong to automodel.moe.
+_UNSUPPORTED_STYLES = {
+    "packed_colwise": "packed (fused) projections need a strided shard; give an explicit plan",
+    "packed_rowwise": "packed (fused) projections need a strided shard; give an explicit plan",
+    "local_packed_rowwise": "packed (fused) projections need a strided shard; give an explicit plan",
+    "moe_tp_experts": "MoE experts are parallelized by automodel.moe (EP)",
+    "moe_identity_expert": "MoE experts are parallelized by automodel.moe (EP)",
+    "grouped_gemm": "an expert-parallel (EP) style; use automodel.moe",
+    "ep_dispatch_experts": "an expert-parallel (EP) style; use automodel.moe",
+    "mla_kv_a_proj": "MLA latent projections have no DTensor plan here; give an explicit plan",
+    "all_reduce": "a module-output all-reduce of HF's own TP engine",
+    "local_params": "HF's manual local-parameter mode",
+    "local": "HF's manual local-tensor mode",
+    "replicate": "HF's replicate marker (nothing to shard)",
+}
+#: Styles that `get_hf_tp_shard_plan` leaves out (the module stays replicated: correct, not sharded).
+_SKIPPED_IN_HF_PLAN = set(_UNSUPPORTED_STYLES)
+
+
+def translate_to_torch_parallel_style(style: str) -> ParallelStyle:
+    """Translate one HF plan string (``"colwise"``, ``"embedding_rowwise"``, ...) to a torch style."""
+    if not isinstance(style, str):
+        raise ValueError(f"tensor-parallel style must be a string, got {style!r}")
+    factory = _STYLE_FACTORIES.get(style)
+    if factory is not None:
+        return factory()
+    if style in _UNSUPPORTED_STYLES:
+        raise ValueError(
+            f"tensor-parallel style {style!r} is not supported by automodel.fsdp2: {_UNSUPPORTED_STYLES[style]}"
+        )
+    raise ValueError(
+        f"unknown tensor-parallel style {style!r}; known styles: {', '.join(sorted(_STYLE_FACTORIES))}"
+    )
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    return getattr(config, "text_config", None) or config
+
+
+def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
+    """The model's own Hugging Face TP plan, translated to torch styles.
+
+    Merges the class ``_tp_plan``, the inner base model's plan and ``config.base_model_tp_plan``
+    (prefixed with ``base_model_prefix``), then the instance ``_tp_plan`` (transformers 5 fills it
+    with the prefixed base plan and ``embedding_rowwise`` for untied embeddings). Expert/EP and
+    packed styles are left out (those modules stay replicated). Raises ValueError if no plan exists.
+    """
+    raw: dict[str, str] = {}
+    raw.update(getattr(type(model), "_tp_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    inner = getattr(model, prefix, None) if prefix else None
+    config = _text_config(model)
+    base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if isinstance(inner, nn.Module):
+        base_plan.update(getattr(inner, "_tp_plan", None) or {})
+        raw.update({f"{prefix}.{k}": v for k, v in base_plan.items()})
+    else:
+        raw.update(base_plan)
+    instance_plan = model.__dict__.get("_tp_plan") or {}
+    raw.update(instance_plan)
+    if getattr(config, "tie_word_embeddings", False):
+        # Sharding the shared weight twice (rowwise embedding, colwise head) would untie it.
+        raw = {k: v for k, v in raw.items() if v != "embedding_rowwise"}
+    if not raw:
+        raise ValueError(
+            f"{type(model).__name__} has no Hugging Face tensor-parallel plan (_tp_plan / base_model_tp_plan)"
+        )
+    plan: TPPlan = {}
+    for key, style in raw.items():
+        if style in _SKIPPED_IN_HF_PLAN:
+            logger.info("TP plan: leaving %s (%s) replicated", key, style)
+            continue
+        if _resolves_to_parameter(model, key):
+            logger.info("TP plan: %s names a parameter, not a module; left replicated", key)
+            continue
+        plan[key] = translate_to_torch_parallel_style(style)
+    return plan
+
+
+def _resolves_to_parameter(model: nn.Module, key: str) -> bool:
+    names = [n for n, _ in model.named_parameters()]
+    return any(_fqn_matches(key, n) for n in names) and not any(
+        _fqn_matches(key, n) for n, _ in model.named_modules()
+    )
+
+
+def _fqn_matches(pattern: str, fqn: str) -> bool:
+    """parallelize_module's matching rule: same number of atoms, fnmatch atom by atom."""
+    pat, name = pattern.split("."), fqn.split(".")
+    return len(pat) == len(name) and all(fnmatch.fnmatch(n, p) for p, n in zip(pat, name))
+
+
+def check_plan_matches_model(model: nn.Module, plan: Mapping[str, Any]) -> None:
+    """Raise ValueError for plan keys that match no submodule (torch would only warn)."""
+    fqns = [n for n, _ in model.named_modules() if n]
+    missing = [k for k in plan if not any(_fqn_matches(k, n) for n in fqns)]
+    if missing:
+        raise ValueError(
+            f"tp_plan keys {missing} match no submodule of {type(model).__name__} "
+            f"(module names look like {fqns[:4]}...)"
+        )
+
+
+def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh | int) -> None:
+    """Attention heads and KV heads must be divisible by the TP size (each rank owns whole heads)."""
+    tp = tp_mesh if isinstance(tp_mesh, int) else tp_mesh.size()
+    if tp == 1:
+        return
+    config = _text_config(model)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(config, key, None)
+        if value is not None and value % tp != 0:
+            raise ValueError(
+                f"{key}={value} is not divisible by tp_size={tp}; pick a tp_size that divides it"
+            )
+
+
+def _layers_prefix(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """FQN and first element of the decoder-layer ModuleList (``model.layers`` for HF LMs)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and name.endswith("layers"):
+            return name, module[0]
+    return None
+
+
+def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TPPlan:
+    """The Llama-style plan (Llama, Qwen2/3, Mistral and look-alikes), built from the names present.
+
+    Attention q/k/v and MLP gate/up are colwise, o/down rowwise, the embedding rowwise, the LM head
+    colwise with gathered logits. With ``sequence_parallel`` the norms and the residual stream are
+    sharded along the sequence (dim 1) between the TP regions.
+    """
+    found = _layers_prefix(model)
+    if found is None:
+        raise ValueError(
+            f"{type(model).__name__} has no decoder-layer ModuleList named '*layers'; give an explicit tp_plan"
+        )
+    layers, layer = found
+    names = {n for n, _ in layer.named_modules()}
+    required = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
+    if not required <= names:
+        raise ValueError(f"{type(layer).__name__} lacks {sorted(required - names)}; give an explicit tp_plan")
+    root = {n for n, _ in model.named_modules()}
+    base = layers.rpartition(".")[0]
+    embed = f"{base}.embed_tokens" if base else "embed_tokens"
+    norm = f"{base}.norm" if base else "norm"
+    tied = bool(getattr(_text_config(model), "tie_word_embeddings", False))
+    seq = Shard(1)
+    plan: TPPlan = {}
+    if embed in root and not tied:
+        plan[embed] = (
+            RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False)
+            if sequence_parallel
+            else RowwiseParallel(input_layouts=Replicate())
+        )
+    if sequence_parallel and norm in root:
+        plan[norm] = SequenceParallel()
+    if "lm_head" in root and not tied:
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate()
+        )
+    row_out = {"output_layouts": seq, "use_local_output": False} if sequence_parallel else {}
+    lp = f"{layers}.*."
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        plan[f"{lp}self_attn.{proj}"] = ColwiseParallel()
+    plan[f"{lp}self_attn.o_proj"] = RowwiseParallel(**row_out)
+    for qk_norm in ("q_norm", "k_norm"):
+        if f"self_attn.{qk_norm}" in names:
+            plan[f"{lp}self_attn.{qk_norm}"] = translate_to_torch_parallel_style(
+                "replicated_with_grad_allreduce"
+            )
+    has_mlp = {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"} <= names
+    if has_mlp:
+        plan[f"{lp}mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{lp}mlp.up_proj"] = ColwiseParallel()
+        plan[f"{lp}mlp.down_proj"] = RowwiseParallel(**row_out)
+    if sequence_parallel:
+        if not has_mlp:
+            raise ValueError(
+                f"{type(layer).__name__} has no dense mlp.gate/up/down_proj; sequence parallel needs an explicit tp_plan"
+            )
+        for ln in ("input_layernorm", "post_attention_layernorm"):
+            if ln in names:
+                plan[f"{lp}{ln}"] = SequenceParallel()
+        plan[f"{lp}self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        )
+        plan[f"{lp}mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+    return plan
+
+
+def _explicit_plan(tp_plan: Mapping[str, Any] | str) -> TPPlan:
+    if isinstance(tp_plan, str):
+        obj = import_class_from_path(tp_plan)
+        if callable(obj) and not isinstance(obj, Mapping):
+            obj = obj()
+        if not isinstance(obj, Mapping):
+            raise ValueError(
+                f"tp_plan {tp_plan!r} must name a dict or a function returning one, got {type(obj).__name__}"
+            )
+        tp_plan = obj
+    if not isinstance(tp_plan, Mapping) or not tp_plan:
+        raise ValueError(f"tp_plan must be a non-empty dict of module name -> style, got {tp_plan!r}")
+    plan: TPPlan = {}
+    for key, style in tp_plan.items():
+        if isinstance(style, str):
+            style = translate_to_torch_parallel_style(style)
+        if not isinstance(style, ParallelStyle):
+            raise ValueError(f"tp_plan[{key!r}] must be a ParallelStyle or a style string, got {style!r}")
+        plan[key] = style
+    return plan
+
+
+def resolve_tp_plan(
+    model: nn.Module, *, tp_plan: Mapping[str, Any] | str | None = None, sequence_parallel: bool = False
+) -> TPPlan:
+    """The TP plan to apply: explicit -> the model's HF plan -> Llama-style default (see module doc)."""
+    if tp_plan is not None:
+        return _explicit_plan(tp_plan)
+    if sequence_parallel:
+        return default_llama_tp_plan(model, sequence_parallel=True)
+    try:
+        plan = get_hf_tp_shard_plan(model)
+    except ValueError:
+        plan = {}
+    if plan:
+        return plan
+    return default_llama_tp_plan(model, sequence_parallel=False)
+
+
+def plan_has_sequence_parallel(plan: Mapping[str, ParallelStyle]) -> bool:
+    """True when some style shards activations along the sequence (then position ids must be explicit)."""
+    return any(type(s) is SequenceParallel and s.sequence_sharding[0] == Shard(1) for s in plan.values())
+
+
+__all__ = [
+    "TPPlan",
+    "check_plan_matches_model",
+    "default_llama_tp_plan",
+    "get_hf_tp_shard_plan",
+    "plan_has_sequence_parallel",
+    "resolve_tp_plan",
+    "translate_to_torch_parallel_style",
+    "validate_tp_mesh",
+]
