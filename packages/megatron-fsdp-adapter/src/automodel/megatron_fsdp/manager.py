@@ -1,0 +1,63 @@
+"""`MegatronFSDPManager`: strategy megatron_fsdp = TP -> MLP activation checkpointing -> megatron-fsdp."""
+
+from __future__ import annotations
+
+import torch
+from automodel.megatron_fsdp.checkpointing import apply_mlp_checkpointing
+from automodel.megatron_fsdp.config import MegatronFSDPConfig
+from automodel.megatron_fsdp.fully_shard import apply_megatron_fsdp
+from automodel.megatron_fsdp.layout import MegatronFSDPAxes, check_layout, megatron_fsdp_axes
+from automodel.megatron_fsdp.tensor_parallel import apply_tp
+from automodel.megatron_fsdp.units import resolve_unit_modules
+from automodel.mesh import MeshContext
+from torch import nn
+
+
+class MegatronFSDPManager:
+    """Applies `config` to models on the layout `mesh`; checks the layout when constructed.
+
+    The order is fixed: TP over ``tp`` (DTensor plan: ``config`` ``tp_plan``, else the model's HF
+    plan, else the Llama default), then checkpointing of each unit's MLP, then megatron-fsdp over
+    ``dp`` (``dp_cp`` when cp > 1). With no data parallelism only TP (and AC) are applied, which
+    also runs on CPU.
+    """
+
+    def __init__(self, config: MegatronFSDPConfig, mesh: MeshContext) -> None:
+        if not isinstance(config, MegatronFSDPConfig):
+            raise ValueError(f"config must be a MegatronFSDPConfig, got {type(config).__name__}")
+        check_layout(mesh)
+        self.config = config
+        self.mesh = mesh
+
+    @property
+    def axes(self) -> MegatronFSDPAxes:
+        """The mesh axes megatron-fsdp shards over (and their group size)."""
+        return megatron_fsdp_axes(self.mesh)
+
+    def parallelize(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        gradient_divide_factor: float | None = None,
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Parallelize `model` (and re-target `optimizer`); returns ``(model, optimizer)``.
+
+        `gradient_divide_factor`: None averages over the dp group, 1.0 sums (see
+        `build_fully_shard_call`). With dp > 1 the model comes back as a ``MegatronFSDP`` wrapper.
+        """
+        units = resolve_unit_modules(model, self.config.megatron_fsdp_unit_modules)
+        if self.mesh.layout.tp_enabled:
+            apply_tp(model, tp_mesh=self.mesh.get_mesh("tp"), tp_plan=self.config.custom_tp_plan)
+        if self.config.activation_checkpointing:
+            apply_mlp_checkpointing(model, unit_modules=units)
+        if not self.axes.shards:
+            return model, optimizer
+        return apply_megatron_fsdp(
+            model,
+            mesh=self.mesh,
+            config=self.config,
+            unit_modules=units,
+            optimizer=optimizer,
+            gradient_divide_factor=gradient_divide_factor,
+        )
