@@ -1,0 +1,139 @@
+"""The `recipes` console script: ``train``, ``validate`` and ``plot``.
+
+Config mistakes exit with code 2 and one line ``error: <key>=<value>: <why>``, with no traceback,
+no process left behind and nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+
+from automodel.recipes.errors import ConfigError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="recipes", description="Train Hugging Face LMs with composable parallelism."
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train from a YAML config (any --section.key=value overrides it)")
+    t.add_argument("config")
+    t.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, dest="nproc_per_node")
+    t.add_argument("--nnodes", default="1")
+    t.add_argument("--node-rank", "--node_rank", type=int, default=None, dest="node_rank")
+    t.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, dest="rdzv_endpoint")
+    t.add_argument("--rdzv-id", "--rdzv_id", default=None, dest="rdzv_id")
+    t.add_argument("--max-restarts", "--max_restarts", type=int, default=0, dest="max_restarts")
+    v = sub.add_parser("validate", help="resolve config and layout for --world-size ranks; no training")
+    v.add_argument("config")
+    v.add_argument("--world-size", "--world_size", type=int, default=None, dest="world_size")
+    pl = sub.add_parser("plot", help="write <OUTPUT_DIR>/loss.png from metrics.jsonl")
+    pl.add_argument("output_dir")
+    pl.add_argument("--out", default=None)
+    return p
+
+
+def _split_overrides(extra: list[str]) -> list[str]:
+    for arg in extra:
+        if (
+            not arg.startswith("--")
+            or "=" not in arg
+            or "." not in arg.split("=", 1)[0]
+            and not arg.startswith("--output_dir=")
+        ):
+            raise ConfigError(arg, None, "unrecognized argument; overrides look like --section.key=value")
+    return extra
+
+
+def load_and_parse(config: str, overrides: list[str]):
+    """Config file + overrides -> validated `RecipeConfig` (the path shared by train and validate)."""
+    from automodel.recipes.loader import load_config
+    from automodel.recipes.recipe_config import parse_recipe_config
+
+    return parse_recipe_config(load_config(config, overrides))
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from automodel.recipes.launch import LaunchOptions, already_launched, launch_torchrun
+
+    opts = LaunchOptions(
+        nproc_per_node=args.nproc_per_node,
+        nnodes=str(args.nnodes),
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+    )
+    if opts.nproc_per_node < 1:
+        raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
+    cfg = load_and_parse(args.config, overrides)
+    if opts.multi_process and not already_launched():
+        from automodel.recipes.plan import plan_layout
+
+        nnodes = int(opts.nnodes.split(":")[-1])
+        plan_layout(cfg, world_size=opts.nproc_per_node * nnodes)  # every rule, before any process starts
+        return launch_torchrun(opts, [args.config, *overrides])
+    if not already_launched():
+        from automodel.recipes.plan import plan_layout
+
+        plan_layout(cfg, world_size=1)
+    from automodel.mesh import destroy_distributed
+    from automodel.recipes.train import run_training
+
+    try:
+        result = run_training(cfg)
+    finally:
+        destroy_distributed()
+    print(f"trained {result.steps} steps; metrics in {result.output_dir}/metrics.jsonl", file=sys.stderr)
+    return 0
+
+
+def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from automodel.recipes.plan import plan_layout
+
+    cfg = load_and_parse(args.config, overrides)
+    world = args.world_size if args.world_size is not None else 1
+    if isinstance(world, int) and world < 1:
+        raise ConfigError("--world-size", world, "must be >= 1")
+    _, _, lines = plan_layout(cfg, world_size=world)
+    print("\n".join(lines))
+    return 0
+
+
+def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
+    from automodel.recipes.plot import plot_losses
+
+    if overrides:
+        raise ConfigError(overrides[0], None, "plot takes no overrides")
+    print(plot_losses(args.output_dir, out_file=args.out))
+    return 0
+
+
+def run_cli(argv: Sequence[str]) -> int:
+    """Parse and run one command; returns the exit code (2 for config errors, one line on stderr)."""
+    parser = _parser()
+    try:
+        args, extra = parser.parse_known_args(list(argv))
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        overrides = _split_overrides(extra)
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            return {"train": _train, "validate": _validate, "plot": _plot}[args.command](args, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    sys.exit(run_cli(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Datasets from the config: documents -> tokens -> packed rows -> per-step micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from automodel.recipes.data.corpus import embedded_documents
+from automodel.recipes.data.packing import PackedDataset, pack_documents
+from automodel.recipes.data.sampler import StatefulGlobalBatchSampler
+from automodel.recipes.errors import ConfigError
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+
+
+def _local_documents(section: Any) -> list[str]:
+    import datasets
+
+    key = section.SECTION
+    paths = section.path if isinstance(section.path, list) else [section.path]
+    for p in paths:
+        if not Path(p).exists():
+            raise ConfigError(f"{key}.path", p, "does not exist (only local files are read)")
+    builder = {"json": "json", "text": "text", "parquet": "parquet"}[section.source]
+    try:
+        ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
+    except Exception as e:  # noqa: BLE001 - a file datasets cannot read is a config problem
+        raise ConfigError(
+            f"{key}.path", section.path, f"cannot be read as {builder} ({type(e).__name__})"
+        ) from None
+    text_key = "text" if builder == "text" else section.text_key
+    if text_key not in ds.column_names:
+        raise ConfigError(
+            f"{key}.text_key", text_key, f"is not a column; columns: {', '.join(ds.column_names)}"
+        )
+    docs, total = [], 0
+    for text in ds[text_key]:
+        if isinstance(text, str) and text:
+            docs.append(text)
+            total += len(text)
+            if total >= section.max_bytes:
+                break
+    return docs
+
+
+def build_packed_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int) -> PackedDataset:
+    """Read the section's documents, tokenize, and pack into rows (document-aware when packed)."""
+    if section.source == "embedded":
+        docs = embedded_documents(split=section.split, max_bytes=section.max_bytes)
+    else:
+        docs = _local_documents(section)
+    tokens = pack_documents((tokenizer.encode(d) for d in docs), eos_token_id=tokenizer.eos_token_id)
+    seq = packed_sequence_size if packed_sequence_size > 0 else section.seq_length
+    ds = PackedDataset(
+        tokens,
+        seq_length=seq,
+        eos_token_id=tokenizer.eos_token_id,
+        document_boundaries=packed_sequence_size > 0,
+    )
+    if section.max_rows is not None and len(ds) > section.max_rows:
+        ds.rows = ds.rows[: section.max_rows]
+    return ds
+
+
+class BatchLoader:
+    """Stateful per-step loader: `next_step()` -> this rank's micro-batches; checkpointable."""
+
+    def __init__(self, dataset: PackedDataset, sampler: StatefulGlobalBatchSampler) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+
+    def next_step(self) -> list[Batch]:
+        return [Batch(*self.dataset.batch(ix)) for ix in self.sampler.next_step()]
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)

@@ -1,0 +1,58 @@
+"""Byte-level tokenizer (vocab 256, EOS = byte 0) and local Hugging Face tokenizers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from automodel.recipes.errors import ConfigError
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: needs no vocabulary file; byte 0 (absent from text) is EOS."""
+
+    vocab_size = 256
+    eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [b for b in text.encode("utf-8") if b != 0]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Nothing to save: the byte tokenizer is fully described by its class."""
+
+
+class HFTokenizer:
+    """A local `transformers` tokenizer directory behind the same two-method interface."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        if not Path(path).is_dir():
+            raise ConfigError("tokenizer.path", path, "is not a local directory")
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure to load is a config problem
+            raise ConfigError(
+                "tokenizer.path", path, f"cannot be loaded as a HF tokenizer ({type(e).__name__})"
+            ) from None
+        eos = self._tok.eos_token_id
+        if eos is None:
+            raise ConfigError("tokenizer.path", path, "the tokenizer has no eos_token_id")
+        self.eos_token_id = int(eos)
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    def save_pretrained(self, directory: str | Path) -> Any:
+        return self._tok.save_pretrained(str(directory))
+
+
+def build_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
+    return ByteTokenizer() if path is None else HFTokenizer(path)

@@ -1,0 +1,63 @@
+"""`<output_dir>/metrics.jsonl` (one JSON object per optimizer step, rank 0) and optional TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Keys every metrics.jsonl record carries (DESIGN §3).
+REQUIRED_KEYS = (
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "num_tokens",
+    "tokens_per_s",
+    "step_time_s",
+    "peak_mem_bytes",
+)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory allocated, or the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsWriter:
+    """Appends records to metrics.jsonl and mirrors scalars to TensorBoard when asked; no-op off rank 0."""
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, int | float):
+                    self._tb.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, record["step"])
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

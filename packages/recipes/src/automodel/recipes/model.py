@@ -1,0 +1,65 @@
+"""Build the Hugging Face model config and an unmaterialized (meta-device) model from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.instantiate import resolve_dtype
+from torch import nn
+
+
+def build_hf_config(section: Any) -> Any:
+    """A transformers config from ``model.config`` (with ``model_type``) or ``model.pretrained_path``."""
+    from transformers import AutoConfig
+
+    if section.config is not None:
+        kwargs = dict(section.config)
+        model_type = kwargs.pop("model_type")
+        try:
+            cfg = AutoConfig.for_model(model_type, **kwargs)
+        except ValueError as e:
+            raise ConfigError(
+                "model.config.model_type", model_type, f"is not a transformers model type ({e})"
+            ) from None
+        except TypeError as e:
+            raise ConfigError(
+                "model.config", kwargs, f"is not accepted by the {model_type} config ({e})"
+            ) from None
+    else:
+        path = Path(section.pretrained_path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                "model.pretrained_path", str(path), "is not a local HF model directory (no config.json)"
+            )
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
+        value = getattr(cfg, key, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"model.config.{key}", value, "must be an int >= 1")
+    cfg._attn_implementation = section.attn_implementation
+    return cfg
+
+
+def build_meta_model(hf_config: Any, *, dtype: str = "float32") -> nn.Module:
+    """The causal-LM for `hf_config` with every parameter and buffer on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config)
+        except ValueError as e:
+            raise ConfigError(
+                "model.config.model_type", hf_config.model_type, f"has no causal-LM class ({e})"
+            ) from None
+    return model.to(resolve_dtype("model.dtype", dtype))
+
+
+def num_experts(hf_config: Any) -> int | None:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

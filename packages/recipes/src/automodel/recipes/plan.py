@@ -1,0 +1,121 @@
+"""`recipes validate`: resolve the config and the whole layout for W ranks without training.
+
+The meshes are built in one process through torch's fake process-group backend, every rule is
+checked, and the per-rank memory of parameters, gradients and optimizer state is estimated from
+the meta-device model (fp32 master weights and gradients, two fp32 Adam moments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from automodel.mesh import MeshContext, ResolvedLayout, fake_world
+from automodel.recipes._dist_setup import resolve_layout
+from automodel.recipes.model import build_hf_config, build_meta_model
+from automodel.recipes.recipe_config import RecipeConfig
+from automodel.recipes.rules import check_layout_rules, stages_per_rank
+
+_EXPERT_MARKERS = (".experts.",)
+
+
+@dataclass
+class MemoryEstimate:
+    total_params: int
+    params_per_rank: float
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def _optimizer_states(target: str) -> int:
+    name = target.rsplit(".", 1)[-1].lower()
+    if name in ("sgd",):
+        return 1
+    if name in ("adagrad", "rmsprop"):
+        return 1
+    return 2
+
+
+def estimate_memory(cfg: RecipeConfig, layout: ResolvedLayout, hf_config) -> MemoryEstimate:
+    """Per-rank bytes for params, grads and optimizer state under `layout` and the strategy."""
+    model = build_meta_model(hf_config, dtype=cfg.model.dtype)
+    expert = dense = 0
+    for name, p in model.named_parameters():
+        if any(m in f".{name}" for m in _EXPERT_MARKERS):
+            expert += p.numel()
+        else:
+            dense += p.numel()
+    strategy = cfg.distributed.strategy
+    if strategy == "ddp":
+        dense_per_rank, expert_per_rank = dense, expert
+    elif strategy == "megatron_fsdp":
+        dense_per_rank, expert_per_rank = dense / layout.tp / layout.dp_cp, expert / layout.tp / layout.dp_cp
+    elif layout.ep_enabled:  # fsdp2 + EP: experts split over ep, then sharded over ep_shard
+        dense_per_rank = dense / layout.tp / layout.dp_shard_cp
+        expert_per_rank = expert / layout.ep / layout.ep_shard
+    else:  # fsdp2 (HSDP replicates over dp_replicate, shards over dp_shard*cp)
+        dense_per_rank, expert_per_rank = (
+            dense / layout.tp / layout.dp_shard_cp,
+            expert / layout.tp / layout.dp_shard_cp,
+        )
+    per_rank = (dense_per_rank + expert_per_rank) / layout.pp
+    elem = torch.empty((), dtype=getattr(torch, cfg.model.dtype)).element_size()
+    return MemoryEstimate(
+        total_params=dense + expert,
+        params_per_rank=per_rank,
+        param_bytes=per_rank * elem,
+        grad_bytes=per_rank * elem,
+        optimizer_bytes=per_rank * 4 * _optimizer_states(cfg.optimizer.target),
+    )
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:,.2f} GiB"
+
+
+def plan_layout(cfg: RecipeConfig, *, world_size: int) -> tuple[ResolvedLayout, MemoryEstimate, list[str]]:
+    """Build every mesh for `world_size` fake ranks, check every rule; return the report lines."""
+    layout = resolve_layout(cfg.distributed, world_size)
+    hf_config = build_hf_config(cfg.model)
+    check_layout_rules(cfg, layout, hf_config)
+    with fake_world(world_size):
+        mesh = MeshContext.build(cfg.distributed.sizes, device_type="cpu")
+        assert mesh.layout == layout
+    mem = estimate_memory(cfg, layout, hf_config)
+    ss = cfg.step_scheduler
+    accum = ss.global_batch_size // (ss.local_batch_size * layout.dp)
+    lines = [
+        f"config OK for world_size={world_size} (strategy={cfg.distributed.strategy})",
+        "",
+        f"{'axis':<14}{'size':>8}",
+    ]
+    for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"):
+        lines.append(f"{axis:<14}{layout.axis_size(axis):>8}")
+    if layout.ep_enabled:
+        lines += [f"{'ep':<14}{layout.ep:>8}", f"{'ep_shard':<14}{layout.ep_shard:>8}"]
+    lines += [
+        "",
+        f"model: {hf_config.model_type}, {hf_config.num_hidden_layers} layers, {mem.total_params:,} parameters",
+        f"sequence length {cfg.seq_length}, global batch {ss.global_batch_size}, local batch {ss.local_batch_size}, "
+        f"gradient accumulation {accum}",
+    ]
+    if layout.pp_enabled:
+        pipe = cfg.distributed.pipeline or {}
+        lines.append(
+            f"pipeline: {pipe.get('pp_schedule', '1f1b')}, {layout.pp * stages_per_rank(pipe)} stages, "
+            f"micro-batch {pipe.get('pp_microbatch_size', 1)}"
+        )
+    lines += [
+        "",
+        "per-rank memory estimate (weights, grads, optimizer state; activations not included):",
+        f"  parameters  {mem.params_per_rank:>16,.0f} elements  {_gib(mem.param_bytes):>14}",
+        f"  gradients   {'':>16}           {_gib(mem.grad_bytes):>14}",
+        f"  optimizer   {'':>16}           {_gib(mem.optimizer_bytes):>14}",
+        f"  total       {'':>16}           {_gib(mem.total_bytes):>14}",
+    ]
+    return layout, mem, lines

@@ -1,0 +1,150 @@
+"""`RecipeConfig`: the whole YAML, each section parsed and validated, plus cross-section rules."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from automodel.recipes._dist_setup import DistributedSection, parse_distributed_section
+from automodel.recipes.errors import ConfigError, reject_unknown
+from automodel.recipes.instantiate import locate
+from automodel.recipes.sections import (
+    ClipGradNormSection,
+    DatasetSection,
+    DistEnvSection,
+    LoggingSection,
+    LRSchedulerSection,
+    ModelSection,
+    OptimizerSection,
+    PackedSequenceSection,
+    StepSchedulerSection,
+    TokenizerSection,
+    ValidationDatasetSection,
+    build_section,
+)
+
+TOP_LEVEL_KEYS = (
+    "model", "dataset", "validation_dataset", "tokenizer", "step_scheduler", "optimizer", "lr_scheduler",
+    "loss_fn", "distributed", "packed_sequence", "checkpoint", "logging", "seed", "output_dir", "dist_env",
+    "clip_grad_norm",
+)  # fmt: skip
+DEFAULT_LOSS_FN = "automodel.recipes.loss.masked_cross_entropy_sum"
+
+
+@dataclass
+class RecipeConfig:
+    model: ModelSection
+    dataset: DatasetSection
+    validation_dataset: ValidationDatasetSection | None
+    tokenizer: TokenizerSection
+    step_scheduler: StepSchedulerSection
+    optimizer: OptimizerSection
+    lr_scheduler: LRSchedulerSection
+    loss_fn: Any
+    distributed: DistributedSection
+    packed_sequence: PackedSequenceSection
+    checkpoint: dict
+    logging: LoggingSection
+    dist_env: DistEnvSection
+    clip_grad_norm: ClipGradNormSection
+    seed: int
+    output_dir: str
+    raw: dict
+
+    @property
+    def seq_length(self) -> int:
+        return self.packed_sequence.packed_sequence_size or self.dataset.seq_length
+
+
+def _checkpoint_section(data: Any) -> dict:
+    if data is None:
+        return {"enabled": False}
+    if not isinstance(data, dict):
+        raise ConfigError("checkpoint", data, "must be a mapping")
+    from automodel.recipes.availability import has_api
+
+    if has_api("automodel.recipes.checkpoint", "CheckpointConfig"):
+        from automodel.recipes.checkpoint import CheckpointConfig
+
+        known = set(CheckpointConfig.__dataclass_fields__)
+        reject_unknown("checkpoint", data, known)
+        try:
+            CheckpointConfig(**data)
+        except ValueError as e:
+            msg = str(e)
+            key = next((f"checkpoint.{k}" for k in data if f"checkpoint.{k}" in msg), "checkpoint")
+            raise ConfigError(key, data.get(key.split(".")[-1], data), msg.split(", got")[0]) from None
+    elif data.get("enabled", True):
+        raise ConfigError(
+            "checkpoint.enabled", True, "checkpointing (automodel.recipes.checkpoint) is not available yet"
+        )
+    return dict(data)
+
+
+def parse_recipe_config(raw: dict) -> RecipeConfig:
+    """Validate every section of `raw` (the loaded YAML); the first mistake raises `ConfigError`."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config", raw, "must be a mapping of sections")
+    reject_unknown("", raw, TOP_LEVEL_KEYS)
+    if "model" not in raw:
+        raise ConfigError("model", None, "section is required")
+    if raw["model"] is None or not isinstance(raw["model"], dict):
+        raise ConfigError("model", raw["model"], "must be a mapping (model.config or model.pretrained_path)")
+    seed = raw.get("seed", 42)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError("seed", seed, "must be an int >= 0")
+    output_dir = raw.get("output_dir")
+    if not isinstance(output_dir, str) or not output_dir:
+        raise ConfigError("output_dir", output_dir, "must be a non-empty path")
+    loss_fn = raw.get("loss_fn", DEFAULT_LOSS_FN)
+    if isinstance(loss_fn, dict) and set(loss_fn) == {"_target_"}:
+        loss_fn = loss_fn["_target_"]
+    loss_callable = locate("loss_fn", loss_fn)
+    if not callable(loss_callable):
+        raise ConfigError("loss_fn", loss_fn, "is not callable")
+    val = raw.get("validation_dataset")
+    cfg = RecipeConfig(
+        model=build_section(ModelSection, raw["model"]),
+        dataset=build_section(DatasetSection, raw.get("dataset")),
+        validation_dataset=None if val is None else build_section(ValidationDatasetSection, val),
+        tokenizer=build_section(TokenizerSection, raw.get("tokenizer")),
+        step_scheduler=build_section(StepSchedulerSection, raw.get("step_scheduler")),
+        optimizer=OptimizerSection.parse(raw.get("optimizer")),
+        lr_scheduler=build_section(LRSchedulerSection, raw.get("lr_scheduler")),
+        loss_fn=loss_callable,
+        distributed=parse_distributed_section(raw.get("distributed")),
+        packed_sequence=build_section(PackedSequenceSection, raw.get("packed_sequence")),
+        checkpoint=_checkpoint_section(raw.get("checkpoint")),
+        logging=build_section(LoggingSection, raw.get("logging")),
+        dist_env=build_section(DistEnvSection, raw.get("dist_env")),
+        clip_grad_norm=build_section(ClipGradNormSection, raw.get("clip_grad_norm")),
+        seed=seed,
+        output_dir=output_dir,
+        raw=raw,
+    )
+    ss = cfg.step_scheduler
+    if cfg.packed_sequence.packed_sequence_size > 0 and ss.local_batch_size != 1:
+        raise ConfigError(
+            "step_scheduler.local_batch_size",
+            ss.local_batch_size,
+            "must be 1 for packed sequences (packed_sequence_size > 0)",
+        )
+    if ss.val_every_steps is not None and cfg.validation_dataset is None:
+        raise ConfigError(
+            "step_scheduler.val_every_steps", ss.val_every_steps, "needs a validation_dataset section"
+        )
+    if cfg.validation_dataset is not None and ss.val_every_steps is None:
+        warnings.warn(
+            "validation_dataset is only evaluated at the end (no step_scheduler.val_every_steps)",
+            stacklevel=2,
+        )
+    if ss.ckpt_every_steps is not None and not cfg.checkpoint.get("enabled", True):
+        raise ConfigError(
+            "step_scheduler.ckpt_every_steps", ss.ckpt_every_steps, "needs checkpoint.enabled: true"
+        )
+    if cfg.tokenizer.path is None and cfg.model.config is not None:
+        vocab = cfg.model.config.get("vocab_size")
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 256:
+            raise ConfigError("model.config.vocab_size", vocab, "must be >= 256 for the byte-level tokenizer")
+    return cfg

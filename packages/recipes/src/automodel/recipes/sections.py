@@ -1,0 +1,275 @@
+"""Typed, validated dataclasses for every section of a recipe YAML (except `distributed:`).
+
+Each section checks its own keys in `__post_init__` and raises `ConfigError` naming
+``section.key`` and the bad value; cross-section rules live in `recipe_config.py`.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from automodel.recipes.errors import ConfigError, reject_unknown
+
+
+def _check_field(key: str, value: Any, hint: Any) -> None:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return
+        errors = []
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                _check_field(key, value, opt)
+                return
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0] if errors else ConfigError(key, value, "must not be null")
+    if origin is not None:
+        hint = origin
+    if hint is Any:
+        return
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        name = {
+            int: "an int",
+            float: "a number",
+            bool: "true or false",
+            str: "a string",
+            dict: "a mapping",
+            list: "a list",
+        }
+        raise ConfigError(key, value, f"must be {name.get(hint, hint.__name__)}")
+
+
+def build_section(cls: type, data: Any) -> Any:
+    """Check `data`'s keys and value types against `cls`'s fields, then construct it."""
+    section = cls.SECTION
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(section, data, "must be a mapping of keys")
+    names = {f.name for f in fields(cls) if f.init}
+    reject_unknown(section, data, names)
+    hints = typing.get_type_hints(cls)
+    for k, v in data.items():
+        _check_field(f"{section}.{k}", v, hints[k])
+    return cls(**data)
+
+
+def _positive(section: str, name: str, value: Any, *, allow_none: bool = False, minimum: float = 1) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < minimum:
+        raise ConfigError(f"{section}.{name}", value, f"must be >= {minimum}")
+
+
+@dataclass
+class ModelSection:
+    """A transformers architecture from a config dict (built on meta), or a local HF directory."""
+
+    SECTION: ClassVar[str] = "model"
+    config: dict | None = None
+    pretrained_path: str | None = None
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if (self.config is None) == (self.pretrained_path is None):
+            raise ConfigError(
+                "model",
+                self.config or self.pretrained_path,
+                "set exactly one of model.config and model.pretrained_path",
+            )
+        if self.config is not None and "model_type" not in self.config:
+            raise ConfigError("model.config.model_type", None, "is required (e.g. llama, qwen3, mixtral)")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("model.dtype", self.dtype, "must be float32, bfloat16 or float16")
+        if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
+            raise ConfigError(
+                "model.attn_implementation",
+                self.attn_implementation,
+                "must be sdpa, eager, flash_attention_2 or flex_attention",
+            )
+
+
+DATA_SOURCES = ("embedded", "json", "text", "parquet")
+
+
+@dataclass
+class DatasetSection:
+    """Where training text comes from; `embedded` needs nothing from a hub."""
+
+    SECTION: ClassVar[str] = "dataset"
+    source: str = "embedded"
+    path: str | list | None = None
+    text_key: str = "text"
+    seq_length: int = 128
+    split: str = "train"
+    max_bytes: int = 2_000_000
+    max_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if self.source not in DATA_SOURCES:
+            raise ConfigError(f"{s}.source", self.source, f"must be one of {', '.join(DATA_SOURCES)}")
+        if self.source != "embedded" and self.path is None:
+            raise ConfigError(f"{s}.path", None, f"is required for source {self.source!r}")
+        if self.split not in ("train", "validation"):
+            raise ConfigError(f"{s}.split", self.split, "must be train or validation")
+        _positive(s, "seq_length", self.seq_length, minimum=2)
+        _positive(s, "max_bytes", self.max_bytes, minimum=1024)
+        _positive(s, "max_rows", self.max_rows, allow_none=True)
+
+
+@dataclass
+class ValidationDatasetSection(DatasetSection):
+    SECTION: ClassVar[str] = "validation_dataset"
+    split: str = "validation"
+
+
+@dataclass
+class TokenizerSection:
+    """Byte-level (vocab 256, EOS = byte 0) by default, or a local HF tokenizer directory."""
+
+    SECTION: ClassVar[str] = "tokenizer"
+    path: str | None = None
+
+
+@dataclass
+class StepSchedulerSection:
+    """Batch sizes and step counts; grad accumulation = global / (local * dp)."""
+
+    SECTION: ClassVar[str] = "step_scheduler"
+    global_batch_size: int = 8
+    local_batch_size: int = 1
+    max_steps: int | None = None
+    num_epochs: int = 1
+    val_every_steps: int | None = None
+    ckpt_every_steps: int | None = None
+    val_batches: int = 2
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        for name in ("global_batch_size", "local_batch_size", "num_epochs", "val_batches"):
+            _positive(s, name, getattr(self, name))
+        for name in ("max_steps", "val_every_steps", "ckpt_every_steps"):
+            _positive(s, name, getattr(self, name), allow_none=True)
+        if self.global_batch_size % self.local_batch_size != 0:
+            raise ConfigError(
+                f"{s}.global_batch_size",
+                self.global_batch_size,
+                f"must be a multiple of local_batch_size={self.local_batch_size}",
+            )
+
+
+@dataclass
+class LRSchedulerSection:
+    """Linear warm-up, then cosine / linear decay to `min_lr` (or constant)."""
+
+    SECTION: ClassVar[str] = "lr_scheduler"
+    warmup_steps: int = 0
+    decay_style: str = "cosine"
+    decay_steps: int | None = None
+    min_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        _positive(s, "warmup_steps", self.warmup_steps, minimum=0)
+        _positive(s, "decay_steps", self.decay_steps, allow_none=True)
+        if self.decay_style not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"{s}.decay_style", self.decay_style, "must be cosine, linear or constant")
+        if self.min_lr < 0:
+            raise ConfigError(f"{s}.min_lr", self.min_lr, "must be >= 0")
+
+
+@dataclass
+class PackedSequenceSection:
+    """Rows of `packed_sequence_size` tokens whose position ids restart at each document (0 = off)."""
+
+    SECTION: ClassVar[str] = "packed_sequence"
+    packed_sequence_size: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self.SECTION, "packed_sequence_size", self.packed_sequence_size, minimum=0)
+        if 0 < self.packed_sequence_size < 2:
+            raise ConfigError(
+                "packed_sequence.packed_sequence_size", self.packed_sequence_size, "must be 0 or >= 2"
+            )
+
+
+@dataclass
+class ClipGradNormSection:
+    SECTION: ClassVar[str] = "clip_grad_norm"
+    max_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_norm is not None and self.max_norm <= 0:
+            raise ConfigError("clip_grad_norm.max_norm", self.max_norm, "must be > 0 (or null to disable)")
+
+
+@dataclass
+class LoggingSection:
+    SECTION: ClassVar[str] = "logging"
+    progress_bar: bool = True
+    tensorboard: bool = False
+    log_every_steps: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self.SECTION, "log_every_steps", self.log_every_steps)
+
+
+@dataclass
+class DistEnvSection:
+    """Process-group settings: backend (auto: nccl with CUDA, else gloo) and collective time-out."""
+
+    SECTION: ClassVar[str] = "dist_env"
+    backend: str | None = None
+    timeout_minutes: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in (None, "nccl", "gloo"):
+            raise ConfigError("dist_env.backend", self.backend, "must be nccl or gloo (or null for auto)")
+        if self.timeout_minutes <= 0:
+            raise ConfigError("dist_env.timeout_minutes", self.timeout_minutes, "must be > 0")
+
+
+@dataclass
+class OptimizerSection:
+    """`_target_` of a torch optimizer class plus its keyword arguments (params are passed in)."""
+
+    SECTION: ClassVar[str] = "optimizer"
+    target: str = "torch.optim.AdamW"
+    kwargs: dict = field(default_factory=lambda: {"lr": 1e-3})
+
+    @classmethod
+    def parse(cls, data: Any) -> OptimizerSection:
+        from automodel.recipes.instantiate import locate
+
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ConfigError("optimizer", data, "must be a mapping with a _target_")
+        if "_target_" not in data:
+            raise ConfigError("optimizer._target_", None, "is required (e.g. torch.optim.AdamW)")
+        target = locate("optimizer._target_", data["_target_"])
+        import torch
+
+        if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
+            raise ConfigError("optimizer._target_", data["_target_"], "is not a torch.optim.Optimizer class")
+        kwargs = {k: v for k, v in data.items() if k != "_target_"}
+        lr = kwargs.get("lr", 1e-3)
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or lr <= 0:
+            raise ConfigError("optimizer.lr", lr, "must be a number > 0")
+        kwargs["lr"] = float(lr)
+        return cls(target=data["_target_"], kwargs=kwargs)

@@ -1,0 +1,322 @@
+"""The training loop: config -> composed model -> steps, validation, metrics, checkpoints.
+
+The loss of a step is ``sum of token CE / global number of label tokens`` (over every dp and cp
+rank and every micro-batch of the step), and data-parallel gradients are SUMMED
+(``gradient_divide_factor=1.0``), so one process, any layout and any accumulation produce the
+same loss and gradients for the same global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from automodel.mesh import MeshContext
+from automodel.recipes._dist_setup import setup_distributed
+from automodel.recipes.data import (
+    BatchLoader,
+    StatefulGlobalBatchSampler,
+    build_packed_dataset,
+    build_tokenizer,
+)
+from automodel.recipes.data.loader import Batch
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.grad_norm import clip_grad_norm
+from automodel.recipes.instantiate import locate
+from automodel.recipes.lr_schedule import build_lr_scheduler
+from automodel.recipes.materialize import materialize_model
+from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
+from automodel.recipes.model import build_hf_config, build_meta_model
+from automodel.recipes.parallelize import ParallelModel, parallelize_model
+from automodel.recipes.recipe_config import RecipeConfig
+from automodel.recipes.rules import check_layout_rules
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the gradient norm of a step is NaN or infinite."""
+
+
+@dataclass
+class TrainResult:
+    """Per-step numbers of a run (the same on every rank), for tests and callers."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    steps: int = 0
+    output_dir: str = ""
+
+
+def _group(mesh: MeshContext, axis: str) -> dist.ProcessGroup | None:
+    return None if mesh.layout.axis_size(axis) == 1 else mesh.get_mesh(axis).get_group()
+
+
+def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def dp_rank_of(mesh: MeshContext) -> int:
+    c = mesh.coordinates
+    return c["dp_replicate"] * mesh.layout.dp_shard + c["dp_shard"]
+
+
+def _grad_sync(pm: ParallelModel, enabled: bool) -> contextlib.AbstractContextManager:
+    """Skip data-parallel gradient reduction on all but the last micro-batch of a step."""
+    part = pm.parts[0]
+    if pm.fsdp_modules:
+        for m in pm.fsdp_modules:
+            m.set_requires_gradient_sync(enabled, recurse=False)
+        return contextlib.nullcontext()
+    if not enabled and hasattr(part, "no_sync"):
+        return part.no_sync()
+    return contextlib.nullcontext()
+
+
+class Trainer:
+    """Owns one run: built by `build`, driven by `train`; every method is collective over ranks."""
+
+    def __init__(self, cfg: RecipeConfig) -> None:
+        self.cfg = cfg
+
+    # ---- construction --------------------------------------------------------------------
+    def build(self) -> None:
+        cfg = self.cfg
+        setup = setup_distributed(
+            cfg.distributed, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes
+        )
+        self.mesh, self.device, self.rank = setup.mesh, setup.device, setup.rank
+        layout = self.mesh.layout
+        self.hf_config = build_hf_config(cfg.model)
+        check_layout_rules(cfg, layout, self.hf_config)
+        self.tokenizer = build_tokenizer(cfg.tokenizer.path)
+        if self.tokenizer.vocab_size > self.hf_config.vocab_size:
+            raise ConfigError(
+                "model.config.vocab_size",
+                self.hf_config.vocab_size,
+                f"is smaller than the tokenizer's vocabulary ({self.tokenizer.vocab_size})",
+            )
+        ss = cfg.step_scheduler
+        seq = cfg.packed_sequence.packed_sequence_size
+        dataset = build_packed_dataset(cfg.dataset, self.tokenizer, packed_sequence_size=seq)
+        try:
+            sampler = StatefulGlobalBatchSampler(
+                num_rows=len(dataset),
+                global_batch_size=ss.global_batch_size,
+                local_batch_size=ss.local_batch_size,
+                dp_rank=dp_rank_of(self.mesh),
+                dp_size=layout.dp,
+                seed=cfg.seed,
+            )
+        except ValueError as e:
+            raise ConfigError("step_scheduler.global_batch_size", ss.global_batch_size, str(e)) from None
+        self.loader = BatchLoader(dataset, sampler)
+        self.val_dataset = (
+            None
+            if cfg.validation_dataset is None
+            else build_packed_dataset(cfg.validation_dataset, self.tokenizer, packed_sequence_size=seq)
+        )
+        steps_per_epoch = sampler.steps_per_epoch
+        total = steps_per_epoch * ss.num_epochs
+        self.total_steps = min(total, ss.max_steps) if ss.max_steps is not None else total
+        if self.tensorboard_missing():
+            raise ConfigError(
+                "logging.tensorboard", True, "needs the tensorboard package (automodel-recipes[tensorboard])"
+            )
+
+        torch.manual_seed(cfg.seed)
+        model = build_meta_model(self.hf_config, dtype=cfg.model.dtype)
+        self.pm = parallelize_model(
+            model, mesh=self.mesh, section=cfg.distributed, hf_config=self.hf_config, loss_fn=cfg.loss_fn
+        )
+        std = float(getattr(self.hf_config, "initializer_range", 0.02))
+        for part in self.pm.parts:
+            materialize_model(part, device=self.device, seed=cfg.seed, std=std)
+        if cfg.model.pretrained_path is not None:
+            from automodel.recipes.checkpoint import load_pretrained_weights
+
+            load_pretrained_weights(self.pm.parts, cfg.model.pretrained_path)
+        opt_cls = locate("optimizer._target_", cfg.optimizer.target)
+        self.optimizers = [opt_cls(part.parameters(), **cfg.optimizer.kwargs) for part in self.pm.parts]
+        base_lr = cfg.optimizer.kwargs["lr"]
+        self.schedulers = [
+            build_lr_scheduler(o, section=cfg.lr_scheduler, base_lr=base_lr, total_steps=self.total_steps)
+            for o in self.optimizers
+        ]
+        self.params = [p for part in self.pm.parts for p in part.parameters()]
+
+    def tensorboard_missing(self) -> bool:
+        if not self.cfg.logging.tensorboard:
+            return False
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            return True
+        return False
+
+    # ---- one step ------------------------------------------------------------------------
+    def _forward_loss_sum(self, batch: Batch) -> torch.Tensor:
+        model = self.pm.parts[0]
+        ids, labels, pos = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.position_ids))
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        return self.cfg.loss_fn(logits, labels)
+
+    def train_step(self, batches: list[Batch]) -> tuple[float, float, int]:
+        """Forward/backward every micro-batch, clip, step. Returns (loss, grad_norm, global tokens)."""
+        local_tokens = sum(int((b.labels != -100).sum()) for b in batches)
+        tokens = _all_reduce_sum(
+            torch.tensor(float(local_tokens), device=self.device), _group(self.mesh, "dp")
+        )
+        loss_sum = torch.zeros((), device=self.device)
+        defer = self.cfg.distributed.defer_fsdp_grad_sync or self.cfg.distributed.strategy == "ddp"
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            with _grad_sync(self.pm, last or not defer):
+                loss = self._forward_loss_sum(batch) / tokens
+                loss.backward()
+            loss_sum += loss.detach()
+        loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
+        grad_norm = clip_grad_norm(
+            self.params, max_norm=self.cfg.clip_grad_norm.max_norm, pp_group=_group(self.mesh, "pp")
+        )
+        loss_value, norm_value = float(loss_sum), float(grad_norm)
+        if not math.isfinite(loss_value) or not math.isfinite(norm_value):
+            raise NonFiniteError(
+                f"step {self.step + 1}: non-finite {'loss' if not math.isfinite(loss_value) else 'gradient norm'} "
+                f"(loss={loss_value}, grad_norm={norm_value}); stopping"
+            )
+        for opt in self.optimizers:
+            opt.step()
+        for sched in self.schedulers:
+            sched.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        return loss_value, norm_value, int(tokens)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean token CE over the first `val_batches` global batches of the validation rows."""
+        assert self.val_dataset is not None
+        ss = self.cfg.step_scheduler
+        for part in self.pm.parts:
+            part.eval()
+        gbs, dp = ss.global_batch_size, self.mesh.layout.dp
+        n_batches = min(ss.val_batches, len(self.val_dataset) // gbs)
+        if n_batches == 0:
+            raise ConfigError(
+                "validation_dataset", len(self.val_dataset), f"has fewer rows than global_batch_size={gbs}"
+            )
+        per_rank, rank = gbs // dp, dp_rank_of(self.mesh)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        for b in range(n_batches):
+            start = b * gbs + rank * per_rank
+            for mb in range(start, start + per_rank, ss.local_batch_size):
+                batch = Batch(*self.val_dataset.batch(list(range(mb, mb + ss.local_batch_size))))
+                loss_sum += self._forward_loss_sum(batch).float()
+                tokens += float((batch.labels != -100).sum())
+        loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
+        tokens = _all_reduce_sum(tokens, _group(self.mesh, "dp"))
+        for part in self.pm.parts:
+            part.train()
+        return float(loss_sum / tokens)
+
+    # ---- the run -------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        cfg = self.cfg
+        out = Path(cfg.output_dir)
+        is_main = self.rank == 0
+        if is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
+        ckpt, state = self._checkpointer(out)
+        self.step = 0
+        if ckpt is not None:
+            ckpt.restore(state)
+            self.step = state.step
+        metrics = MetricsWriter(out, enabled=is_main, tensorboard=cfg.logging.tensorboard)
+        result = TrainResult(output_dir=str(out))
+        bar = None
+        if is_main and cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True
+            )
+        ss = cfg.step_scheduler
+        try:
+            while self.step < self.total_steps:
+                started = time.perf_counter()
+                lr = self.schedulers[0].get_last_lr()[0]
+                loss, norm, tokens = self.train_step(self.loader.next_step())
+                self.step += 1
+                elapsed = time.perf_counter() - started
+                record: dict[str, Any] = {
+                    "step": self.step,
+                    "loss": loss,
+                    "grad_norm": norm,
+                    "lr": lr,
+                    "num_tokens": tokens,
+                    "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+                    "step_time_s": elapsed,
+                    "peak_mem_bytes": peak_memory_bytes(self.device),
+                }
+                result.losses.append(loss)
+                result.grad_norms.append(norm)
+                final = self.step == self.total_steps
+                if self.val_dataset is not None and (
+                    (ss.val_every_steps and self.step % ss.val_every_steps == 0) or final
+                ):
+                    record["val_loss"] = result.val_losses[self.step] = self.validate()
+                metrics.write(record)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                if ckpt is not None:
+                    state.step = self.step
+                    ckpt.maybe_save(state, every_steps=ss.ckpt_every_steps)
+                    if ckpt.preempted:
+                        ckpt.save(state)
+                        break
+            if ckpt is not None:
+                state.step = self.step
+                ckpt.save(state)
+        finally:
+            if bar is not None:
+                bar.close()
+            metrics.close()
+            if ckpt is not None:
+                ckpt.close()
+        result.steps = self.step
+        return result
+
+    def _checkpointer(self, out: Path) -> tuple[Any, Any]:
+        if not self.cfg.checkpoint.get("enabled", True):
+            return None, None
+        from automodel.recipes.checkpoint import CheckpointConfig, Checkpointer, TrainingState
+
+        state = TrainingState(
+            model_parts=self.pm.parts,
+            optimizers=self.optimizers,
+            lr_schedulers=self.schedulers,
+            dataloader=self.loader,
+            step=0,
+            hf_config=self.hf_config,
+            tokenizer=self.tokenizer,
+        )
+        return Checkpointer(CheckpointConfig(**self.cfg.checkpoint), output_dir=out, mesh=self.mesh), state
+
+
+def run_training(cfg: RecipeConfig) -> TrainResult:
+    """Build and train; the process group is created if needed and left for the caller to destroy."""
+    trainer = Trainer(cfg)
+    trainer.build()
+    return trainer.train()
