@@ -1,0 +1,66 @@
+"""`MoEParallelizerConfig`: the `distributed.moe` section of a recipe (field names and defaults of the seed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(key: str, value: torch.dtype | str | None) -> torch.dtype | None:
+    """Accept a torch dtype or its YAML spelling ("float32", "bf16", "torch.bfloat16")."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        name = value.removeprefix("torch.").lower()
+        if name in _DTYPE_NAMES:
+            return _DTYPE_NAMES[name]
+    raise ValueError(f"{key} must be a torch dtype or one of {sorted(_DTYPE_NAMES)}, got {value!r}")
+
+
+@dataclass
+class MoEParallelizerConfig:
+    """How the MoE parallelizer shards, checkpoints and casts a mixture-of-experts model.
+
+    ignore_router_for_ac: under activation checkpointing, replay the router's top-k decisions
+        saved in the forward instead of recomputing them, so the recomputed forward sends every
+        token to the same experts (and the same all-to-all sizes) as the original one.
+    reshard_after_forward: FSDP2 frees unsharded parameters after each block's forward (saves
+        memory, costs a second all-gather in backward).
+    lm_head_precision: when set, the output projection is its own FSDP unit computing in this
+        dtype (e.g. float32 logits under a bf16 policy).
+    wrap_outer_model: fully_shard the whole model as the root unit (embeddings, final norm, head);
+        when False those modules become FSDP units one by one instead.
+    mp_policy: FSDP2 ``MixedPrecisionPolicy`` for every unit (None: compute in the parameter dtype).
+    """
+
+    ignore_router_for_ac: bool = True
+    reshard_after_forward: bool = False
+    lm_head_precision: torch.dtype | str | None = None
+    wrap_outer_model: bool = True
+    mp_policy: object | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("ignore_router_for_ac", "reshard_after_forward", "wrap_outer_model"):
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be a bool, got {value!r} ({type(value).__name__})")
+        self.lm_head_precision = resolve_dtype("lm_head_precision", self.lm_head_precision)
+        if self.mp_policy is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            if not isinstance(self.mp_policy, MixedPrecisionPolicy):
+                raise ValueError(
+                    f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got {self.mp_policy!r}"
+                )
