@@ -1,0 +1,42 @@
+"""The attention backends under CP, how "auto" picks one, and the lazy Transformer Engine import."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from automodel.context_parallel.ring_attention import KV_ROTATIONS
+
+#: "ring": this package's ring attention (any device); "torch": torch's context_parallel() with
+#: SDPA (CUDA); "te": Transformer Engine DotProductAttention with its CP group (CUDA).
+BACKENDS: tuple[str, ...] = ("auto", "ring", "torch", "te")
+
+
+def resolve_backend(backend: str, *, device_type: str) -> str:
+    """The concrete backend for `backend` on `device_type` ("auto": torch on CUDA, else ring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "torch" if device_type == "cuda" else "ring"
+    if backend in ("torch", "te") and device_type != "cuda":
+        raise ValueError(
+            f"backend={backend!r} needs CUDA (the CP mesh is on {device_type!r}): torch's context_parallel has no "
+            "CPU SDPA sharding rule and Transformer Engine is CUDA-only; use backend='ring'"
+        )
+    return backend
+
+
+def check_kv_rotation(kv_rotation: str) -> None:
+    if kv_rotation not in KV_ROTATIONS:
+        raise ValueError(f"kv_rotation must be one of {KV_ROTATIONS}, got {kv_rotation!r}")
+
+
+def import_transformer_engine() -> ModuleType:
+    """``transformer_engine.pytorch``, or an ImportError that says how to get it."""
+    try:
+        import transformer_engine.pytorch as te
+    except ImportError as err:
+        raise ImportError(
+            "backend='te' (and THD attention through Transformer Engine) needs transformer-engine: install "
+            "`automodel-context-parallel[te]` on a CUDA machine"
+        ) from err
+    return te

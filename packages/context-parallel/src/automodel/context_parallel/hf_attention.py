@@ -1,0 +1,228 @@
+"""CP attention as a transformers attention implementation, and the appliers for a model.
+
+`apply_context_parallel` tags every ``self_attn`` module with its CP group and backend and
+switches the model to the registered ``"context_parallel"`` attention implementation, so an
+unchanged HF model calls `context_parallel_attention` on its local Q/K/V. Per-step data that
+attention needs arrives as model kwargs (``cu_seqlens_padded`` etc. from
+`make_cp_batch_and_ctx`), which transformers forwards to the attention function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from automodel.context_parallel.backends import check_kv_rotation, import_transformer_engine, resolve_backend
+from automodel.context_parallel.layout import load_balanced_indices
+from automodel.context_parallel.ring_attention import ring_attention
+from automodel.context_parallel.thd import document_ids, thd_partitioned_indices
+
+ATTN_IMPLEMENTATION = "context_parallel"
+_SPEC_ATTR = "_automodel_cp_spec"
+_HOOK_ATTR = "_automodel_cp_hooked"
+
+
+@dataclass(eq=False)
+class CPAttentionSpec:
+    """What one attention module needs under CP (attached to the module by the applier)."""
+
+    group: ProcessGroup
+    backend: str
+    kv_rotation: str
+    cp_size: int
+    cp_rank: int
+    te_modules: dict[tuple, Any] = field(default_factory=dict, repr=False)
+
+
+def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _torch_sdpa(query, key, value, *, causal: bool, scale: float | None) -> torch.Tensor:
+    groups = query.shape[1] // key.shape[1]
+    # Looked up at call time: torch's context_parallel() patches this function during the step.
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return sdpa(query, _repeat_kv(key, groups), _repeat_kv(value, groups), is_causal=causal, scale=scale)
+
+
+def _te_attention(spec: CPAttentionSpec, query, key, value, *, scale: float, kwargs: dict) -> torch.Tensor:
+    te = import_transformer_engine()
+    b, hq, s, d = query.shape
+    hkv = key.shape[1]
+    cu_p = kwargs.get("cu_seqlens_padded")
+    fmt = "bshd" if cu_p is None else "thd"
+    cache_key = (hq, hkv, d, fmt, float(scale))
+    attn = spec.te_modules.get(cache_key)
+    if attn is None:
+        attn = te.DotProductAttention(
+            num_attention_heads=hq,
+            kv_channels=d,
+            num_gqa_groups=hkv,
+            attention_dropout=0.0,
+            qkv_format=fmt,
+            attn_mask_type="causal" if fmt == "bshd" else "padding_causal",
+            softmax_scale=scale,
+        )
+        ranks = dist.get_process_group_ranks(spec.group)
+        attn.set_context_parallel_group(spec.group, ranks, torch.cuda.Stream(), "p2p")
+        spec.te_modules[cache_key] = attn
+    if fmt == "bshd":
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+        out = attn(q, k, v)
+        return out.view(b, s, hq, d).transpose(1, 2)
+    if b != 1:
+        raise ValueError(f"packed (THD) attention needs batch size 1, got {b}")
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    cu = kwargs.get("cu_seqlens", cu_p).to(torch.int32)
+    cu_p = cu_p.to(torch.int32)
+    max_len = int(kwargs.get("max_seqlen") or int((cu_p[1:] - cu_p[:-1]).max()))
+    out = attn(
+        q,
+        k,
+        v,
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_p,
+        cu_seqlens_kv_padded=cu_p,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+    )
+    return out.view(s, hq, d).transpose(0, 1).unsqueeze(0)
+
+
+def context_parallel_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: Q ``[B, Hq, S_local, D]``, K/V ``[B, Hkv, S_local, D]``."""
+    spec: CPAttentionSpec | None = getattr(module, _SPEC_ATTR, None)
+    if spec is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses attn_implementation={ATTN_IMPLEMENTATION!r} but "
+            "apply_context_parallel() was not applied to the model"
+        )
+    if dropout:
+        raise ValueError(f"attention dropout is not supported under context parallelism, got dropout={dropout}")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("sliding-window attention is not supported under context parallelism")
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    cu_p = kwargs.get("cu_seqlens_padded")
+    if spec.backend == "te":
+        out = _te_attention(spec, query, key, value, scale=scale, kwargs=kwargs)
+    elif cu_p is None and spec.backend == "torch":
+        out = _torch_sdpa(query, key, value, causal=causal, scale=scale)
+    else:
+        s_local = query.shape[2]
+        total = s_local * spec.cp_size
+        doc = None
+        if cu_p is None:
+            index = load_balanced_indices(total, cp_size=spec.cp_size, cp_rank=spec.cp_rank, device=query.device)
+        else:
+            cu_p = cu_p.to(query.device)
+            index = thd_partitioned_indices(cu_p, total, spec.cp_size, spec.cp_rank)
+            doc = document_ids(cu_p, index)
+        out = ring_attention(
+            query,
+            key,
+            value,
+            cp_group=spec.group,
+            token_index=index,
+            doc_ids=doc,
+            causal=causal,
+            scale=scale,
+            kv_rotation=spec.kv_rotation,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    found = []
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            # Hook the wrapped module so activation-checkpoint recomputation sees the same state.
+            found.append(getattr(module, "_checkpoint_wrapped_module", module))
+    return found
+
+
+def attach_context_parallel_hooks(model: torch.nn.Module) -> None:
+    """Make every ``self_attn`` causal and drop its dense mask (it has the local shape, not the global)."""
+
+    def _pre_hook(_module, args, kwargs):
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None
+        kwargs["is_causal"] = True
+        return args, kwargs
+
+    for module in _attention_modules(model):
+        if not getattr(module, _HOOK_ATTR, False):
+            module.register_forward_pre_hook(_pre_hook, with_kwargs=True, prepend=True)
+            setattr(module, _HOOK_ATTR, True)
+
+
+def _register_with_transformers() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, context_parallel_attention)
+
+
+def _set_attn_implementation(model: torch.nn.Module) -> None:
+    configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
+    for config in configs:
+        config._attn_implementation = ATTN_IMPLEMENTATION
+        for sub in getattr(config, "sub_configs", {}) or {}:
+            sub_config = getattr(config, sub, None)
+            if sub_config is not None and hasattr(sub_config, "_attn_implementation"):
+                sub_config._attn_implementation = ATTN_IMPLEMENTATION
+
+
+def apply_context_parallel(
+    model: torch.nn.Module,
+    *,
+    cp_mesh: DeviceMesh | None,
+    backend: str = "auto",
+    kv_rotation: str = "allgather",
+) -> str:
+    """Make `model`'s attention context-parallel over `cp_mesh`; return the resolved backend.
+
+    Runs after TP and before FSDP (DESIGN §2). With no CP (`cp_mesh` None or of size 1) it
+    changes nothing and returns ``"none"``. Pass the returned backend to
+    `make_cp_batch_and_ctx` each step.
+    """
+    check_kv_rotation(kv_rotation)
+    resolved = resolve_backend(backend, device_type="cpu" if cp_mesh is None else cp_mesh.device_type)
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return "none"
+    if cp_mesh.ndim != 1:
+        raise ValueError(f"cp_mesh must be a 1-D DeviceMesh, got {cp_mesh.ndim} dims {cp_mesh.mesh_dim_names}")
+    if resolved == "te":
+        import_transformer_engine()
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no '*self_attn' modules to make context-parallel")
+    for module in modules:
+        spec = CPAttentionSpec(
+            group=cp_mesh.get_group(),
+            backend=resolved,
+            kv_rotation=kv_rotation,
+            cp_size=cp_mesh.size(),
+            cp_rank=cp_mesh.get_local_rank(),
+        )
+        setattr(module, _SPEC_ATTR, spec)
+    _register_with_transformers()
+    _set_attn_implementation(model)
+    attach_context_parallel_hooks(model)
+    return resolved
