@@ -1,0 +1,361 @@
+"""`AutoPipeline`: split a model into this rank's stages and drive them with a torch schedule.
+
+Order inside `build`: choose the stage FQNs -> check every parameter lands in exactly one stage
+-> cut this rank's stages -> cast (`dtype`) -> `parallelize_fn` per stage (TP, FSDP2, ... are the
+caller's; this package imports none of them) -> torch `PipelineStage`s -> the schedule.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from automodel.mesh import MeshContext
+from automodel.pipeline.config import PipelineConfig
+from automodel.pipeline.hf import (
+    hf_module_fqns_per_stage,
+    hf_num_layers,
+    is_hf_causal_lm,
+    make_causal_lm_stage,
+    validate_hf_model_for_pipeline_support,
+)
+from automodel.pipeline.layout import check_stages_per_rank, num_stages_for, stage_ids_this_rank
+from automodel.pipeline.schedules import read_csv_stage_layout
+from automodel.pipeline.split import check_parameter_coverage, modules_in_several_stages, split_module
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ParallelizeFn = Callable[..., nn.Module | None]
+
+#: Label value of padded positions (the usual ignore_index of cross-entropy).
+LABEL_PAD = -100
+
+
+class AutoPipeline:
+    """Builds the pipeline of one rank from a `MeshContext` (its ``pp`` axis) and a `PipelineConfig`."""
+
+    def __init__(
+        self, *, mesh: MeshContext, config: PipelineConfig, device: torch.device | None = None
+    ) -> None:
+        if not isinstance(config, PipelineConfig):
+            raise ValueError(f"config must be a PipelineConfig, got {type(config).__name__}")
+        self.mesh = mesh
+        self.config = config
+        self.device = device if device is not None else _default_device(mesh.device_type)
+
+    def stage_layout(self, model: nn.Module) -> tuple[list[list[str]], dict[int, list[int]]]:
+        """Module FQNs of every stage and the stage ids of every pp rank, for `model`."""
+        cfg, spec = self.config, self.config.schedule_spec
+        pp_size = self.mesh.size("pp")
+        hf = is_hf_causal_lm(model)
+        if cfg.module_fqns_per_model_part is None:
+            if not hf:
+                if getattr(model, "config", None) is not None:
+                    validate_hf_model_for_pipeline_support(model)  # says what is wrong with this HF model
+                raise ValueError(
+                    f"{type(model).__name__} is not a Hugging Face causal LM: set module_fqns_per_model_part "
+                    "(one list of module FQNs per stage)"
+                )
+            validate_hf_model_for_pipeline_support(model)
+        if cfg.pp_schedule_csv is not None:
+            ranks = read_csv_stage_layout(cfg.pp_schedule_csv, pp_size=pp_size)
+            num_stages = sum(len(s) for s in ranks.values())
+        elif cfg.module_fqns_per_model_part is not None:
+            num_stages = len(cfg.module_fqns_per_model_part)
+            check_stages_per_rank(num_stages=num_stages, pp_size=pp_size, multi_stage=spec.multi_stage)
+        else:
+            num_stages = num_stages_for(
+                num_layers=hf_num_layers(model),
+                pp_size=pp_size,
+                multi_stage=spec.multi_stage,
+                layers_per_stage=cfg.layers_per_stage,
+                round_to_pp_multiple=cfg.round_virtual_stages_to_pp_multiple,
+            )
+        if cfg.pp_schedule_csv is None:
+            ranks = {
+                r: stage_ids_this_rank(
+                    pp_rank=r, pp_size=pp_size, num_stages=num_stages, v_shape=spec.v_shape
+                )
+                for r in range(pp_size)
+            }
+        if cfg.module_fqns_per_model_part is not None:
+            fqns = [list(p) for p in cfg.module_fqns_per_model_part]
+            if len(fqns) != num_stages:
+                raise ValueError(
+                    f"module_fqns_per_model_part has {len(fqns)} parts but pp_schedule_csv lays out {num_stages} stages"
+                )
+        else:
+            fqns = hf_module_fqns_per_stage(model, num_stages=num_stages)
+        return fqns, ranks
+
+    def build(
+        self,
+        model: nn.Module,
+        *,
+        loss_fn: LossFn | None = None,
+        parallelize_fn: ParallelizeFn | None = None,
+    ) -> PipelineModel:
+        """Cut `model` into this rank's stages and make the schedule.
+
+        The stages share (do not copy) `model`'s modules: treat `model` as consumed. `loss_fn(output,
+        labels)` runs per micro-batch on the last stage; the step's loss is the sum over
+        micro-batches, so with ``scale_grads_in_schedule=False`` a `loss_fn` that divides by the
+        global label-token count gives exactly the gradients of the whole batch.
+        ``parallelize_fn(stage_module, *, stage_index, num_stages)`` returns the module to use (or
+        None when it changed the module in place).
+        """
+        cfg, spec = self.config, self.config.schedule_spec
+        fqns_per_stage, ranks = self.stage_layout(model)
+        check_parameter_coverage(model, fqns_per_stage)
+        pp_mesh = self.mesh.get_mesh("pp")
+        pp_rank = pp_mesh.get_local_rank()
+        num_stages = len(fqns_per_stage)
+        shared = modules_in_several_stages(fqns_per_stage)
+        hf = cfg.module_fqns_per_model_part is None or is_hf_causal_lm(model)
+
+        parts: list[nn.Module] = []
+        stages: list[PipelineStage] = []
+        for stage_index in ranks[pp_rank]:
+            part = split_module(model, fqns=fqns_per_stage[stage_index], shared_fqns=shared)
+            if hf:
+                part = make_causal_lm_stage(part, config=model.config)
+            if cfg.dtype is not None:
+                part = part.to(dtype=cfg.dtype)
+            if parallelize_fn is not None:
+                returned = parallelize_fn(part, stage_index=stage_index, num_stages=num_stages)
+                part = part if returned is None else returned
+            _check_fsdp_root(part, stage_index)
+            parts.append(part)
+            stages.append(
+                PipelineStage(part, stage_index, num_stages, self.device, group=pp_mesh.get_group())
+            )
+
+        if cfg.pp_schedule_csv is not None:
+            schedule = _PipelineScheduleRuntime(
+                stages,
+                n_microbatches=cfg.n_microbatches,
+                loss_fn=loss_fn,
+                scale_grads=cfg.scale_grads_in_schedule,
+            )
+            schedule._load_csv(cfg.pp_schedule_csv)
+        else:
+            schedule = spec.cls(
+                stages if spec.multi_stage else stages[0],
+                n_microbatches=cfg.n_microbatches,
+                loss_fn=loss_fn,
+                scale_grads=cfg.scale_grads_in_schedule,
+            )
+        return PipelineModel(
+            config=cfg,
+            stages=stages,
+            model_parts=parts,
+            schedule=schedule,
+            loss_fn=loss_fn,
+            fqns_per_stage=fqns_per_stage,
+            stage_ids_per_rank=ranks,
+            pp_group=pp_mesh.get_group(),
+            device=self.device,
+        )
+
+
+def _default_device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def _check_fsdp_root(part: nn.Module, stage_index: int) -> None:
+    """Gradient sync is deferred to the last micro-batch only when the stage root is an FSDPModule."""
+    if not isinstance(part, FSDPModule) and any(isinstance(m, FSDPModule) for m in part.modules()):
+        raise ValueError(
+            f"parallelize_fn sharded modules inside stage {stage_index} with fully_shard but not the stage "
+            "itself; also call fully_shard on the stage module so gradient reduction waits for the last "
+            "micro-batch"
+        )
+
+
+_STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(_PipelineScheduleRuntime.step).parameters
+
+
+class PipelineModel:
+    """This rank's share of a pipeline: stage modules, torch stages, the schedule, step/eval.
+
+    `step` and `eval` take the whole local batch (``pp_batch_size`` rows); pass the same tensors on
+    every pp rank (each rank uses what its stages need: inputs on the first stage, labels on the
+    last, position ids everywhere).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: PipelineConfig,
+        stages: list[PipelineStage],
+        model_parts: list[nn.Module],
+        schedule: Any,
+        loss_fn: LossFn | None,
+        fqns_per_stage: list[list[str]],
+        stage_ids_per_rank: dict[int, list[int]],
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.stages = stages
+        self.model_parts = model_parts
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.fqns_per_stage = fqns_per_stage
+        self.stage_ids_per_rank = stage_ids_per_rank
+        self.pp_group = pp_group
+        self.device = device
+        self._seq_len: int | None = config.pp_seq_len
+
+    # ---- layout --------------------------------------------------------------------------
+    @property
+    def stage_ids(self) -> list[int]:
+        return [s.stage_index for s in self.stages]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.fqns_per_stage)
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for part in self.model_parts:
+            yield from part.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters of this rank's stages under their FQNs in the full model."""
+        for part in self.model_parts:
+            yield from part.named_parameters()
+
+    def train(self, mode: bool = True) -> PipelineModel:
+        for part in self.model_parts:
+            part.train(mode)
+        return self
+
+    # ---- running -------------------------------------------------------------------------
+    def step(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **stage_kwargs: Any,
+    ) -> torch.Tensor:
+        """Forward and backward of one local batch through every micro-batch.
+
+        Returns the sum of the micro-batch losses on a rank holding the last stage and a zero on
+        the others (`reduce_loss` makes it the loss on every pp rank). Gradients accumulate into
+        the stage parameters; the optimizer step is the caller's.
+        """
+        if self.loss_fn is None:
+            raise ValueError("step() needs a loss_fn: pass loss_fn= to AutoPipeline.build")
+        if labels is None and self.has_last_stage:
+            raise ValueError("labels is required on the rank that holds the last pipeline stage")
+        args, kwargs, target = self._prepare(input_ids, labels, position_ids, stage_kwargs)
+        losses: list[torch.Tensor] = []
+        extra = {"return_outputs": False} if _STEP_TAKES_RETURN_OUTPUTS else {}
+        self.schedule.step(*args, target=target, losses=losses, **extra, **kwargs)
+        return self._sum_losses(losses)
+
+    @torch.no_grad()
+    def eval(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **stage_kwargs: Any,
+    ) -> torch.Tensor | None:
+        """Forward only. With `labels` (and a loss_fn): the summed loss as `step` returns it;
+        without: the last stage's output (logits) on its rank, None elsewhere."""
+        use_loss = labels is not None and self.loss_fn is not None
+        args, kwargs, target = self._prepare(
+            input_ids, labels if use_loss else None, position_ids, stage_kwargs
+        )
+        losses: list[torch.Tensor] = []
+        out = self.schedule.eval(*args, target=target, losses=losses if use_loss else None, **kwargs)
+        if use_loss:
+            return self._sum_losses(losses)
+        return out if self.has_last_stage else None
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) a `step` result over the pp group: the loss on every pp rank."""
+        loss = loss.clone()
+        dist.all_reduce(loss, group=self.pp_group)
+        return loss
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _sum_losses(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        if self.has_last_stage and losses:
+            return torch.stack([loss.detach().float() for loss in losses]).sum()
+        return torch.zeros((), device=self.device)
+
+    def _prepare(
+        self,
+        input_ids: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        stage_kwargs: dict[str, Any],
+    ) -> tuple[tuple, dict[str, Any], torch.Tensor | None]:
+        cfg = self.config
+        if self.has_first_stage and input_ids is None:
+            raise ValueError("input_ids (the first stage's input) is required on the rank that holds stage 0")
+        present = [t for t in (input_ids, labels, position_ids) if t is not None]
+        if not present:
+            return (), dict(stage_kwargs), None
+        batch = present[0].shape[0]
+        if batch != cfg.pp_batch_size:
+            raise ValueError(
+                f"the batch has {batch} rows but pp_batch_size={cfg.pp_batch_size} "
+                f"(pp_microbatch_size={cfg.pp_microbatch_size})"
+            )
+        token_lens = [t.shape[1] for t in (input_ids, labels) if t is not None and _is_token_tensor(t)]
+        if token_lens:
+            seq = token_lens[0]
+            if self._seq_len is None:
+                self._seq_len = seq  # stages exchange fixed-shape buffers: every step must match
+            if seq > self._seq_len or (seq < self._seq_len and cfg.pp_seq_len is None):
+                raise ValueError(
+                    f"sequence length {seq} differs from the pipeline's {self._seq_len}; stages exchange "
+                    "fixed-shape activations, so set pp_seq_len to the longest length (shorter batches are padded)"
+                )
+            pad = self._seq_len - seq
+            if pad:
+                input_ids = _pad(input_ids, pad, 0)
+                labels = _pad(labels, pad, LABEL_PAD)
+                if position_ids is not None:
+                    step = torch.arange(1, pad + 1, device=position_ids.device, dtype=position_ids.dtype)
+                    position_ids = torch.cat([position_ids, position_ids[:, -1:] + step], dim=1)
+        kwargs = dict(stage_kwargs)
+        if position_ids is not None:
+            kwargs["position_ids"] = (
+                position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
+            )
+        args = (input_ids,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        return args, kwargs, target
+
+
+def _is_token_tensor(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and not t.is_floating_point() and not t.is_complex()
+
+
+def _pad(t: torch.Tensor | None, pad: int, value: int) -> torch.Tensor | None:
+    if t is None:
+        return None
+    filler = torch.full((t.shape[0], pad, *t.shape[2:]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([t, filler], dim=1)

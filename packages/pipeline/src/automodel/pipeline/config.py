@@ -1,0 +1,114 @@
+"""`PipelineConfig`: the `pipeline:` section of a recipe, validated when constructed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from automodel.pipeline.schedules import ScheduleSpec, resolve_schedule
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def _positive_int(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be a positive int, got {value!r}")
+
+
+@dataclass
+class PipelineConfig:
+    """How a model is split into pipeline stages and which schedule runs them.
+
+    `pp_batch_size` is the batch one data-parallel rank feeds to `step()` per optimizer step;
+    it is cut into `pp_batch_size // pp_microbatch_size` micro-batches. `layers_per_stage` (or
+    an explicit `module_fqns_per_model_part`) sets the number of stages; by default a
+    single-stage schedule gets one stage per rank and a multi-stage schedule two.
+    """
+
+    pp_schedule: str = "1f1b"
+    pp_schedule_csv: str | None = None
+    pp_microbatch_size: int = 1
+    pp_batch_size: int = 1
+    layers_per_stage: int | None = None
+    round_virtual_stages_to_pp_multiple: Literal["up", "down"] | None = None
+    module_fqns_per_model_part: list[list[str]] | None = None
+    scale_grads_in_schedule: bool = False
+    dtype: torch.dtype | str | None = None
+    pp_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        self.schedule_spec  # noqa: B018 - resolves (and so validates) pp_schedule
+        _positive_int("pp_microbatch_size", self.pp_microbatch_size)
+        _positive_int("pp_batch_size", self.pp_batch_size)
+        if self.pp_batch_size % self.pp_microbatch_size != 0:
+            raise ValueError(
+                f"pp_batch_size={self.pp_batch_size} is not divisible by "
+                f"pp_microbatch_size={self.pp_microbatch_size}"
+            )
+        if self.layers_per_stage is not None:
+            _positive_int("layers_per_stage", self.layers_per_stage)
+        if self.round_virtual_stages_to_pp_multiple not in (None, "up", "down"):
+            raise ValueError(
+                "round_virtual_stages_to_pp_multiple must be 'up', 'down' or None, "
+                f"got {self.round_virtual_stages_to_pp_multiple!r}"
+            )
+        if self.pp_seq_len is not None:
+            _positive_int("pp_seq_len", self.pp_seq_len)
+        if not isinstance(self.scale_grads_in_schedule, bool):
+            raise ValueError(f"scale_grads_in_schedule must be a bool, got {self.scale_grads_in_schedule!r}")
+        self.dtype = self._resolve_dtype(self.dtype)
+        self._check_fqns()
+        if self.pp_schedule_csv is not None:
+            if not isinstance(self.pp_schedule_csv, str | Path) or not Path(self.pp_schedule_csv).is_file():
+                raise ValueError(f"pp_schedule_csv={self.pp_schedule_csv!r} does not exist or is not a file")
+            self.pp_schedule_csv = str(self.pp_schedule_csv)
+        if self.module_fqns_per_model_part is not None and self.layers_per_stage is not None:
+            raise ValueError(
+                "set either module_fqns_per_model_part or layers_per_stage, not both "
+                f"(layers_per_stage={self.layers_per_stage})"
+            )
+
+    @staticmethod
+    def _resolve_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+        if value is None or isinstance(value, torch.dtype):
+            return value
+        if isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
+            return _DTYPES[value.lower().removeprefix("torch.")]
+        raise ValueError(f"dtype={value!r} is not a torch dtype; use one of {', '.join(_DTYPES)}")
+
+    def _check_fqns(self) -> None:
+        parts = self.module_fqns_per_model_part
+        if parts is None:
+            return
+        if not isinstance(parts, list | tuple) or not parts:
+            raise ValueError(f"module_fqns_per_model_part must be a non-empty list of lists, got {parts!r}")
+        for i, part in enumerate(parts):
+            if (
+                not isinstance(part, list | tuple)
+                or not part
+                or not all(isinstance(n, str) and n for n in part)
+            ):
+                raise ValueError(
+                    f"module_fqns_per_model_part[{i}] must be a non-empty list of module names, got {part!r}"
+                )
+        self.module_fqns_per_model_part = [list(p) for p in parts]
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def schedule_spec(self) -> ScheduleSpec:
+        return resolve_schedule(self.pp_schedule)
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.pp_batch_size // self.pp_microbatch_size

@@ -1,0 +1,100 @@
+"""Cut a module into stages by module FQN lists, keeping every parameter's original FQN.
+
+A stage is a pruned shallow copy of the model: the modules named for that stage (and the
+containers on the path to them) stay, everything else is removed (set to None, or deleted from a
+ModuleList/ModuleDict without renumbering). Kept modules are shared with the model, not copied,
+so splitting a materialized model costs no extra memory; a module kept by several stages (a
+parameter-free rotary embedding, say) is deep-copied so stages stay independent. The model's
+own `forward` runs the stage, so it must tolerate removed modules (torchtitan style); Hugging
+Face causal LMs get a stage forward of their own (see `hf.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from torch import nn
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _shallow_clone(module: nn.Module) -> nn.Module:
+    """A copy whose own registries (modules, params, buffers, hooks) are new dicts, sharing values."""
+    clone = copy.copy(module)
+    clone.__dict__ = {
+        k: (copy.copy(v) if isinstance(v, dict | set) else v) for k, v in module.__dict__.items()
+    }
+    return clone
+
+
+def _prune(module: nn.Module, keep: set[str], copy_fqns: set[str], prefix: str) -> nn.Module:
+    if prefix in keep:
+        return copy.deepcopy(module) if prefix in copy_fqns else module
+    clone = _shallow_clone(module)
+    for name, child in module._modules.items():
+        fqn = f"{prefix}.{name}" if prefix else name
+        needed = child is not None and (fqn in keep or any(k.startswith(fqn + ".") for k in keep))
+        if needed:
+            clone._modules[name] = _prune(child, keep, copy_fqns, fqn)
+        elif isinstance(module, _CONTAINERS):
+            del clone._modules[name]  # keeps the other keys (original layer indices) as they were
+        else:
+            clone._modules[name] = None
+    return clone
+
+
+def check_fqns_exist(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> None:
+    """Every named module must exist in `model`."""
+    names = {name for name, _ in model.named_modules()}
+    for i, fqns in enumerate(fqns_per_stage):
+        for fqn in fqns:
+            if fqn not in names or fqn == "":
+                top = ", ".join(n for n, _ in model.named_children())
+                raise ValueError(
+                    f"module_fqns_per_model_part[{i}] names {fqn!r}, which is not a submodule of "
+                    f"{type(model).__name__} (its top-level modules: {top})"
+                )
+
+
+def split_module(model: nn.Module, *, fqns: Sequence[str], shared_fqns: Sequence[str] = ()) -> nn.Module:
+    """The stage of `model` that holds the modules `fqns` (parameter FQNs unchanged).
+
+    Modules in `shared_fqns` (kept by more than one stage) are deep-copied instead of shared.
+    """
+    return _prune(model, set(fqns), set(shared_fqns), "")
+
+
+def modules_in_several_stages(fqns_per_stage: Sequence[Sequence[str]]) -> set[str]:
+    seen: dict[str, int] = {}
+    for fqns in fqns_per_stage:
+        for fqn in set(fqns):
+            seen[fqn] = seen.get(fqn, 0) + 1
+    return {fqn for fqn, count in seen.items() if count > 1}
+
+
+def check_parameter_coverage(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> None:
+    """Each parameter of `model` must land in exactly one stage (none lost, none duplicated)."""
+    check_fqns_exist(model, fqns_per_stage)
+    owner: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+        owner.setdefault(id(p), [])
+    for stage, fqns in enumerate(fqns_per_stage):
+        pruned = _prune(model, set(fqns), set(), "")
+        for p in pruned.parameters():
+            owner[id(p)].append(stage)
+    missing = [names[k] for k, stages in owner.items() if not stages]
+    if missing:
+        raise ValueError(
+            f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} are in no pipeline stage; "
+            "add their modules to module_fqns_per_model_part"
+        )
+    doubled = {names[k]: stages for k, stages in owner.items() if len(stages) > 1}
+    if doubled:
+        first = dict(list(doubled.items())[:5])
+        raise ValueError(
+            f"parameters are in more than one pipeline stage (name: stages) {first}; each parameter must "
+            "belong to exactly one stage (tied weights cannot be pipelined)"
+        )
