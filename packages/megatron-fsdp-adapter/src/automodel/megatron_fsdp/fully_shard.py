@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 
 import torch
 from automodel.megatron_fsdp.config import MegatronFSDPConfig
@@ -26,8 +27,12 @@ def apply_megatron_fsdp(
     unit_modules: list[type[nn.Module]],
     optimizer: torch.optim.Optimizer | None = None,
     gradient_divide_factor: float | None = None,
+    optimizer_param_names: Mapping[int, str] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Shard `model` (and `optimizer`, if given) with megatron-fsdp; needs CUDA.
+
+    `optimizer_param_names` maps ``id`` of each parameter the optimizer holds to its FQN, when the
+    optimizer was built before earlier steps (TP) replaced the model's parameters.
 
     Returns the ``MegatronFSDP`` wrapper (the original module is ``.module``) and the optimizer,
     now stepping the distributed parameters. Without an optimizer, build one later on
@@ -45,7 +50,7 @@ def apply_megatron_fsdp(
     )
     for note in call.warnings:
         warnings.warn(note, MegatronFSDPConfigWarning, stacklevel=2)
-    old_names = {id(p): name for name, p in model.named_parameters()}
+    old_names = dict(optimizer_param_names or {id(p): name for name, p in model.named_parameters()})
     wrapped = megatron_fsdp.fully_shard_model(
         module=model,
         device_mesh=mesh.device_mesh,

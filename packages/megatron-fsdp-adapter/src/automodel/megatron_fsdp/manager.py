@@ -7,6 +7,8 @@ from automodel.megatron_fsdp.checkpointing import apply_mlp_checkpointing
 from automodel.megatron_fsdp.config import MegatronFSDPConfig
 from automodel.megatron_fsdp.fully_shard import apply_megatron_fsdp
 from automodel.megatron_fsdp.layout import MegatronFSDPAxes, check_layout, megatron_fsdp_axes
+from automodel.megatron_fsdp.optimizer import rebind_param_groups
+from automodel.megatron_fsdp.runtime import import_megatron_fsdp
 from automodel.megatron_fsdp.tensor_parallel import apply_tp
 from automodel.megatron_fsdp.units import resolve_unit_modules
 from automodel.mesh import MeshContext
@@ -46,12 +48,19 @@ class MegatronFSDPManager:
         `gradient_divide_factor`: None averages over the dp group, 1.0 sums (see
         `build_fully_shard_call`). With dp > 1 the model comes back as a ``MegatronFSDP`` wrapper.
         """
+        if self.axes.shards:
+            import_megatron_fsdp()  # fail before TP touches the model when megatron-fsdp cannot run
         units = resolve_unit_modules(model, self.config.megatron_fsdp_unit_modules)
+        param_names = {id(p): name for name, p in model.named_parameters()}
         if self.mesh.layout.tp_enabled:
             apply_tp(model, tp_mesh=self.mesh.get_mesh("tp"), tp_plan=self.config.custom_tp_plan)
         if self.config.activation_checkpointing:
             apply_mlp_checkpointing(model, unit_modules=units)
         if not self.axes.shards:
+            if optimizer is not None:
+                rebind_param_groups(
+                    optimizer, old_names=param_names, new_params=dict(model.named_parameters())
+                )
             return model, optimizer
         return apply_megatron_fsdp(
             model,
@@ -60,4 +69,5 @@ class MegatronFSDPManager:
             unit_modules=units,
             optimizer=optimizer,
             gradient_divide_factor=gradient_divide_factor,
+            optimizer_param_names=param_names,
         )

@@ -15,11 +15,24 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+_WRAPPER_ATOM = "_checkpoint_wrapped_module."
+
+
+def _canonical(name: str) -> str:
+    """Parameter FQN without activation-checkpoint wrapper atoms (they are added by AC, not the model)."""
+    return name.replace(_WRAPPER_ATOM, "")
+
 
 def rebind_param_groups(
     optimizer: torch.optim.Optimizer, *, old_names: Mapping[int, str], new_params: Mapping[str, nn.Parameter]
 ) -> None:
-    """Point each param group at the new parameter of the same name (by ``id`` of the old one)."""
+    """Point each param group at the new parameter of the same name (by ``id`` of the old one).
+
+    TP and megatron-fsdp replace parameter objects, so an optimizer built before them would step
+    stale tensors; names (checkpoint-wrapper atoms ignored) identify the replacement.
+    """
+    new_params = {_canonical(n): p for n, p in new_params.items()}
+    old_names = {i: _canonical(n) for i, n in old_names.items()}
     groups = []
     for index, group in enumerate(optimizer.param_groups):
         params = []
