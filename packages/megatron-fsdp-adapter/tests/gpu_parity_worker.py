@@ -1,0 +1,112 @@
+"""torchrun worker for test_gpu.py: train a tiny Llama N steps with megatron_fsdp and with FSDP2.
+
+Run: ``torchrun --nproc_per_node=N gpu_parity_worker.py --tp 1 --dtype bf16 --out losses.json``.
+Both runs use the same seed, data and AdamW; the JSON holds the dp-averaged loss of each step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+from automodel.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPManager, apply_tp
+from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def batches(ctx: MeshContext, steps: int) -> list[torch.Tensor]:
+    """Each dp rank's slice of a seeded global batch (all tp ranks of a dp rank see the same)."""
+    dp, dp_rank = ctx.layout.dp, ctx.coordinates["dp_shard"]
+    out = []
+    for step in range(steps):
+        ids = torch.randint(0, 256, (2 * dp, 32), generator=torch.Generator().manual_seed(1000 + step))
+        out.append(ids.chunk(dp)[dp_rank].cuda())
+    return out
+
+
+def train(model, optimizer, data: list[torch.Tensor], ctx: MeshContext) -> list[float]:
+    losses = []
+    for ids in data:
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        value = loss.detach().float().clone()
+        if ctx.layout.dp > 1:
+            dist.all_reduce(value, group=ctx.get_mesh("dp").get_group())
+            value /= ctx.layout.dp
+        losses.append(value.item())
+    return losses
+
+
+def run_megatron(ctx: MeshContext, data, bf16: bool) -> list[float]:
+    model = tiny_llama().cuda()
+    if bf16:
+        model = model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    config = MegatronFSDPConfig(preserve_fp32_weights=True, grad_reduce_in_fp32=True, backend="nccl")
+    model, optimizer = MegatronFSDPManager(config, ctx).parallelize(model, optimizer)
+    return train(model, optimizer, data, ctx)
+
+
+def run_fsdp2(ctx: MeshContext, data, bf16: bool) -> list[float]:
+    model = tiny_llama().cuda()
+    if ctx.layout.tp_enabled:
+        apply_tp(model, tp_mesh=ctx.get_mesh("tp"))
+    if ctx.layout.dp > 1:
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
+        )
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=ctx.get_mesh("dp"), mp_policy=policy)
+        fully_shard(model, mesh=ctx.get_mesh("dp"), mp_policy=policy)
+    elif bf16:
+        raise SystemExit("bf16 reference needs dp > 1 (FSDP2's mixed precision)")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return train(model, optimizer, data, ctx)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    init_distributed(backend="nccl")
+    try:
+        ctx = MeshContext.build(ParallelismSizes(tp_size=args.tp))
+        data = batches(ctx, args.steps)
+        bf16 = args.dtype == "bf16"
+        result = {"megatron_fsdp": run_megatron(ctx, data, bf16), "fsdp2": run_fsdp2(ctx, data, bf16)}
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(
+                    {**result, "device": torch.cuda.get_device_name(), "world_size": dist.get_world_size()}, f
+                )
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
