@@ -11,7 +11,13 @@ import json
 
 import torch
 import torch.distributed as dist
-from automodel.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPManager, apply_tp
+from automodel.megatron_fsdp import (
+    MegatronFSDPConfig,
+    MegatronFSDPManager,
+    apply_megatron_fsdp,
+    apply_tp,
+    resolve_unit_modules,
+)
 from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -63,23 +69,35 @@ def run_megatron(ctx: MeshContext, data, bf16: bool) -> list[float]:
         model = model.to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     config = MegatronFSDPConfig(preserve_fp32_weights=True, grad_reduce_in_fp32=True, backend="nccl")
-    model, optimizer = MegatronFSDPManager(config, ctx).parallelize(model, optimizer)
+    if ctx.layout.dp > 1:
+        model, optimizer = MegatronFSDPManager(config, ctx).parallelize(model, optimizer)
+    else:
+        # The manager applies TP only when dp == 1; call megatron-fsdp directly so one GPU exercises it.
+        names = {id(p): n for n, p in model.named_parameters()}
+        if ctx.layout.tp_enabled:
+            apply_tp(model, tp_mesh=ctx.get_mesh("tp"))
+        units = resolve_unit_modules(model)
+        model, optimizer = apply_megatron_fsdp(
+            model,
+            mesh=ctx,
+            config=config,
+            unit_modules=units,
+            optimizer=optimizer,
+            optimizer_param_names=names,
+        )
+    assert type(model).__name__ == "MegatronFSDP", type(model)
     return train(model, optimizer, data, ctx)
 
 
 def run_fsdp2(ctx: MeshContext, data, bf16: bool) -> list[float]:
+    """Reference: torch's FSDP2 over dp (a 1-rank mesh is fine), bf16 params via its mixed precision."""
     model = tiny_llama().cuda()
     if ctx.layout.tp_enabled:
         apply_tp(model, tp_mesh=ctx.get_mesh("tp"))
-    if ctx.layout.dp > 1:
-        policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
-        )
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=ctx.get_mesh("dp"), mp_policy=policy)
-        fully_shard(model, mesh=ctx.get_mesh("dp"), mp_policy=policy)
-    elif bf16:
-        raise SystemExit("bf16 reference needs dp > 1 (FSDP2's mixed precision)")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=ctx.get_mesh("dp"), mp_policy=policy)
+    fully_shard(model, mesh=ctx.get_mesh("dp"), mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     return train(model, optimizer, data, ctx)
 
