@@ -16,22 +16,27 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from automodel.mesh.testing import RankFailure, run_on_ranks
+from automodel.recipes.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointError,
+    TrainingState,
+    load_pretrained_weights,
+)
+from automodel.recipes.checkpoint import paths as ckpt_paths
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-from automodel.mesh.testing import RankFailure, run_on_ranks
-from automodel.recipes.checkpoint import (
-    CheckpointConfig,
-    CheckpointError,
-    Checkpointer,
-    TrainingState,
-    load_pretrained_weights,
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
-from automodel.recipes.checkpoint import paths as ckpt_paths
 
 VOCAB, SEQ, GBS = 256, 16, 8
 TIMEOUT = 300
@@ -49,7 +54,9 @@ def _config(kind: str):
         tie_word_embeddings=False,
     )
     if kind == "moe":
-        cfg = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **common)
+        cfg = Qwen3MoeConfig(
+            intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **common
+        )
     else:
         cfg = LlamaConfig(intermediate_size=128, **common)
     cfg._attn_implementation = "sdpa"
@@ -129,7 +136,12 @@ def _parallelize(model: nn.Module, layout: str) -> tuple[int, int]:
         plan = {}
         for i in range(len(model.model.layers)):
             p = f"model.layers.{i}."
-            plan.update({p + n: ColwiseParallel() for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")})
+            plan.update(
+                {
+                    p + n: ColwiseParallel()
+                    for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+                }
+            )
             plan.update({p + n: ColwiseParallel() for n in ("mlp.gate_proj", "mlp.up_proj")})
             plan.update({p + "self_attn.o_proj": RowwiseParallel(), p + "mlp.down_proj": RowwiseParallel()})
         parallelize_module(model, mesh, plan)
@@ -148,7 +160,9 @@ def _tp_only(model: nn.Module, mesh) -> None:
     plan = {}
     for i in range(len(model.model.layers)):
         p = f"model.layers.{i}."
-        plan.update({p + n: ColwiseParallel() for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")})
+        plan.update(
+            {p + n: ColwiseParallel() for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
+        )
         plan.update({p + n: ColwiseParallel() for n in ("mlp.gate_proj", "mlp.up_proj")})
         plan.update({p + "self_attn.o_proj": RowwiseParallel(), p + "mlp.down_proj": RowwiseParallel()})
     parallelize_module(model, mesh, plan)
@@ -216,7 +230,9 @@ def _run_training(
     if save_consolidated:
         x = torch.randint(0, VOCAB, (GBS, SEQ), generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
-            eval_loss = state.model_parts[0](input_ids=x.chunk(dp_size)[dp_rank], labels=x.chunk(dp_size)[dp_rank]).loss
+            eval_loss = state.model_parts[0](
+                input_ids=x.chunk(dp_size)[dp_rank], labels=x.chunk(dp_size)[dp_rank]
+            ).loss
         result["eval_loss"] = _mean_over_world(eval_loss)
     return result
 
@@ -288,13 +304,22 @@ def test_resume_is_bitwise_identical_to_straight_run(tmp_path):
     """10 straight vs 5 + resume 5 on FSDP2 dp=2 with random label dropping: same losses, same weights."""
     common = dict(layout="fsdp", every=5, use_rng=True)
     straight = run_on_ranks(
-        _run_training, world_size=2, kwargs=dict(ckpt_dir=str(tmp_path / "a"), until=10, **common), timeout_s=TIMEOUT
+        _run_training,
+        world_size=2,
+        kwargs=dict(ckpt_dir=str(tmp_path / "a"), until=10, **common),
+        timeout_s=TIMEOUT,
     )
     first = run_on_ranks(
-        _run_training, world_size=2, kwargs=dict(ckpt_dir=str(tmp_path / "b"), until=5, **common), timeout_s=TIMEOUT
+        _run_training,
+        world_size=2,
+        kwargs=dict(ckpt_dir=str(tmp_path / "b"), until=5, **common),
+        timeout_s=TIMEOUT,
     )
     second = run_on_ranks(
-        _run_training, world_size=2, kwargs=dict(ckpt_dir=str(tmp_path / "b"), until=10, **common), timeout_s=TIMEOUT
+        _run_training,
+        world_size=2,
+        kwargs=dict(ckpt_dir=str(tmp_path / "b"), until=10, **common),
+        timeout_s=TIMEOUT,
     )
     assert first[0]["resumed"] is None and second[0]["resumed"] == 5
     resumed = {**first[0]["losses"], **second[0]["losses"]}
@@ -318,10 +343,16 @@ def test_resume_reshards_across_layouts(tmp_path, save_layout, save_world, load_
     ref_losses, _, _ = _reference(5)
     d = str(tmp_path / "ck")
     saved = run_on_ranks(
-        _run_training, world_size=save_world, kwargs=dict(ckpt_dir=d, layout=save_layout, until=3, every=3), timeout_s=TIMEOUT
+        _run_training,
+        world_size=save_world,
+        kwargs=dict(ckpt_dir=d, layout=save_layout, until=3, every=3),
+        timeout_s=TIMEOUT,
     )
     resumed = run_on_ranks(
-        _run_training, world_size=load_world, kwargs=dict(ckpt_dir=d, layout=load_layout, until=5, every=0), timeout_s=TIMEOUT
+        _run_training,
+        world_size=load_world,
+        kwargs=dict(ckpt_dir=d, layout=load_layout, until=5, every=0),
+        timeout_s=TIMEOUT,
     )
     assert resumed[0]["resumed"] == 3
     got = {**saved[0]["losses"], **resumed[0]["losses"]}
@@ -346,8 +377,13 @@ def _restore_into_pp_stages(*, ckpt_dir: str, out_dir: str) -> dict:
     stage = dist.get_rank()
     model = _pp_stage(_model(seed=99), stage)
     opt, sched = _optimizer(model)
-    state = TrainingState(model_parts=[model], optimizers=[opt], lr_schedulers=[sched], dataloader=PositionLoader(), step=0)
-    ckpt = Checkpointer(CheckpointConfig(checkpoint_dir=out_dir, restore_from=str(Path(ckpt_dir) / "step_3")), output_dir=out_dir)
+    state = TrainingState(
+        model_parts=[model], optimizers=[opt], lr_schedulers=[sched], dataloader=PositionLoader(), step=0
+    )
+    ckpt = Checkpointer(
+        CheckpointConfig(checkpoint_dir=out_dir, restore_from=str(Path(ckpt_dir) / "step_3")),
+        output_dir=out_dir,
+    )
     step = ckpt.restore(state)
     ckpt.last_saved_step = None
     ckpt.save(state)
@@ -365,10 +401,16 @@ def test_resume_into_pipeline_stages_and_sharded_export(tmp_path):
     """FSDP2 dp=2 checkpoint -> two PP stages: every weight and Adam moment lands, bitwise, in its stage."""
     d = str(tmp_path / "ck")
     saved = run_on_ranks(
-        _run_training, world_size=2, kwargs=dict(ckpt_dir=d, layout="fsdp", until=3, every=3), timeout_s=TIMEOUT
+        _run_training,
+        world_size=2,
+        kwargs=dict(ckpt_dir=d, layout="fsdp", until=3, every=3),
+        timeout_s=TIMEOUT,
     )[0]
     out = run_on_ranks(
-        _restore_into_pp_stages, world_size=2, kwargs=dict(ckpt_dir=d, out_dir=str(tmp_path / "pp")), timeout_s=TIMEOUT
+        _restore_into_pp_stages,
+        world_size=2,
+        kwargs=dict(ckpt_dir=d, out_dir=str(tmp_path / "pp")),
+        timeout_s=TIMEOUT,
     )
     ref_params = saved["params"]
     seen = set()
@@ -383,7 +425,10 @@ def test_resume_into_pipeline_stages_and_sharded_export(tmp_path):
     assert out[0]["lr"] == out[1]["lr"]
     cons = tmp_path / "pp" / "step_3" / "consolidated"
     index = json.loads((cons / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    assert set(index["weight_map"].values()) == {
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    }
     hf = AutoModelForCausalLM.from_pretrained(cons)
     for name, p in hf.named_parameters():
         assert torch.equal(p.detach(), ref_params[name]), name
@@ -427,7 +472,12 @@ def _load_pretrained(*, directory: str, layout: str) -> dict:
 def test_load_pretrained_weights_into_sharded_model(tmp_path, layout):
     ref = _model(seed=5)
     ref.save_pretrained(tmp_path / "hf")
-    out = run_on_ranks(_load_pretrained, world_size=2, kwargs=dict(directory=str(tmp_path / "hf"), layout=layout), timeout_s=TIMEOUT)
+    out = run_on_ranks(
+        _load_pretrained,
+        world_size=2,
+        kwargs=dict(directory=str(tmp_path / "hf"), layout=layout),
+        timeout_s=TIMEOUT,
+    )
     total = sum(p.numel() for p in ref.parameters())
     for name, p in ref.named_parameters():
         assert torch.equal(out[0]["params"][name], p.detach()), name
@@ -438,7 +488,9 @@ def test_load_pretrained_weights_names_missing_keys(tmp_path):
     from safetensors.torch import save_file
 
     (tmp_path / "hf").mkdir()
-    save_file({"model.embed_tokens.weight": torch.zeros(VOCAB, 64)}, str(tmp_path / "hf" / "model.safetensors"))
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(VOCAB, 64)}, str(tmp_path / "hf" / "model.safetensors")
+    )
     with pytest.raises(ValueError, match="lacks .* weights .*lm_head.weight"):
         load_pretrained_weights([_model()], tmp_path / "hf")
     with pytest.raises(ValueError, match="no \\*.safetensors"):
@@ -447,25 +499,18 @@ def test_load_pretrained_weights_names_missing_keys(tmp_path):
 
 # ---- atomicity, retention, corrupt checkpoints ---------------------------------------------------
 def _kill_during_publish(*, ckpt_dir: str) -> None:
-    """Rank body: train to step 2 (saved), then die at step 4 after writing, before the rename."""
-
-    def die(tmp_dir, final_dir):  # fault injection at the exact point between write and rename
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    ckpt_paths.publish = die if dist.get_rank() == 0 else ckpt_paths.publish
+    """Rank body: save step 2, then at step 4 rank 0 dies after every rank wrote, before the rename."""
     state, dp_rank, dp_size = _state("dense", "fsdp")
-    ckpt = Checkpointer(CheckpointConfig(checkpoint_dir=ckpt_dir, save_consolidated=False), output_dir=ckpt_dir)
-    real = ckpt_paths.publish
+    ckpt = Checkpointer(
+        CheckpointConfig(checkpoint_dir=ckpt_dir, save_consolidated=False), output_dir=ckpt_dir
+    )
     while state.step < 4:
         _train_step(state, dp_rank=dp_rank, dp_size=dp_size, use_rng=False)
-        if state.step == 2:
-            ckpt_paths.publish = _real_publish
-            ckpt.save(state)
-            ckpt_paths.publish = real
+        ckpt.maybe_save(state, every_steps=2 if state.step == 2 else None)
+    if dist.get_rank() == 0:
+        # Fault injection (this forked rank only) at the exact point between writing and renaming.
+        ckpt_paths.publish = lambda tmp_dir, final_dir: os.kill(os.getpid(), signal.SIGKILL)
     ckpt.save(state)
-
-
-_real_publish = ckpt_paths.publish
 
 
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path, caplog):
@@ -475,7 +520,12 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, caplog):
     assert (d / "LATEST").read_text().strip() == "step_2"
     assert (d / ".tmp-step_4" / ".metadata").is_file()  # fully written, never published
     assert not (d / "step_4").exists()
-    out = run_on_ranks(_run_training, world_size=2, kwargs=dict(ckpt_dir=str(d), layout="fsdp", until=3, every=0), timeout_s=TIMEOUT)
+    out = run_on_ranks(
+        _run_training,
+        world_size=2,
+        kwargs=dict(ckpt_dir=str(d), layout="fsdp", until=3, every=0),
+        timeout_s=TIMEOUT,
+    )
     assert out[0]["resumed"] == 2
     assert not (d / ".tmp-step_4").exists()
     ref_losses, _, _ = _reference(3)
@@ -485,7 +535,10 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, caplog):
 def test_retention_corruption_and_restore_from(tmp_path, caplog):
     d = tmp_path / "ck"
     run_on_ranks(
-        _run_training, world_size=2, kwargs=dict(ckpt_dir=str(d), layout="fsdp", until=4, every=1, keep_last_n=2), timeout_s=TIMEOUT
+        _run_training,
+        world_size=2,
+        kwargs=dict(ckpt_dir=str(d), layout="fsdp", until=4, every=1, keep_last_n=2),
+        timeout_s=TIMEOUT,
     )
     assert sorted(p.name for p in d.iterdir()) == ["LATEST", "step_3", "step_4"]
     # Truncate a shard of the newest: it is skipped (with a log line) in favour of step_3 ...
@@ -494,7 +547,12 @@ def test_retention_corruption_and_restore_from(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="automodel.recipes.checkpoint.paths")
     assert ckpt_paths.newest_complete(d) == d / "step_3"
     assert "skipping checkpoint step 4" in caplog.text and "wrong size" in caplog.text
-    out = run_on_ranks(_run_training, world_size=2, kwargs=dict(ckpt_dir=str(d), layout="fsdp", until=4, every=0), timeout_s=TIMEOUT)
+    out = run_on_ranks(
+        _run_training,
+        world_size=2,
+        kwargs=dict(ckpt_dir=str(d), layout="fsdp", until=4, every=0),
+        timeout_s=TIMEOUT,
+    )
     assert out[0]["resumed"] == 3
     # ... but naming it explicitly is a clear error, as is a missing LATEST target.
     for spec in ("step_4", str(d / "step_4")):
@@ -514,7 +572,9 @@ def test_retention_corruption_and_restore_from(tmp_path, caplog):
 def _sigterm_run(*, ckpt_dir: str) -> dict:
     """Rank body: rank 1 gets SIGTERM at step 2; every rank must see it and save at that step."""
     state, dp_rank, dp_size = _state("dense", "fsdp")
-    ckpt = Checkpointer(CheckpointConfig(checkpoint_dir=ckpt_dir, save_consolidated=False), output_dir=ckpt_dir)
+    ckpt = Checkpointer(
+        CheckpointConfig(checkpoint_dir=ckpt_dir, save_consolidated=False), output_dir=ckpt_dir
+    )
     stopped_at = None
     while state.step < 6:
         _train_step(state, dp_rank=dp_rank, dp_size=dp_size, use_rng=False)

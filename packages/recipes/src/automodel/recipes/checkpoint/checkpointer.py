@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ class Checkpointer:
         self.root = Path(config.checkpoint_dir) if config.checkpoint_dir else Path(output_dir) / "checkpoints"
         self.last_saved_step: int | None = None
         self._sigterm = False
+        self._preemption_seen = False
         self._previous_handler: Any = None
         self._install_sigterm_handler()
 
@@ -98,6 +100,7 @@ class Checkpointer:
             t = torch.tensor([int(flag)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flag = bool(t.item())
+        self._preemption_seen = self._preemption_seen or flag
         return flag
 
     def close(self) -> None:
@@ -166,6 +169,13 @@ class Checkpointer:
                 for removed in paths.apply_retention(self.root, self.config.keep_last_n):
                     log.info("retention (keep_last_n=%d): removed %s", self.config.keep_last_n, removed)
             log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
+            if self._preemption_seen:
+                print(
+                    f"SIGTERM received (pre-emption): saved checkpoint {final} at step {state.step}; "
+                    "stopping now. Run the same command again to resume from it.",
+                    file=sys.stderr,
+                    flush=True,
+                )
         _barrier()
         self.last_saved_step = state.step
         return final
