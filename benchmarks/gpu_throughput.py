@@ -1,0 +1,272 @@
+"""Single-GPU training throughput of a Llama-3.2-1B-shaped model under FSDP2: tokens/s/GPU and MFU.
+
+    python benchmarks/gpu_throughput.py                          # 1B shape, seq 4096, bf16, FSDP2
+    python benchmarks/gpu_throughput.py --variants base,compile,ac,compile+ac
+    python benchmarks/gpu_throughput.py --tiny --device cpu --steps 2 --warmup 1   # smoke test
+
+Random init (no download). Each variant builds a fresh model, runs `--warmup` untimed steps and
+`--steps` timed steps (CUDA events on GPU, perf_counter on CPU) and reports the median; ratios
+are against the first variant of the same run.
+
+FLOPs per token (the torchtitan / PaLM-appendix-B convention):
+    6 * N  +  12 * L * H * Dh * S
+N = parameters that take part in matmuls (all parameters except an untied input-embedding
+table; a tied embedding counts once, as the LM head), L layers, H query heads, Dh head dim,
+S sequence length. The attention term counts QK^T and AV forward+backward over the full
+S x S square (no causal halving), as torchtitan does. MFU = FLOPs/token * tokens/s / peak;
+the peak defaults to 989 TFLOP/s (H100 SXM dense bf16), set --peak-tflops for other parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+H100_SXM_BF16_DENSE_TFLOPS = 989.0
+
+LLAMA_3_2_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+@dataclass
+class Result:
+    variant: str
+    median_step_s: float
+    tokens_per_s_per_gpu: float
+    tflops_per_s: float
+    mfu: float
+    peak_mem_gib: float
+    fsdp: str
+
+
+def flops_per_token(model: torch.nn.Module, shape: dict, seq_len: int) -> float:
+    """6 * N + 12 * L * H * Dh * S (see the module docstring for N)."""
+    n = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    if not shape["tie_word_embeddings"]:
+        n -= embed.numel()
+    attention = 12 * shape["num_hidden_layers"] * shape["num_attention_heads"] * shape["head_dim"] * seq_len
+    return 6 * n + attention
+
+
+def build_model(shape: dict, seq_len: int, device: torch.device) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape, max_position_embeddings=max(seq_len, 64), use_cache=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with device:
+        return LlamaForCausalLM(config)
+
+
+def parallelize(model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: bool, ac: bool) -> str:
+    """FSDP2 (one unit per layer, root last) with bf16 params / fp32 reduce; AC and per-layer compile."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    try:
+        from automodel.fsdp2 import FSDP2Config, FSDP2Manager
+        from automodel.mesh import MeshContext, ParallelismSizes
+    except ImportError:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from torch.distributed.fsdp import fully_shard
+
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            if ac:
+                layers[i] = layer = checkpoint_wrapper(layer)
+            if compile_layers:
+                layer.compile()
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return "torch fully_shard (automodel.fsdp2 not importable)"
+    ctx = MeshContext.build(ParallelismSizes())
+    config = FSDP2Config(mp_policy=policy, activation_checkpointing=ac, enable_compile=compile_layers)
+    FSDP2Manager(config, ctx).parallelize(model)
+    return "automodel.fsdp2.FSDP2Manager"
+
+
+def make_timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    if device.type == "cuda":
+
+        def timed(step: Callable[[], None]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+
+        return timed
+
+    def timed_cpu(step: Callable[[], None]) -> float:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
+
+    return timed_cpu
+
+
+def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: torch.device) -> Result:
+    parts = set(variant.split("+")) - {"base"}
+    unknown = parts - {"compile", "ac"}
+    if unknown:
+        raise ValueError(
+            f"--variants: unknown part(s) {sorted(unknown)} in {variant!r}; use base, compile, ac"
+        )
+    model = build_model(shape, args.seq_len, device)
+    flops = flops_per_token(model, shape, args.seq_len)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    how = parallelize(model, dtype=dtype, compile_layers="compile" in parts, ac="ac" in parts)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape["vocab_size"], (args.batch_size, args.seq_len), generator=gen).to(device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    timed = make_timer(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.warmup):
+        timed(step)
+    times = [timed(step) for _ in range(args.steps)]
+    median = statistics.median(times)
+    tokens_per_s = args.batch_size * args.seq_len / median
+    achieved = flops * tokens_per_s
+    peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return Result(
+        variant=variant,
+        median_step_s=median,
+        tokens_per_s_per_gpu=tokens_per_s,
+        tflops_per_s=achieved / 1e12,
+        mfu=achieved / (args.peak_tflops * 1e12),
+        peak_mem_gib=peak_mem,
+        fsdp=how,
+    )
+
+
+def torchtitan_note() -> str:
+    """torchtitan is compared only when importable; say why not otherwise."""
+    try:
+        import torchtitan  # noqa: F401
+    except ImportError:
+        return "torchtitan not importable here: no torchtitan comparison in this run"
+    return (
+        "torchtitan is importable, but its trainer is config-driven: run its llama3 1B toml for a comparison"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny Llama (hidden 64, 2 layers) for smoke tests"
+    )
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--seq-len", type=int, default=None, help="default 4096 (32 with --tiny)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--variants", default="base", help="comma list of base, compile, ac, compile+ac")
+    parser.add_argument("--peak-tflops", type=float, default=H100_SXM_BF16_DENSE_TFLOPS)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.seq_len is None:
+        args.seq_len = 32 if args.tiny else 4096
+    for key in ("seq_len", "batch_size", "steps"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch.cuda.is_available() is False (use --tiny --device cpu)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    own_group = not dist.is_initialized()
+    if own_group:
+        from automodel.mesh import init_distributed
+
+        init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
+    if dist.get_world_size() != 1:
+        raise SystemExit("gpu_throughput.py measures one GPU: run it as a single process")
+    try:
+        shape = TINY if args.tiny else LLAMA_3_2_1B
+        results = []
+        for variant in args.variants.split(","):
+            results.append(run_variant(variant.strip(), args, shape, device))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the variant's model and optimizer are gone; give back their memory
+    finally:
+        if own_group:
+            from automodel.mesh import destroy_distributed
+
+            destroy_distributed()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = {
+        "device": name,
+        "torch": torch.__version__,
+        "shape": "tiny" if args.tiny else "llama-3.2-1b",
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "dtype": args.dtype,
+        "peak_tflops": args.peak_tflops,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "torchtitan": torchtitan_note(),
+        "results": [asdict(r) for r in results],
+    }
+    print(
+        f"device={name} torch={torch.__version__} shape={report['shape']} seq={args.seq_len} bs={args.batch_size} "
+        f"dtype={args.dtype} peak={args.peak_tflops} TFLOP/s steps={args.steps} (median, {args.warmup} warm-up)"
+    )
+    base = results[0].tokens_per_s_per_gpu
+    print(
+        f"{'variant':<12} {'step s':>9} {'tok/s/GPU':>11} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'vs first':>9}"
+    )
+    for r in results:
+        print(
+            f"{r.variant:<12} {r.median_step_s:>9.4f} {r.tokens_per_s_per_gpu:>11.1f} {r.tflops_per_s:>9.2f} "
+            f"{r.mfu:>7.2%} {r.peak_mem_gib:>9.2f} {r.tokens_per_s_per_gpu / base:>8.2f}x"
+        )
+    print(f"FSDP2 via: {results[0].fsdp}; {report['torchtitan']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
