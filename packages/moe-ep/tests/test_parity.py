@@ -17,7 +17,9 @@ from torch.distributed.tensor import DTensor
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
 from automodel.moe import MoEParallelizerConfig, parallelize_model
-from automodel.moe.testing import build_tiny_model
+from automodel.moe.testing import build_tiny_model, preload
+
+preload()
 
 SEQ, PER_RANK, VOCAB, TOL = 16, 2, 256, 1e-5
 

@@ -30,17 +30,21 @@ def _topk_dim(args: tuple, kwargs: dict) -> int:
 
 
 class _RecordTopK(TorchFunctionMode):
-    """Run every op normally; keep the indices each ``topk`` returned."""
+    """Keep the indices each ``topk`` returns; its values are gathered at those indices."""
 
     def __init__(self, record: list[torch.Tensor]) -> None:
         super().__init__()
         self.record = record
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func in _TOPK:
-            self.record.append(out[1].detach())
-        return out
+        kwargs = kwargs or {}
+        if func not in _TOPK:
+            return func(*args, **kwargs)
+        with torch.no_grad():
+            indices = func(*args, **kwargs)[1]
+        self.record.append(indices)
+        # Same autograd ops as the replay (a gather), so forward and recomputation save alike.
+        return torch.return_types.topk((args[0].gather(_topk_dim(args, kwargs), indices), indices))
 
 
 class _ReplayTopK(TorchFunctionMode):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ def all_to_all(
     x: torch.Tensor, *, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Uneven all-to-all of rows of `x` whose backward is the reverse all-to-all."""
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return dist_fn.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    group = group if group is not None else dist.group.WORLD
+    return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
 def dispatch_tokens(x: torch.Tensor, plan: DispatchPlan, *, group: dist.ProcessGroup | None) -> torch.Tensor:

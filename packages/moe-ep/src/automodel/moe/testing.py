@@ -75,3 +75,18 @@ def build_tiny_model(family: str, *, seed: int = 0, **config_kwargs: object) -> 
 
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_config(family, **config_kwargs)).float()
+
+
+def preload(families: tuple[str, ...] = (*MOE_FAMILIES, "llama")) -> None:
+    """Import the modeling modules and torch's lazily imported parts once, before ranks are forked.
+
+    Otherwise every forked rank imports them itself, which on a small machine costs far more
+    than the test.
+    """
+    import importlib
+
+    import torch._dynamo  # noqa: F401  (FSDP2 and checkpoint import it lazily)
+    import torch.distributed.fsdp  # noqa: F401
+
+    for family in families:
+        importlib.import_module(f"transformers.models.{family}.modeling_{family}")
