@@ -1,7 +1,7 @@
 """Apply the layout to a meta-device model in DESIGN §2 order and return the model parts.
 
     PP split -> per stage: TP/SP -> CP hooks -> EP -> activation checkpointing -> compile
-    -> FSDP2 / DDP / Megatron-FSDP -> (materialize, done by the caller) -> optimizer
+    -> FSDP2 / DDP / Megatron-FSDP -> materialize -> (optimizer, built by the loop)
 
 Each layout is delegated to its package; a layout whose package API is not installed yet is a
 `ConfigError` ("not available yet"), never a silent fallback to another layout. Data-parallel
@@ -11,6 +11,7 @@ label-token count instead, so every layout produces the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ from automodel.recipes._dist_setup import DistributedSection
 from automodel.recipes.availability import require_api
 from automodel.recipes.errors import ConfigError
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @dataclass
@@ -28,17 +29,21 @@ class ParallelModel:
     """The model parts this rank holds, and the pieces the loop needs to drive them."""
 
     parts: list[nn.Module]
-    pipeline: Any = None  # the pipeline object with `.step` when pp > 1
-    fsdp_modules: list[FSDPModule] = field(default_factory=list)
+    pipeline: Any = None  # the built pipeline (with `.step`) when pp > 1
     cp_enabled: bool = False
+    defer_grad_sync: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
 
+    def grad_sync(self, *, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
+        """Reduce data-parallel gradients only on the last micro-batch of a step (when deferring)."""
+        from automodel.fsdp2 import grad_sync_context
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer block list of a transformers causal LM (``model.model.layers``)."""
-    for name, mod in model.named_modules():
-        if name.endswith("layers") and isinstance(mod, nn.ModuleList):
-            return mod
-    raise ValueError(f"{type(model).__name__} has no ModuleList of decoder layers")
+        stack = contextlib.ExitStack()
+        for part in self.parts:
+            stack.enter_context(
+                grad_sync_context(part, is_last_microbatch=is_last_microbatch, enabled=self.defer_grad_sync)
+            )
+        return stack
 
 
 def default_mp_policy(options: dict) -> MixedPrecisionPolicy:
@@ -47,67 +52,40 @@ def default_mp_policy(options: dict) -> MixedPrecisionPolicy:
     if mp is not None:
         return mp
     if torch.cuda.is_available():
-        return MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
-        )
+        from automodel.fsdp2 import default_mp_policy as seed_default
+
+        return seed_default()
     return MixedPrecisionPolicy()
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    layers = decoder_layers(model)
-    for i, layer in enumerate(list(layers)):
-        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-
-
-def _fsdp_mesh(mesh: MeshContext):
-    if mesh.layout.dp_replicate > 1:
-        return mesh.device_mesh[("dp_replicate", "dp_shard_cp")]
-    return mesh.get_mesh("dp_shard_cp")
-
-
-def apply_fsdp(
-    model: nn.Module, *, mesh: MeshContext, options: dict, gradient_divide_factor: float | None
-) -> list:
-    """FSDP2 (HSDP when dp_replicate > 1): each decoder layer, then the root."""
-    if mesh.layout.dp_shard_cp * mesh.layout.dp_replicate == 1:
-        return []
-    dp_mesh = _fsdp_mesh(mesh)
-    mp = default_mp_policy(options)
-    kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp}
-    if options.get("offload_policy") is not None:
-        kwargs["offload_policy"] = options["offload_policy"]
-    layers = decoder_layers(model)
-    for layer in layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if gradient_divide_factor is not None:
-        for m in modules:
-            m.set_gradient_divide_factor(gradient_divide_factor)
-    return modules
+def strategy_config(section: DistributedSection) -> Any:
+    """The strategy's config dataclass built from the section's flags (errors name the key)."""
+    if section.strategy == "fsdp2":
+        (cls,) = require_api("automodel.fsdp2", "FSDP2Config", key="distributed.strategy", value="fsdp2")
+        options = dict(section.options)
+        options["mp_policy"] = default_mp_policy(options)
+    elif section.strategy == "ddp":
+        (cls,) = require_api("automodel.fsdp2", "DDPConfig", key="distributed.strategy", value="ddp")
+        options = dict(section.options)
+    else:
+        (cls,) = require_api(
+            "automodel.megatron_fsdp", "MegatronFSDPConfig", key="distributed.strategy", value="megatron_fsdp"
+        )
+        options = dict(section.options)
+    options.setdefault("backend", "nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        return cls(**options)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        key = next((k for k in options if msg.startswith(k) or f"{k} " in msg or f"{k}." in msg), None)
+        raise ConfigError(f"distributed.{key}" if key else "distributed", options.get(key), msg) from None
 
 
-def _sum_allreduce_hook(process_group: Any, bucket: Any) -> Any:
-    import torch.distributed as dist
+def _materialize(parts: list[nn.Module], *, device: torch.device, seed: int) -> None:
+    from automodel.fsdp2 import materialize_meta_model
 
-    fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
-
-
-def apply_ddp(model: nn.Module, *, mesh: MeshContext, gradient_divide_factor: float | None) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    if mesh.layout.dp == 1:
-        return model
-    group = mesh.get_mesh("dp").get_group()
-    ddp = DistributedDataParallel(model, process_group=group)
-    if gradient_divide_factor == 1.0:
-        ddp.register_comm_hook(group, _sum_allreduce_hook)
-    elif gradient_divide_factor is not None:
-        raise ValueError(f"ddp supports gradient_divide_factor None or 1.0, got {gradient_divide_factor}")
-    return ddp
+    for part in parts:
+        materialize_meta_model(part, device=device, seed=seed)
 
 
 def parallelize_model(
@@ -116,38 +94,49 @@ def parallelize_model(
     mesh: MeshContext,
     section: DistributedSection,
     hf_config: Any,
+    device: torch.device,
+    seed: int,
     loss_fn: Any = None,
     gradient_divide_factor: float | None = 1.0,
 ) -> ParallelModel:
-    """Compose the parallelisms of `section` on `model` (still on the meta device)."""
+    """Compose the parallelisms of `section` on `model` (on the meta device) and materialize it."""
     layout = mesh.layout
-    options = dict(section.options)
+    config = strategy_config(section)
     if layout.pp > 1:
         require_api("automodel.pipeline", "AutoPipeline", key="distributed.pp_size", value=layout.pp)
-    if layout.tp > 1:
-        require_api("automodel.fsdp2", "apply_tp", key="distributed.tp_size", value=layout.tp)
     if layout.cp > 1:
         require_api(
             "automodel.context_parallel", "make_cp_batch_and_ctx", key="distributed.cp_size", value=layout.cp
         )
     if layout.ep > 1:
         require_api("automodel.moe", "parallelize_model", key="distributed.ep_size", value=layout.ep)
+
+    if section.strategy == "ddp":
+        from automodel.fsdp2 import DDPManager
+
+        _materialize([model], device=device, seed=seed)  # DDP broadcasts real parameters
+        if layout.dp == 1:
+            return ParallelModel(parts=[model], defer_grad_sync=False)
+        ddp = DDPManager(config, mesh, gradient_divide_factor=gradient_divide_factor).parallelize(model)
+        return ParallelModel(parts=[ddp], defer_grad_sync=True)
+
     if section.strategy == "megatron_fsdp":
-        require_api(
+        (manager_cls,) = require_api(
             "automodel.megatron_fsdp",
             "MegatronFSDPManager",
             key="distributed.strategy",
-            value=section.strategy,
+            value="megatron_fsdp",
         )
-    if options.get("enable_compile"):
-        raise ConfigError(
-            "distributed.enable_compile", True, "needs automodel.fsdp2.apply_compile, not available yet"
-        )
-    if section.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if section.strategy == "ddp":
-        return ParallelModel(
-            parts=[apply_ddp(model, mesh=mesh, gradient_divide_factor=gradient_divide_factor)]
-        )
-    fsdp = apply_fsdp(model, mesh=mesh, options=options, gradient_divide_factor=gradient_divide_factor)
-    return ParallelModel(parts=[model], fsdp_modules=fsdp)
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "distributed.strategy", "megatron_fsdp", "needs CUDA (megatron-fsdp runs on GPUs only)"
+            )
+        manager = manager_cls(config, mesh)
+        parts = [manager.parallelize(model)]
+        return ParallelModel(parts=parts, defer_grad_sync=False, extra={"manager": manager})
+
+    from automodel.fsdp2 import fsdp2_strategy_parallelize
+
+    fsdp2_strategy_parallelize(model, mesh=mesh, config=config, gradient_divide_factor=gradient_divide_factor)
+    _materialize([model], device=device, seed=seed)
+    return ParallelModel(parts=[model], defer_grad_sync=config.defer_fsdp_grad_sync)

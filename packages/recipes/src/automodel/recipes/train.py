@@ -8,7 +8,6 @@ same loss and gradients for the same global batch.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,10 +30,9 @@ from automodel.recipes.errors import ConfigError
 from automodel.recipes.grad_norm import clip_grad_norm
 from automodel.recipes.instantiate import locate
 from automodel.recipes.lr_schedule import build_lr_scheduler
-from automodel.recipes.materialize import materialize_model
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
 from automodel.recipes.model import build_hf_config, build_meta_model
-from automodel.recipes.parallelize import ParallelModel, parallelize_model
+from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.rules import check_layout_rules
 
@@ -67,18 +65,6 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 def dp_rank_of(mesh: MeshContext) -> int:
     c = mesh.coordinates
     return c["dp_replicate"] * mesh.layout.dp_shard + c["dp_shard"]
-
-
-def _grad_sync(pm: ParallelModel, enabled: bool) -> contextlib.AbstractContextManager:
-    """Skip data-parallel gradient reduction on all but the last micro-batch of a step."""
-    part = pm.parts[0]
-    if pm.fsdp_modules:
-        for m in pm.fsdp_modules:
-            m.set_requires_gradient_sync(enabled, recurse=False)
-        return contextlib.nullcontext()
-    if not enabled and hasattr(part, "no_sync"):
-        return part.no_sync()
-    return contextlib.nullcontext()
 
 
 class Trainer:
@@ -135,11 +121,14 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = build_meta_model(self.hf_config, dtype=cfg.model.dtype)
         self.pm = parallelize_model(
-            model, mesh=self.mesh, section=cfg.distributed, hf_config=self.hf_config, loss_fn=cfg.loss_fn
+            model,
+            mesh=self.mesh,
+            section=cfg.distributed,
+            hf_config=self.hf_config,
+            device=self.device,
+            seed=cfg.seed,
+            loss_fn=cfg.loss_fn,
         )
-        std = float(getattr(self.hf_config, "initializer_range", 0.02))
-        for part in self.pm.parts:
-            materialize_model(part, device=self.device, seed=cfg.seed, std=std)
         if cfg.model.pretrained_path is not None:
             from automodel.recipes.checkpoint import load_pretrained_weights
 
@@ -176,10 +165,8 @@ class Trainer:
             torch.tensor(float(local_tokens), device=self.device), _group(self.mesh, "dp")
         )
         loss_sum = torch.zeros((), device=self.device)
-        defer = self.cfg.distributed.defer_fsdp_grad_sync or self.cfg.distributed.strategy == "ddp"
         for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            with _grad_sync(self.pm, last or not defer):
+            with self.pm.grad_sync(is_last_microbatch=i == len(batches) - 1):
                 loss = self._forward_loss_sum(batch) / tokens
                 loss.backward()
             loss_sum += loss.detach()

@@ -1,0 +1,59 @@
+"""Shared tiny configs and rank functions for the recipes tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+TINY: dict[str, Any] = {
+    "seed": 7,
+    "model": {
+        "config": {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+        }
+    },
+    "dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 40000},
+    "step_scheduler": {"global_batch_size": 8, "local_batch_size": 2, "max_steps": 3},
+    "optimizer": {"_target_": "torch.optim.AdamW", "lr": 0.003, "foreach": False},
+    "lr_scheduler": {"warmup_steps": 1, "decay_style": "cosine", "min_lr": 0.0003},
+    "distributed": {"strategy": "fsdp2"},
+    "checkpoint": {"enabled": False},
+    "logging": {"progress_bar": False},
+}
+
+
+def tiny_config(output_dir: str, **sections: Any) -> dict[str, Any]:
+    """TINY with `output_dir` and sections merged in (a None value deletes the section)."""
+    cfg = copy.deepcopy(TINY)
+    cfg["output_dir"] = output_dir
+    for key, value in sections.items():
+        if value is None:
+            cfg.pop(key, None)
+        elif isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def train_on_rank(raw: dict[str, Any]) -> list[float]:
+    """Rank function: parse and train `raw`; every rank returns the per-step losses."""
+    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes.train import run_training
+
+    return run_training(parse_recipe_config(raw)).losses
+
+
+def preload() -> None:
+    """Import the heavy modules once in the test process so forked ranks start warm."""
+    import automodel.fsdp2  # noqa: F401
+    import automodel.recipes.train  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
