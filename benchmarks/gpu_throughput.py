@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_throughput.py                          # 1B shape, seq 4096, bf16, FSDP2
     python benchmarks/gpu_throughput.py --variants base,compile,ac,compile+ac
+    python benchmarks/gpu_throughput.py --variants base,megatron     # FSDP2 vs megatron-fsdp, same GPU
     python benchmarks/gpu_throughput.py --tiny --device cpu --steps 2 --warmup 1   # smoke test
 
 Random init (no download). Each variant builds a fresh model, runs `--warmup` untimed steps and
@@ -114,6 +115,36 @@ def parallelize(model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: b
     return "automodel.fsdp2.FSDP2Manager"
 
 
+def parallelize_megatron(
+    model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: bool, ac: bool
+) -> str:
+    """megatron-fsdp (ZeRO-3, one unit per decoder layer) on the same GPU: params in `dtype`,
+    fp32 main weights and fp32 gradient reduction; AC on each layer's MLP (the seed's scope)."""
+    from automodel.megatron_fsdp import (
+        MegatronFSDPConfig,
+        apply_megatron_fsdp,
+        apply_mlp_checkpointing,
+        resolve_unit_modules,
+    )
+    from automodel.mesh import MeshContext, ParallelismSizes
+
+    model.to(dtype)
+    units = resolve_unit_modules(model)
+    if ac:
+        apply_mlp_checkpointing(model, unit_modules=units)
+    if compile_layers:
+        for layer in model.model.layers:
+            layer.compile()
+    config = MegatronFSDPConfig(
+        preserve_fp32_weights=True, grad_reduce_in_fp32=True, activation_checkpointing=ac
+    )
+    ctx = MeshContext.build(ParallelismSizes())
+    # apply_megatron_fsdp directly: the manager applies TP only when dp == 1.
+    wrapped, _ = apply_megatron_fsdp(model, mesh=ctx, config=config, unit_modules=units)
+    model.__dict__["_benchmark_wrapper"] = wrapped
+    return "automodel.megatron_fsdp.apply_megatron_fsdp"
+
+
 def make_timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     if device.type == "cuda":
 
@@ -137,16 +168,23 @@ def make_timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
 
 def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: torch.device) -> Result:
     parts = set(variant.split("+")) - {"base"}
-    unknown = parts - {"compile", "ac"}
+    unknown = parts - {"compile", "ac", "megatron"}
     if unknown:
         raise ValueError(
-            f"--variants: unknown part(s) {sorted(unknown)} in {variant!r}; use base, compile, ac"
+            f"--variants: unknown part(s) {sorted(unknown)} in {variant!r}; use base, compile, ac, megatron"
         )
     model = build_model(shape, args.seq_len, device)
     flops = flops_per_token(model, shape, args.seq_len)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    how = parallelize(model, dtype=dtype, compile_layers="compile" in parts, ac="ac" in parts)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    apply = parallelize_megatron if "megatron" in parts else parallelize
+    how = apply(model, dtype=dtype, compile_layers="compile" in parts, ac="ac" in parts)
+    model = model.__dict__.pop("_benchmark_wrapper", model)
+    # foreach AdamW for both strategies (megatron-fsdp's uneven DTensor shards are not tested with fused).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if "megatron" in parts:
+        from automodel.megatron_fsdp import shard_optimizer
+
+        optimizer = shard_optimizer(optimizer)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab_size"], (args.batch_size, args.seq_len), generator=gen).to(device)
 
@@ -198,7 +236,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    parser.add_argument("--variants", default="base", help="comma list of base, compile, ac, compile+ac")
+    parser.add_argument(
+        "--variants",
+        default="base",
+        help="comma list: base (FSDP2), compile, ac, compile+ac, megatron (megatron-fsdp), megatron+ac, ...",
+    )
     parser.add_argument("--peak-tflops", type=float, default=H100_SXM_BF16_DENSE_TFLOPS)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -261,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r.variant:<12} {r.median_step_s:>9.4f} {r.tokens_per_s_per_gpu:>11.1f} {r.tflops_per_s:>9.2f} "
             f"{r.mfu:>7.2%} {r.peak_mem_gib:>9.2f} {r.tokens_per_s_per_gpu / base:>8.2f}x"
         )
-    print(f"FSDP2 via: {results[0].fsdp}; {report['torchtitan']}")
+    print("via: " + "; ".join(f"{r.variant}: {r.fsdp}" for r in results) + f"; {report['torchtitan']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
