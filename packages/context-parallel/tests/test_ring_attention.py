@@ -59,7 +59,7 @@ def _ring_vs_full(seq_len: int, padded_len: int, docs: list[int] | None) -> dict
             err = (out[:, :, real] - ref[:, :, index[real]]).abs().max()
             for mine, theirs in zip(local, full):
                 err = max(err, (mine.grad[:, :, real] - theirs.grad[:, :, index[real]]).abs().max())
-            errors[f"balanced={balanced} rotation={rotation}"] = float(err)
+            errors[f"balanced={balanced} rotation={rotation}"] = float(err.detach())
     return errors
 
 
