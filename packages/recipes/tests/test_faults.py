@@ -1,0 +1,181 @@
+"""End-to-end resume and faults through the recipes loop (real gloo ranks) and `recipes train`.
+
+Faults are injected by `test_faults_hooks.FaultyAdamW`, named as the YAML's optimizer
+``_target_``: SIGKILL of one rank under ``--max-restarts 1``, SIGTERM, a hung rank, a NaN weight.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from automodel.mesh.testing import RankFailure, run_on_ranks
+from automodel.recipes.checkpoint.paths import check_complete
+from safetensors.torch import load_file
+
+TESTS_DIR = Path(__file__).parent
+sys.path.insert(0, str(TESTS_DIR))  # test_faults_hooks, for the optimizer _target_
+TIMEOUT = 300
+HOOK = "test_faults_hooks.FaultyAdamW"
+
+BASE: dict[str, Any] = {
+    "seed": 11,
+    "model": {
+        "config": {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+        }
+    },
+    "dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 40000},
+    "step_scheduler": {"global_batch_size": 8, "local_batch_size": 4, "max_steps": 10, "ckpt_every_steps": 5},
+    "optimizer": {"_target_": HOOK, "lr": 0.003, "foreach": False},
+    "lr_scheduler": {"warmup_steps": 2, "decay_style": "cosine", "min_lr": 0.0003},
+    "distributed": {"strategy": "fsdp2"},
+    "checkpoint": {"enabled": True, "save_consolidated": True},
+    "logging": {"progress_bar": False},
+}
+
+
+def _config(output_dir: Path, **sections: dict) -> dict[str, Any]:
+    cfg = copy.deepcopy(BASE)
+    cfg["output_dir"] = str(output_dir)
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return cfg
+
+
+def _train(raw: dict[str, Any]) -> dict[str, Any]:
+    """Rank body: the recipes loop on this config."""
+    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes.train import run_training
+
+    result = run_training(parse_recipe_config(raw))
+    return {"losses": result.losses, "steps": result.steps}
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step_{step}" / "consolidated" / "model.safetensors"))
+
+
+def _cli(
+    cfg: dict[str, Any], tmp: Path, *extra: str, timeout: float = TIMEOUT
+) -> subprocess.CompletedProcess:
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "automodel.recipes.cli", "train", str(path), "--nproc-per-node", "2", *extra]
+    return subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    """10 uninterrupted steps on FSDP2 dp=2, checkpoints at 5 and 10 (consolidated)."""
+    out = tmp_path_factory.mktemp("straight")
+    res = run_on_ranks(_train, world_size=2, args=(_config(out),), timeout_s=TIMEOUT)
+    assert res[0]["steps"] == 10
+    return out, res[0]["losses"]
+
+
+def test_resume_through_loop_is_bitwise(straight, tmp_path):
+    """5 + resume 5 (the run stopped after step_5 was saved) == 10 straight: losses and final weights."""
+    ref_dir, ref_losses = straight
+    run = tmp_path / "run"
+    shutil.copytree(ref_dir / "checkpoints" / "step_5", run / "checkpoints" / "step_5")
+    res = run_on_ranks(_train, world_size=2, args=(_config(run),), timeout_s=TIMEOUT)
+    assert res[0]["losses"] == ref_losses[5:]  # bitwise
+    got, ref = _weights(run, 10), _weights(ref_dir, 10)
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_resume_under_another_layout(straight, tmp_path):
+    """Saved by FSDP2 dp=2, resumed with TP=2: steps 6-10 match the straight run to 1e-5."""
+    ref_dir, ref_losses = straight
+    run = tmp_path / "run"
+    shutil.copytree(ref_dir / "checkpoints" / "step_5", run / "checkpoints" / "step_5")
+    cfg = _config(
+        run, distributed={"strategy": "fsdp2", "tp_size": 2}, checkpoint={"save_consolidated": False}
+    )
+    res = run_on_ranks(_train, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
+    assert len(res[0]["losses"]) == 5
+    for got, ref in zip(res[0]["losses"], ref_losses[5:]):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
+
+
+def test_nan_stops_with_step_and_keeps_last_good_checkpoint(tmp_path):
+    cfg = _config(
+        tmp_path,
+        optimizer={"fault": "nan", "at_step": 3, "on_rank": 0},
+        step_scheduler={"ckpt_every_steps": 2},
+        checkpoint={"save_consolidated": False},
+    )
+    with pytest.raises(RankFailure, match="step 4: non-finite loss"):
+        run_on_ranks(_train, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "LATEST").read_text().strip() == "step_2"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["LATEST", "step_2"]
+    check_complete(ckpts / "step_2")
+
+
+def test_sigterm_saves_and_exits_with_message(tmp_path, capfd):
+    cfg = _config(
+        tmp_path,
+        optimizer={"fault": "sigterm", "at_step": 3, "on_rank": 1},
+        checkpoint={"save_consolidated": False},
+    )
+    res = run_on_ranks(_train, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
+    assert [r["steps"] for r in res] == [3, 3]
+    assert "SIGTERM received (pre-emption): saved checkpoint" in capfd.readouterr().err
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "LATEST").read_text().strip() == "step_3"
+    check_complete(ckpts / "step_3")
+    # Running again resumes at step 3 and finishes the schedule.
+    cfg["optimizer"].pop("fault")
+    res = run_on_ranks(_train, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
+    assert res[0]["steps"] == 10 and len(res[0]["losses"]) == 7
+
+
+def test_sigkill_of_a_rank_restarts_and_matches(straight, tmp_path):
+    """`recipes train --max-restarts 1`: rank 1 is SIGKILLed at step 7; torchrun restarts from step_5."""
+    ref_dir, _ = straight
+    cfg = _config(tmp_path / "run", optimizer={"fault": "sigkill", "at_step": 7, "on_rank": 1})
+    proc = _cli(cfg, tmp_path, "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step_10" == (tmp_path / "run" / "checkpoints" / "LATEST").read_text().strip()
+    got, ref = _weights(tmp_path / "run", 10), _weights(ref_dir, 10)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_hung_rank_fails_with_timeout(tmp_path):
+    """Rank 1 hangs at step 2; rank 0 fails within dist_env.timeout_minutes (6 s), not in 600 s."""
+    cfg = _config(
+        tmp_path / "run",
+        optimizer={"fault": "hang", "at_step": 2, "on_rank": 1},
+        checkpoint={"enabled": False},
+        step_scheduler={"ckpt_every_steps": None},
+        dist_env={"timeout_minutes": 0.1},
+    )
+    started = time.monotonic()
+    proc = _cli(cfg, tmp_path, timeout=240)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-4000:]
+    assert elapsed < 180, elapsed
