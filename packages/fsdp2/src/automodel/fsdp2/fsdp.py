@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch.distributed as dist
 from automodel.mesh import MeshContext
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -130,6 +131,16 @@ def set_gradient_divide_factor(model: nn.Module, *, factor: float) -> None:
     """Divide reduced gradients by `factor` instead of the data-parallel size (1.0 = sum)."""
     for unit in fsdp_units(model):
         unit.set_gradient_divide_factor(factor)
+        # A custom factor becomes NCCL's PREMUL_SUM; other backends (gloo) need plain SUM plus scaling.
+        if _needs_sum_only(unit) and hasattr(unit, "set_force_sum_reduction_for_comms"):
+            unit.set_force_sum_reduction_for_comms(True)
+
+
+def _needs_sum_only(unit: FSDPModule) -> bool:
+    groups = [
+        g for pg in unit._get_fsdp_state()._fsdp_param_groups for g in (pg.mesh_info.mesh.get_all_groups())
+    ]
+    return any(dist.get_backend(g) != "nccl" for g in groups)
 
 
 @contextmanager
