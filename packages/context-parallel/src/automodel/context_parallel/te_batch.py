@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from automodel.context_parallel.thd import cu_from_lengths, pad_documents, thd_partitioned_indices
+from automodel.context_parallel.thd import PAD_FILL, cu_from_lengths, pad_documents, thd_partitioned_indices
 
 _TOKEN_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids", "loss_mask", "padding_mask")
 
@@ -134,20 +134,25 @@ def make_cp_batch_for_te(
             chunks.append(_finish(thd, cp_size=1, cp_rank=0, padding_token_id=padding_token_id))
     if num_chunks == 1:
         return chunks[0]
-    return _stack_chunks(chunks, padding_value=seq_lens_padding_value)
+    return _stack_chunks(chunks, padding_value=seq_lens_padding_value, padding_token_id=padding_token_id)
 
 
-def _stack_chunks(chunks: list[dict[str, Any]], *, padding_value: int) -> dict[str, Any]:
+def _stack_chunks(chunks: list[dict[str, Any]], *, padding_value: int, padding_token_id: int) -> dict[str, Any]:
+    """Stack per-chunk results; shorter chunks are right-padded (tokens past their last document)."""
     out: dict[str, Any] = dict(chunks[0])
     for key, first in chunks[0].items():
         if not isinstance(first, torch.Tensor):
             continue
+        width = max(c[key].shape[0] for c in chunks)
         if key in ("cu_seqlens", "cu_seqlens_padded"):
-            width = max(c[key].numel() for c in chunks)
-            out[key] = torch.stack(
-                [torch.nn.functional.pad(c[key], (0, width - c[key].numel()), value=padding_value) for c in chunks]
-            )
+            fill = padding_value
         else:
-            out[key] = torch.stack([c[key] for c in chunks])
+            fill = padding_token_id if key == "input_ids" else PAD_FILL.get(key, 0)
+        padded = []
+        for c in chunks:
+            t = c[key]
+            extra = torch.full((width - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+            padded.append(torch.cat([t, extra]))
+        out[key] = torch.stack(padded)
     out["max_seqlen"] = torch.tensor([c["max_seqlen"] for c in chunks], dtype=torch.int32)
     return out

@@ -91,8 +91,8 @@ def pad_documents(
     lengths = cu_p[1:] - cu_p[:-1]
     new_lengths = (lengths + multiple - 1) // multiple * multiple
     new_cu_p = torch.cat([cu_p.new_zeros(1), torch.cumsum(new_lengths, 0)])
-    # cu_seqlens keeps the real document ends: start of document + its real length.
-    new_cu_r = torch.cat([new_cu_p[:1], new_cu_p[:-1] + (cu_r[1:] - cu_r[:-1]).clamp(min=0)])
+    # cu_seqlens stays the cumulative *real* lengths (TE reads offsets from cu_seqlens_padded).
+    new_cu_r = torch.cat([cu_r.new_zeros(1), torch.cumsum((cu_r[1:] - cu_r[:-1]).clamp(min=0), 0)])
     if torch.equal(new_lengths, lengths):
         return dict(tensors), new_cu_r.to(torch.int32), new_cu_p.to(torch.int32)
     doc = document_ids(cu_p, torch.arange(total))

@@ -1,0 +1,77 @@
+"""User mistakes raise clear errors naming the key and the bad value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from automodel.context_parallel import apply_context_parallel, make_cp_batch_and_ctx, resolve_backend
+from automodel.context_parallel.backends import import_transformer_engine
+from automodel.mesh import MeshContext, ParallelismSizes
+from automodel.mesh.testing import RankFailure, run_on_ranks
+
+
+def _build(cp_size: int) -> None:
+    MeshContext.build(ParallelismSizes(cp_size=cp_size))
+
+
+def test_cp_size_not_dividing_the_world():
+    with pytest.raises(RankFailure, match="cp_size=3"):
+        run_on_ranks(_build, world_size=2, args=(3,), timeout_s=300)
+
+
+def _short_sequence() -> None:
+    mesh = MeshContext.build(ParallelismSizes(cp_size=2))
+    ids = torch.arange(3).unsqueeze(0)
+    make_cp_batch_and_ctx(mesh.get_mesh("cp"), {"input_ids": ids, "labels": ids})
+
+
+def test_sequence_shorter_than_two_cp():
+    with pytest.raises(RankFailure, match="sequence length 3 is shorter than 2\\*cp_size=4"):
+        run_on_ranks(_short_sequence, world_size=2, timeout_s=300)
+
+
+def _packed_batch_of_two() -> None:
+    mesh = MeshContext.build(ParallelismSizes(cp_size=2))
+    ids = torch.arange(16).reshape(2, 8)
+    batch = {"input_ids": ids, "labels": ids, "seq_lens": torch.tensor([[8], [8]])}
+    make_cp_batch_and_ctx(mesh.get_mesh("cp"), batch)
+
+
+def test_packed_sequences_need_local_batch_size_one():
+    with pytest.raises(RankFailure, match="local_batch_size == 1.*got batch size 2"):
+        run_on_ranks(_packed_batch_of_two, world_size=2, timeout_s=300)
+
+
+def test_backend_and_rotation_names_are_checked():
+    with pytest.raises(ValueError, match="backend must be one of .* got 'flash'"):
+        resolve_backend("flash", device_type="cpu")
+    with pytest.raises(ValueError, match="backend='torch' needs CUDA"):
+        resolve_backend("torch", device_type="cpu")
+    with pytest.raises(ValueError, match="backend='te' needs CUDA"):
+        resolve_backend("te", device_type="cpu")
+    assert resolve_backend("auto", device_type="cpu") == "ring"
+    assert resolve_backend("auto", device_type="cuda") == "torch"
+    with pytest.raises(ValueError, match="kv_rotation must be one of .* got 'alltoall'"):
+        apply_context_parallel(torch.nn.Linear(2, 2), cp_mesh=None, kv_rotation="alltoall")
+    with pytest.raises(ValueError, match="needs 'input_ids' and 'labels'"):
+        make_cp_batch_and_ctx(None, {"input_ids": torch.zeros(1, 4)})
+
+
+def _model_without_attention() -> None:
+    mesh = MeshContext.build(ParallelismSizes(cp_size=dist.get_world_size()))
+    apply_context_parallel(torch.nn.Linear(2, 2), cp_mesh=mesh.get_mesh("cp"))
+
+
+def test_model_without_attention_modules():
+    with pytest.raises(RankFailure, match="no '\\*self_attn' modules"):
+        run_on_ranks(_model_without_attention, world_size=2, timeout_s=300)
+
+
+def test_missing_transformer_engine_says_how_to_install_it():
+    # transformer-engine cannot be built without CUDA, so it is never present on CPU machines.
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(ImportError, match="automodel-context-parallel\\[te\\]"):
+        import_transformer_engine()
