@@ -68,13 +68,18 @@ class MeshContext:
             return self._flattened[name]
         if name in ("ep", "ep_shard"):
             if self.moe_mesh is None:
-                raise ValueError(f"mesh axis {name!r} exists only when ep_size > 1 (ep_size={self.layout.ep})")
+                raise ValueError(
+                    f"mesh axis {name!r} exists only when ep_size > 1 (ep_size={self.layout.ep})"
+                )
             return self.moe_mesh[name]
         raise ValueError(f"unknown mesh axis {name!r}; known: {', '.join(ResolvedLayout.axis_names())}")
 
     def get_optional_mesh(self, name: str) -> DeviceMesh | None:
-        """Like `get_mesh`, but None when the axis has size 1 (the parallelism is off)."""
-        if self.layout.axis_size(name) == 1:
+        """Like `get_mesh`, but None when the axis has size 1 (the parallelism is off).
+
+        The MoE axes (ep, ep_shard) are None whenever expert parallelism is off.
+        """
+        if self.layout.axis_size(name) == 1 or (name in ("ep", "ep_shard") and not self.ep_enabled):
             return None
         return self.get_mesh(name)
 

@@ -83,7 +83,12 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
             launcher="slurm",
         )
     return LaunchEnv(
-        rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=_free_port(), launcher="single"
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        master_addr="127.0.0.1",
+        master_port=_free_port(),
+        launcher="single",
     )
 
 

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -59,7 +60,9 @@ def _rank_main(
             OMP_NUM_THREADS="1",
         )
         torch.set_num_threads(1)
-        store = dist.TCPStore(host, port, world_size=world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(
+            host, port, world_size=world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
+        )
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
@@ -96,15 +99,14 @@ def run_on_ranks(
     if dist.is_initialized():
         raise RuntimeError("run_on_ranks must be called from a process without a process group")
     kwargs = kwargs or {}
-    host = "127.0.0.1"
-    store = dist.TCPStore(host, 0, world_size=world_size + 1, is_master=True, wait_for_workers=False)
+    host, port = "127.0.0.1", _free_port()
     ctx = mp.get_context("fork")
     procs, conns = [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         p = ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, host, store.port, timeout_s, args, kwargs, child_conn),
+            args=(fn, rank, world_size, host, port, timeout_s, args, kwargs, child_conn),
             daemon=True,
         )
         p.start()
@@ -119,7 +121,13 @@ def run_on_ranks(
                 os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             p.join(timeout=5)
-        del store
+
+
+def _free_port() -> int:
+    # Rank 0 hosts the store: the parent keeps no server thread, so forking it stays safe.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
@@ -143,7 +151,9 @@ def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
             except EOFError:
                 code = procs[rank].exitcode
                 procs[rank].join(timeout=1)
-                failures.append((rank, f"rank {rank} died without reporting (exit code {procs[rank].exitcode or code})"))
+                failures.append(
+                    (rank, f"rank {rank} died without reporting (exit code {procs[rank].exitcode or code})")
+                )
                 break
             if status == "ok":
                 results[rank] = pickle.loads(payload)

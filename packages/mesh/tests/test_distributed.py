@@ -1,0 +1,114 @@
+"""init_distributed under a plain process, torchrun and SLURM-style environments (real processes)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from automodel.mesh import detect_launch_env, init_distributed
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    from automodel.mesh import MeshContext, ParallelismSizes, distributed
+    with distributed(timeout_minutes=2) as info:
+        ctx = MeshContext.build(ParallelismSizes())
+        t = torch.tensor([info.rank + 1])
+        dist.all_reduce(t)
+        print(f"RESULT rank={info.rank} world={info.world_size} backend={info.backend} sum={int(t)} dp={ctx.layout.dp}")
+    assert not dist.is_initialized()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))
+    }
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def test_launch_env_from_torchrun_variables() -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "1234"}
+    launch = detect_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.launcher) == (3, 8, 1, "torchrun")
+    assert (launch.master_addr, launch.master_port) == ("node7", 1234)
+
+
+def test_launch_env_from_slurm_variables() -> None:
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
+           "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}  # fmt: skip
+    launch = detect_launch_env(env)
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.launcher) == (5, 16, 1, "slurm")
+    assert launch.master_addr == "10.0.0.9"
+    assert launch.master_port == 20000 + 4242
+
+
+def test_plain_process_is_world_one() -> None:
+    assert detect_launch_env({}).world_size == 1
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=_clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "RESULT rank=0 world=1 backend=gloo sum=1 dp=1" in out.stdout
+
+
+def test_slurm_style_two_tasks_rendezvous() -> None:
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT],
+            env=_clean_env(
+                SLURM_PROCID=str(r),
+                SLURM_NTASKS="2",
+                SLURM_LOCALID=str(r),
+                SLURM_JOB_ID="7",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for r, (p, (stdout, stderr)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, stderr
+        assert f"RESULT rank={r} world=2 backend=gloo sum=3 dp=2" in stdout
+
+
+def test_torchrun_two_ranks(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "RESULT rank=0 world=2 backend=gloo sum=3 dp=2" in out.stdout
+    assert "RESULT rank=1 world=2 backend=gloo sum=3 dp=2" in out.stdout
+
+
+def test_bad_arguments_are_clear() -> None:
+    with pytest.raises(ValueError, match="timeout_minutes must be > 0, got 0"):
+        init_distributed(timeout_minutes=0)
+    with pytest.raises(ValueError, match="backend must be 'nccl' or 'gloo', got 'mpi'"):
+        init_distributed(backend="mpi")

@@ -1,0 +1,61 @@
+"""The rank harness itself: results in rank order, failures named by rank, hangs bounded by the time-out."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from automodel.mesh.testing import RankFailure, RankTimeout, run_on_ranks
+
+
+def _sum_of_ranks() -> tuple[int, int]:
+    t = torch.tensor([dist.get_rank()])
+    dist.all_reduce(t)
+    return dist.get_rank(), int(t)
+
+
+def _rank_two_raises() -> None:
+    if dist.get_rank() == 2:
+        raise KeyError("boom on purpose")
+    dist.barrier()
+
+
+def _rank_one_hangs(seconds: float) -> None:
+    if dist.get_rank() == 1:
+        time.sleep(seconds)
+
+
+def _returns_tensor() -> torch.Tensor:
+    return torch.full((3,), float(dist.get_rank()))
+
+
+def test_results_come_back_in_rank_order() -> None:
+    assert run_on_ranks(_sum_of_ranks, world_size=4) == [(0, 6), (1, 6), (2, 6), (3, 6)]
+
+
+def test_tensors_survive_the_trip() -> None:
+    out = run_on_ranks(_returns_tensor, world_size=2)
+    assert torch.equal(out[1], torch.ones(3))
+
+
+def test_a_raising_rank_is_reported_with_its_rank_and_traceback() -> None:
+    with pytest.raises(RankFailure) as err:
+        run_on_ranks(_rank_two_raises, world_size=4, timeout_s=120)
+    assert err.value.rank == 2
+    assert "KeyError: 'boom on purpose'" in err.value.remote_traceback
+    assert "rank 2 failed" in str(err.value)
+
+
+def test_a_hanging_rank_fails_within_the_time_out() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"ranks \[(0, )?1\] of 2 did not finish within 3 s"):
+        run_on_ranks(_rank_one_hangs, world_size=2, args=(600.0,), timeout_s=3)
+    assert time.monotonic() - start < 3 + 10
+
+
+def test_bad_world_size_is_rejected() -> None:
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        run_on_ranks(_sum_of_ranks, world_size=0)
