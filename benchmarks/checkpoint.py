@@ -1,0 +1,140 @@
+"""Checkpoint save / restore cost on 2 gloo ranks (FSDP2 dp=2) of a small Llama, CPU.
+
+Baseline measured in the same run: rank 0 gathering the full model + optimizer state and writing
+it with one ``torch.save`` (the naive way); every rank ``torch.load``-ing that file and
+``set_state_dict`` re-sharding it back. The
+ratios show what the sharded DCP path (every rank writes its own shard, atomic publish, LATEST)
+and the consolidated HF export cost against it.
+
+    uv run --frozen python benchmarks/checkpoint.py [--hidden 512 --layers 4 --vocab 8192 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from automodel.mesh.testing import run_on_ranks
+from automodel.recipes.checkpoint import CheckpointConfig, Checkpointer, TrainingState
+
+
+class _Loader:
+    def state_dict(self) -> dict:
+        return {"position": 0}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def _bench(*, root: str, hidden: int, layers: int, vocab: int, repeats: int) -> dict[str, float]:
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randint(0, vocab, (2, 32))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    state = TrainingState(
+        model_parts=[model], optimizers=[opt], lr_schedulers=[], dataloader=_Loader(), step=0
+    )
+    times: dict[str, list[float]] = {
+        k: [] for k in ("naive_save", "naive_load", "dcp_save", "dcp_consolidated_save", "dcp_restore")
+    }
+
+    def timed(key, fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times[key].append(time.perf_counter() - t0)
+
+    full_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    for i in range(repeats):
+        naive = Path(root) / f"naive_{i}.pt"
+
+        def naive_save(naive=naive):
+            msd, osd = get_state_dict(model, opt, options=full_opts)
+            if dist.get_rank() == 0:
+                torch.save({"model": msd, "optim": osd}, naive)
+
+        def naive_load(naive=naive):
+            full = torch.load(naive, weights_only=False)
+            set_state_dict(
+                model, opt, model_state_dict=full["model"], optim_state_dict=full["optim"], options=full_opts
+            )
+
+        timed("naive_save", naive_save)
+        timed("naive_load", naive_load)
+        for key, consolidated in (("dcp_save", False), ("dcp_consolidated_save", True)):
+            state.step = 2 * i + int(consolidated) + 1
+            ck = Checkpointer(
+                CheckpointConfig(checkpoint_dir=f"{root}/{key}", save_consolidated=consolidated),
+                output_dir=root,
+            )
+            timed(key, lambda ck=ck: ck.save(state))
+            ck.close()
+        ck = Checkpointer(CheckpointConfig(checkpoint_dir=f"{root}/dcp_save"), output_dir=root)
+        timed("dcp_restore", lambda ck=ck: ck.restore(state))
+        ck.close()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["params_mib"] = nbytes / 2**20  # local shard; full model is world x this
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        res = run_on_ranks(
+            _bench,
+            world_size=2,
+            kwargs=dict(root=root, hidden=a.hidden, layers=a.layers, vocab=a.vocab, repeats=a.repeats),
+            timeout_s=600,
+        )[0]
+    full_mib = res["params_mib"] * 2
+    print(
+        f"model: Llama hidden={a.hidden} layers={a.layers} vocab={a.vocab}, {full_mib:.1f} MiB fp32 params; 2 ranks FSDP2"
+    )
+    base_s, base_l = res["naive_save"], res["naive_load"]
+    print(f"naive full torch.save (model+Adam)   {base_s:7.3f} s   1.00x (baseline)")
+    print(f"DCP sharded save (atomic, LATEST)    {res['dcp_save']:7.3f} s   {res['dcp_save'] / base_s:.2f}x")
+    print(
+        f"DCP save + consolidated HF export    {res['dcp_consolidated_save']:7.3f} s   {res['dcp_consolidated_save'] / base_s:.2f}x"
+    )
+    print(
+        f"naive torch.load + load_state_dict   {base_l:7.3f} s   1.00x (baseline, every rank reads the full file)"
+    )
+    print(
+        f"DCP restore (model+Adam+state)       {res['dcp_restore']:7.3f} s   {res['dcp_restore'] / base_l:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
