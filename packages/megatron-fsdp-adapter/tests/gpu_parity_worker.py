@@ -11,6 +11,9 @@ import json
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from automodel.megatron_fsdp import (
     MegatronFSDPConfig,
     MegatronFSDPManager,
@@ -19,8 +22,6 @@ from automodel.megatron_fsdp import (
     resolve_unit_modules,
 )
 from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -39,13 +40,10 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 def batches(ctx: MeshContext, steps: int) -> list[torch.Tensor]:
-    """Each dp rank's slice of a seeded global batch (all tp ranks of a dp rank see the same)."""
+    """Each dp rank's slice of one seeded global batch, repeated (so the loss must fall); tp ranks share it."""
     dp, dp_rank = ctx.layout.dp, ctx.coordinates["dp_shard"]
-    out = []
-    for step in range(steps):
-        ids = torch.randint(0, 256, (2 * dp, 32), generator=torch.Generator().manual_seed(1000 + step))
-        out.append(ids.chunk(dp)[dp_rank].cuda())
-    return out
+    ids = torch.randint(0, 256, (2 * dp, 32), generator=torch.Generator().manual_seed(1000))
+    return [ids.chunk(dp)[dp_rank].cuda() for _ in range(steps)]
 
 
 def train(model, optimizer, data: list[torch.Tensor], ctx: MeshContext) -> list[float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 import pytest
+
 from automodel.megatron_fsdp import ZERO_DP_STRATEGIES, MegatronFSDPConfig
 
 #: seed 02 (nemo_automodel.components.distributed.config.MegatronFSDPConfig), field: default.
@@ -46,6 +47,10 @@ def test_tp_plan_is_init_only_and_kept() -> None:
     assert set(config.to_dict()) == set(SEED_DEFAULTS) | {"tp_plan"}
 
 
+def test_tp_plan_may_be_an_import_path() -> None:
+    assert MegatronFSDPConfig(tp_plan="my_pkg.plans.llama_plan").custom_tp_plan == "my_pkg.plans.llama_plan"
+
+
 @pytest.mark.parametrize("level,name", sorted(ZERO_DP_STRATEGIES.items()))
 def test_zero_dp_strategy_levels_and_names(level: int, name: str) -> None:
     by_level, by_name = MegatronFSDPConfig(zero_dp_strategy=level), MegatronFSDPConfig(zero_dp_strategy=name)
@@ -83,6 +88,7 @@ def test_unit_modules_tuple_becomes_list() -> None:
         ),
         ({"backend": "mpi"}, ["backend", "'mpi'"]),
         ({"tp_plan": ["colwise"]}, ["tp_plan", "colwise"]),
+        ({"tp_plan": "colwise"}, ["tp_plan", "'colwise'"]),
     ],
 )
 def test_user_mistakes_name_the_key_and_value(kwargs: dict, words: list[str]) -> None:

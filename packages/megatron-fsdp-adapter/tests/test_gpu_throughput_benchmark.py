@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from automodel.mesh.testing import run_on_ranks
 
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_throughput.py"

@@ -8,8 +8,9 @@ from dataclasses import fields
 
 import pytest
 import torch
-from automodel.megatron_fsdp import FIELD_DESTINATIONS, MegatronFSDPConfig, build_fully_shard_call
 from torch import nn
+
+from automodel.megatron_fsdp import FIELD_DESTINATIONS, MegatronFSDPConfig, build_fully_shard_call
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
 from automodel.megatron_fsdp import (
     apply_mlp_checkpointing,
     neutral_state_init,
     rebind_param_groups,
     resolve_unit_modules,
 )
-from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:

@@ -42,14 +42,15 @@ _BOOL_FIELDS = (
 class MegatronFSDPConfig:
     """Additional configuration for Megatron-FSDP training (seed defaults).
 
-    `tp_plan` is an init-only argument (a custom TP plan, module FQN -> ParallelStyle or HF
-    style string); it is kept as `custom_tp_plan` and is not part of `fields()`.
+    `tp_plan` is an init-only argument (a custom TP plan: module FQN -> ParallelStyle or HF style
+    string, or the import path of such a dict or of a function returning one, as in FSDP2Config);
+    it is kept as `custom_tp_plan` and is not part of `fields()`.
     `zero_dp_strategy` also accepts the megatron-fsdp names (``"optim_grads_params"`` ...) and
     is stored as the int level 0..3.
     """
 
     sequence_parallel: bool = False
-    tp_plan: InitVar[dict | None] = None
+    tp_plan: InitVar[dict | str | None] = None
     megatron_fsdp_unit_modules: list[str] | None = None
     zero_dp_strategy: int = 3
     init_fsdp_with_meta_device: bool = False
@@ -66,9 +67,9 @@ class MegatronFSDPConfig:
     fsdp_double_buffer: bool = False
     activation_checkpointing: bool = False
     backend: str = "nccl"
-    custom_tp_plan: dict | None = field(default=None, init=False, repr=False)
+    custom_tp_plan: dict | str | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self, tp_plan: dict | None) -> None:
+    def __post_init__(self, tp_plan: dict | str | None) -> None:
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -96,9 +97,13 @@ class MegatronFSDPConfig:
                 f"backend must be one of {', '.join(map(repr, _BACKENDS))}, got {self.backend!r}"
             )
         if tp_plan is not None and not (
-            isinstance(tp_plan, dict) and all(isinstance(k, str) for k in tp_plan)
+            (isinstance(tp_plan, dict) and all(isinstance(k, str) for k in tp_plan))
+            or (isinstance(tp_plan, str) and "." in tp_plan)
         ):
-            raise ValueError(f"tp_plan must be a dict of module FQN -> parallel style, got {tp_plan!r}")
+            raise ValueError(
+                f"tp_plan must be a dict of module FQN -> parallel style, or the import path of one "
+                f"(or of a function returning one), got {tp_plan!r}"
+            )
         self.custom_tp_plan = tp_plan
 
     @property

@@ -6,13 +6,14 @@ import warnings
 from collections.abc import Mapping
 
 import torch
+from torch import nn
+
 from automodel.megatron_fsdp.config import MegatronFSDPConfig
 from automodel.megatron_fsdp.layout import megatron_fsdp_axes
 from automodel.megatron_fsdp.optimizer import neutral_state_init, rebind_param_groups
 from automodel.megatron_fsdp.runtime import import_megatron_fsdp
 from automodel.megatron_fsdp.translate import build_fully_shard_call
 from automodel.mesh import MeshContext
-from torch import nn
 
 
 class MegatronFSDPConfigWarning(UserWarning):

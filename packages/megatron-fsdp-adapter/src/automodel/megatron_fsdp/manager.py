@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from automodel.megatron_fsdp.checkpointing import apply_mlp_checkpointing
 from automodel.megatron_fsdp.config import MegatronFSDPConfig
 from automodel.megatron_fsdp.fully_shard import apply_megatron_fsdp
@@ -12,7 +14,6 @@ from automodel.megatron_fsdp.runtime import import_megatron_fsdp
 from automodel.megatron_fsdp.tensor_parallel import apply_tp
 from automodel.megatron_fsdp.units import resolve_unit_modules
 from automodel.mesh import MeshContext
-from torch import nn
 
 
 class MegatronFSDPManager:

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
 def apply_tp(
-    model: nn.Module, *, tp_mesh: DeviceMesh, tp_plan: Mapping[str, Any] | None = None
+    model: nn.Module, *, tp_mesh: DeviceMesh, tp_plan: Mapping[str, Any] | str | None = None
 ) -> dict[str, ParallelStyle]:
     """Shard `model` over `tp_mesh` in place (no sequence parallel); returns the applied plan."""
     from automodel.fsdp2.tp_plan import check_plan_matches_model, resolve_tp_plan, validate_tp_mesh

@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from automodel.megatron_fsdp.config import MegatronFSDPConfig
 from torch import nn
+
+from automodel.megatron_fsdp.config import MegatronFSDPConfig
 
 #: Where each MegatronFSDPConfig field goes (documentation table above, in data form).
 FIELD_DESTINATIONS: dict[str, str] = {
