@@ -54,6 +54,7 @@ def train_on_rank(raw: dict[str, Any]) -> list[float]:
 
 def preload() -> None:
     """Import the heavy modules once in the test process so forked ranks start warm."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
     import automodel.fsdp2  # noqa: F401
     import automodel.recipes.train  # noqa: F401
-    import transformers.models.llama.modeling_llama  # noqa: F401

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from automodel.mesh.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))

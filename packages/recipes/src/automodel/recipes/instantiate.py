@@ -6,6 +6,7 @@ import importlib
 from typing import Any
 
 import torch
+
 from automodel.recipes.errors import ConfigError
 
 _DTYPES = {

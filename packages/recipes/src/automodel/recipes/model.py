@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import resolve_dtype
-from torch import nn
 
 
 def build_hf_config(section: Any) -> Any:
@@ -18,6 +19,10 @@ def build_hf_config(section: Any) -> Any:
     if section.config is not None:
         kwargs = dict(section.config)
         model_type = kwargs.pop("model_type")
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if model_type not in CONFIG_MAPPING_NAMES:
+            raise ConfigError("model.config.model_type", model_type, "is not a transformers model type")
         try:
             cfg = AutoConfig.for_model(model_type, **kwargs)
         except ValueError as e:

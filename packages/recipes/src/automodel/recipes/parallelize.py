@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
 from automodel.mesh import MeshContext
 from automodel.recipes._dist_setup import DistributedSection
 from automodel.recipes.availability import require_api
 from automodel.recipes.errors import ConfigError
-from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from automodel.mesh import MeshContext, ResolvedLayout, fake_world
 from automodel.recipes._dist_setup import resolve_layout
 from automodel.recipes.model import build_hf_config, build_meta_model

@@ -145,6 +145,12 @@ class TokenizerSection:
     SECTION: ClassVar[str] = "tokenizer"
     path: str | None = None
 
+    def __post_init__(self) -> None:
+        from pathlib import Path
+
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ConfigError("tokenizer.path", self.path, "is not a local directory")
+
 
 @dataclass
 class StepSchedulerSection:

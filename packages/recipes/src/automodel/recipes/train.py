@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
+
 from automodel.mesh import MeshContext
 from automodel.recipes._dist_setup import setup_distributed
 from automodel.recipes.data import (

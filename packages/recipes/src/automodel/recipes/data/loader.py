@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from automodel.recipes.data.corpus import embedded_documents
 from automodel.recipes.data.packing import PackedDataset, pack_documents
 from automodel.recipes.data.sampler import StatefulGlobalBatchSampler

@@ -1,0 +1,155 @@
+"""Bad configs exit with code 2 and one line naming the key and value; nothing is written.
+
+The cases run in-process through `run_cli`, the code path of the console script; two of them
+also run as real subprocesses to check the exit code and that no traceback is printed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from automodel.recipes.cli import run_cli
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _recipe_helpers import tiny_config  # noqa: E402
+
+_DELETE = object()
+
+
+def _set(cfg: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = cfg
+    for p in parents:
+        node = node.setdefault(p, {})
+    if value is _DELETE:
+        node.pop(leaf, None)
+    else:
+        node[leaf] = value
+
+
+# (id, {dotted key: value}, extra CLI args, expected key named in the error line)
+CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
+    ("missing_model", {"model": _DELETE}, [], "model"),
+    ("model_not_mapping", {"model": 5}, [], "model"),
+    ("unknown_top_level", {"modle": {}}, [], "modle"),
+    ("missing_model_type", {"model.config.model_type": _DELETE}, [], "model.config.model_type"),
+    ("unknown_model_type", {"model.config.model_type": "not_a_model"}, [], "model.config.model_type"),
+    ("config_and_pretrained", {"model.pretrained_path": "/nonexistent"}, [], "model"),
+    ("pretrained_missing", {"model.config": _DELETE, "model.pretrained_path": "/nonexistent"}, [], "model.pretrained_path"),
+    ("model_dtype", {"model.dtype": "int8"}, [], "model.dtype"),
+    ("vocab_too_small", {"model.config.vocab_size": 100}, [], "model.config.vocab_size"),
+    ("dataset_source", {"dataset.source": "web"}, [], "dataset.source"),
+    ("dataset_path_missing", {"dataset.source": "json"}, [], "dataset.path"),
+    ("seq_length_type", {"dataset.seq_length": "long"}, [], "dataset.seq_length"),
+    ("seq_length_small", {"dataset.seq_length": 1}, [], "dataset.seq_length"),
+    ("dataset_unknown_key", {"dataset.shuffle_buffer": 10}, [], "dataset.shuffle_buffer"),
+    ("val_split", {"validation_dataset": {"split": "test"}}, [], "validation_dataset.split"),
+    ("tokenizer_path", {"tokenizer.path": "/nonexistent/tok"}, [], "tokenizer.path"),
+    ("global_batch_zero", {"step_scheduler.global_batch_size": 0}, [], "step_scheduler.global_batch_size"),
+    ("global_not_multiple", {"step_scheduler.global_batch_size": 7}, [], "step_scheduler.global_batch_size"),
+    ("max_steps_type", {"step_scheduler.max_steps": "ten"}, [], "step_scheduler.max_steps"),
+    ("val_every_without_val", {"step_scheduler.val_every_steps": 2}, [], "step_scheduler.val_every_steps"),
+    ("optimizer_no_target", {"optimizer._target_": _DELETE}, [], "optimizer._target_"),
+    ("optimizer_not_optimizer", {"optimizer._target_": "torch.nn.Linear"}, [], "optimizer._target_"),
+    ("optimizer_unimportable", {"optimizer._target_": "no_such_pkg.Optim"}, [], "optimizer._target_"),
+    ("optimizer_lr", {"optimizer.lr": -1}, [], "optimizer.lr"),
+    ("decay_style", {"lr_scheduler.decay_style": "exp"}, [], "lr_scheduler.decay_style"),
+    ("min_lr", {"lr_scheduler.min_lr": -0.1}, [], "lr_scheduler.min_lr"),
+    ("loss_fn", {"loss_fn": "no_such_pkg.loss"}, [], "loss_fn"),
+    ("strategy", {"distributed.strategy": "zero3"}, [], "distributed.strategy"),
+    ("tp_zero", {"distributed.tp_size": 0}, [], "distributed.tp_size"),
+    ("tp_type", {"distributed.tp_size": "two"}, [], "distributed.tp_size"),
+    ("distributed_unknown", {"distributed.tensor_parallel": 2}, [], "distributed.tensor_parallel"),
+    ("flag_of_other_strategy", {"distributed.strategy": "ddp", "distributed.enable_compile": True}, [], "distributed.enable_compile"),
+    ("pp_without_pipeline", {"distributed.pp_size": 2}, [], "distributed.pp_size"),
+    ("ddp_with_tp", {"distributed.strategy": "ddp", "distributed.tp_size": 2}, [], "distributed.tp_size"),
+    ("megatron_with_pp", {"distributed.strategy": "megatron_fsdp", "distributed.pp_size": 2, "distributed.pipeline": {}}, [], "distributed.pp_size"),
+    ("megatron_with_sp", {"distributed.strategy": "megatron_fsdp", "distributed.tp_size": 2, "distributed.sequence_parallel": True}, [], "distributed.sequence_parallel"),
+    ("megatron_with_ep", {"distributed.strategy": "megatron_fsdp", "distributed.ep_size": 2}, [], "distributed.ep_size"),
+    ("replicate_with_ddp", {"distributed.strategy": "ddp", "distributed.dp_replicate_size": 2}, [], "distributed.dp_replicate_size"),
+    ("sp_without_tp", {"distributed.sequence_parallel": True}, [], "distributed.sequence_parallel"),
+    ("defer_with_ddp", {"distributed.strategy": "ddp", "distributed.defer_fsdp_grad_sync": True}, [], "distributed.defer_fsdp_grad_sync"),
+    ("ac_not_bool", {"distributed.activation_checkpointing": "yes"}, [], "distributed.activation_checkpointing"),
+    ("prefetch_depth", {"distributed.fsdp2_backward_prefetch_depth": 0}, [], "distributed.fsdp2_backward_prefetch_depth"),
+    ("mp_policy_target", {"distributed.mp_policy": {"_target_": "no_such_pkg.Policy"}}, [], "distributed.mp_policy._target_"),
+    ("packed_with_batch", {"packed_sequence.packed_sequence_size": 32}, [], "step_scheduler.local_batch_size"),
+    ("packed_negative", {"packed_sequence.packed_sequence_size": -1}, [], "packed_sequence.packed_sequence_size"),
+    ("ckpt_format", {"checkpoint.enabled": True, "checkpoint.model_save_format": "pickle"}, [], "checkpoint.model_save_format"),
+    ("ckpt_keep", {"checkpoint.enabled": True, "checkpoint.keep_last_n": 0}, [], "checkpoint.keep_last_n"),
+    ("ckpt_unknown", {"checkpoint.every": 3}, [], "checkpoint.every"),
+    ("ckpt_every_disabled", {"step_scheduler.ckpt_every_steps": 2}, [], "step_scheduler.ckpt_every_steps"),
+    ("seed", {"seed": -1}, [], "seed"),
+    ("timeout", {"dist_env.timeout_minutes": 0}, [], "dist_env.timeout_minutes"),
+    ("tensorboard_type", {"logging.tensorboard": "yes"}, [], "logging.tensorboard"),
+    ("max_norm", {"clip_grad_norm.max_norm": 0}, [], "clip_grad_norm.max_norm"),
+    ("bad_override", {}, ["--distributed.tp_size"], "--distributed.tp_size"),
+    ("override_into_value", {}, ["--seed.x=1"], "seed"),
+    # rules that need the world size: planned for the asked number of processes, before any launch
+    ("world_not_divisible", {"distributed.tp_size": 2}, ["--nproc-per-node=3"], "distributed"),
+    ("heads_vs_tp", {"distributed.tp_size": 3}, ["--nproc-per-node=3"], "distributed.tp_size"),
+    ("dp_size_mismatch", {"distributed.dp_size": 3}, ["--nproc-per-node=2"], "distributed"),
+    ("replicate_not_dividing", {"distributed.dp_replicate_size": 3}, ["--nproc-per-node=4"], "distributed"),
+    ("ep_on_dense_model", {"distributed.ep_size": 2}, ["--nproc-per-node=2"], "distributed.ep_size"),
+    ("seq_vs_cp", {"distributed.cp_size": 2, "dataset.seq_length": 30}, ["--nproc-per-node=2"], "dataset.seq_length"),
+    ("layers_vs_stages", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "interleaved1f1b"}}, ["--nproc-per-node=2"], "distributed.pp_size"),
+    ("microbatches_vs_pp", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 2}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
+    ("batch_vs_dp", {"step_scheduler.global_batch_size": 6}, ["--nproc-per-node=2"], "step_scheduler.global_batch_size"),
+]  # fmt: skip
+
+
+def _write(tmp_path: Path, changes: dict[str, Any]) -> tuple[Path, Path]:
+    out = tmp_path / "out"
+    cfg = tiny_config(str(out))
+    for key, value in changes.items():
+        _set(cfg, key, value)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_config_exits_2_with_one_line(case, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _, changes, extra, key = case
+    path, out = _write(tmp_path, changes)
+    code = run_cli(["train", str(path), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert code == 2, err
+    assert len(errors) == 1 and "Traceback" not in "\n".join(err), err
+    assert errors[0].startswith(f"error: {key}="), errors[0]
+    assert not out.exists()
+
+
+def test_missing_file_and_invalid_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert run_cli(["validate", str(tmp_path / "nope.yaml")]) == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    assert run_cli(["validate", str(bad)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("error: config=") and "no such file" in lines[0]
+    assert lines[1].startswith("error: config=") and "not valid YAML" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate", "{cfg}", "--world-size=3", "--distributed.tp_size=3"],
+        ["train", "{cfg}", "--nproc-per-node=2", "--distributed.strategy=zero3"],
+    ],
+    ids=["validate", "train_launcher"],
+)
+def test_subprocess_exit_code_2(argv: list[str], tmp_path: Path) -> None:
+    path, out = _write(tmp_path, {})
+    cmd = [sys.executable, "-m", "automodel.recipes.cli", *(a.format(cfg=path) for a in argv)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: distributed."), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
