@@ -9,7 +9,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import RankFailure, run_on_ranks
+from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import (
     AutoPipeline,
     PipelineConfig,

@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig
-from transformers import LlamaConfig, LlamaForCausalLM
 
 VOCAB, SEQ, BATCH, MICRO = 256, 16, 8, 2
 TIMEOUT = 300

@@ -13,6 +13,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
 from automodel.mesh import MeshContext
 from automodel.pipeline.config import PipelineConfig
 from automodel.pipeline.hf import (
@@ -25,10 +30,6 @@ from automodel.pipeline.hf import (
 from automodel.pipeline.layout import check_stages_per_rank, num_stages_for, stage_ids_this_rank
 from automodel.pipeline.schedules import read_csv_stage_layout
 from automodel.pipeline.split import check_parameter_coverage, modules_in_several_stages, split_module
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ParallelizeFn = Callable[..., nn.Module | None]

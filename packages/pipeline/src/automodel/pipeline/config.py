@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+
 from automodel.pipeline.schedules import ScheduleSpec, resolve_schedule
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from automodel.pipeline.layout import split_layers_evenly
 from torch import nn
+
+from automodel.pipeline.layout import split_layers_evenly
 
 
 def _inner_model_name(model: nn.Module) -> str | None:
