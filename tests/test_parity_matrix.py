@@ -1,0 +1,29 @@
+"""Issue 10's parity matrix as tests: each layout through `recipes train` vs the single-process run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .parity_matrix import LAYOUTS, REFERENCES, RTOL, STEPS, Layout, max_relative_difference, run_layout
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
+    work = tmp_path_factory.mktemp("parity_ref")
+    refs = {kind: run_layout(layout, work) for kind, layout in REFERENCES.items()}
+    for kind, losses in refs.items():
+        assert len(losses) == STEPS, (kind, losses)
+        assert losses[-1] < losses[0], f"{kind} reference does not learn: {losses}"
+    return refs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+def test_layout_reproduces_single_process_losses(
+    layout: Layout, references: dict[str, list[float]], tmp_path: Path
+) -> None:
+    losses = run_layout(layout, tmp_path)
+    ref = references[layout.model]
+    diff = max_relative_difference(losses, ref)
+    assert diff <= RTOL, f"{layout.name}: losses {losses} vs single process {ref} (max rel diff {diff:.2e})"
