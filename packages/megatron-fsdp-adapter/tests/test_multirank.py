@@ -47,6 +47,13 @@ def _layout_errors() -> list[str]:
             messages.append("accepted")
         except ValueError as err:
             messages.append(str(err))
+    ctx = MeshContext.build(ParallelismSizes())  # dp=4: megatron-fsdp can sum (1.0) or average (4), not /3
+    for factor in (3.0, 1.0):
+        try:
+            MegatronFSDPManager(MegatronFSDPConfig(), ctx, gradient_divide_factor=factor)
+            messages.append("accepted")
+        except ValueError as err:
+            messages.append(str(err))
     return messages
 
 
@@ -55,6 +62,8 @@ def test_seed_layout_rules_are_value_errors() -> None:
         assert "pp_size=2" in messages[0]
         assert "ep_size=2" in messages[1]
         assert "dp_replicate_size=2" in messages[2]
+        assert "gradient_divide_factor=3.0" in messages[3] and "4" in messages[3]
+        assert messages[4] == "accepted"
 
 
 def _axes_and_megatron_groups() -> list[dict]:

@@ -12,6 +12,7 @@ from automodel.megatron_fsdp.layout import MegatronFSDPAxes, check_layout, megat
 from automodel.megatron_fsdp.optimizer import rebind_param_groups
 from automodel.megatron_fsdp.runtime import import_megatron_fsdp
 from automodel.megatron_fsdp.tensor_parallel import apply_tp
+from automodel.megatron_fsdp.translate import build_fully_shard_call
 from automodel.megatron_fsdp.units import resolve_unit_modules
 from automodel.mesh import MeshContext
 
@@ -25,12 +26,29 @@ class MegatronFSDPManager:
     also runs on CPU.
     """
 
-    def __init__(self, config: MegatronFSDPConfig, mesh: MeshContext) -> None:
+    def __init__(
+        self, config: MegatronFSDPConfig, mesh: MeshContext, *, gradient_divide_factor: float | None = None
+    ) -> None:
         if not isinstance(config, MegatronFSDPConfig):
             raise ValueError(f"config must be a MegatronFSDPConfig, got {type(config).__name__}")
         check_layout(mesh)
         self.config = config
         self.mesh = mesh
+        self.gradient_divide_factor = gradient_divide_factor
+        self._check_divide_factor(gradient_divide_factor)
+
+    def _check_divide_factor(self, factor: float | None) -> None:
+        """Raise the translation's ValueError now rather than after TP has run."""
+        axes = self.axes
+        if axes.shards:
+            build_fully_shard_call(
+                self.config,
+                dp_shard_dim=axes.dp_shard_dim,
+                tp_dim=axes.tp_dim,
+                unit_modules=[],
+                dp_group_size=axes.dp_group_size,
+                gradient_divide_factor=factor,
+            )
 
     @property
     def axes(self) -> MegatronFSDPAxes:
@@ -46,9 +64,13 @@ class MegatronFSDPManager:
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Parallelize `model` (and re-target `optimizer`); returns ``(model, optimizer)``.
 
-        `gradient_divide_factor`: None averages over the dp group, 1.0 sums (see
-        `build_fully_shard_call`). With dp > 1 the model comes back as a ``MegatronFSDP`` wrapper.
+        `gradient_divide_factor` (default: the manager's): None averages over the dp group, 1.0
+        sums (see `build_fully_shard_call`). With dp > 1 the model comes back as a
+        ``MegatronFSDP`` wrapper (the original module is its ``.module``).
         """
+        if gradient_divide_factor is None:
+            gradient_divide_factor = self.gradient_divide_factor
+        self._check_divide_factor(gradient_divide_factor)
         if self.axes.shards:
             import_megatron_fsdp()  # fail before TP touches the model when megatron-fsdp cannot run
         units = resolve_unit_modules(model, self.config.megatron_fsdp_unit_modules)
