@@ -129,7 +129,9 @@ def run_layout(layout: Layout, workdir: Path) -> list[float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env, cwd=workdir)
     if proc.returncode != 0:
-        raise RuntimeError(f"{layout.name}: `{' '.join(cmd)}` exited {proc.returncode}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{layout.name}: `{' '.join(cmd)}` exited {proc.returncode}\n{proc.stderr[-4000:]}"
+        )
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [float(r["loss"]) for r in rows]
 

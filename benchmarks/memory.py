@@ -1,0 +1,109 @@
+"""Per-rank parameter + gradient + optimizer bytes under fsdp2 vs world size, and vs `recipes validate`.
+
+Targets: the measured per-rank total within 5% of (1-rank total)/dp, and within 10% of the estimate
+that `recipes validate` prints for the same config and world size. Measured on real gloo ranks through
+the recipes' own Trainer (build, one optimizer step, one more backward so gradients exist).
+
+    uv run --frozen python benchmarks/memory.py [--worlds 1 2 4 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from automodel.mesh.testing import run_on_ranks
+
+MODEL = {
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def raw_config(out: str, world: int) -> dict:
+    return {
+        "seed": 0,
+        "output_dir": out,
+        "model": {"config": dict(MODEL), "dtype": "float32"},
+        "dataset": {"source": "embedded", "seq_length": 64, "max_bytes": 200_000},
+        "step_scheduler": {"global_batch_size": 2 * world, "local_batch_size": 2, "max_steps": 2},
+        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 1e-3},
+        "distributed": {
+            "strategy": "fsdp2",
+            "mp_policy": {
+                "_target_": "torch.distributed.fsdp.MixedPrecisionPolicy",
+                "param_dtype": "float32",
+                "reduce_dtype": "float32",
+            },
+        },
+        "checkpoint": {"enabled": False},
+        "logging": {"progress_bar": False},
+    }
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def measure(raw: dict) -> dict[str, int]:
+    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes.train import Trainer
+
+    trainer = Trainer(parse_recipe_config(raw))
+    trainer.build()
+    batches = trainer.loader.next_step()
+    trainer.step = 0
+    trainer.train_step(batches)  # creates the optimizer state
+    loss = trainer._forward_loss_sum(batches[0]) / max(1, int((batches[0].labels != -100).sum()))
+    loss.backward()
+    params = [p for part in trainer.pm.parts for p in part.parameters()]
+    opt_bytes = sum(
+        _local_bytes(v) for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )  # fmt: skip
+    return {
+        "param": sum(_local_bytes(p) for p in params),
+        "grad": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": opt_bytes,
+    }
+
+
+def estimate(raw: dict, world: int) -> float:
+    from automodel.mesh import fake_world  # noqa: F401  (plan_layout uses it)
+    from automodel.recipes.plan import plan_layout
+    from automodel.recipes.recipe_config import parse_recipe_config
+
+    _, mem, _ = plan_layout(parse_recipe_config(raw), world_size=world)
+    return mem.total_bytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8])
+    a = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in a.worlds:
+            raw = raw_config(tmp, world)
+            per_rank = run_on_ranks(measure, world_size=world, args=(raw,), timeout_s=900)
+            worst = max(per_rank, key=lambda m: sum(m.values()))
+            rows.append((world, worst, estimate(raw, world)))
+    single = sum(rows[0][1].values()) * rows[0][0]  # world 1 total (or scaled if 1 not measured)
+    print(f"{'world':>5} {'param MiB':>10} {'grad MiB':>9} {'optim MiB':>10} {'total MiB':>10} "
+          f"{'x dp / 1-rank':>14} {'validate est MiB':>17} {'measured/est':>13}")  # fmt: skip
+    for world, m, est in rows:
+        total = sum(m.values())
+        print(
+            f"{world:>5} {m['param'] / 2**20:>10.2f} {m['grad'] / 2**20:>9.2f} {m['optimizer'] / 2**20:>10.2f} "
+            f"{total / 2**20:>10.2f} {total * world / single:>14.3f} {est / 2**20:>17.2f} {total / est:>13.3f}"
+        )
+    print("targets: 'x dp / 1-rank' within 1 +- 0.05; 'measured/est' within 1 +- 0.10")
+
+
+if __name__ == "__main__":
+    main()
