@@ -60,7 +60,9 @@ def _torch_layout() -> list[int]:
     theirs = torch.arange(16).unsqueeze(0)
     with context_parallel(cp_mesh, buffers=[theirs], buffer_seq_dims=[1], no_restore_buffers={theirs}):
         pass
-    _, local = make_cp_batch_and_ctx(cp_mesh, {"input_ids": torch.arange(16).unsqueeze(0), "labels": torch.zeros(1, 16)})
+    _, local = make_cp_batch_and_ctx(
+        cp_mesh, {"input_ids": torch.arange(16).unsqueeze(0), "labels": torch.zeros(1, 16)}
+    )
     return [theirs[0].tolist(), local["input_ids"][0].tolist()]
 
 
@@ -72,7 +74,9 @@ def test_layout_matches_torch_context_parallel():
 
 def test_no_cp_returns_the_batch_with_the_label_count():
     ids = torch.arange(8).unsqueeze(0)
-    ctx, local = make_cp_batch_and_ctx(None, {"input_ids": ids, "labels": torch.tensor([[1, 2, -100, 4, 5, 6, 7, -100]])})
+    ctx, local = make_cp_batch_and_ctx(
+        None, {"input_ids": ids, "labels": torch.tensor([[1, 2, -100, 4, 5, 6, 7, -100]])}
+    )
     assert torch.equal(local["input_ids"], ids) and int(local["num_label_tokens"]) == 6
     with ctx():
         pass

@@ -47,7 +47,9 @@ def _batch(seed: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
 
 
 def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, VOCAB).float(), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
 
 
 def _reference(model, batches) -> tuple[float, dict[str, torch.Tensor]]:
@@ -133,7 +135,12 @@ def _run_cp_fsdp() -> dict[str, float]:
         unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     dp_rank = mesh.coordinates["dp_shard"]
     loss = _cp_step(
-        model, batches[dp_rank], cp_mesh, backend, mesh.get_mesh("dp_cp").get_group(), mesh.get_mesh("dp").get_group()
+        model,
+        batches[dp_rank],
+        cp_mesh,
+        backend,
+        mesh.get_mesh("dp_cp").get_group(),
+        mesh.get_mesh("dp").get_group(),
     )
     return _compare(loss, {n: _full_grad(p) for n, p in model.named_parameters()}, ref_loss, ref_grads)
 
@@ -181,7 +188,9 @@ DOCS = [7, 12, 9]  # 28 real tokens in one packed row, plus 2 tokens of pack pad
 def _packed_batch() -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(1, VOCAB, (1, n), generator=g) for n in DOCS]
-    per_doc = [{"input_ids": d, "labels": torch.cat([d[:, 1:], torch.full((1, 1), -100)], dim=1)} for d in docs]
+    per_doc = [
+        {"input_ids": d, "labels": torch.cat([d[:, 1:], torch.full((1, 1), -100)], dim=1)} for d in docs
+    ]
     ids = torch.cat([d["input_ids"] for d in per_doc] + [torch.zeros(1, 2, dtype=torch.long)], dim=1)
     labels = torch.cat([d["labels"] for d in per_doc] + [torch.full((1, 2), -100)], dim=1)
     packed = {

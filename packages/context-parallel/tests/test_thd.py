@@ -71,7 +71,9 @@ def _te_batches(num_chunks: int) -> list[dict]:
     batch = {
         "input_ids": ids,
         "labels": ids + 100,
-        "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]),
+        "position_ids": torch.tensor(
+            [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
+        ),
         "seq_lens": torch.tensor([[6, 5], [8, 4]]),
         "seq_lens_padded": torch.tensor([[6, 6], [8, 4]]),
     }

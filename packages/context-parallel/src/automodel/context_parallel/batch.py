@@ -76,8 +76,8 @@ def _shard_packed(
             f"{input_ids.shape[0]}"
         )
     if "cu_seqlens" in batch:
-        cu = batch.pop("cu_seqlens").reshape(-1)
-        cu_p = batch.pop("cu_seqlens_padded", cu).reshape(-1)
+        cu = batch.pop("cu_seqlens").reshape(-1).cpu()
+        cu_p = batch.pop("cu_seqlens_padded", cu).reshape(-1).cpu()
         cu, cu_p = cu[cu != seq_lens_padding_value], cu_p[cu_p != seq_lens_padding_value]
     else:
         cu = cu_from_lengths(batch.pop("seq_lens"), padding_value=seq_lens_padding_value)
@@ -86,10 +86,12 @@ def _shard_packed(
     tokens = {k: batch.pop(k)[0] for k in _SEQ_KEYS if k in batch}
     if "position_ids" not in tokens:
         # Positions restart in every document.
-        doc = (torch.searchsorted(cu_p.to(torch.int64), torch.arange(input_ids.shape[1]), right=True) - 1).clamp(
-            max=cu_p.numel() - 2
+        doc = (
+            torch.searchsorted(cu_p.to(torch.int64), torch.arange(input_ids.shape[1]), right=True) - 1
+        ).clamp(max=cu_p.numel() - 2)
+        tokens["position_ids"] = (torch.arange(input_ids.shape[1]) - cu_p.to(torch.int64)[doc]).to(
+            input_ids.device
         )
-        tokens["position_ids"] = (torch.arange(input_ids.shape[1]) - cu_p.to(torch.int64)[doc]).to(input_ids.device)
     tokens, cu, cu_p = pad_documents(
         tokens, cu_seqlens=cu, cu_seqlens_padded=cu_p, multiple=2 * cp_size, padding_token_id=padding_token_id
     )
@@ -119,7 +121,10 @@ def _torch_cp_context(cp_mesh: DeviceMesh, seq_len_global: int, kv_rotation: str
         set_rotate_method("alltoall" if kv_rotation == "p2p" else "allgather")
         dummy = torch.zeros(1, seq_len_global, device=cp_mesh.device_type)
         kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-        with sdpa_kernel(kernels), context_parallel(cp_mesh, buffers=[dummy], buffer_seq_dims=[1], no_restore_buffers={dummy}):
+        with (
+            sdpa_kernel(kernels),
+            context_parallel(cp_mesh, buffers=[dummy], buffer_seq_dims=[1], no_restore_buffers={dummy}),
+        ):
             yield
 
     return ctx
@@ -153,10 +158,14 @@ def make_cp_batch_and_ctx(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     batch = dict(batch)
     if "input_ids" not in batch or "labels" not in batch:
-        raise ValueError(f"make_cp_batch_and_ctx needs 'input_ids' and 'labels' in the batch, got {sorted(batch)}")
+        raise ValueError(
+            f"make_cp_batch_and_ctx needs 'input_ids' and 'labels' in the batch, got {sorted(batch)}"
+        )
     if loss_mask is not None:
         if loss_mask.shape != batch["labels"].shape:
-            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != labels shape {tuple(batch['labels'].shape)}")
+            raise ValueError(
+                f"loss_mask shape {tuple(loss_mask.shape)} != labels shape {tuple(batch['labels'].shape)}"
+            )
         batch["loss_mask"] = loss_mask
     batch.pop("attention_mask", None)
     num_label_tokens = _count_label_tokens(batch["labels"], batch.get("loss_mask"))
@@ -178,7 +187,8 @@ def make_cp_batch_and_ctx(
     cp_rank = cp_mesh.get_local_rank()
     if _is_packed(batch):
         local = _shard_packed(batch, cp_size, cp_rank, padding_token_id, seq_lens_padding_value)
-        ctx: Callable[[], Any] = contextlib.nullcontext  # packed rows: ring (doc masks) or TE, never torch SDPA
+        # Packed rows go through the ring kernel (document masks) or TE, never torch's SDPA ring.
+        ctx: Callable[[], Any] = contextlib.nullcontext
     else:
         seq = batch["input_ids"].shape[1]
         local = _shard_bshd(batch, cp_size, cp_rank, padding_token_id)

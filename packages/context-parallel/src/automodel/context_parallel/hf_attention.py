@@ -114,7 +114,9 @@ def context_parallel_attention(
             "apply_context_parallel() was not applied to the model"
         )
     if dropout:
-        raise ValueError(f"attention dropout is not supported under context parallelism, got dropout={dropout}")
+        raise ValueError(
+            f"attention dropout is not supported under context parallelism, got dropout={dropout}"
+        )
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("sliding-window attention is not supported under context parallelism")
     causal = kwargs.get("is_causal")
@@ -130,7 +132,9 @@ def context_parallel_attention(
         total = s_local * spec.cp_size
         doc = None
         if cu_p is None:
-            index = load_balanced_indices(total, cp_size=spec.cp_size, cp_rank=spec.cp_rank, device=query.device)
+            index = load_balanced_indices(
+                total, cp_size=spec.cp_size, cp_rank=spec.cp_rank, device=query.device
+            )
         else:
             cu_p = cu_p.to(query.device)
             index = thd_partitioned_indices(cu_p, total, spec.cp_size, spec.cp_rank)
@@ -180,7 +184,11 @@ def _register_with_transformers() -> None:
 
 
 def _set_attn_implementation(model: torch.nn.Module) -> None:
-    configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
+    configs = [
+        m.config
+        for m in model.modules()
+        if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")
+    ]
     for config in configs:
         config._attn_implementation = ATTN_IMPLEMENTATION
         for sub in getattr(config, "sub_configs", {}) or {}:
@@ -207,7 +215,9 @@ def apply_context_parallel(
     if cp_mesh is None or cp_mesh.size() == 1:
         return "none"
     if cp_mesh.ndim != 1:
-        raise ValueError(f"cp_mesh must be a 1-D DeviceMesh, got {cp_mesh.ndim} dims {cp_mesh.mesh_dim_names}")
+        raise ValueError(
+            f"cp_mesh must be a 1-D DeviceMesh, got {cp_mesh.ndim} dims {cp_mesh.mesh_dim_names}"
+        )
     if resolved == "te":
         import_transformer_engine()
     modules = _attention_modules(model)

@@ -51,7 +51,10 @@ def unshard_sequence(local: torch.Tensor, *, dim: int, group: ProcessGroup) -> t
     dist.all_gather(parts, local.contiguous(), group=group)
     seq_len = local.shape[dim] * cp_size
     order = torch.cat(
-        [load_balanced_indices(seq_len, cp_size=cp_size, cp_rank=r, device=local.device) for r in range(cp_size)]
+        [
+            load_balanced_indices(seq_len, cp_size=cp_size, cp_rank=r, device=local.device)
+            for r in range(cp_size)
+        ]
     )
     gathered = torch.cat(parts, dim=dim)
     inverse = torch.empty_like(order)

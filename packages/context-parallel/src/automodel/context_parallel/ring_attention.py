@@ -33,7 +33,9 @@ KV_ROTATIONS: tuple[str, ...] = ("allgather", "p2p")
 class _Layout:
     """Global positions and document ids of every rank's tokens (small; gathered once)."""
 
-    def __init__(self, q_index: torch.Tensor, doc_ids: torch.Tensor | None, group: ProcessGroup, causal: bool):
+    def __init__(
+        self, q_index: torch.Tensor, doc_ids: torch.Tensor | None, group: ProcessGroup, causal: bool
+    ):
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.causal = causal
@@ -45,7 +47,9 @@ class _Layout:
     def mask(self, source: int) -> tuple[bool, torch.Tensor | None]:
         """(any pair attends, mask or None) for our queries against `source`'s keys."""
         k_doc = None if self.all_doc is None else self.all_doc[source]
-        m = bw.block_mask(self.q_index, self.all_index[source], causal=self.causal, q_doc=self.q_doc, k_doc=k_doc)
+        m = bw.block_mask(
+            self.q_index, self.all_index[source], causal=self.causal, q_doc=self.q_doc, k_doc=k_doc
+        )
         return (m is None or bool(m.any())), m
 
 
@@ -89,7 +93,9 @@ def _backward(q, k, v, out, lse, grad_out, layout: _Layout, group, scale: float,
         for src in range(layout.world):
             attend, mask = layout.mask(src)
             if attend:
-                gq, gk, gv = bw.block_backward(q, kv_all[src, 0], kv_all[src, 1], mask, scale, grad_out, lse, delta)
+                gq, gk, gv = bw.block_backward(
+                    q, kv_all[src, 0], kv_all[src, 1], mask, scale, grad_out, lse, delta
+                )
                 grad_q += gq
                 grad_kv_all[src, 0] += gk
                 grad_kv_all[src, 1] += gv
@@ -127,7 +133,9 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        grads = _backward(q, k, v, out, lse, grad_out.contiguous(), ctx.layout, ctx.group, ctx.scale, ctx.rotation)
+        grads = _backward(
+            q, k, v, out, lse, grad_out.contiguous(), ctx.layout, ctx.group, ctx.scale, ctx.rotation
+        )
         return (*grads, None, None, None, None)
 
 

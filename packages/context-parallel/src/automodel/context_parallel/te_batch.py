@@ -31,13 +31,15 @@ def _to_thd(batch: dict[str, Any], *, seq_lens_padding_value: int, padding_token
             t = batch[key]
             out[key] = t.reshape(bsz * seq, *t.shape[2:])
     if "cu_seqlens" in batch:
-        cu = batch["cu_seqlens"].reshape(-1)
+        cu = batch["cu_seqlens"].reshape(-1).cpu()
         cu = cu[cu != seq_lens_padding_value].to(torch.int32)
-        cu_p = batch.get("cu_seqlens_padded", cu).reshape(-1)
+        cu_p = batch.get("cu_seqlens_padded", cu).reshape(-1).cpu()
         cu_p = cu_p[cu_p != seq_lens_padding_value].to(torch.int32)
     elif "seq_lens" in batch:
         cu = cu_from_lengths(batch["seq_lens"], padding_value=seq_lens_padding_value)
-        cu_p = cu_from_lengths(batch.get("seq_lens_padded", batch["seq_lens"]), padding_value=seq_lens_padding_value)
+        cu_p = cu_from_lengths(
+            batch.get("seq_lens_padded", batch["seq_lens"]), padding_value=seq_lens_padding_value
+        )
     else:
         # Plain rows: every row is one document.
         cu = torch.arange(0, bsz * seq + 1, seq, dtype=torch.int32)
@@ -83,17 +85,19 @@ def _shard_thd_chunk_for_te(
     if "cu_seqlens" not in batch:
         raise ValueError("THD sharding needs 'cu_seqlens' (and optionally 'cu_seqlens_padded') in the batch")
     cp_size, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    cu = batch["cu_seqlens"][batch["cu_seqlens"] != seq_lens_padding_value]
-    cu_p = batch.get("cu_seqlens_padded", batch["cu_seqlens"])
+    cu = batch["cu_seqlens"].cpu()
+    cu = cu[cu != seq_lens_padding_value]
+    cu_p = batch.get("cu_seqlens_padded", batch["cu_seqlens"]).cpu()
     cu_p = cu_p[cu_p != seq_lens_padding_value]
     tokens = {k: batch[k] for k in _TOKEN_KEYS if k in batch}
     tokens, cu, cu_p = pad_documents(
         tokens, cu_seqlens=cu, cu_seqlens_padded=cu_p, multiple=2 * cp_size, padding_token_id=padding_token_id
     )
     total = next(iter(tokens.values())).shape[0]
-    index = thd_partitioned_indices(cu_p, total, cp_size, cp_rank).to(cu_p.device)
+    index = thd_partitioned_indices(cu_p, total, cp_size, cp_rank)
     out: dict[str, Any] = {k: v.index_select(0, index.to(v.device)) for k, v in tokens.items()}
-    out["cu_seqlens"], out["cu_seqlens_padded"] = cu, cu_p
+    device = out["input_ids"].device
+    out["cu_seqlens"], out["cu_seqlens_padded"] = cu.to(device), cu_p.to(device)
     return _finish(out, cp_size=cp_size, cp_rank=cp_rank, padding_token_id=padding_token_id)
 
 
@@ -129,7 +133,9 @@ def make_cp_batch_for_te(
         }
         thd = _to_thd(part, seq_lens_padding_value=seq_lens_padding_value, padding_token_id=padding_token_id)
         if cp_size > 1:
-            chunks.append(_shard_thd_chunk_for_te(thd, cp_mesh, qkv_format, seq_lens_padding_value, padding_token_id))
+            chunks.append(
+                _shard_thd_chunk_for_te(thd, cp_mesh, qkv_format, seq_lens_padding_value, padding_token_id)
+            )
         else:
             chunks.append(_finish(thd, cp_size=1, cp_rank=0, padding_token_id=padding_token_id))
     if num_chunks == 1:
@@ -137,7 +143,9 @@ def make_cp_batch_for_te(
     return _stack_chunks(chunks, padding_value=seq_lens_padding_value, padding_token_id=padding_token_id)
 
 
-def _stack_chunks(chunks: list[dict[str, Any]], *, padding_value: int, padding_token_id: int) -> dict[str, Any]:
+def _stack_chunks(
+    chunks: list[dict[str, Any]], *, padding_value: int, padding_token_id: int
+) -> dict[str, Any]:
     """Stack per-chunk results; shorter chunks are right-padded (tokens past their last document)."""
     out: dict[str, Any] = dict(chunks[0])
     for key, first in chunks[0].items():

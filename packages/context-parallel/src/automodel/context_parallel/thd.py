@@ -27,7 +27,9 @@ def thd_partitioned_indices(
     ``[(2cp-1-r)*L/2cp, (2cp-r)*L/2cp)`` of its own offsets, documents in order.
     """
     if cu_seqlens_padded.dim() != 1 or cu_seqlens_padded.numel() < 2:
-        raise ValueError(f"cu_seqlens_padded must be 1-D with >= 2 entries, got shape {tuple(cu_seqlens_padded.shape)}")
+        raise ValueError(
+            f"cu_seqlens_padded must be 1-D with >= 2 entries, got shape {tuple(cu_seqlens_padded.shape)}"
+        )
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"need 0 <= cp_rank < cp_size, got cp_rank={cp_rank}, cp_size={cp_size}")
     cu = cu_seqlens_padded.to(torch.int64)
@@ -60,7 +62,7 @@ def document_ids(cu_seqlens_padded: torch.Tensor, token_index: torch.Tensor) -> 
 
 def cu_from_lengths(lengths: torch.Tensor, *, padding_value: int) -> torch.Tensor:
     """``[0, l0, l0+l1, ...]`` (int32) from a lengths tensor, dropping `padding_value` entries."""
-    flat = lengths.reshape(-1)
+    flat = lengths.reshape(-1).cpu()  # metadata: index math stays on the CPU
     flat = flat[flat != padding_value].to(torch.int64)
     return torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)]).to(torch.int32)
 
@@ -81,8 +83,8 @@ def pad_documents(
     a document, other keys get their `PAD_FILL` value (``input_ids``: `padding_token_id`).
     """
     total = next(iter(tensors.values())).shape[0]
-    cu_p = cu_seqlens_padded.to(torch.int64)
-    cu_r = cu_seqlens.to(torch.int64)
+    cu_p = cu_seqlens_padded.cpu().to(torch.int64)
+    cu_r = cu_seqlens.cpu().to(torch.int64)
     if int(cu_p[-1]) > total:
         raise ValueError(f"cu_seqlens_padded[-1]={int(cu_p[-1])} exceeds the packed length {total}")
     if int(cu_p[-1]) < total:
