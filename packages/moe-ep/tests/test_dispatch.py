@@ -53,7 +53,11 @@ def _conservation_rank(pattern: str, num_experts: int, top_k: int) -> dict:
     all_idx = [None] * world
     dist.all_gather_object(all_idx, idx.tolist())
     expected = sorted(
-        (e, r, t) for r, rows in enumerate(all_idx) for t, row in enumerate(rows) for e in row if e // local == rank
+        (e, r, t)
+        for r, rows in enumerate(all_idx)
+        for t, row in enumerate(rows)
+        for e in row
+        if e // local == rank
     )
     # Each expert scales what it computes by (global id + 1); combine weights slot k by (k + 1).
     scale = torch.repeat_interleave(
@@ -61,7 +65,12 @@ def _conservation_rank(pattern: str, num_experts: int, top_k: int) -> dict:
     )
     weights = (torch.arange(top_k, dtype=torch.float) + 1).expand(num_tokens, top_k)
     out = combine_tokens(
-        received * scale.unsqueeze(-1), plan, top_k_weights=weights, num_tokens=num_tokens, out_dtype=x.dtype, group=None
+        received * scale.unsqueeze(-1),
+        plan,
+        top_k_weights=weights,
+        num_tokens=num_tokens,
+        out_dtype=x.dtype,
+        group=None,
     )
     factor = ((idx.float() + 1) * weights).sum(-1, keepdim=True)
     out.sum().backward()
@@ -84,8 +93,12 @@ def _conservation_rank(pattern: str, num_experts: int, top_k: int) -> dict:
         ("empty_rank", 2, 4, 2),
     ],
 )
-def test_every_routed_token_computed_once_per_slot(pattern: str, world: int, num_experts: int, top_k: int) -> None:
-    results = run_on_ranks(_conservation_rank, world_size=world, args=(pattern, num_experts, top_k), timeout_s=300)
+def test_every_routed_token_computed_once_per_slot(
+    pattern: str, world: int, num_experts: int, top_k: int
+) -> None:
+    results = run_on_ranks(
+        _conservation_rank, world_size=world, args=(pattern, num_experts, top_k), timeout_s=300
+    )
     for r in results:
         assert r["got"] == r["expected"]  # the exact multiset of (expert, source rank, token)
         assert r["out_err"] < 1e-6 and r["grad_err"] < 1e-6

@@ -31,7 +31,9 @@ def _batch(step: int, num_seqs: int) -> torch.Tensor:
 
 def _shard_loss(model, ids, *, num_shards: int, pure_sum: bool) -> torch.Tensor:
     out = model(input_ids=ids, output_router_logits=True)
-    ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1), reduction="sum")
+    ce = F.cross_entropy(
+        out.logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1), reduction="sum"
+    )
     aux = model.config.router_aux_loss_coef * out.aux_loss
     tokens = ids[:, 1:].numel()
     if pure_sum:  # recipes' convention: CE sum over global label tokens; aux averaged over shards
@@ -72,7 +74,12 @@ def _parity_rank(
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_params = dict(ref.named_parameters())
-    result = {"loss": [], "ref_loss": [], "grad_rel": [], "names": sorted(n for n, _ in model.named_parameters())}
+    result = {
+        "loss": [],
+        "ref_loss": [],
+        "grad_rel": [],
+        "names": sorted(n for n, _ in model.named_parameters()),
+    }
     for step in range(steps):
         ids = _batch(step, dp * PER_RANK)
         loss = _shard_loss(model, ids.chunk(dp)[dp_index], num_shards=dp, pure_sum=pure_sum)
@@ -94,7 +101,9 @@ def _parity_rank(
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    result["weight_rel"] = max(_rel(_full(p.detach()), ref_params[n].detach()) for n, p in model.named_parameters())
+    result["weight_rel"] = max(
+        _rel(_full(p.detach()), ref_params[n].detach()) for n, p in model.named_parameters()
+    )
     result["expert_local_shape"] = [
         tuple(p.to_local().shape) for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")
     ]

@@ -36,7 +36,9 @@ class _RecordTopK(TorchFunctionMode):
         super().__init__()
         self.record = record
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func not in _TOPK:
             return func(*args, **kwargs)
@@ -55,7 +57,9 @@ class _ReplayTopK(TorchFunctionMode):
         self.record = record
         self.cursor = 0
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func not in _TOPK:
             return func(*args, **kwargs)

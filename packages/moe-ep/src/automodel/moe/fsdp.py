@@ -82,7 +82,9 @@ def apply_fsdp(
                 shard_placement_fn=lambda _param, dim=dim: Shard(dim),
             )
             units.add(name)
-    shard = dict(mesh=dense_mesh, reshard_after_forward=reshard_after_forward, divide_factor=gradient_divide_factor)
+    shard = dict(
+        mesh=dense_mesh, reshard_after_forward=reshard_after_forward, divide_factor=gradient_divide_factor
+    )
     for name, layer in layers:
         _shard(layer, mp_policy=mp_policy, **shard)
         units.add(name)

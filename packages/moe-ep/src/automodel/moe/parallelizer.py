@@ -32,7 +32,9 @@ def validate_moe_layout(*, layout: ResolvedLayout, num_experts: list[int]) -> No
         )
     for count in sorted(set(num_experts)):
         if count % ep != 0:
-            raise ValueError(f"ep_size={ep} must divide the number of experts, but the model has {count} experts")
+            raise ValueError(
+                f"ep_size={ep} must divide the number of experts, but the model has {count} experts"
+            )
 
 
 def dense_fsdp_mesh(mesh: MeshContext) -> DeviceMesh | None:
@@ -81,7 +83,9 @@ def parallelize_model(
     layers = find_decoder_layers(model)
     if activation_checkpointing:
         if not layers:
-            raise ValueError("activation_checkpointing=True but the model has no `layers` container of blocks")
+            raise ValueError(
+                "activation_checkpointing=True but the model has no `layers` container of blocks"
+            )
         apply_ac([layer for _, layer in layers], save_router_decisions=config.ignore_router_for_ac)
     dense_mesh = dense_fsdp_mesh(mesh)
     if dense_mesh is not None:

@@ -33,7 +33,9 @@ def tiny_config(
     if family == "mixtral":
         from transformers import MixtralConfig
 
-        cfg = MixtralConfig(intermediate_size=expert_intermediate, num_local_experts=num_experts, **moe, **common)
+        cfg = MixtralConfig(
+            intermediate_size=expert_intermediate, num_local_experts=num_experts, **moe, **common
+        )
     elif family == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
