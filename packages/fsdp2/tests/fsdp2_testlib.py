@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import automodel.fsdp2  # noqa: F401 - imported once here so forked ranks inherit it
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import automodel.fsdp2  # noqa: F401 - imported once here so forked ranks inherit it
 
 VOCAB, SEQ, GBS, STEPS = 256, 16, 8, 5
 GLOBAL_TOKENS = GBS * (SEQ - 1)
@@ -146,7 +147,12 @@ def train_on_rank(spec: dict[str, Any]) -> dict[str, Any]:
         cfg = {"backend": "gloo", "mp_policy": fp32_policy(), **spec.get("config", {})}
         if spec.get("offload"):
             cfg["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-        manager = FSDP2Manager(FSDP2Config(**cfg), mesh, gradient_divide_factor=1.0)
+        manager = FSDP2Manager(
+            FSDP2Config(**cfg),
+            mesh,
+            gradient_divide_factor=1.0,
+            compile_backend=spec.get("compile_backend", "inductor"),
+        )
     model = manager.parallelize(model)
     if meta:
         materialize_meta_model(model, device="cpu", seed=0)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from automodel.mesh.testing import run_on_ranks
 from fsdp2_testlib import reference, train_on_rank
+
+from automodel.mesh.testing import run_on_ranks
 
 TIMEOUT = 600
 
@@ -21,6 +22,7 @@ LAYOUTS = {
     "grad_accum_deferred": (2, {"accum": 2}),
     "ddp_grad_accum_deferred": (2, {"strategy": "ddp", "accum": 2}),
     "activation_checkpointing": (2, {"config": {"activation_checkpointing": True}}),
+    "ddp_activation_checkpointing": (2, {"strategy": "ddp", "config": {"activation_checkpointing": True}}),
     "ac_tp2_sp": (4, {"tp": 2, "config": {"activation_checkpointing": True, "sequence_parallel": True}}),
     "cpu_offload": (2, {"offload": True}),
     "meta_init_fsdp_tp": (4, {"tp": 2, "meta": True}),

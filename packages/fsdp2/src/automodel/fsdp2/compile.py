@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from automodel.fsdp2.activation_checkpointing import get_lm_ac_layers
 from torch import nn
+
+from automodel.fsdp2.activation_checkpointing import get_lm_ac_layers
 
 
 def apply_compile(

@@ -12,8 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from automodel.fsdp2.utils import import_class_from_path
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from automodel.fsdp2.utils import import_class_from_path
 
 _BACKENDS = ("nccl", "gloo", "cpu:gloo,cuda:nccl")
 

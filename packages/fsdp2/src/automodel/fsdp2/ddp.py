@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
 from automodel.fsdp2.activation_checkpointing import apply_activation_checkpointing
 from automodel.fsdp2.config import DDPConfig
 from automodel.mesh import MeshContext
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 
 def _scaled_allreduce_hook(factor: float):

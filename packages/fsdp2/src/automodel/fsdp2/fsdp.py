@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
-from automodel.mesh import MeshContext
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from automodel.mesh import MeshContext
 
 
 def get_fsdp_mesh(mesh: MeshContext) -> DeviceMesh:

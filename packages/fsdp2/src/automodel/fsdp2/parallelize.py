@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
 from automodel.fsdp2.activation_checkpointing import apply_activation_checkpointing
 from automodel.fsdp2.autocast import apply_autocast
 from automodel.fsdp2.compile import apply_compile
@@ -20,8 +23,6 @@ from automodel.fsdp2.packed_sequence import patch_is_packed_sequence
 from automodel.fsdp2.prefetch import apply_fsdp2_prefetch
 from automodel.fsdp2.tensor_parallel import apply_tp, enable_async_tp
 from automodel.mesh import MeshContext
-from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 
 def fsdp2_strategy_parallelize(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from automodel.fsdp2.activation_checkpointing import get_lm_ac_layers
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from automodel.fsdp2.activation_checkpointing import get_lm_ac_layers
 
 
 def apply_fsdp2_prefetch(

@@ -7,15 +7,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
 from automodel.fsdp2.tp_plan import (
     check_plan_matches_model,
     plan_has_sequence_parallel,
     resolve_tp_plan,
     validate_tp_mesh,
 )
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
 def _add_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -15,7 +15,6 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from automodel.fsdp2.utils import import_class_from_path
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -26,6 +25,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+from automodel.fsdp2.utils import import_class_from_path
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,138 @@
+"""TP plan resolution and the clear errors of bad TP input."""
+
+from __future__ import annotations
+
+import pytest
+from fsdp2_testlib import tiny_model
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from automodel.fsdp2 import (
+    get_hf_tp_shard_plan,
+    resolve_tp_plan,
+    translate_to_torch_parallel_style,
+    validate_tp_mesh,
+)
+from automodel.mesh.testing import RankFailure, run_on_ranks
+
+#: A plan importable by path (resolve_tp_plan accepts "module.attr" strings).
+CUSTOM_PLAN = {"model.layers.*.mlp.down_proj": "rowwise", "model.layers.*.mlp.up_proj": "colwise"}
+
+
+def custom_plan_fn() -> dict:
+    return dict(CUSTOM_PLAN)
+
+
+@pytest.mark.parametrize(
+    "style",
+    [
+        "colwise",
+        "rowwise",
+        "colwise_rep",
+        "colwise_gather_output",
+        "rowwise_rep",
+        "rowwise_split_input",
+        "embedding_rowwise",
+        "embedding_colwise",
+        "sequence_parallel",
+        "replicated_with_grad_allreduce",
+        "local_colwise",
+        "local_rowwise",
+    ],
+)
+def test_every_supported_style_translates(style: str) -> None:
+    translate_to_torch_parallel_style(style)
+
+
+def test_style_semantics() -> None:
+    gather = translate_to_torch_parallel_style("colwise_gather_output")
+    assert isinstance(gather, ColwiseParallel) and gather.output_layouts == (Replicate(),)
+    emb = translate_to_torch_parallel_style("embedding_rowwise")
+    assert isinstance(emb, RowwiseParallel) and emb.input_layouts == (Replicate(),)
+
+
+def test_unknown_and_unsupported_styles_raise() -> None:
+    with pytest.raises(ValueError, match="unknown tensor-parallel style 'diagonal'"):
+        translate_to_torch_parallel_style("diagonal")
+    with pytest.raises(ValueError, match="'moe_tp_experts'.*automodel.moe"):
+        translate_to_torch_parallel_style("moe_tp_experts")
+
+
+def test_hf_plan_of_llama_uses_transformers5_styles() -> None:
+    plan = get_hf_tp_shard_plan(tiny_model())
+    assert isinstance(plan["lm_head"], ColwiseParallel) and plan["lm_head"].output_layouts == (Replicate(),)
+    assert isinstance(plan["model.embed_tokens"], RowwiseParallel)
+    assert isinstance(plan["model.layers.*.self_attn.o_proj"], RowwiseParallel)
+
+
+def test_hf_plan_of_qwen3_replicates_qk_norms() -> None:
+    plan = get_hf_tp_shard_plan(tiny_model(family="qwen3"))
+    assert type(plan["model.layers.*.self_attn.q_norm"]) is SequenceParallel
+
+
+def test_resolution_order() -> None:
+    model = tiny_model()
+    explicit = resolve_tp_plan(model, tp_plan={"lm_head": "colwise_rep"})
+    assert list(explicit) == ["lm_head"]
+    by_path = resolve_tp_plan(model, tp_plan=f"{__name__}.CUSTOM_PLAN")
+    assert set(by_path) == set(CUSTOM_PLAN)
+    by_fn = resolve_tp_plan(model, tp_plan=f"{__name__}.custom_plan_fn")
+    assert set(by_fn) == set(CUSTOM_PLAN)
+    assert set(resolve_tp_plan(model)) == set(get_hf_tp_shard_plan(model))
+    sp = resolve_tp_plan(model, sequence_parallel=True)
+    assert type(sp["model.norm"]) is SequenceParallel and "model.layers.*.input_layernorm" in sp
+
+
+def test_model_without_hf_plan_falls_back_to_llama_default() -> None:
+    model = tiny_model()
+    model.config.base_model_tp_plan = None
+    model.__dict__["_tp_plan"] = None
+    model.model.__dict__["_tp_plan"] = None
+    type_plan = type(model)._tp_plan
+    try:
+        type(model)._tp_plan = None
+        plan = resolve_tp_plan(model)
+    finally:
+        type(model)._tp_plan = type_plan
+    assert "model.layers.*.mlp.gate_proj" in plan and "model.embed_tokens" in plan
+
+
+def test_validate_tp_mesh_names_heads() -> None:
+    model = tiny_model()  # 4 heads, 2 KV heads
+    validate_tp_mesh(model, 2)
+    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tp_size=4"):
+        validate_tp_mesh(model, 4)
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tp_size=3"):
+        validate_tp_mesh(model, 3)
+
+
+def _bad_input_on_ranks(case: str) -> str:
+    from automodel.fsdp2 import DDPConfig, DDPManager, apply_tp
+    from automodel.mesh import MeshContext, ParallelismSizes
+
+    if case == "ddp_tp":
+        mesh = MeshContext.build(ParallelismSizes(tp_size=2))
+        DDPManager(DDPConfig(backend="gloo"), mesh)
+    tp_mesh = MeshContext.build(ParallelismSizes(tp_size=4 if case == "tp_heads" else 2)).get_mesh("tp")
+    model = tiny_model()
+    plan = {
+        "tp_heads": None,
+        "unknown_style": {"lm_head": "zigzag"},
+        "missing_key": {"model.layers.*.mlp.gate_projection": "colwise"},
+    }[case]
+    apply_tp(model, tp_mesh=tp_mesh, tp_plan=plan)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "world", "message"),
+    [
+        ("tp_heads", 4, "num_key_value_heads=2 is not divisible by tp_size=4"),
+        ("unknown_style", 2, "unknown tensor-parallel style 'zigzag'"),
+        ("missing_key", 2, r"keys \['model.layers.\*.mlp.gate_projection'\] match no submodule"),
+        ("ddp_tp", 2, "strategy 'ddp' supports data parallelism only; got tp_size=2"),
+    ],
+)
+def test_bad_input_is_a_clear_error(case: str, world: int, message: str) -> None:
+    with pytest.raises(RankFailure, match=message):
+        run_on_ranks(_bad_input_on_ranks, world_size=world, args=(case,), timeout_s=300)
