@@ -45,6 +45,16 @@ LAYOUTS = {
     "tp2_sp": (2, {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True}),
     "hsdp_2x2": (4, {"strategy": "fsdp2", "dp_replicate_size": 2}),
     "fsdp2_dp2_tp2": (4, {"strategy": "fsdp2", "tp_size": 2}),
+    "pp2_1f1b": (
+        2,
+        {"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_schedule": "1f1b", "pp_microbatch_size": 1}},
+    ),
+    "pp2_dp2": (
+        4,
+        {"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_schedule": "gpipe", "pp_microbatch_size": 1}},
+    ),
+    "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
+    "fsdp2_dp2_ac": (2, {"strategy": "fsdp2", "activation_checkpointing": True}),
 }
 
 
@@ -55,3 +65,42 @@ def test_layout_matches_single_process(name: str, reference: list[float], tmp_pa
     results = run_on_ranks(train_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT)
     for rank_losses in results:
         _assert_close(rank_losses, reference)
+
+
+MOE_MODEL = {
+    "config": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+}
+
+
+def test_moe_ep2_matches_single_process(tmp_path: Path) -> None:
+    ref_cfg = tiny_config(str(tmp_path / "ref"), model=MOE_MODEL)
+    (ref,) = run_on_ranks(train_on_rank, world_size=1, args=(ref_cfg,), timeout_s=TIMEOUT)
+    cfg = tiny_config(str(tmp_path / "ep"), model=MOE_MODEL, distributed={"strategy": "fsdp2", "ep_size": 2})
+    for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
+        _assert_close(rank_losses, ref)
+
+
+def test_packed_sequences_cp2_match_single_process(tmp_path: Path) -> None:
+    packed = {"packed_sequence": {"packed_sequence_size": 32}, "step_scheduler": {"local_batch_size": 1}}
+    (ref,) = run_on_ranks(
+        train_on_rank, world_size=1, args=(tiny_config(str(tmp_path / "r"), **packed),), timeout_s=TIMEOUT
+    )
+    cfg = tiny_config(str(tmp_path / "cp"), distributed={"strategy": "fsdp2", "cp_size": 2}, **packed)
+    for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
+        _assert_close(rank_losses, ref)

@@ -31,7 +31,7 @@ class ParallelModel:
 
     parts: list[nn.Module]
     pipeline: Any = None  # the built pipeline (with `.step`) when pp > 1
-    cp_enabled: bool = False
+    cp_backend: str = "none"
     defer_grad_sync: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -89,28 +89,125 @@ def _materialize(parts: list[nn.Module], *, device: torch.device, seed: int) -> 
         materialize_meta_model(part, device=device, seed=seed)
 
 
+def _moe_config(section: DistributedSection) -> Any:
+    (cls,) = require_api(
+        "automodel.moe", "MoEParallelizerConfig", key="distributed.ep_size", value=section.sizes.ep_size
+    )
+    try:
+        return cls(**(section.moe or {}))
+    except (ValueError, TypeError) as e:
+        raise ConfigError("distributed.moe", section.moe, str(e)) from None
+
+
+def pipeline_config(section: DistributedSection, *, local_batch_size: int) -> Any:
+    """`PipelineConfig` from ``distributed.pipeline``; one pipeline step takes one local batch."""
+    (cls,) = require_api(
+        "automodel.pipeline", "PipelineConfig", key="distributed.pp_size", value=section.sizes.pp_size
+    )
+    options = dict(section.pipeline or {})
+    if "pp_batch_size" in options and options["pp_batch_size"] != local_batch_size:
+        raise ConfigError(
+            "distributed.pipeline.pp_batch_size",
+            options["pp_batch_size"],
+            f"must equal step_scheduler.local_batch_size={local_batch_size} (or be left out)",
+        )
+    options["pp_batch_size"] = local_batch_size
+    try:
+        return cls(**options)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        key = next((k for k in options if msg.startswith(k) or f"{k}=" in msg), None)
+        where = f"distributed.pipeline.{key}" if key else "distributed.pipeline"
+        raise ConfigError(where, options.get(key, section.pipeline), msg) from None
+
+
+def apply_fsdp2_stack(
+    module: nn.Module,
+    *,
+    mesh: MeshContext,
+    section: DistributedSection,
+    config: Any,
+    gradient_divide_factor: float | None,
+) -> str:
+    """TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch on one model (or PP stage).
+
+    Returns the CP attention backend to pass to `make_cp_batch_and_ctx` ("none" without CP).
+    """
+    import automodel.fsdp2 as F
+
+    layout = mesh.layout
+    if config.patch_is_packed_sequence:
+        F.patch_is_packed_sequence()
+    tp_mesh = mesh.get_optional_mesh("tp")
+    if tp_mesh is not None:
+        F.apply_tp(
+            module, tp_mesh=tp_mesh, tp_plan=config.tp_plan, sequence_parallel=config.sequence_parallel
+        )
+        if config.enable_async_tensor_parallel:
+            F.enable_async_tp(tp_mesh)
+    cp_backend = "none"
+    if layout.cp_enabled:
+        (apply_cp,) = require_api(
+            "automodel.context_parallel", "apply_context_parallel", key="distributed.cp_size", value=layout.cp
+        )
+        cp_backend = apply_cp(module, cp_mesh=mesh.get_mesh("cp"))
+    if layout.ep_enabled:
+        (moe_parallelize,) = require_api(
+            "automodel.moe", "parallelize_model", key="distributed.ep_size", value=layout.ep
+        )
+        if config.enable_compile:
+            raise ConfigError(
+                "distributed.enable_compile", True, "is not supported together with ep_size > 1"
+            )
+        moe_parallelize(
+            module,
+            mesh=mesh,
+            config=_moe_config(section),
+            activation_checkpointing=config.activation_checkpointing,
+            mp_policy=config.mp_policy,
+            gradient_divide_factor=gradient_divide_factor,
+        )
+        return cp_backend
+    if config.activation_checkpointing:
+        F.apply_activation_checkpointing(module)
+    if config.enable_compile:
+        F.apply_compile(module)
+    F.apply_fsdp2_sharding_recursively(
+        module,
+        mesh=mesh,
+        mp_policy=config.mp_policy,
+        offload_policy=config.offload_policy,
+        pp_enabled=layout.pp_enabled,
+        gradient_divide_factor=gradient_divide_factor,
+    )
+    if config.enable_fsdp2_prefetch:
+        F.apply_fsdp2_prefetch(
+            module,
+            forward_depth=config.fsdp2_forward_prefetch_depth,
+            backward_depth=config.fsdp2_backward_prefetch_depth,
+        )
+    if config.autocast_dtype is not None:
+        F.apply_autocast(module, dtype=config.autocast_dtype, device_type=mesh.device_type)
+    return cp_backend
+
+
 def parallelize_model(
     model: nn.Module,
     *,
     mesh: MeshContext,
     section: DistributedSection,
-    hf_config: Any,
     device: torch.device,
     seed: int,
-    loss_fn: Any = None,
+    local_batch_size: int,
+    pipeline_loss_fn: Any = None,
     gradient_divide_factor: float | None = 1.0,
 ) -> ParallelModel:
-    """Compose the parallelisms of `section` on `model` (on the meta device) and materialize it."""
+    """Compose the parallelisms of `section` on `model` (on the meta device) and materialize it.
+
+    With pp > 1, `pipeline_loss_fn(logits, labels)` runs on the last stage per micro-batch.
+    """
     layout = mesh.layout
     config = strategy_config(section)
-    if layout.pp > 1:
-        require_api("automodel.pipeline", "AutoPipeline", key="distributed.pp_size", value=layout.pp)
-    if layout.cp > 1:
-        require_api(
-            "automodel.context_parallel", "make_cp_batch_and_ctx", key="distributed.cp_size", value=layout.cp
-        )
-    if layout.ep > 1:
-        require_api("automodel.moe", "parallelize_model", key="distributed.ep_size", value=layout.ep)
 
     if section.strategy == "ddp":
         from automodel.fsdp2 import DDPManager
@@ -132,12 +229,30 @@ def parallelize_model(
             raise ConfigError(
                 "distributed.strategy", "megatron_fsdp", "needs CUDA (megatron-fsdp runs on GPUs only)"
             )
-        manager = manager_cls(config, mesh)
-        parts = [manager.parallelize(model)]
-        return ParallelModel(parts=parts, defer_grad_sync=False, extra={"manager": manager})
+        _materialize([model], device=device, seed=seed)
+        return ParallelModel(
+            parts=[model], defer_grad_sync=False, extra={"megatron_manager": manager_cls(config, mesh)}
+        )
 
-    from automodel.fsdp2 import fsdp2_strategy_parallelize
+    cp_backend = "none"
 
-    fsdp2_strategy_parallelize(model, mesh=mesh, config=config, gradient_divide_factor=gradient_divide_factor)
+    def parallelize_stage(module: nn.Module, **_: Any) -> None:
+        nonlocal cp_backend
+        cp_backend = apply_fsdp2_stack(
+            module, mesh=mesh, section=section, config=config, gradient_divide_factor=gradient_divide_factor
+        )
+
+    if layout.pp_enabled:
+        (auto_pipeline,) = require_api(
+            "automodel.pipeline", "AutoPipeline", key="distributed.pp_size", value=layout.pp
+        )
+        pcfg = pipeline_config(section, local_batch_size=local_batch_size)
+        pipe = auto_pipeline(mesh=mesh, config=pcfg, device=device).build(
+            model, loss_fn=pipeline_loss_fn, parallelize_fn=parallelize_stage
+        )
+        parts = list(pipe.model_parts)
+        _materialize(parts, device=device, seed=seed)
+        return ParallelModel(parts=parts, pipeline=pipe, cp_backend=cp_backend, defer_grad_sync=False)
+    parallelize_stage(model)
     _materialize([model], device=device, seed=seed)
-    return ParallelModel(parts=[model], defer_grad_sync=config.defer_fsdp_grad_sync)
+    return ParallelModel(parts=[model], cp_backend=cp_backend, defer_grad_sync=config.defer_fsdp_grad_sync)

@@ -76,6 +76,10 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None
             raise ConfigError(
                 "distributed.ep_size", ep, f"must divide the model's number of experts ({experts})"
             )
+    if pp > 1 and cp > 1:
+        raise ConfigError(
+            "distributed.cp_size", cp, "context parallelism together with pp_size > 1 is not supported yet"
+        )
     seq = cfg.seq_length
     if cp > 1 and seq % (2 * cp):
         key = (

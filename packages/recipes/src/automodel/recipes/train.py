@@ -8,6 +8,7 @@ same loss and gradients for the same global batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -121,14 +122,15 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         model = build_meta_model(self.hf_config, dtype=cfg.model.dtype)
+        self._step_tokens = torch.ones((), device=self.device)
         self.pm = parallelize_model(
             model,
             mesh=self.mesh,
             section=cfg.distributed,
-            hf_config=self.hf_config,
             device=self.device,
             seed=cfg.seed,
-            loss_fn=cfg.loss_fn,
+            local_batch_size=ss.local_batch_size,
+            pipeline_loss_fn=self._pipeline_loss,
         )
         if cfg.model.pretrained_path is not None:
             from automodel.recipes.checkpoint import load_pretrained_weights
@@ -153,11 +155,41 @@ class Trainer:
         return False
 
     # ---- one step ------------------------------------------------------------------------
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-micro-batch loss on the last pipeline stage, already divided by the step's tokens."""
+        return self.cfg.loss_fn(logits, labels) / self._step_tokens
+
     def _forward_loss_sum(self, batch: Batch) -> torch.Tensor:
+        """Sum of token losses of one micro-batch on this rank (its CP shard of the sequence)."""
         model = self.pm.parts[0]
-        ids, labels, pos = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.position_ids))
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        return self.cfg.loss_fn(logits, labels)
+        fields = {
+            "input_ids": batch.input_ids.to(self.device),
+            "labels": batch.labels.to(self.device),
+            "position_ids": batch.position_ids.to(self.device),
+        }
+        ctx = contextlib.nullcontext
+        if self.pm.cp_backend != "none":
+            from automodel.context_parallel import make_cp_batch_and_ctx
+
+            ctx, fields = make_cp_batch_and_ctx(
+                self.mesh.get_mesh("cp"), fields, backend=self.pm.cp_backend, padding_token_id=0
+            )
+        with ctx():
+            logits = model(
+                input_ids=fields["input_ids"], position_ids=fields["position_ids"], use_cache=False
+            ).logits
+            return self.cfg.loss_fn(logits, fields["labels"])
+
+    def _pipeline_loss_sum(self, batch: Batch, *, train: bool) -> torch.Tensor:
+        """One local batch through the pipeline; the loss (already / tokens) summed over the pp group."""
+        pipe = self.pm.pipeline
+        args = {
+            "labels": batch.labels.to(self.device),
+            "position_ids": batch.position_ids.to(self.device),
+        }
+        ids = batch.input_ids.to(self.device)
+        loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
+        return pipe.reduce_loss(loss)
 
     def train_step(self, batches: list[Batch]) -> tuple[float, float, int]:
         """Forward/backward every micro-batch, clip, step. Returns (loss, grad_norm, global tokens)."""
@@ -166,7 +198,11 @@ class Trainer:
             torch.tensor(float(local_tokens), device=self.device), _group(self.mesh, "dp")
         )
         loss_sum = torch.zeros((), device=self.device)
+        self._step_tokens = tokens
         for i, batch in enumerate(batches):
+            if self.pm.pipeline is not None:
+                loss_sum += self._pipeline_loss_sum(batch, train=True)
+                continue
             with self.pm.grad_sync(is_last_microbatch=i == len(batches) - 1):
                 loss = self._forward_loss_sum(batch) / tokens
                 loss.backward()
@@ -205,11 +241,15 @@ class Trainer:
         per_rank, rank = gbs // dp, dp_rank_of(self.mesh)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
+        self._step_tokens = torch.ones((), device=self.device)
         for b in range(n_batches):
             start = b * gbs + rank * per_rank
             for mb in range(start, start + per_rank, ss.local_batch_size):
                 batch = Batch(*self.val_dataset.batch(list(range(mb, mb + ss.local_batch_size))))
-                loss_sum += self._forward_loss_sum(batch).float()
+                if self.pm.pipeline is not None:
+                    loss_sum += self._pipeline_loss_sum(batch, train=False).float()
+                else:
+                    loss_sum += self._forward_loss_sum(batch).float()
                 tokens += float((batch.labels != -100).sum())
         loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
         tokens = _all_reduce_sum(tokens, _group(self.mesh, "dp"))
