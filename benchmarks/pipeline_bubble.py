@@ -107,7 +107,9 @@ def main() -> None:
     p, m, seconds = args.pp, args.microbatches, args.cost_ms / 1000
     results = {}
     print(f"pp={p} micro-batches={m} F=I=W={args.cost_ms:g} ms per stage (B = I + W)")
-    print(f"{'schedule':<16} {'step ms':>8} {'vs 1f1b':>8} {'idle/rank (measured)':<34} {'mean':>6} {'theory':>7}")
+    print(
+        f"{'schedule':<16} {'step ms':>8} {'vs 1f1b':>8} {'idle/rank (measured)':<34} {'mean':>6} {'theory':>7}"
+    )
     for schedule in SCHEDULES:
         ranks = run_on_ranks(_rank, world_size=p, args=(schedule, p, m, seconds), timeout_s=600)
         t0, t1 = min(r["start"] for r in ranks), max(r["end"] for r in ranks)
