@@ -182,6 +182,8 @@ def ring_attention(
     if token_index.shape != (s,) or (doc_ids is not None and doc_ids.shape != (s,)):
         raise ValueError(f"token_index and doc_ids must have shape ({s},)")
     scale = d**-0.5 if scale is None else float(scale)
+    if dist.get_world_size(cp_group) == 1:
+        kv_rotation = "allgather"  # nothing to rotate (and gloo cannot send to itself)
     layout = _Layout(token_index, doc_ids, cp_group, causal)
     q = query.float().reshape(b, hkv, hq // hkv, s, d)
     k = key.float().unsqueeze(2)
