@@ -138,9 +138,12 @@ def set_gradient_divide_factor(model: nn.Module, *, factor: float) -> None:
 
 
 def _needs_sum_only(unit: FSDPModule) -> bool:
-    groups = [
-        g for pg in unit._get_fsdp_state()._fsdp_param_groups for g in (pg.mesh_info.mesh.get_all_groups())
-    ]
+    try:
+        groups = [
+            g for pg in unit._get_fsdp_state()._fsdp_param_groups for g in pg.mesh_info.mesh.get_all_groups()
+        ]
+    except AttributeError:  # private layout differs across torch versions: judge by the default group
+        return dist.get_backend() != "nccl"
     return any(dist.get_backend(g) != "nccl" for g in groups)
 
 
