@@ -60,8 +60,9 @@ def _torch_layout() -> list[int]:
     theirs = torch.arange(16).unsqueeze(0)
     with context_parallel(cp_mesh, buffers=[theirs], buffer_seq_dims=[1], no_restore_buffers={theirs}):
         pass
+    # The whole device mesh works too: its "cp" dim is used.
     _, local = make_cp_batch_and_ctx(
-        cp_mesh, {"input_ids": torch.arange(16).unsqueeze(0), "labels": torch.zeros(1, 16)}
+        mesh.device_mesh, {"input_ids": torch.arange(16).unsqueeze(0), "labels": torch.zeros(1, 16)}
     )
     return [theirs[0].tolist(), local["input_ids"][0].tolist()]
 

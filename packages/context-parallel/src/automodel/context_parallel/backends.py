@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from automodel.context_parallel.ring_attention import KV_ROTATIONS
 
 #: "ring": this package's ring attention (any device); "torch": torch's context_parallel() with
@@ -23,6 +25,16 @@ def resolve_backend(backend: str, *, device_type: str) -> str:
             "CPU SDPA sharding rule and Transformer Engine is CUDA-only; use backend='ring'"
         )
     return backend
+
+
+def cp_submesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 1-D CP mesh: `mesh` itself, or its ``"cp"`` dim when given the whole device mesh."""
+    if mesh is None or mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names:
+        raise ValueError(f"cp_mesh must be a 1-D DeviceMesh or have a 'cp' dim, got dims {names}")
+    return mesh["cp"]
 
 
 def check_kv_rotation(kv_rotation: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from automodel.context_parallel.backends import BACKENDS, resolve_backend
+from automodel.context_parallel.backends import BACKENDS, cp_submesh, resolve_backend
 from automodel.context_parallel.layout import load_balanced_indices
 from automodel.context_parallel.te_batch import make_cp_batch_for_te
 from automodel.context_parallel.thd import PAD_FILL, cu_from_lengths, pad_documents, thd_partitioned_indices
@@ -156,6 +156,7 @@ def make_cp_batch_and_ctx(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    cp_mesh = cp_submesh(cp_mesh)
     batch = dict(batch)
     if "input_ids" not in batch or "labels" not in batch:
         raise ValueError(

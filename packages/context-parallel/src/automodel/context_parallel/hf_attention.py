@@ -17,7 +17,12 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from automodel.context_parallel.backends import check_kv_rotation, import_transformer_engine, resolve_backend
+from automodel.context_parallel.backends import (
+    check_kv_rotation,
+    cp_submesh,
+    import_transformer_engine,
+    resolve_backend,
+)
 from automodel.context_parallel.layout import load_balanced_indices
 from automodel.context_parallel.ring_attention import ring_attention
 from automodel.context_parallel.thd import document_ids, thd_partitioned_indices
@@ -96,6 +101,7 @@ def _te_attention(spec: CPAttentionSpec, query, key, value, *, scale: float, kwa
     return out.view(s, hq, d).transpose(0, 1).unsqueeze(0)
 
 
+@torch.compiler.disable  # collectives inside an autograd.Function: keep it out of compiled graphs
 def context_parallel_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -211,13 +217,10 @@ def apply_context_parallel(
     `make_cp_batch_and_ctx` each step.
     """
     check_kv_rotation(kv_rotation)
+    cp_mesh = cp_submesh(cp_mesh)
     resolved = resolve_backend(backend, device_type="cpu" if cp_mesh is None else cp_mesh.device_type)
     if cp_mesh is None or cp_mesh.size() == 1:
         return "none"
-    if cp_mesh.ndim != 1:
-        raise ValueError(
-            f"cp_mesh must be a 1-D DeviceMesh, got {cp_mesh.ndim} dims {cp_mesh.mesh_dim_names}"
-        )
     if resolved == "te":
         import_transformer_engine()
     modules = _attention_modules(model)
