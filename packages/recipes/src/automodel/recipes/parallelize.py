@@ -225,14 +225,15 @@ def parallelize_model(
             key="distributed.strategy",
             value="megatron_fsdp",
         )
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() and layout.dp_cp > 1:
             raise ConfigError(
-                "distributed.strategy", "megatron_fsdp", "needs CUDA (megatron-fsdp runs on GPUs only)"
+                "distributed.strategy",
+                "megatron_fsdp",
+                "needs CUDA when dp*cp > 1 (megatron-fsdp shards on GPUs only)",
             )
-        _materialize([model], device=device, seed=seed)
-        return ParallelModel(
-            parts=[model], defer_grad_sync=False, extra={"megatron_manager": manager_cls(config, mesh)}
-        )
+        _materialize([model], device=device, seed=seed)  # the manager shards after the optimizer exists
+        manager = manager_cls(config, mesh, gradient_divide_factor=gradient_divide_factor)
+        return ParallelModel(parts=[model], defer_grad_sync=False, extra={"megatron_manager": manager})
 
     cp_backend = "none"
 
