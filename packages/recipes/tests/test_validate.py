@@ -1,0 +1,79 @@
+"""`recipes validate`: GPU-scale examples plan for 1024 ranks; impossible layouts name the broken rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from automodel.recipes.cli import run_cli
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+GPU_SCALE = ["llama3_8b_8gpu.yaml", "llama3_70b_64gpu.yaml", "moe_30b_a3b_8gpu.yaml"]
+
+
+@pytest.mark.parametrize("name", GPU_SCALE)
+def test_gpu_scale_example_validates_for_1024_ranks(name: str, capsys: pytest.CaptureFixture) -> None:
+    assert run_cli(["validate", str(EXAMPLES / name), "--world-size=1024"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "config OK for world_size=1024" in out
+    assert "per-rank memory estimate" in out
+
+
+def test_layout_table_and_memory_estimate(capsys: pytest.CaptureFixture) -> None:
+    assert run_cli(["validate", str(EXAMPLES / "llama3_70b_64gpu.yaml"), "--world-size=64"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(
+        line.split() for line in out.splitlines() if line.split()[:1] in (["pp"], ["tp"], ["dp"], ["cp"])
+    )
+    assert rows == {"pp": "4", "tp": "8", "dp": "2", "cp": "1"}
+    assert "interleaved1f1b, 8 stages" in out
+
+
+def test_memory_estimate_scales_with_sharding() -> None:
+    from automodel.recipes.loader import load_config
+    from automodel.recipes.plan import plan_layout
+    from automodel.recipes.recipe_config import parse_recipe_config
+
+    cfg = parse_recipe_config(load_config(EXAMPLES / "llama3_8b_8gpu.yaml"))
+    _, mem8, _ = plan_layout(cfg, world_size=8)
+    _, mem64, _ = plan_layout(cfg, world_size=64)
+    assert mem8.total_params > 8e9
+    assert mem8.params_per_rank == pytest.approx(mem8.total_params / 8)
+    assert mem64.params_per_rank == pytest.approx(mem8.params_per_rank / 8)
+    assert mem8.optimizer_bytes == pytest.approx(2 * 4 * mem8.params_per_rank)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "rule"),
+    [
+        ("llama3_70b_64gpu.yaml", ["--world-size=1000"], "is not divisible by tp_size*pp_size*cp_size"),
+        ("llama3_70b_64gpu.yaml", ["--world-size=1024", "--distributed.tp_size=16"], "num_key_value_heads=8"),
+        (
+            "llama3_70b_64gpu.yaml",
+            ["--world-size=1024", "--distributed.pp_size=64"],
+            "layers for 128 pipeline stages",
+        ),
+        (
+            "moe_30b_a3b_8gpu.yaml",
+            ["--world-size=1024", "--distributed.ep_size=256"],
+            "number of experts (128)",
+        ),
+        (
+            "llama3_8b_8gpu.yaml",
+            ["--world-size=1024", "--distributed.cp_size=8", "--dataset.seq_length=8200"],
+            "2*cp_size",
+        ),
+        (
+            "llama3_8b_8gpu.yaml",
+            ["--world-size=1024", "--step_scheduler.local_batch_size=2"],
+            "local_batch_size*dp",
+        ),
+    ],
+)
+def test_impossible_layout_fails_with_rule(
+    name: str, args: list[str], rule: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert run_cli(["validate", str(EXAMPLES / name), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and rule in err[0], err
