@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from .parity_matrix import LAYOUTS, REFERENCES, RTOL, STEPS, Layout, max_relative_difference, run_layout
+sys.path.insert(0, str(Path(__file__).parent))
+from parity_matrix import LAYOUTS, REFERENCES, RTOL, STEPS, Layout, max_relative_difference, run_layout  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -50,6 +49,20 @@ def _rank_main(
 ) -> None:
     status, payload = "ok", b""
     try:
+        torch.set_num_threads(1)
+        # Rank 0 binds port 0 (the OS picks a free one, no race with other jobs) and tells the parent,
+        # which only then forks the other ranks with that port.
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size=world_size,
+            is_master=rank == 0,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        if rank == 0:
+            port = store.port
+            conn.send(("port", 0, port))
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -58,10 +71,6 @@ def _rank_main(
             MASTER_ADDR=host,
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
-        )
-        torch.set_num_threads(1)
-        store = dist.TCPStore(
-            host, port, world_size=world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s)
         )
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
@@ -99,21 +108,24 @@ def run_on_ranks(
     if dist.is_initialized():
         raise RuntimeError("run_on_ranks must be called from a process without a process group")
     kwargs = kwargs or {}
-    host, port = "127.0.0.1", _free_port()
+    host, port = "127.0.0.1", 0
     ctx = mp.get_context("fork")
-    procs, conns = [], []
-    for rank in range(world_size):
-        parent_conn, child_conn = ctx.Pipe(duplex=False)
-        p = ctx.Process(
-            target=_rank_main,
-            args=(fn, rank, world_size, host, port, timeout_s, args, kwargs, child_conn),
-            daemon=True,
-        )
-        p.start()
-        child_conn.close()
-        procs.append(p)
-        conns.append(parent_conn)
+    procs: list = []
+    conns: list = []
     try:
+        for rank in range(world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, host, port, timeout_s, args, kwargs, child_conn),
+                daemon=True,
+            )
+            p.start()
+            child_conn.close()
+            procs.append(p)
+            conns.append(parent_conn)
+            if rank == 0:
+                port = _receive_store_port(procs[0], conns[0], timeout_s)
         return _collect(procs, conns, timeout_s)
     finally:
         for p in procs:
@@ -123,11 +135,17 @@ def run_on_ranks(
             p.join(timeout=5)
 
 
-def _free_port() -> int:
-    # Rank 0 hosts the store: the parent keeps no server thread, so forking it stays safe.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _receive_store_port(proc: Any, conn: Any, timeout_s: float) -> int:
+    """Rank 0 hosts the store (the parent keeps no server thread, so forking stays safe)."""
+    if not conn.poll(timeout_s):
+        raise RankTimeout(f"rank 0 did not start its store within {timeout_s:.0f} s")
+    try:
+        kind, _, value = conn.recv()
+    except EOFError:
+        raise RankFailure(0, f"rank 0 died while starting (exit code {proc.exitcode})", [0]) from None
+    if kind == "error":
+        raise RankFailure(0, value.decode(), [0])
+    return value
 
 
 def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
