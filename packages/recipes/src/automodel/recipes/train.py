@@ -43,6 +43,10 @@ class NonFiniteError(FloatingPointError):
     """The loss or the gradient norm of a step is NaN or infinite."""
 
 
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than ``dist_env.timeout_minutes``: another rank died or hangs."""
+
+
 @dataclass
 class TrainResult:
     """Per-step numbers of a run (the same on every rank), for tests and callers."""
@@ -284,7 +288,16 @@ class Trainer:
             while self.step < self.total_steps:
                 started = time.perf_counter()
                 lr = self.schedulers[0].get_last_lr()[0]
-                loss, norm, tokens = self.train_step(self.loader.next_step())
+                try:
+                    loss, norm, tokens = self.train_step(self.loader.next_step())
+                except RuntimeError as e:
+                    if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                        raise
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}, step {self.step + 1}: a collective timed out after "
+                        f"dist_env.timeout_minutes={cfg.dist_env.timeout_minutes}; another rank died or "
+                        f"hangs ({type(e).__name__}: {e})"
+                    ) from e
                 self.step += 1
                 elapsed = time.perf_counter() - started
                 record: dict[str, Any] = {
