@@ -16,15 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from automodel.mesh.testing import RankFailure, run_on_ranks
-from automodel.recipes.checkpoint import (
-    CheckpointConfig,
-    Checkpointer,
-    CheckpointError,
-    TrainingState,
-    load_pretrained_weights,
-)
-from automodel.recipes.checkpoint import paths as ckpt_paths
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -37,6 +28,16 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+
+from automodel.mesh.testing import RankFailure, run_on_ranks
+from automodel.recipes.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointError,
+    TrainingState,
+    load_pretrained_weights,
+)
+from automodel.recipes.checkpoint import paths as ckpt_paths
 
 VOCAB, SEQ, GBS = 256, 16, 8
 TIMEOUT = 300

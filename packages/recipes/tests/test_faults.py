@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
+
 from automodel.mesh.testing import RankFailure, run_on_ranks
 from automodel.recipes.checkpoint.paths import check_complete
-from safetensors.torch import load_file
 
 TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))  # test_faults_hooks, for the optimizer _target_
@@ -177,6 +178,8 @@ def test_hung_rank_fails_with_timeout(tmp_path):
     proc = _cli(cfg, tmp_path, timeout=240)
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
-    assert "CollectiveTimeoutError: rank 0, step 3: a collective timed out" in proc.stderr, proc.stderr[-4000:]
+    assert "CollectiveTimeoutError: rank 0, step 3: a collective timed out" in proc.stderr, proc.stderr[
+        -4000:
+    ]
     assert "dist_env.timeout_minutes=0.1" in proc.stderr
     assert elapsed < 180, elapsed

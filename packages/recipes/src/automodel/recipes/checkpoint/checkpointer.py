@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
 from automodel.mesh import MeshContext
 from automodel.recipes.checkpoint import paths
 from automodel.recipes.checkpoint.config import CheckpointConfig
