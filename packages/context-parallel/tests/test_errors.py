@@ -59,6 +59,18 @@ def test_backend_and_rotation_names_are_checked():
         make_cp_batch_and_ctx(None, {"input_ids": torch.zeros(1, 4)})
 
 
+def _without_cp() -> tuple[str, int]:
+    mesh = MeshContext.build(ParallelismSizes(cp_size=1))
+    backend = apply_context_parallel(torch.nn.Linear(2, 2), cp_mesh=mesh.get_mesh("cp"))
+    ids = torch.arange(6).unsqueeze(0)
+    _, local = make_cp_batch_and_ctx(mesh.get_mesh("cp"), {"input_ids": ids, "labels": ids}, backend=backend)
+    return backend, int(local["num_label_tokens"])
+
+
+def test_cp_size_one_is_a_no_op():
+    assert run_on_ranks(_without_cp, world_size=2, timeout_s=300) == [("none", 6), ("none", 6)]
+
+
 def _model_without_attention() -> None:
     mesh = MeshContext.build(ParallelismSizes(cp_size=dist.get_world_size()))
     apply_context_parallel(torch.nn.Linear(2, 2), cp_mesh=mesh.get_mesh("cp"))

@@ -151,11 +151,11 @@ def make_cp_batch_and_ctx(
     ``2 * cp`` (labels -100, loss_mask 0) and rank r keeps chunks r and ``2*cp-1-r``; packed
     rows are split per document the same way. The local batch adds ``num_label_tokens``: the
     number of label tokens of the whole (unsharded) micro-batch, identical on every CP rank.
-    `backend`/`kv_rotation` must be what `apply_context_parallel` resolved; `use_te` returns
+    `backend`/`kv_rotation` must be what `apply_context_parallel` resolved ("none" = no CP); `use_te` returns
     the Transformer Engine THD format of `make_cp_batch_for_te` instead.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in (*BACKENDS, "none"):
+        raise ValueError(f"backend must be one of {(*BACKENDS, 'none')}, got {backend!r}")
     cp_mesh = cp_submesh(cp_mesh)
     batch = dict(batch)
     if "input_ids" not in batch or "labels" not in batch:
@@ -184,6 +184,10 @@ def make_cp_batch_and_ctx(
     if cp_size == 1:
         batch["num_label_tokens"] = num_label_tokens
         return contextlib.nullcontext, batch
+    if backend == "none":
+        raise ValueError(
+            f"backend='none' (what apply_context_parallel returns without CP) but the CP mesh has {cp_size} ranks"
+        )
     backend = resolve_backend(backend, device_type=cp_mesh.device_type)
     cp_rank = cp_mesh.get_local_rank()
     if _is_packed(batch):
