@@ -82,14 +82,15 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from automodel.recipes.plan import plan_layout
 
         plan_layout(cfg, world_size=1)
-    from automodel.mesh import destroy_distributed
+    from automodel.mesh import destroy_distributed, detect_launch_env
     from automodel.recipes.train import run_training
 
     try:
         result = run_training(cfg)
     finally:
         destroy_distributed()
-    print(f"trained {result.steps} steps; metrics in {result.output_dir}/metrics.jsonl", file=sys.stderr)
+    if detect_launch_env().rank == 0:
+        print(f"trained {result.steps} steps; metrics in {result.output_dir}/metrics.jsonl", file=sys.stderr)
     return 0
 
 
