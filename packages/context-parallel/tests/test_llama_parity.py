@@ -22,9 +22,9 @@ VOCAB = 256
 RTOL = 1e-5
 
 
-def _tiny_llama() -> LlamaForCausalLM:
+def _tiny_llama(family: str = "llama") -> torch.nn.Module:
     torch.manual_seed(0)
-    config = LlamaConfig(
+    kwargs = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -35,7 +35,11 @@ def _tiny_llama() -> LlamaForCausalLM:
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config).float()
+    if family == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs)).float()
+    return LlamaForCausalLM(LlamaConfig(**kwargs)).float()
 
 
 def _batch(seed: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -81,7 +85,7 @@ def _cp_step(model, batch, cp_mesh, backend, reduce_group, num_tokens_group=None
     if num_tokens_group is not None:
         dist.all_reduce(num_tokens, group=num_tokens_group)
     with ctx():
-        logits = model(**local).logits
+        logits = model(**local, use_cache=False).logits  # no KV cache in training (AC recomputes)
         loss = _ce_sum(logits, labels) / num_tokens
         loss.backward()
     total = loss.detach().clone()
@@ -89,19 +93,27 @@ def _cp_step(model, batch, cp_mesh, backend, reduce_group, num_tokens_group=None
     return float(total)
 
 
-def _run_cp_only(seq_len: int, kv_rotation: str) -> dict[str, float]:
+def _run_cp_only(
+    seq_len: int, kv_rotation: str, family: str = "llama", checkpointing: bool = False
+) -> dict[str, float]:
     world = dist.get_world_size()
     mesh = MeshContext.build(ParallelismSizes(cp_size=world))
-    ref_model = _tiny_llama()
+    ref_model = _tiny_llama(family)
     model = copy.deepcopy(ref_model)
     batch = _batch(1, 2, seq_len)
     ref_loss, ref_grads = _reference(ref_model, [batch])
     cp_mesh = mesh.get_mesh("cp")
     backend = apply_context_parallel(model, cp_mesh=cp_mesh, backend="ring", kv_rotation=kv_rotation)
+    if checkpointing:  # AC comes after the CP hooks (DESIGN §2); recomputation re-runs the ring
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(layer)
     loss = _cp_step(model, batch, cp_mesh, backend, cp_mesh.get_group())
     for p in model.parameters():  # what FSDP/DDP over dp_shard_cp would do: sum over the CP ranks
         dist.all_reduce(p.grad, group=cp_mesh.get_group())
-    return _compare(loss, {n: p.grad for n, p in model.named_parameters()}, ref_loss, ref_grads)
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+    return _compare(loss, grads, ref_loss, ref_grads)
 
 
 def _assert_close(results):
@@ -114,6 +126,12 @@ def _assert_close(results):
 def test_llama_cp_matches_single_process(world, seq_len, kv_rotation):
     # seq 30 is padded to 32 by make_cp_batch_and_ctx (labels -100 on the padding).
     _assert_close(run_on_ranks(_run_cp_only, world_size=world, args=(seq_len, kv_rotation), timeout_s=300))
+
+
+def test_qwen3_cp_with_activation_checkpointing_matches_single_process():
+    # Another HF family unchanged (q/k norms, head_dim != hidden/heads) and AC recomputation.
+    results = run_on_ranks(_run_cp_only, world_size=2, args=(24, "p2p", "qwen3", True), timeout_s=300)
+    _assert_close(results)
 
 
 def _run_cp_fsdp() -> dict[str, float]:
