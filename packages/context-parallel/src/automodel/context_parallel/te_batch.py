@@ -55,6 +55,7 @@ def _to_thd(batch: dict[str, Any], *, seq_lens_padding_value: int, padding_token
 
 
 def _finish(thd: dict[str, Any], *, cp_size: int, cp_rank: int, padding_token_id: int) -> dict[str, Any]:
+    """Add the keys a TE model reads besides the tokens (max_seqlen, qkv_format, cp rank/size)."""
     cu_p = thd["cu_seqlens_padded"]
     lengths = (cu_p[1:] - cu_p[:-1]).to(torch.int64)
     thd["max_seqlen"] = int(lengths.max()) if lengths.numel() else 0
