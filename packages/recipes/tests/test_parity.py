@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel.mesh.testing import run_on_ranks
+from automodel.mesh.testing import RankFailure, run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import preload, tiny_config, train_on_rank  # noqa: E402
@@ -103,5 +103,48 @@ def test_packed_sequences_cp2_match_single_process(tmp_path: Path) -> None:
         train_on_rank, world_size=1, args=(tiny_config(str(tmp_path / "r"), **packed),), timeout_s=TIMEOUT
     )
     cfg = tiny_config(str(tmp_path / "cp"), distributed={"strategy": "fsdp2", "cp_size": 2}, **packed)
+    for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
+        _assert_close(rank_losses, ref)
+
+
+def test_non_finite_loss_stops_naming_the_step(tmp_path: Path) -> None:
+    cfg = tiny_config(
+        str(tmp_path),
+        optimizer={"_target_": "torch.optim.SGD", "lr": 1.0e30},
+        clip_grad_norm={"max_norm": None},
+    )
+    with pytest.raises(RankFailure, match=r"NonFiniteError: step [23]: non-finite"):
+        run_on_ranks(train_on_rank, world_size=1, args=(cfg,), timeout_s=TIMEOUT)
+
+
+def test_pretrained_weights_are_loaded_into_every_layout(tmp_path: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.recipes.data import ByteTokenizer, StatefulGlobalBatchSampler, build_packed_dataset
+    from automodel.recipes.sections import DatasetSection
+
+    base = tiny_config(str(tmp_path / "unused"))
+    hf_cfg = dict(base["model"]["config"])
+    hf_config = AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg)
+    torch.manual_seed(123)
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+
+    ds = build_packed_dataset(DatasetSection(**base["dataset"]), ByteTokenizer(), packed_sequence_size=0)
+    sampler = StatefulGlobalBatchSampler(
+        num_rows=len(ds), global_batch_size=8, local_batch_size=8, dp_rank=0, dp_size=1, seed=base["seed"]
+    )
+    ids, labels, _ = ds.batch(sampler.next_step()[0])
+    with torch.no_grad():
+        expected = F.cross_entropy(hf(input_ids=ids).logits.flatten(0, 1), labels.flatten()).item()
+
+    model = {"config": None, "pretrained_path": str(tmp_path / "hf")}
+    (ref,) = run_on_ranks(
+        train_on_rank, world_size=1, args=(tiny_config(str(tmp_path / "r"), model=model),), timeout_s=TIMEOUT
+    )
+    assert abs(ref[0] - expected) <= RTOL * expected, (ref[0], expected)
+    cfg = tiny_config(str(tmp_path / "d"), model=model, distributed={"strategy": "fsdp2", "tp_size": 2})
     for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
         _assert_close(rank_losses, ref)

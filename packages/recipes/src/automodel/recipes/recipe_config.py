@@ -143,6 +143,13 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         raise ConfigError(
             "step_scheduler.ckpt_every_steps", ss.ckpt_every_steps, "needs checkpoint.enabled: true"
         )
+    if cfg.logging.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                "logging.tensorboard", True, "needs the tensorboard package (automodel-recipes[tensorboard])"
+            )
     if cfg.tokenizer.path is None and cfg.model.config is not None:
         vocab = cfg.model.config.get("vocab_size")
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 256:

@@ -229,10 +229,6 @@ class LoggingSection:
     SECTION: ClassVar[str] = "logging"
     progress_bar: bool = True
     tensorboard: bool = False
-    log_every_steps: int = 1
-
-    def __post_init__(self) -> None:
-        _positive(self.SECTION, "log_every_steps", self.log_every_steps)
 
 
 @dataclass

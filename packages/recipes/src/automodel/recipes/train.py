@@ -119,10 +119,6 @@ class Trainer:
         steps_per_epoch = sampler.steps_per_epoch
         total = steps_per_epoch * ss.num_epochs
         self.total_steps = min(total, ss.max_steps) if ss.max_steps is not None else total
-        if self.tensorboard_missing():
-            raise ConfigError(
-                "logging.tensorboard", True, "needs the tensorboard package (automodel-recipes[tensorboard])"
-            )
 
         torch.manual_seed(cfg.seed)
         model = build_meta_model(self.hf_config, dtype=cfg.model.dtype)
@@ -148,15 +144,6 @@ class Trainer:
             for o in self.optimizers
         ]
         self.params = [p for part in self.pm.parts for p in part.parameters()]
-
-    def tensorboard_missing(self) -> bool:
-        if not self.cfg.logging.tensorboard:
-            return False
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            return True
-        return False
 
     # ---- one step ------------------------------------------------------------------------
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
