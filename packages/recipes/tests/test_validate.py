@@ -52,7 +52,7 @@ def test_memory_estimate_scales_with_sharding() -> None:
         (
             "llama3_70b_64gpu.yaml",
             ["--world-size=1024", "--distributed.pp_size=64"],
-            "layers for 128 pipeline stages",
+            "128 pipeline stages",
         ),
         (
             "moe_30b_a3b_8gpu.yaml",

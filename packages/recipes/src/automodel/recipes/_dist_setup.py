@@ -53,9 +53,7 @@ def strategy_flags(strategy: str) -> tuple[str, ...]:
     if has_api(module, cls_name):
         (cls,) = require_api(module, cls_name, key="distributed.strategy", value=strategy)
         if dataclasses.is_dataclass(cls):
-            return tuple(f.name for f in dataclasses.fields(cls) if f.init) + tuple(
-                n for n in ("defer_fsdp_grad_sync",) if strategy == "fsdp2" and n not in fallback
-            )
+            return tuple(f.name for f in dataclasses.fields(cls) if f.init)
     return fallback
 
 

@@ -40,12 +40,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _split_overrides(extra: list[str]) -> list[str]:
     for arg in extra:
-        if (
-            not arg.startswith("--")
-            or "=" not in arg
-            or "." not in arg.split("=", 1)[0]
-            and not arg.startswith("--output_dir=")
-        ):
+        if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(arg, None, "unrecognized argument; overrides look like --section.key=value")
     return extra
 

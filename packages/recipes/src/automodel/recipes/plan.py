@@ -15,7 +15,7 @@ from automodel.mesh import MeshContext, ResolvedLayout, fake_world
 from automodel.recipes._dist_setup import resolve_layout
 from automodel.recipes.model import build_hf_config, build_meta_model
 from automodel.recipes.recipe_config import RecipeConfig
-from automodel.recipes.rules import check_layout_rules, stages_per_rank
+from automodel.recipes.rules import check_layout_rules, pipeline_stages
 
 _EXPERT_MARKERS = (".experts.",)
 
@@ -108,7 +108,7 @@ def plan_layout(cfg: RecipeConfig, *, world_size: int) -> tuple[ResolvedLayout, 
     if layout.pp_enabled:
         pipe = cfg.distributed.pipeline or {}
         lines.append(
-            f"pipeline: {pipe.get('pp_schedule', '1f1b')}, {layout.pp * stages_per_rank(pipe)} stages, "
+            f"pipeline: {pipe.get('pp_schedule', '1f1b')}, {pipeline_stages(cfg, layout, hf_config)} stages, "
             f"micro-batch {pipe.get('pp_microbatch_size', 1)}"
         )
     lines += [

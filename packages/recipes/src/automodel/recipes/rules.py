@@ -8,22 +8,28 @@ from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
 
-#: Schedules that place more than one stage on each pp rank.
-MULTI_STAGE_SCHEDULES = (
-    "interleaved1f1b", "interleaved_1f1b", "loopedbfs", "looped_bfs", "interleavedzerobubble",
-    "interleaved_zero_bubble", "zbvzerobubble", "zbv_zero_bubble", "zero_bubble", "dualpipev", "dual_pipe_v", "dfs",
-    "v_schedule",
-)  # fmt: skip
 
+def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
+    """Total pipeline stages for the configured schedule (validates the ``pipeline`` section)."""
+    from automodel.recipes.availability import require_api
+    from automodel.recipes.parallelize import pipeline_config
 
-def stages_per_rank(pipeline: dict | None) -> int:
-    if not pipeline:
-        return 1
-    explicit = pipeline.get("layers_per_stage") is None and pipeline.get("stages_per_rank")
-    if isinstance(explicit, int) and explicit > 0:
-        return explicit
-    name = str(pipeline.get("pp_schedule", "1f1b")).lower().replace("schedule", "")
-    return 2 if name in MULTI_STAGE_SCHEDULES else 1
+    (num_stages_for,) = require_api(
+        "automodel.pipeline", "num_stages_for", key="distributed.pp_size", value=layout.pp
+    )
+    pcfg = pipeline_config(cfg.distributed, local_batch_size=cfg.step_scheduler.local_batch_size)
+    if pcfg.module_fqns_per_model_part is not None:
+        return len(pcfg.module_fqns_per_model_part)
+    try:
+        return num_stages_for(
+            num_layers=hf_config.num_hidden_layers,
+            pp_size=layout.pp,
+            multi_stage=pcfg.schedule_spec.multi_stage,
+            layers_per_stage=pcfg.layers_per_stage,
+            round_to_pp_multiple=pcfg.round_virtual_stages_to_pp_multiple,
+        )
+    except ValueError as e:
+        raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
 
 
 def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None:
@@ -42,7 +48,7 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None
             raise ConfigError("distributed.tp_size", tp, f"must divide model vocab_size={vocab}")
     if pp > 1:
         layers = hf_config.num_hidden_layers
-        stages = pp * stages_per_rank(d.pipeline)
+        stages = pipeline_stages(cfg, layout, hf_config)
         if layers < stages:
             raise ConfigError(
                 "distributed.pp_size",
