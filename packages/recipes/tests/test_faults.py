@@ -154,10 +154,13 @@ def test_sigterm_saves_and_exits_with_message(tmp_path, capfd):
 
 
 def test_sigkill_of_a_rank_restarts_and_matches(straight, tmp_path):
-    """`recipes train --max-restarts 1`: rank 1 is SIGKILLed at step 7; torchrun restarts from step_5."""
+    """`recipes train --max-restarts`: rank 1 is SIGKILLed at step 7; torchrun restarts from step_5."""
     ref_dir, _ = straight
     cfg = _config(tmp_path / "run", optimizer={"fault": "sigkill", "at_step": 7, "on_rank": 1})
-    proc = _cli(cfg, tmp_path, "--max-restarts", "1")
+    # One restart is what the fault needs; the spare one absorbs a torch-elastic race seen under heavy
+    # load, where the restarted ranks' gloo init reads the dead generation's address from the store
+    # ("connectFullMesh ... Connection refused"). The hook kills only on the first launch.
+    proc = _cli(cfg, tmp_path, "--max-restarts", "2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "step_10" == (tmp_path / "run" / "checkpoints" / "LATEST").read_text().strip()
     got, ref = _weights(tmp_path / "run", 10), _weights(ref_dir, 10)
