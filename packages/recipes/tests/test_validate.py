@@ -77,3 +77,21 @@ def test_impossible_layout_fails_with_rule(
     assert run_cli(["validate", str(EXAMPLES / name), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and rule in err[0], err
+
+
+def _documented_world(path: Path) -> int:
+    import re
+
+    match = re.search(r"--nproc-per-node (\d+)", path.read_text())
+    assert match, f"{path.name} documents no --nproc-per-node"
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in EXAMPLES.glob("*.yaml") if p.name not in GPU_SCALE), ids=lambda p: p.name
+)
+def test_every_cpu_example_validates_for_its_documented_world(
+    path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    world = _documented_world(path)
+    assert run_cli(["validate", str(path), f"--world-size={world}"]) == 0, capsys.readouterr().err
