@@ -21,7 +21,8 @@ TINY: dict[str, Any] = {
         }
     },
     "dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 40000},
-    "step_scheduler": {"global_batch_size": 8, "local_batch_size": 2, "max_steps": 3},
+    "validation_dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 8000},
+    "step_scheduler": {"global_batch_size": 8, "local_batch_size": 2, "max_steps": 3, "val_every_steps": 3},
     "optimizer": {"_target_": "torch.optim.AdamW", "lr": 0.003, "foreach": False},
     "lr_scheduler": {"warmup_steps": 1, "decay_style": "cosine", "min_lr": 0.0003},
     "distributed": {"strategy": "fsdp2"},
@@ -45,11 +46,13 @@ def tiny_config(output_dir: str, **sections: Any) -> dict[str, Any]:
 
 
 def train_on_rank(raw: dict[str, Any]) -> list[float]:
-    """Rank function: parse and train `raw`; every rank returns the per-step losses."""
+    """Rank function: parse and train `raw`; every rank returns the per-step losses, then the
+    validation losses (so parity covers the evaluation path too)."""
     from automodel.recipes.recipe_config import parse_recipe_config
     from automodel.recipes.train import run_training
 
-    return run_training(parse_recipe_config(raw)).losses
+    result = run_training(parse_recipe_config(raw))
+    return result.losses + [result.val_losses[k] for k in sorted(result.val_losses)]
 
 
 def preload() -> None:

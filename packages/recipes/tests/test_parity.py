@@ -98,13 +98,28 @@ def test_moe_ep2_matches_single_process(tmp_path: Path) -> None:
 
 
 def test_packed_sequences_cp2_match_single_process(tmp_path: Path) -> None:
-    packed = {"packed_sequence": {"packed_sequence_size": 32}, "step_scheduler": {"local_batch_size": 1}}
+    import json
+
+    docs = tmp_path / "docs.jsonl"  # short documents, so every packed row holds several
+    docs.write_text("\n".join(json.dumps({"text": f"doc {i}: " + "ab cd " * (i % 7)}) for i in range(600)))
+    data = {"source": "json", "path": str(docs), "seq_length": 32}
+    packed = {
+        "packed_sequence": {"packed_sequence_size": 32},
+        "step_scheduler": {"local_batch_size": 1},
+        "dataset": data,
+        "validation_dataset": data,
+    }
     (ref,) = run_on_ranks(
         train_on_rank, world_size=1, args=(tiny_config(str(tmp_path / "r"), **packed),), timeout_s=TIMEOUT
     )
     cfg = tiny_config(str(tmp_path / "cp"), distributed={"strategy": "fsdp2", "cp_size": 2}, **packed)
     for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
         _assert_close(rank_losses, ref)
+    unpacked = {**packed, "packed_sequence": {"packed_sequence_size": 0}}
+    (plain,) = run_on_ranks(
+        train_on_rank, world_size=1, args=(tiny_config(str(tmp_path / "u"), **unpacked),), timeout_s=TIMEOUT
+    )
+    assert abs(plain[0] - ref[0]) > 1e-4  # document masking changes the loss: the boundaries are real
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path: Path) -> None:
@@ -148,3 +163,35 @@ def test_pretrained_weights_are_loaded_into_every_layout(tmp_path: Path) -> None
     cfg = tiny_config(str(tmp_path / "d"), model=model, distributed={"strategy": "fsdp2", "tp_size": 2})
     for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
         _assert_close(rank_losses, ref)
+
+
+def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
+    steps = {"max_steps": 5, "val_every_steps": None, "ckpt_every_steps": 2}
+    sched = {"decay_steps": 4}  # the first run stops at 3 of 5 steps: the schedule must not depend on it
+    full = tiny_config(
+        str(tmp_path / "full"),
+        step_scheduler={**steps, "ckpt_every_steps": None},
+        validation_dataset=None,
+        lr_scheduler=sched,
+    )
+    (uninterrupted,) = run_on_ranks(train_on_rank, world_size=1, args=(full,), timeout_s=TIMEOUT)
+    ckpt = {"enabled": True, "save_consolidated": False}
+    first = tiny_config(
+        str(tmp_path / "run"),
+        step_scheduler={**steps, "max_steps": 3},
+        validation_dataset=None,
+        checkpoint=ckpt,
+        lr_scheduler=sched,
+    )
+    run_on_ranks(train_on_rank, world_size=2, args=(first,), timeout_s=TIMEOUT)
+    second = tiny_config(
+        str(tmp_path / "run"),
+        step_scheduler=steps,
+        validation_dataset=None,
+        checkpoint=ckpt,
+        lr_scheduler=sched,
+    )
+    resumed = run_on_ranks(train_on_rank, world_size=2, args=(second,), timeout_s=TIMEOUT)[0]
+    _assert_close(resumed, uninterrupted[3:])
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(records) == 5

@@ -39,6 +39,14 @@ from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.rules import check_layout_rules
 
 
+def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
+    """Cumulative document boundaries of one packed row (positions restart at 0 per document)."""
+    assert position_ids.shape[0] == 1, "packed rows come one per micro-batch"
+    starts = torch.nonzero(position_ids[0] == 0).flatten()
+    end = torch.tensor([position_ids.shape[1]], device=position_ids.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
 class NonFiniteError(FloatingPointError):
     """The loss or the gradient norm of a step is NaN or infinite."""
 
@@ -159,15 +167,19 @@ class Trainer:
             "position_ids": batch.position_ids.to(self.device),
         }
         ctx = contextlib.nullcontext
+        extra: dict[str, Any] = {}
         if self.pm.cp_backend != "none":
             from automodel.context_parallel import make_cp_batch_and_ctx
 
+            if self.cfg.packed_sequence.packed_sequence_size > 0:
+                fields["cu_seqlens"] = document_cu_seqlens(fields["position_ids"])
             ctx, fields = make_cp_batch_and_ctx(
                 self.mesh.get_mesh("cp"), fields, backend=self.pm.cp_backend, padding_token_id=0
             )
+            extra = {k: fields[k] for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if k in fields}
         with ctx():
             logits = model(
-                input_ids=fields["input_ids"], position_ids=fields["position_ids"], use_cache=False
+                input_ids=fields["input_ids"], position_ids=fields["position_ids"], use_cache=False, **extra
             ).logits
             return self.cfg.loss_fn(logits, fields["labels"])
 
