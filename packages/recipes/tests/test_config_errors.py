@@ -54,7 +54,7 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("global_batch_zero", {"step_scheduler.global_batch_size": 0}, [], "step_scheduler.global_batch_size"),
     ("global_not_multiple", {"step_scheduler.global_batch_size": 7}, [], "step_scheduler.global_batch_size"),
     ("max_steps_type", {"step_scheduler.max_steps": "ten"}, [], "step_scheduler.max_steps"),
-    ("val_every_without_val", {"step_scheduler.val_every_steps": 2}, [], "step_scheduler.val_every_steps"),
+    ("val_every_without_val", {"step_scheduler.val_every_steps": 2, "validation_dataset": _DELETE}, [], "step_scheduler.val_every_steps"),
     ("optimizer_no_target", {"optimizer._target_": _DELETE}, [], "optimizer._target_"),
     ("optimizer_not_optimizer", {"optimizer._target_": "torch.nn.Linear"}, [], "optimizer._target_"),
     ("optimizer_unimportable", {"optimizer._target_": "no_such_pkg.Optim"}, [], "optimizer._target_"),
