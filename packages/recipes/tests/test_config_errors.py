@@ -46,6 +46,7 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("vocab_too_small", {"model.config.vocab_size": 100}, [], "model.config.vocab_size"),
     ("dataset_source", {"dataset.source": "web"}, [], "dataset.source"),
     ("dataset_path_missing", {"dataset.source": "json"}, [], "dataset.path"),
+    ("dataset_file_missing", {"dataset.source": "json", "dataset.path": "/nonexistent/train.jsonl"}, ["--nproc-per-node=2"], "dataset.path"),
     ("seq_length_type", {"dataset.seq_length": "long"}, [], "dataset.seq_length"),
     ("seq_length_small", {"dataset.seq_length": 1}, [], "dataset.seq_length"),
     ("dataset_unknown_key", {"dataset.shuffle_buffer": 10}, [], "dataset.shuffle_buffer"),

@@ -67,6 +67,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if opts.nproc_per_node < 1:
         raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
     cfg = load_and_parse(args.config, overrides)
+    from automodel.recipes.data.loader import check_data_paths
+
+    check_data_paths(cfg.dataset)
+    check_data_paths(cfg.validation_dataset)
     if opts.multi_process and not already_launched():
         from automodel.recipes.plan import plan_layout
 

@@ -21,14 +21,22 @@ class Batch:
     position_ids: torch.Tensor
 
 
+def check_data_paths(section: Any) -> None:
+    """Local data files must exist (checked before any rank starts; `validate` skips this)."""
+    if section is None or section.source == "embedded":
+        return
+    paths = section.path if isinstance(section.path, list) else [section.path]
+    for p in paths:
+        if not Path(p).exists():
+            raise ConfigError(f"{section.SECTION}.path", p, "does not exist (only local files are read)")
+
+
 def _local_documents(section: Any) -> list[str]:
     import datasets
 
     key = section.SECTION
+    check_data_paths(section)
     paths = section.path if isinstance(section.path, list) else [section.path]
-    for p in paths:
-        if not Path(p).exists():
-            raise ConfigError(f"{key}.path", p, "does not exist (only local files are read)")
     builder = {"json": "json", "text": "text", "parquet": "parquet"}[section.source]
     try:
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
