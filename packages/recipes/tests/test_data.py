@@ -94,3 +94,26 @@ def test_local_jsonl_through_datasets(tmp_path: Path) -> None:
     for row in (0, 1, len(ds) - 1):
         assert ds.batch([row])[0][0].tolist() == list(flat[row * 17 : row * 17 + 16])
     assert torch.equal(ids[0, 1:], labels[0, :-1])
+
+
+def test_local_hf_tokenizer_directory(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from automodel.recipes.data import build_tokenizer
+
+    vocab = {"<unk>": 0, "</s>": 1, "hello": 2, "world": 3, "again": 4}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(
+        tmp_path / "tok"
+    )
+    hf = build_tokenizer(str(tmp_path / "tok"))
+    assert hf.eos_token_id == 1 and hf.vocab_size == 5
+    assert hf.encode("hello world again") == [2, 3, 4]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": "hello world again hello"}) for _ in range(10)))
+    ds = build_packed_dataset(
+        DatasetSection(source="json", path=str(path), seq_length=4), hf, packed_sequence_size=0
+    )
+    assert len(ds) == 10 and ds.rows[0].tolist() == [2, 3, 4, 2, 1]
