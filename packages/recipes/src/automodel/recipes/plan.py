@@ -22,6 +22,8 @@ _EXPERT_MARKERS = (".experts.",)
 
 @dataclass
 class MemoryEstimate:
+    """Per-rank bytes of weights, gradients and optimizer state (activations excluded)."""
+
     total_params: int
     params_per_rank: float
     param_bytes: float
@@ -34,49 +36,47 @@ class MemoryEstimate:
 
 
 def _optimizer_states(target: str) -> int:
+    """fp32 state tensors per parameter: Adam-like optimizers keep two moments, others one."""
     name = target.rsplit(".", 1)[-1].lower()
-    if name in ("sgd",):
-        return 1
-    if name in ("adagrad", "rmsprop"):
-        return 1
-    return 2
+    return 1 if name in ("sgd", "adagrad", "rmsprop") else 2
 
 
 def estimate_memory(cfg: RecipeConfig, layout: ResolvedLayout, hf_config) -> MemoryEstimate:
-    """Per-rank bytes for params, grads and optimizer state under `layout` and the strategy."""
+    """Per-rank bytes under `layout` and the strategy's sharding of weights, grads and state."""
     model = build_meta_model(hf_config, dtype=cfg.model.dtype)
-    expert = dense = 0
-    for name, p in model.named_parameters():
-        if any(m in f".{name}" for m in _EXPERT_MARKERS):
-            expert += p.numel()
-        else:
-            dense += p.numel()
+    expert = sum(p.numel() for n, p in model.named_parameters() if any(m in f".{n}" for m in _EXPERT_MARKERS))
+    dense = sum(p.numel() for p in model.parameters()) - expert
+    # model-parallel split first (tp for dense weights, ep for experts, pp for layers) ...
+    dense_mp = dense / layout.tp / layout.pp
+    expert_mp = (expert / layout.ep if layout.ep_enabled else expert / layout.tp) / layout.pp
+    # ... then the data-parallel shard factor of (weights, grads, optimizer state)
     strategy = cfg.distributed.strategy
     if strategy == "ddp":
-        dense_per_rank, expert_per_rank = dense, expert
+        shards = {"w": (1, 1), "g": (1, 1), "o": (1, 1)}
     elif strategy == "megatron_fsdp":
-        dense_per_rank, expert_per_rank = dense / layout.tp / layout.dp_cp, expert / layout.tp / layout.dp_cp
-    elif layout.ep_enabled:  # fsdp2 + EP: experts split over ep, then sharded over ep_shard
-        dense_per_rank = dense / layout.tp / layout.dp_shard_cp
-        expert_per_rank = expert / layout.ep / layout.ep_shard
-    else:  # fsdp2 (HSDP replicates over dp_replicate, shards over dp_shard*cp)
-        dense_per_rank, expert_per_rank = (
-            dense / layout.tp / layout.dp_shard_cp,
-            expert / layout.tp / layout.dp_shard_cp,
-        )
-    per_rank = (dense_per_rank + expert_per_rank) / layout.pp
+        zero = int(cfg.distributed.options.get("zero_dp_strategy", 3))
+        n = layout.dp_cp
+        shards = {k: ((n, n) if zero >= level else (1, 1)) for k, level in (("w", 3), ("g", 2), ("o", 1))}
+    else:  # fsdp2: dense over dp_shard*cp (HSDP replicates over dp_replicate), experts over ep_shard
+        ex = layout.ep_shard if layout.ep_enabled else layout.dp_shard_cp
+        shards = {k: (layout.dp_shard_cp, ex) for k in ("w", "g", "o")}
+
+    def per_rank(kind: str) -> float:
+        d, e = shards[kind]
+        return dense_mp / d + expert_mp / e
+
     elem = torch.empty((), dtype=getattr(torch, cfg.model.dtype)).element_size()
     return MemoryEstimate(
         total_params=dense + expert,
-        params_per_rank=per_rank,
-        param_bytes=per_rank * elem,
-        grad_bytes=per_rank * elem,
-        optimizer_bytes=per_rank * 4 * _optimizer_states(cfg.optimizer.target),
+        params_per_rank=per_rank("w"),
+        param_bytes=per_rank("w") * elem,
+        grad_bytes=per_rank("g") * elem,
+        optimizer_bytes=per_rank("o") * 4 * _optimizer_states(cfg.optimizer.target),
     )
 
 
 def _gib(x: float) -> str:
-    return f"{x / 2**30:,.2f} GiB"
+    return f"{x / 2**30:,.2f} GiB" if x >= 2**30 else f"{x / 2**20:,.2f} MiB"
 
 
 def plan_layout(cfg: RecipeConfig, *, world_size: int) -> tuple[ResolvedLayout, MemoryEstimate, list[str]]:
