@@ -92,7 +92,9 @@ LAYOUTS: list[Layout] = [
     Layout("tp2", 2, {"tp_size": 2}),
     Layout("tp2_sp", 2, {"tp_size": 2, "sequence_parallel": True}),
     Layout("fsdp2xtp_2x2", 4, {"tp_size": 2}),
-    *[Layout(f"pp2_{s}", 2, _pp(s)) for s in PP_SCHEDULES],
+    *[Layout(f"pp2_{s}", 2, _pp(s)) for s in PP_SCHEDULES if s != "dualpipev"],
+    # DualPipeV needs at least as many micro-batches as its 4 stages: 4 rows of 1 per micro-step.
+    Layout("pp2_dualpipev", 2, _pp("dualpipev"), extra={"step_scheduler": {"local_batch_size": 4}}),
     Layout("pp2xfsdp2", 4, _pp("1f1b")),
     Layout("pp2xtp2", 4, {**_pp("1f1b"), "tp_size": 2}),
     Layout("cp2", 2, {"cp_size": 2}),

@@ -107,7 +107,11 @@ def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
         base_plan.update(getattr(inner, "_tp_plan", None) or {})
         raw.update({f"{prefix}.{k}": v for k, v in base_plan.items()})
     else:
-        raw.update(base_plan)
+        # A wrapper without base_model_prefix (e.g. a pipeline stage holding `model.layers`): the
+        # base plan is relative to the module that owns the decoder layers.
+        found = _layers_prefix(model)
+        base = found[0].rpartition(".")[0] if found is not None else ""
+        raw.update({f"{base}.{k}" if base else k: v for k, v in base_plan.items()})
     instance_plan = model.__dict__.get("_tp_plan") or {}
     raw.update(instance_plan)
     if getattr(config, "tie_word_embeddings", False):
@@ -171,7 +175,7 @@ def _layers_prefix(model: nn.Module) -> tuple[str, nn.Module] | None:
     """FQN and first element of the decoder-layer ModuleList (``model.layers`` for HF LMs)."""
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0 and name.endswith("layers"):
-            return name, module[0]
+            return name, next(iter(module))  # a pipeline stage may hold layers "2", "3" only
     return None
 
 

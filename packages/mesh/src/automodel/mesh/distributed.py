@@ -137,10 +137,14 @@ def init_distributed(*, backend: str | None = None, timeout_minutes: float = 10.
     )
 
 
-def destroy_distributed() -> None:
-    """Barrier, then destroy: destroying without the barrier aborts ranks still in flight."""
+def destroy_distributed(*, barrier: bool = True) -> None:
+    """Barrier, then destroy: destroying without the barrier aborts ranks still in flight.
+
+    After a failure pass ``barrier=False``: peers may be stuck in a collective this rank will never
+    join, and waiting for them would turn an error into a hang (the launcher then stops them).
+    """
     if dist.is_initialized():
-        if dist.get_backend() != "fake":
+        if barrier and dist.get_backend() != "fake":
             dist.barrier()
         dist.destroy_process_group()
 
@@ -151,8 +155,10 @@ def distributed(*, backend: str | None = None, timeout_minutes: float = 10.0) ->
     info = init_distributed(backend=backend, timeout_minutes=timeout_minutes)
     try:
         yield info
-    finally:
-        destroy_distributed()
+    except BaseException:
+        destroy_distributed(barrier=False)
+        raise
+    destroy_distributed()
 
 
 @contextmanager

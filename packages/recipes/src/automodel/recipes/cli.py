@@ -86,8 +86,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     try:
         result = run_training(cfg)
-    finally:
-        destroy_distributed()
+    except BaseException:
+        destroy_distributed(barrier=False)  # peers may be stuck in a collective: fail, don't hang
+        raise
+    destroy_distributed()
     if detect_launch_env().rank == 0:
         print(f"trained {result.steps} steps; metrics in {result.output_dir}/metrics.jsonl", file=sys.stderr)
     return 0
