@@ -92,6 +92,26 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     )
 
 
+def _rendezvous_store(launch: LaunchEnv, *, timeout_minutes: float) -> dist.Store:
+    """The store the process group meets on, private to this (re)start of the job.
+
+    Under torchrun the elastic agent hosts the store and keeps it across restarts
+    (``--max-restarts``); without a per-attempt prefix, restarted ranks would read the gloo
+    addresses that the killed generation left there and fail with "connection refused".
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        launch.master_addr,
+        launch.master_port,
+        world_size=launch.world_size,
+        is_master=launch.rank == 0 and not agent_hosts_store,
+        timeout=timedelta(minutes=timeout_minutes),
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if launch.launcher == "torchrun" else "0"
+    return dist.PrefixStore(f"automodel/attempt_{attempt}", store)
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
@@ -115,18 +135,13 @@ def init_distributed(*, backend: str | None = None, timeout_minutes: float = 10.
         device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # torchrun's agent already hosts the store (env://); SLURM and plain processes rendezvous over tcp.
-        init_method = (
-            "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
-        )
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(
             backend,
-            init_method=init_method,
+            store=_rendezvous_store(launch, timeout_minutes=timeout_minutes),
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=timedelta(minutes=timeout_minutes),
-            **kwargs,
+            **({"device_id": device} if device.type == "cuda" else {}),
         )
     return DistInfo(
         rank=dist.get_rank(),
