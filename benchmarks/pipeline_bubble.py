@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--cost-ms", type=float, default=10.0)
-    parser.add_argument("--png", default="docs/perf/pipeline_timeline.png")
+    parser.add_argument("--png", default="docs/pipeline_timeline.png")
     args = parser.parse_args()
     p, m, seconds = args.pp, args.microbatches, args.cost_ms / 1000
     results = {}
