@@ -124,7 +124,10 @@ def context_parallel_attention(
             f"attention dropout is not supported under context parallelism, got dropout={dropout}"
         )
     if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("sliding-window attention is not supported under context parallelism")
+        raise ValueError(
+            f"sliding_window={kwargs['sliding_window']}: sliding-window attention is not supported under "
+            "context parallelism; use cp_size=1 for this model or disable its sliding window"
+        )
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
