@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.megatron_fsdp import (
     MegatronFSDPConfig,
@@ -23,20 +24,8 @@ from automodel.megatron_fsdp import (
 )
 from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
 
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).float()
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import tiny_llama  # noqa: E402
 
 
 def batches(ctx: MeshContext, steps: int) -> list[torch.Tensor]:

@@ -5,33 +5,21 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPManager, MegatronFSDPUnavailableError
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
 
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import tiny_llama  # noqa: E402
+
 TIMEOUT_S = 300
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).float()
 
 
 def _layout_errors() -> list[str]:

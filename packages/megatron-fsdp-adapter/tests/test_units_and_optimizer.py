@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 from automodel.megatron_fsdp import (
@@ -15,20 +17,8 @@ from automodel.megatron_fsdp import (
     resolve_unit_modules,
 )
 
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).float()
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_model import tiny_llama  # noqa: E402
 
 
 def test_units_default_to_no_split_modules() -> None:
