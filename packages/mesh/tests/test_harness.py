@@ -51,9 +51,12 @@ def test_a_raising_rank_is_reported_with_its_rank_and_traceback() -> None:
 
 def test_a_hanging_rank_fails_within_the_time_out() -> None:
     start = time.monotonic()
-    with pytest.raises(RankTimeout, match=r"ranks \[(0, )?1\] of 2 did not finish within 3 s"):
+    with pytest.raises(RankTimeout, match=r"ranks \[(0, )?1\] of 2 did not finish within 3 s") as err:
         run_on_ranks(_rank_one_hangs, world_size=2, args=(600.0,), timeout_s=3)
     assert time.monotonic() - start < 3 + 10
+    # The hung rank's own stack names where it hangs, so a CI log is enough to diagnose it.
+    stacks = str(err.value).split("--- rank 1 stacks at the time-out ---", 1)[1]
+    assert "in _rank_one_hangs" in stacks
 
 
 def test_bad_world_size_is_rejected() -> None:

@@ -3,19 +3,23 @@
 Forking from the already-imported test process costs ~0.3 s per world instead of ~8 s for
 torchrun. Every rank's result comes back to the caller; the first failing rank is re-raised
 with its rank and traceback; a rank that hangs fails the call at the time-out instead of
-hanging CI.
+hanging CI, and the failure carries every hung rank's Python stack (all threads), so a hang
+seen once on CI can be diagnosed from its log.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import signal
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,9 +50,13 @@ def _rank_main(
     args: tuple,
     kwargs: dict,
     conn: Any,
+    stack_dump: str,
 ) -> None:
     status, payload = "ok", b""
     try:
+        # Kept open for the life of the process: faulthandler writes to its descriptor on SIGUSR1.
+        dump_file = open(stack_dump, "w")  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
         torch.set_num_threads(1)
         # Rank 0 binds port 0 (the OS picks a free one, no race with other jobs) and tells the parent,
         # which only then forks the other ranks with that port.
@@ -112,12 +120,14 @@ def run_on_ranks(
     ctx = mp.get_context("fork")
     procs: list = []
     conns: list = []
+    stack_dir = tempfile.TemporaryDirectory(prefix="automodel-ranks-")
+    dumps = [str(Path(stack_dir.name) / f"rank{rank}.stack") for rank in range(world_size)]
     try:
         for rank in range(world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, host, port, timeout_s, args, kwargs, child_conn),
+                args=(fn, rank, world_size, host, port, timeout_s, args, kwargs, child_conn, dumps[rank]),
                 daemon=True,
             )
             p.start()
@@ -126,13 +136,30 @@ def run_on_ranks(
             conns.append(parent_conn)
             if rank == 0:
                 port = _receive_store_port(procs[0], conns[0], timeout_s)
-        return _collect(procs, conns, timeout_s)
+        try:
+            return _collect(procs, conns, timeout_s)
+        except RankTimeout as exc:
+            raise RankTimeout(f"{exc}\n{_hung_stacks(procs, dumps)}") from None
     finally:
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             p.join(timeout=5)
+        stack_dir.cleanup()
+
+
+def _hung_stacks(procs: list, dumps: list[str], wait_s: float = 2.0) -> str:
+    """Ask every live rank for its Python stacks (faulthandler on SIGUSR1) and return them as text."""
+    alive = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for rank in alive:
+        os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(wait_s)
+    parts = []
+    for rank in alive:
+        text = Path(dumps[rank]).read_text(errors="replace").strip() if Path(dumps[rank]).exists() else ""
+        parts.append(f"--- rank {rank} stacks at the time-out ---\n{text or '(no stack written)'}")
+    return "\n".join(parts)
 
 
 def _receive_store_port(proc: Any, conn: Any, timeout_s: float) -> int:
