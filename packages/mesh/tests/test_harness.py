@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -26,6 +28,10 @@ def _rank_two_raises() -> None:
 def _rank_one_hangs(seconds: float) -> None:
     if dist.get_rank() == 1:
         time.sleep(seconds)
+
+
+def _collect_garbage() -> int:
+    return gc.collect()
 
 
 def _returns_tensor() -> torch.Tensor:
@@ -62,3 +68,31 @@ def test_a_hanging_rank_fails_within_the_time_out() -> None:
 def test_bad_world_size_is_rejected() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         run_on_ranks(_sum_of_ranks, world_size=0)
+
+
+class _Cycle:
+    """Garbage only the cyclic collector frees."""
+
+
+def test_ranks_survive_a_gloo_group_left_in_garbage_by_the_parent() -> None:
+    """A gloo group the parent dropped in a reference cycle must not be finalized in a rank.
+
+    Its destructor joins gloo's worker threads, which a forked child does not have: collecting
+    it there hung forever (seen on CI as both ranks stuck "Garbage-collecting").
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()  # keep the cycle alive until the ranks are forked
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        group = dist.new_group([0])
+        dist.all_reduce(torch.ones(2), group=group)
+        cycle = _Cycle()
+        cycle.self, cycle.group = cycle, group
+        dist.destroy_process_group()
+        del cycle, group, store
+        assert len(run_on_ranks(_collect_garbage, world_size=2, timeout_s=60)) == 2
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.collect()  # here, in the parent, where gloo's threads exist

@@ -54,9 +54,9 @@ def _rank_main(
     stack_dump: str,
 ) -> None:
     status, payload = "ok", b""
-    # Everything inherited from the (possibly huge, long-lived) test process is left out of this
-    # rank's garbage collections: scanning it made each gen-2 pass slow and copied every page it
-    # touched, so a rank forked late in a full test run went 20x slower than the same rank forked early.
+    # Objects inherited from the parent are never collected here: a gloo group the parent left in
+    # a reference cycle would run its destructor in this rank, which joins worker threads a forked
+    # child does not have, and the rank hangs "Garbage-collecting" (seen on CI, late in a full run).
     gc.freeze()
     try:
         # Kept open for the life of the process: faulthandler writes to its descriptor on SIGUSR1.
