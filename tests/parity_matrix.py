@@ -101,6 +101,9 @@ LAYOUTS: list[Layout] = [
     Layout("cp2xfsdp2", 4, {"cp_size": 2}),
     Layout("ep2", 2, {"ep_size": 2}, model="moe"),
     Layout("ep2xfsdp2", 4, {"ep_size": 2}, model="moe"),
+    # TP shards attention of the MoE model; experts are replicated over tp (EP shards them).
+    Layout("tp2_moe", 2, {"tp_size": 2}, model="moe"),
+    Layout("ep2xtp2", 4, {"ep_size": 2, "tp_size": 2}, model="moe"),
     Layout("pp2xtp2xdp2", 8, {**_pp("1f1b"), "tp_size": 2}),
 ]
 REFERENCES = {"dense": Layout("reference_dense", 1, {}), "moe": Layout("reference_moe", 1, {}, model="moe")}

@@ -95,7 +95,8 @@ def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
     Merges the class ``_tp_plan``, the inner base model's plan and ``config.base_model_tp_plan``
     (prefixed with ``base_model_prefix``), then the instance ``_tp_plan`` (transformers 5 fills it
     with the prefixed base plan and ``embedding_rowwise`` for untied embeddings). Expert/EP and
-    packed styles are left out (those modules stay replicated). Raises ValueError if no plan exists.
+    packed styles are left out (those modules stay replicated), and so are keys for modules this
+    instance does not have (variant entries of a generic plan). Raises ValueError if no plan exists.
     """
     raw: dict[str, str] = {}
     raw.update(getattr(type(model), "_tp_plan", None) or {})
@@ -122,12 +123,18 @@ def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
             f"{type(model).__name__} has no Hugging Face tensor-parallel plan (_tp_plan / base_model_tp_plan)"
         )
     plan: TPPlan = {}
+    modules = [n for n, _ in model.named_modules() if n]
     for key, style in raw.items():
         if style in _SKIPPED_IN_HF_PLAN:
             logger.info("TP plan: leaving %s (%s) replicated", key, style)
             continue
         if _resolves_to_parameter(model, key):
             logger.info("TP plan: %s names a parameter, not a module; left replicated", key)
+            continue
+        if not any(_fqn_matches(key, n) for n in modules):
+            # HF plans cover every variant of an architecture (e.g. Qwen3-MoE's dense `mlp.*_proj`
+            # for `mlp_only_layers`); a key this instance has no module for is not an error.
+            logger.info("TP plan: %s matches no module of this model; skipped", key)
             continue
         plan[key] = translate_to_torch_parallel_style(style)
     return plan
@@ -231,6 +238,11 @@ def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) 
         plan[f"{lp}mlp.up_proj"] = ColwiseParallel()
         plan[f"{lp}mlp.down_proj"] = RowwiseParallel(**row_out)
     if sequence_parallel:
+        if not has_mlp and "mlp.experts" in names:
+            raise ValueError(
+                f"sequence_parallel is not supported for MoE decoder layers ({type(layer).__name__}); "
+                "use tp_size > 1 without sequence_parallel (experts are parallelized by ep_size)"
+            )
         if not has_mlp:
             raise ValueError(
                 f"{type(layer).__name__} has no dense mlp.gate/up/down_proj; sequence parallel needs an explicit tp_plan"
