@@ -15,7 +15,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 import automodel.fsdp2  # noqa: F401 - imported once here so forked ranks inherit it
 
@@ -24,8 +31,14 @@ GLOBAL_TOKENS = GBS * (SEQ - 1)
 
 
 def tiny_config(*, layers: int = 2, family: str = "llama", heads: int = 4, kv_heads: int = 2):
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[family]
+    moe = (
+        {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+        if family == "qwen3_moe"
+        else {}
+    )
     cfg = cls(
+        **moe,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -45,7 +58,7 @@ def tiny_model(
     *, layers: int = 2, family: str = "llama", meta: bool = False, seed: int = 0
 ) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}[family]
+    cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}[family]
     cfg = tiny_config(layers=layers, family=family)
     if meta:
         with torch.device("meta"):

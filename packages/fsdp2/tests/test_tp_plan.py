@@ -72,27 +72,13 @@ def test_hf_plan_of_qwen3_replicates_qk_norms() -> None:
 
 def test_hf_plan_of_a_moe_model_keeps_attention_and_skips_what_the_instance_lacks() -> None:
     """Qwen3-MoE's HF plan also names dense `mlp.*_proj` (for `mlp_only_layers`) and expert styles."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=64,
-        tie_word_embeddings=False,
-    )
-    plan = get_hf_tp_shard_plan(Qwen3MoeForCausalLM(config))
+    model = tiny_model(family="qwen3_moe")
+    plan = get_hf_tp_shard_plan(model)
     assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
     assert isinstance(plan["model.layers.*.self_attn.o_proj"], RowwiseParallel)
     assert not any(".mlp." in key for key in plan), sorted(plan)  # experts stay with automodel.moe
     with pytest.raises(ValueError, match="sequence_parallel is not supported for MoE decoder layers"):
-        resolve_tp_plan(Qwen3MoeForCausalLM(config), sequence_parallel=True)
+        resolve_tp_plan(model, sequence_parallel=True)
 
 
 def test_resolution_order() -> None:
