@@ -97,6 +97,7 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("dp_size_mismatch", {"distributed.dp_size": 3}, ["--nproc-per-node=2"], "distributed"),
     ("replicate_not_dividing", {"distributed.dp_replicate_size": 3}, ["--nproc-per-node=4"], "distributed"),
     ("ep_on_dense_model", {"distributed.ep_size": 2}, ["--nproc-per-node=2"], "distributed.ep_size"),
+    ("sp_on_moe_model", {"model.config": {"model_type": "qwen3_moe", "num_experts": 4, "num_attention_heads": 4, "num_key_value_heads": 2}, "distributed.tp_size": 2, "distributed.sequence_parallel": True}, ["--nproc-per-node=2"], "distributed.sequence_parallel"),
     ("seq_vs_cp", {"distributed.cp_size": 2, "dataset.seq_length": 30}, ["--nproc-per-node=2"], "dataset.seq_length"),
     ("layers_vs_stages", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "interleaved1f1b"}}, ["--nproc-per-node=2"], "distributed.pp_size"),
     ("microbatches_vs_pp", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 2}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
@@ -125,6 +126,16 @@ def test_bad_config_exits_2_with_one_line(case, tmp_path: Path, capsys: pytest.C
     assert len(errors) == 1 and "Traceback" not in "\n".join(err), err
     assert errors[0].startswith(f"error: {key}="), errors[0]
     assert not out.exists()
+
+
+def test_launcher_flag_given_to_validate_names_world_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path, _ = _write(tmp_path, {})
+    assert run_cli(["validate", str(path), "--nproc-per-node", "4"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: --nproc-per-node=None: is a `recipes train` launcher option"), line
+    assert "--world-size N" in line
 
 
 def test_missing_file_and_invalid_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

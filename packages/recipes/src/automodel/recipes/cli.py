@@ -38,8 +38,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _split_overrides(extra: list[str]) -> list[str]:
+_TRAIN_LAUNCHER_FLAGS = {"nproc-per-node", "nnodes", "node-rank", "rdzv-endpoint", "rdzv-id", "max-restarts"}
+
+
+def _split_overrides(command: str, extra: list[str]) -> list[str]:
     for arg in extra:
+        flag = arg[2:].partition("=")[0].replace("_", "-") if arg.startswith("--") else ""
+        if command != "train" and flag in _TRAIN_LAUNCHER_FLAGS:
+            hint = "; validate plans for --world-size N" if command == "validate" else ""
+            raise ConfigError(
+                arg, None, f"is a `recipes train` launcher option, not one of `recipes {command}`{hint}"
+            )
         if not arg.startswith("--") or "=" not in arg:
             raise ConfigError(arg, None, "unrecognized argument; overrides look like --section.key=value")
     return extra
@@ -124,7 +133,7 @@ def run_cli(argv: Sequence[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        overrides = _split_overrides(extra)
+        overrides = _split_overrides(args.command, extra)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return {"train": _train, "validate": _validate, "plot": _plot}[args.command](args, overrides)

@@ -82,6 +82,13 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None
             raise ConfigError(
                 "distributed.ep_size", ep, f"must divide the model's number of experts ({experts})"
             )
+    if tp > 1 and d.sequence_parallel and d.options.get("tp_plan") is None and num_experts(hf_config):
+        raise ConfigError(
+            "distributed.sequence_parallel",
+            True,
+            f"is not supported for MoE models ({hf_config.model_type}: the expert block has no "
+            "sequence-parallel plan); use tp_size > 1 without it",
+        )
     if pp > 1 and cp > 1:
         raise ConfigError(
             "distributed.cp_size", cp, "context parallelism together with pp_size > 1 is not supported yet"
