@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from _recipe_config import llama, recipe_config
 
 HERE = Path(__file__).resolve().parent
 SHAPE = dict(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4, vocab=256, seq=256)
@@ -26,42 +27,15 @@ WARMUP = 5
 
 
 def recipes_config(out: Path, *, steps: int, local_batch: int, ranks: int) -> dict:
-    return {
-        "seed": 0,
-        "output_dir": str(out),
-        "model": {
-            "config": {
-                "model_type": "llama",
-                "hidden_size": SHAPE["hidden"],
-                "intermediate_size": SHAPE["intermediate"],
-                "num_hidden_layers": SHAPE["layers"],
-                "num_attention_heads": SHAPE["heads"],
-                "num_key_value_heads": SHAPE["kv_heads"],
-                "vocab_size": SHAPE["vocab"],
-                "max_position_embeddings": SHAPE["seq"],
-                "tie_word_embeddings": False,
-            },
-            "dtype": "float32",
-        },  # fmt: skip
-        "dataset": {"source": "embedded", "seq_length": SHAPE["seq"], "max_bytes": 4_000_000},
-        "step_scheduler": {
-            "global_batch_size": local_batch * ranks,
-            "local_batch_size": local_batch,
-            "max_steps": steps,
-        },
-        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3e-3},
-        "clip_grad_norm": {"max_norm": 1.0},
-        "distributed": {
-            "strategy": "fsdp2",
-            "mp_policy": {
-                "_target_": "torch.distributed.fsdp.MixedPrecisionPolicy",
-                "param_dtype": "float32",
-                "reduce_dtype": "float32",
-            },
-        },
-        "checkpoint": {"enabled": False},
-        "logging": {"progress_bar": False},
-    }
+    model = llama(
+        hidden=SHAPE["hidden"], intermediate=SHAPE["intermediate"], layers=SHAPE["layers"],
+        heads=SHAPE["heads"], kv_heads=SHAPE["kv_heads"], vocab=SHAPE["vocab"], max_positions=SHAPE["seq"],
+    )  # fmt: skip
+    return recipe_config(
+        model=model, seq_length=SHAPE["seq"], max_bytes=4_000_000, local_batch=local_batch,
+        global_batch=local_batch * ranks, steps=steps, output_dir=str(out), fp32=True,
+        optimizer={"lr": 3e-3}, clip_grad_norm={"max_norm": 1.0},
+    )  # fmt: skip
 
 
 def run_recipes(ranks: int, steps: int, local_batch: int, work: Path) -> list[float]:

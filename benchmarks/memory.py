@@ -13,36 +13,25 @@ import argparse
 import tempfile
 
 import torch
+from _recipe_config import llama, recipe_config
 from torch.distributed.tensor import DTensor
 
 from automodel.mesh.testing import run_on_ranks
 
-MODEL = {
-    "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}  # fmt: skip
+MODEL = llama(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4, max_positions=128)
 
 
 def raw_config(out: str, world: int) -> dict:
-    return {
-        "seed": 0,
-        "output_dir": out,
-        "model": {"config": dict(MODEL), "dtype": "float32"},
-        "dataset": {"source": "embedded", "seq_length": 64, "max_bytes": 200_000},
-        "step_scheduler": {"global_batch_size": 2 * world, "local_batch_size": 2, "max_steps": 2},
-        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 1e-3},
-        "distributed": {
-            "strategy": "fsdp2",
-            "mp_policy": {
-                "_target_": "torch.distributed.fsdp.MixedPrecisionPolicy",
-                "param_dtype": "float32",
-                "reduce_dtype": "float32",
-            },
-        },
-        "checkpoint": {"enabled": False},
-        "logging": {"progress_bar": False},
-    }
+    return recipe_config(
+        model=MODEL,
+        seq_length=64,
+        max_bytes=200_000,
+        local_batch=2,
+        global_batch=2 * world,
+        steps=2,
+        output_dir=out,
+        fp32=True,
+    )
 
 
 def _local_bytes(t: torch.Tensor) -> int:

@@ -17,27 +17,19 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _recipe_config import llama, recipe_config
 
 from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.recipe_config import parse_recipe_config
 from automodel.recipes.train import Trainer
 
-CFG = {
-    "seed": 0,
-    "model": {
-        "config": {
-            "model_type": "llama", "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-            "max_position_embeddings": 128, "tie_word_embeddings": False,
-        }
-    },
-    "dataset": {"source": "embedded", "seq_length": 128, "max_bytes": 400000},
-    "step_scheduler": {"global_batch_size": 8, "local_batch_size": 4},
-    "optimizer": {"_target_": "torch.optim.AdamW", "lr": 1e-3},
-    "distributed": {"strategy": "fsdp2"},
-    "checkpoint": {"enabled": False},
-    "logging": {"progress_bar": False},
-}  # fmt: skip
+CFG = recipe_config(
+    model=llama(hidden=128, intermediate=344, layers=4, heads=4, kv_heads=2, max_positions=128),
+    seq_length=128,
+    max_bytes=400000,
+    local_batch=4,
+    global_batch=8,
+)
 
 
 def _cfg(steps: int, out: str, **dist) -> dict:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import yaml
+from _recipe_config import llama, recipe_config
 
 FLOOR_SCRIPT = (
     "import torch, torch.distributed as dist, transformers\n"
@@ -26,29 +27,16 @@ FLOOR_SCRIPT = (
 
 
 def config(out: Path, ranks: int) -> dict:
-    return {
-        "seed": 0,
-        "output_dir": str(out),
-        "model": {
-            "config": {
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "vocab_size": 256,
-                "max_position_embeddings": 64,
-                "tie_word_embeddings": False,
-            }
-        },  # fmt: skip
-        "dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 40000},
-        "step_scheduler": {"global_batch_size": 2 * ranks, "local_batch_size": 2, "max_steps": 2},
-        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 1e-3},
-        "distributed": {"strategy": "fsdp2"},
-        "checkpoint": {"enabled": False},
-        "logging": {"progress_bar": False},
-    }
+    model = llama(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, max_positions=64)
+    return recipe_config(
+        model=model,
+        seq_length=32,
+        max_bytes=40000,
+        local_batch=2,
+        global_batch=2 * ranks,
+        steps=2,
+        output_dir=str(out),
+    )
 
 
 def time_to_first_step(ranks: int, work: Path) -> float:

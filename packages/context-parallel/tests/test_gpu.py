@@ -7,17 +7,20 @@ and TE paths need two GPUs (one CP rank each, NCCL); TE must be installed (the `
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from automodel.context_parallel import apply_context_parallel, make_cp_batch_and_ctx, thd_partitioned_indices
 from automodel.mesh.testing import run_on_ranks
 
+sys.path.insert(0, str(Path(__file__).parent))
+from cp_testlib import VOCAB, ce_sum, tiny_llama  # noqa: E402
+
 pytestmark = pytest.mark.gpu
-VOCAB = 256
 
 
 def _need_gpus(n: int) -> None:
@@ -34,30 +37,6 @@ def _cuda_cp_mesh():
     return DeviceMesh.from_group(group, "cuda", mesh_dim_names=("cp",))
 
 
-def _tiny_llama(dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).to(device="cuda", dtype=dtype)
-
-
-def _ce_sum(logits, labels):
-    return F.cross_entropy(
-        logits.reshape(-1, VOCAB).float(), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
-
-
 def _rel_errors(model, ref_model, loss, ref_loss, group) -> dict[str, float]:
     errs = {"loss": abs(loss - ref_loss) / abs(ref_loss)}
     for (name, p), (_, r) in zip(model.named_parameters(), ref_model.named_parameters()):
@@ -66,27 +45,31 @@ def _rel_errors(model, ref_model, loss, ref_loss, group) -> dict[str, float]:
     return errs
 
 
-def _torch_backend_parity() -> dict[str, float]:
-    cp_mesh = _cuda_cp_mesh()
-    ref_model = _tiny_llama(torch.float32)
-    model = copy.deepcopy(ref_model)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (2, 64), generator=g)
-    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
-    ref_loss = _ce_sum(ref_model(input_ids=ids.cuda()).logits, labels.cuda()) / (labels != -100).sum().cuda()
-    ref_loss.backward()
-    backend = apply_context_parallel(model, cp_mesh=cp_mesh, backend="torch")
-    assert backend == "torch"
-    ctx, local = make_cp_batch_and_ctx(
-        cp_mesh, {"input_ids": ids.cuda(), "labels": labels.cuda()}, backend=backend
-    )
+def _cp_step_errors(model, ref_model, ref_loss, cp_mesh, batch: dict, backend: str) -> dict[str, float]:
+    """One CP forward/backward of `batch`; relative loss and per-parameter gradient errors vs the reference."""
+    ctx, local = make_cp_batch_and_ctx(cp_mesh, batch, backend=backend)
     local_labels, n = local.pop("labels"), local.pop("num_label_tokens")
     with ctx():
-        loss = _ce_sum(model(**local).logits, local_labels) / n
+        loss = ce_sum(model(**local).logits, local_labels) / n
         loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=cp_mesh.get_group())
     return _rel_errors(model, ref_model, float(total), float(ref_loss), cp_mesh.get_group())
+
+
+def _torch_backend_parity() -> dict[str, float]:
+    cp_mesh = _cuda_cp_mesh()
+    ref_model = tiny_llama().to(device="cuda", dtype=torch.float32)
+    model = copy.deepcopy(ref_model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (2, 64), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    ref_loss = ce_sum(ref_model(input_ids=ids.cuda()).logits, labels.cuda()) / (labels != -100).sum().cuda()
+    ref_loss.backward()
+    backend = apply_context_parallel(model, cp_mesh=cp_mesh, backend="torch")
+    assert backend == "torch"
+    batch = {"input_ids": ids.cuda(), "labels": labels.cuda()}
+    return _cp_step_errors(model, ref_model, ref_loss, cp_mesh, batch, backend)
 
 
 def test_torch_context_parallel_backend_matches_single_gpu():
@@ -110,13 +93,13 @@ def test_thd_partition_matches_transformer_engine():
 
 def _te_packed_parity() -> dict[str, float]:
     cp_mesh = _cuda_cp_mesh()
-    ref_model = _tiny_llama(torch.bfloat16)
+    ref_model = tiny_llama().to(device="cuda", dtype=torch.bfloat16)
     model = copy.deepcopy(ref_model)
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (24, 40, 16)]
     per_doc = [(d, torch.cat([d[:, 1:], torch.full((1, 1), -100)], dim=1)) for d in docs]
     n_ref = sum(int((lab != -100).sum()) for _, lab in per_doc)
-    ref_loss = sum(_ce_sum(ref_model(input_ids=d.cuda()).logits, lab.cuda()) for d, lab in per_doc) / n_ref
+    ref_loss = sum(ce_sum(ref_model(input_ids=d.cuda()).logits, lab.cuda()) for d, lab in per_doc) / n_ref
     ref_loss.backward()
     backend = apply_context_parallel(model, cp_mesh=cp_mesh, backend="te")
     packed = {
@@ -124,14 +107,7 @@ def _te_packed_parity() -> dict[str, float]:
         "labels": torch.cat([lab for _, lab in per_doc], dim=1).cuda(),
         "seq_lens": torch.tensor([[24, 40, 16]]).cuda(),
     }
-    ctx, local = make_cp_batch_and_ctx(cp_mesh, packed, backend=backend)
-    local_labels, n = local.pop("labels"), local.pop("num_label_tokens")
-    with ctx():
-        loss = _ce_sum(model(**local).logits, local_labels) / n
-        loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=cp_mesh.get_group())
-    return _rel_errors(model, ref_model, float(total), float(ref_loss), cp_mesh.get_group())
+    return _cp_step_errors(model, ref_model, ref_loss, cp_mesh, packed, backend)
 
 
 def test_transformer_engine_backend_packed_matches_per_document():

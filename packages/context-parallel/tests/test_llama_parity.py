@@ -7,39 +7,21 @@ packed row (THD) against running every document separately.
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.context_parallel import apply_context_parallel, make_cp_batch_and_ctx
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
 
-VOCAB = 256
+sys.path.insert(0, str(Path(__file__).parent))
+from cp_testlib import VOCAB, ce_sum, tiny_llama  # noqa: E402
+
 RTOL = 1e-5
-
-
-def _tiny_llama(family: str = "llama") -> torch.nn.Module:
-    torch.manual_seed(0)
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    if family == "qwen3":
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **kwargs)).float()
-    return LlamaForCausalLM(LlamaConfig(**kwargs)).float()
 
 
 def _batch(seed: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
@@ -50,17 +32,11 @@ def _batch(seed: int, batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits.reshape(-1, VOCAB).float(), labels.reshape(-1), ignore_index=-100, reduction="sum"
-    )
-
-
 def _reference(model, batches) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss = sum CE over all batches / all label tokens, and its gradients."""
     model.zero_grad()
     total = sum(int((b["labels"] != -100).sum()) for b in batches)
-    loss = sum(_ce_sum(model(input_ids=b["input_ids"]).logits, b["labels"]) for b in batches) / total
+    loss = sum(ce_sum(model(input_ids=b["input_ids"]).logits, b["labels"]) for b in batches) / total
     loss.backward()
     return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -86,7 +62,7 @@ def _cp_step(model, batch, cp_mesh, backend, reduce_group, num_tokens_group=None
         dist.all_reduce(num_tokens, group=num_tokens_group)
     with ctx():
         logits = model(**local, use_cache=False).logits  # no KV cache in training (AC recomputes)
-        loss = _ce_sum(logits, labels) / num_tokens
+        loss = ce_sum(logits, labels) / num_tokens
         loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=reduce_group)
@@ -98,7 +74,7 @@ def _run_cp_only(
 ) -> dict[str, float]:
     world = dist.get_world_size()
     mesh = MeshContext.build(ParallelismSizes(cp_size=world))
-    ref_model = _tiny_llama(family)
+    ref_model = tiny_llama(family)
     model = copy.deepcopy(ref_model)
     batch = _batch(1, 2, seq_len)
     ref_loss, ref_grads = _reference(ref_model, [batch])
@@ -138,7 +114,7 @@ def _run_cp_fsdp() -> dict[str, float]:
     from torch.distributed.fsdp import fully_shard
 
     mesh = MeshContext.build(ParallelismSizes(cp_size=2))
-    ref_model = _tiny_llama()
+    ref_model = tiny_llama()
     model = copy.deepcopy(ref_model)
     batches = [_batch(10 + d, 2, 24) for d in range(mesh.layout.dp)]
     ref_loss, ref_grads = _reference(ref_model, batches)
@@ -171,7 +147,7 @@ def _run_cp_tp() -> dict[str, float]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = MeshContext.build(ParallelismSizes(cp_size=2, tp_size=2))
-    ref_model = _tiny_llama()
+    ref_model = tiny_llama()
     model = copy.deepcopy(ref_model)
     batch = _batch(3, 2, 24)
     ref_loss, ref_grads = _reference(ref_model, [batch])
@@ -224,7 +200,7 @@ def _packed_batch() -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tenso
 def _run_packed(kv_rotation: str) -> dict[str, float]:
     world = dist.get_world_size()
     mesh = MeshContext.build(ParallelismSizes(cp_size=world))
-    ref_model = _tiny_llama()
+    ref_model = tiny_llama()
     model = copy.deepcopy(ref_model)
     packed, per_doc = _packed_batch()
     ref_loss, ref_grads = _reference(ref_model, per_doc)  # every document run on its own

@@ -24,25 +24,15 @@ from automodel.mesh.testing import RankFailure, run_on_ranks
 from automodel.recipes.checkpoint.paths import check_complete
 
 TESTS_DIR = Path(__file__).parent
-sys.path.insert(0, str(TESTS_DIR))  # test_faults_hooks, for the optimizer _target_
+sys.path.insert(0, str(TESTS_DIR))  # test_faults_hooks (the optimizer _target_) and _recipe_helpers
+from _recipe_helpers import TINY  # noqa: E402
+
 TIMEOUT = 300
 HOOK = "test_faults_hooks.FaultyAdamW"
 
 BASE: dict[str, Any] = {
     "seed": 11,
-    "model": {
-        "config": {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 256,
-            "max_position_embeddings": 64,
-            "tie_word_embeddings": False,
-        }
-    },
+    "model": copy.deepcopy(TINY["model"]),
     "dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 40000},
     "step_scheduler": {"global_batch_size": 8, "local_batch_size": 4, "max_steps": 10, "ckpt_every_steps": 5},
     "optimizer": {"_target_": HOOK, "lr": 0.003, "foreach": False},
