@@ -48,8 +48,8 @@ def measure(raw: dict) -> dict[str, int]:
     batches = trainer.loader.next_step()
     trainer.step = 0
     trainer.train_step(batches)  # creates the optimizer state
-    loss = trainer._forward_loss_sum(batches[0]) / max(1, int((batches[0].labels != -100).sum()))
-    loss.backward()
+    tokens = torch.tensor(float(max(1, int((batches[0].labels != -100).sum()))))
+    trainer._micro_batch_loss(batches[0], divisor=tokens, backward=True)
     params = [p for part in trainer.pm.parts for p in part.parameters()]
     opt_bytes = sum(
         _local_bytes(v) for opt in trainer.optimizers for st in opt.state.values() for v in st.values()

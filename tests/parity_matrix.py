@@ -65,7 +65,7 @@ def base_config(model: dict[str, Any]) -> dict[str, Any]:
         "lr_scheduler": {"warmup_steps": 1, "decay_style": "cosine", "min_lr": 3.0e-4},
         "distributed": {"strategy": "fsdp2"},
         "checkpoint": {"enabled": False},
-        "logging": {"progress_bar": False},
+        "logging": {"progress_bar": False, "layout_report": "all"},
     }
 
 
@@ -76,6 +76,13 @@ class Layout:
     distributed: dict[str, Any]
     model: str = "dense"  # "dense" | "moe"
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def size(self, key: str) -> int:
+        return int(self.distributed.get(key) or 1)
+
+    @property
+    def dp(self) -> int:
+        return self.ranks // (self.size("tp_size") * self.size("pp_size") * self.size("cp_size"))
 
 
 def _pp(schedule: str) -> dict[str, Any]:
@@ -123,7 +130,10 @@ def recipes_executable() -> str:
 
 
 def run_layout(layout: Layout, workdir: Path) -> list[float]:
-    """Train `layout` through `recipes train` and return rank 0's per-step losses from metrics.jsonl."""
+    """Train `layout` through `recipes train`; rank 0's per-step losses from metrics.jsonl.
+
+    Every rank also writes what it holds (``layout/rank_<N>.json``), read by `read_reports`.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / f"{layout.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(config_for(layout), sort_keys=False))
@@ -139,6 +149,28 @@ def run_layout(layout: Layout, workdir: Path) -> list[float]:
         )
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [float(r["loss"]) for r in rows]
+
+
+def read_reports(layout: Layout, workdir: Path) -> list[dict[str, Any]]:
+    """Each rank's layout report of the run of `layout` in `workdir` (rank order)."""
+    layout_dir = workdir / layout.name / "layout"
+    return [json.loads((layout_dir / f"rank_{r}.json").read_text()) for r in range(layout.ranks)]
+
+
+def check_reports(layout: Layout, reports: list[dict[str, Any]]) -> None:
+    """Raise AssertionError unless every rank holds what `layout` asks for."""
+    from placement_checks import check_layout_applied
+
+    model = MOE_MODEL if layout.model == "moe" else DENSE_MODEL
+    check_layout_applied(
+        name=layout.name,
+        reports=reports,
+        ranks=layout.ranks,
+        distributed=layout.distributed,
+        dp=layout.dp,
+        layers=model["num_hidden_layers"],
+        num_experts=model.get("num_experts", 0),
+    )
 
 
 def max_relative_difference(got: list[float], ref: list[float]) -> float:

@@ -1,4 +1,5 @@
-"""Issue 10's parity matrix as tests: each layout through `recipes train` vs the single-process run."""
+"""The parity matrix as tests: each layout through `recipes train` reproduces the single-process
+losses, and every rank holds what the layout says (`placement_checks`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from parity_matrix import LAYOUTS, REFERENCES, RTOL, STEPS, Layout, max_relative_difference, run_layout  # noqa: E402
+from parity_matrix import (  # noqa: E402
+    LAYOUTS,
+    REFERENCES,
+    RTOL,
+    STEPS,
+    Layout,
+    check_reports,
+    max_relative_difference,
+    read_reports,
+    run_layout,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,3 +40,4 @@ def test_layout_reproduces_single_process_losses(
     ref = references[layout.model]
     diff = max_relative_difference(losses, ref)
     assert diff <= RTOL, f"{layout.name}: losses {losses} vs single process {ref} (max rel diff {diff:.2e})"
+    check_reports(layout, read_reports(layout, tmp_path))

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from automodel.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPManager, MegatronFSDPUnavailableError
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
+from automodel.mesh.testing import cuda_device_count, run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_model import tiny_llama  # noqa: E402
@@ -107,7 +107,7 @@ def _no_cuda_message() -> str:
     return "no error"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+@pytest.mark.skipif(cuda_device_count() > 0, reason="checks the message on machines without CUDA")
 def test_no_cuda_is_a_clear_error() -> None:
     for message in run_on_ranks(_no_cuda_message, world_size=2, timeout_s=TIMEOUT_S):
         assert "needs CUDA" in message and "torch.cuda.is_available() is False" in message
@@ -155,10 +155,9 @@ def _tp_only(config_kwargs: dict) -> dict:
     reference = tiny_llama()
     ref_losses = _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1))
     model = tiny_llama()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # built before TP
     manager = MegatronFSDPManager(MegatronFSDPConfig(**config_kwargs), ctx)
-    out_model, out_opt = manager.parallelize(model, optimizer)
-    assert out_model is model and out_opt is optimizer
+    manager.apply_tp_and_checkpointing(model)  # what precedes megatron-fsdp; runs without CUDA
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     layer = model.model.layers[0]
     mlp = getattr(layer.mlp, "_checkpoint_wrapped_module", layer.mlp)
     return {
@@ -175,7 +174,9 @@ def _tp_only(config_kwargs: dict) -> dict:
     [({}, True), ({"activation_checkpointing": True}, True), ({"tp_plan": MLP_ONLY_PLAN}, False)],
     ids=["tp", "tp+ac", "custom-plan"],
 )
-def test_dp1_applies_tp_only_and_matches_one_process(config_kwargs: dict, attn_sharded: bool) -> None:
+def test_tp_and_checkpointing_before_megatron_fsdp_match_one_process(
+    config_kwargs: dict, attn_sharded: bool
+) -> None:
     for result in run_on_ranks(_tp_only, world_size=2, args=(config_kwargs,), timeout_s=TIMEOUT_S):
         assert result["mlp_sharded"] and result["attn_sharded"] is attn_sharded
         assert result["mlp_checkpointed"] is bool(config_kwargs.get("activation_checkpointing"))

@@ -128,6 +128,8 @@ def test_rebind_keeps_groups_and_hyperparameters() -> None:
     assert [g["params"] for g in opt.param_groups] == [[new.weight], [new.bias]]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert all(g["lr"] == 1e-3 for g in opt.param_groups)
+    # megatron-fsdp's fully_shard_optimizer takes a group's first key as its parameter list.
+    assert all(next(iter(g)) == "params" for g in opt.param_groups)
 
 
 def test_rebind_matches_through_checkpoint_wrapper_names() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from automodel.recipes.cli import run_cli
@@ -102,6 +103,7 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("layers_vs_stages", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "interleaved1f1b"}}, ["--nproc-per-node=2"], "distributed.pp_size"),
     ("microbatches_vs_pp", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 2}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
     ("batch_vs_dp", {"step_scheduler.global_batch_size": 6}, ["--nproc-per-node=2"], "step_scheduler.global_batch_size"),
+    ("layout_report", {"logging.layout_report": "rank1"}, [], "logging.layout_report"),
 ]  # fmt: skip
 
 
@@ -126,6 +128,23 @@ def test_bad_config_exits_2_with_one_line(case, tmp_path: Path, capsys: pytest.C
     assert len(errors) == 1 and "Traceback" not in "\n".join(err), err
     assert errors[0].startswith(f"error: {key}="), errors[0]
     assert not out.exists()
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="checks the refusal on machines without CUDA")
+@pytest.mark.parametrize("extra", [[], ["--nproc-per-node=2"]], ids=["in_place", "before_launch"])
+def test_megatron_fsdp_without_cuda_is_refused_before_any_rank_starts(
+    extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path, out = _write(tmp_path, {"distributed.strategy": "megatron_fsdp", "distributed.tp_size": 2})
+    assert run_cli(["train", str(path), *extra]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(
+        "error: distributed.strategy='megatron_fsdp': strategy megatron_fsdp needs CUDA"
+    ), line
+    assert "torch.cuda.is_available() is False" in line and "fsdp2" in line
+    assert not out.exists()
+    # validate plans for a GPU cluster from any machine: no refusal there
+    assert run_cli(["validate", str(path), "--world-size", "8"]) == 0
 
 
 def test_launcher_flag_given_to_validate_names_world_size(

@@ -55,7 +55,6 @@ LAYOUTS = {
     ),
     "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
     "fsdp2_dp2_ac": (2, {"strategy": "fsdp2", "activation_checkpointing": True}),
-    "megatron_fsdp_tp2": (2, {"strategy": "megatron_fsdp", "tp_size": 2}),
 }
 
 

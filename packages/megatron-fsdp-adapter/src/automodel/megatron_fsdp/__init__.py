@@ -1,7 +1,8 @@
 """strategy: megatron_fsdp through the megatron-fsdp package (imported lazily; CUDA at run time).
 
 ``MegatronFSDPManager(config, mesh).parallelize(model, optimizer)`` applies TP, MLP activation
-checkpointing and megatron-fsdp in that order. `build_fully_shard_call` is the pure translation
+checkpointing and megatron-fsdp in that order; `microbatch_grad_sync`, `model_state_dict` and
+`full_tensor` are what a training loop needs around the wrapped model. `build_fully_shard_call` is the pure translation
 of `MegatronFSDPConfig` into megatron-fsdp's arguments.
 """
 
@@ -17,6 +18,13 @@ from automodel.megatron_fsdp.manager import MegatronFSDPManager
 from automodel.megatron_fsdp.optimizer import neutral_state_init, rebind_param_groups
 from automodel.megatron_fsdp.runtime import MegatronFSDPUnavailableError, import_megatron_fsdp
 from automodel.megatron_fsdp.tensor_parallel import apply_tp
+from automodel.megatron_fsdp.training import (
+    full_tensor,
+    is_megatron_fsdp,
+    microbatch_grad_sync,
+    model_state_dict,
+    prepare_state_dict_for_dcp,
+)
 from automodel.megatron_fsdp.translate import FIELD_DESTINATIONS, FullyShardCall, build_fully_shard_call
 from automodel.megatron_fsdp.units import resolve_unit_modules
 
@@ -34,6 +42,11 @@ __all__ = [
     "apply_tp",
     "build_fully_shard_call",
     "check_layout",
+    "full_tensor",
+    "is_megatron_fsdp",
+    "microbatch_grad_sync",
+    "model_state_dict",
+    "prepare_state_dict_for_dcp",
     "import_megatron_fsdp",
     "megatron_fsdp_axes",
     "neutral_state_init",

@@ -66,16 +66,24 @@ def apply_megatron_fsdp(
         rebind_param_groups(
             optimizer, old_names=old_names, new_params=dict(wrapped.module.named_parameters())
         )
-        optimizer = shard_optimizer(optimizer)
+        optimizer = shard_optimizer(optimizer, model=wrapped)
     return wrapped, optimizer
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer, *, model: nn.Module | None = None
+) -> torch.optim.Optimizer:
     """Make an optimizer built on a MegatronFSDP model's parameters drive megatron-fsdp.
 
     Patches ``step``/``zero_grad`` (gradient sync, weight install, buffer zeroing) in place; the
     eager state creation megatron-fsdp does here changes no parameter (`neutral_state_init`).
+    With `model` (the ``MegatronFSDP`` wrapper), its distributed parameters are installed first
+    and each carries the back-reference megatron-fsdp finds the model by.
     """
     megatron_fsdp = import_megatron_fsdp()
+    if model is not None:
+        model._replace_param_with_distributed_if_needed()
+        for param in model.module.parameters():
+            param._megatron_fsdp_model = model
     with neutral_state_init(optimizer):
         return megatron_fsdp.fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=True)

@@ -44,7 +44,9 @@ def rebind_param_groups(
                     f"being sharded ({name or 'unnamed'}); build the optimizer on model.parameters()"
                 )
             params.append(new_params[name])
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        # "params" first: megatron-fsdp's fully_shard_optimizer reads a group's parameters from
+        # its first key.
+        groups.append({"params": params, **{k: v for k, v in group.items() if k != "params"}})
     optimizer.param_groups.clear()
     optimizer.state.clear()
     for group in groups:

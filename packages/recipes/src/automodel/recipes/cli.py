@@ -80,6 +80,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     check_data_paths(cfg.dataset)
     check_data_paths(cfg.validation_dataset)
+    from automodel.recipes.environment import check_environment
+
+    check_environment(cfg)
     if opts.multi_process and not already_launched():
         from automodel.recipes.plan import plan_layout
 

@@ -12,7 +12,8 @@ label-token count instead, so every layout produces the same numbers.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,18 +34,32 @@ class ParallelModel:
     pipeline: Any = None  # the built pipeline (with `.step`) when pp > 1
     cp_backend: str = "none"
     defer_grad_sync: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    strategy: str = "fsdp2"
 
     def grad_sync(self, *, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
         """Reduce data-parallel gradients only on the last micro-batch of a step (when deferring)."""
+        stack = contextlib.ExitStack()
+        if self.strategy == "megatron_fsdp":
+            from automodel.megatron_fsdp import microbatch_grad_sync
+
+            for part in self.parts:
+                stack.enter_context(microbatch_grad_sync(part, is_last_microbatch=is_last_microbatch))
+            return stack
         from automodel.fsdp2 import grad_sync_context
 
-        stack = contextlib.ExitStack()
         for part in self.parts:
             stack.enter_context(
                 grad_sync_context(part, is_last_microbatch=is_last_microbatch, enabled=self.defer_grad_sync)
             )
         return stack
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, part: nn.Module) -> torch.optim.Optimizer:
+        """Hand an optimizer built on ``part.parameters()`` to the strategy (megatron-fsdp drives its step)."""
+        if self.strategy != "megatron_fsdp":
+            return optimizer
+        from automodel.megatron_fsdp import shard_optimizer
+
+        return shard_optimizer(optimizer, model=part)
 
 
 def default_mp_policy(options: dict) -> MixedPrecisionPolicy:
@@ -87,6 +102,32 @@ def _materialize(parts: list[nn.Module], *, device: torch.device, seed: int) -> 
 
     for part in parts:
         materialize_meta_model(part, device=device, seed=seed)
+
+
+def _parallelize_megatron_fsdp(
+    model: nn.Module,
+    *,
+    mesh: MeshContext,
+    config: Any,
+    gradient_divide_factor: float | None,
+    initialize: Callable[[list[nn.Module]], None],
+) -> ParallelModel:
+    """TP -> MLP AC -> weights -> megatron-fsdp (at every dp size; CUDA only)."""
+    from automodel.megatron_fsdp import MegatronFSDPManager, MegatronFSDPUnavailableError
+
+    if config.init_fsdp_with_meta_device:
+        raise ConfigError(
+            "distributed.init_fsdp_with_meta_device",
+            True,
+            "is not supported by the recipes: they initialise (or load) the TP-sharded weights "
+            "before megatron-fsdp wraps the model, identically to fsdp2; set it to false",
+        )
+    manager = MegatronFSDPManager(config, mesh, gradient_divide_factor=gradient_divide_factor)
+    try:
+        wrapped, _ = manager.parallelize(model, materialize=lambda m: initialize([m]))
+    except MegatronFSDPUnavailableError as e:
+        raise ConfigError("distributed.strategy", "megatron_fsdp", str(e)) from None
+    return ParallelModel(parts=[wrapped], strategy="megatron_fsdp", defer_grad_sync=True)
 
 
 def _moe_config(section: DistributedSection) -> Any:
@@ -201,39 +242,41 @@ def parallelize_model(
     local_batch_size: int,
     pipeline_loss_fn: Any = None,
     gradient_divide_factor: float | None = 1.0,
+    pretrained_path: str | None = None,
 ) -> ParallelModel:
     """Compose the parallelisms of `section` on `model` (on the meta device) and materialize it.
 
-    With pp > 1, `pipeline_loss_fn(logits, labels)` runs on the last stage per micro-batch.
+    Weights are initialised (seeded, identical to one process) or loaded from the HF
+    checkpoint at `pretrained_path` straight into the sharded parameters. With pp > 1,
+    `pipeline_loss_fn(logits, labels)` runs on the last stage per micro-batch.
     """
     layout = mesh.layout
     config = strategy_config(section)
 
+    def initialize(parts: list[nn.Module]) -> None:
+        _materialize(parts, device=device, seed=seed)
+        if pretrained_path is not None:
+            from automodel.recipes.checkpoint import load_pretrained_weights
+
+            load_pretrained_weights(parts, pretrained_path)
+
     if section.strategy == "ddp":
         from automodel.fsdp2 import DDPManager
 
-        _materialize([model], device=device, seed=seed)  # DDP broadcasts real parameters
+        initialize([model])  # DDP broadcasts real parameters
         if layout.dp == 1:
-            return ParallelModel(parts=[model], defer_grad_sync=False)
+            return ParallelModel(parts=[model], defer_grad_sync=False, strategy="ddp")
         ddp = DDPManager(config, mesh, gradient_divide_factor=gradient_divide_factor).parallelize(model)
-        return ParallelModel(parts=[ddp], defer_grad_sync=True)
+        return ParallelModel(parts=[ddp], defer_grad_sync=True, strategy="ddp")
 
     if section.strategy == "megatron_fsdp":
-        (manager_cls,) = require_api(
-            "automodel.megatron_fsdp",
-            "MegatronFSDPManager",
-            key="distributed.strategy",
-            value="megatron_fsdp",
+        return _parallelize_megatron_fsdp(
+            model,
+            mesh=mesh,
+            config=config,
+            gradient_divide_factor=gradient_divide_factor,
+            initialize=initialize,
         )
-        if not torch.cuda.is_available() and layout.dp_cp > 1:
-            raise ConfigError(
-                "distributed.strategy",
-                "megatron_fsdp",
-                "needs CUDA when dp*cp > 1 (megatron-fsdp shards on GPUs only)",
-            )
-        _materialize([model], device=device, seed=seed)  # the manager shards after the optimizer exists
-        manager = manager_cls(config, mesh, gradient_divide_factor=gradient_divide_factor)
-        return ParallelModel(parts=[model], defer_grad_sync=False, extra={"megatron_manager": manager})
 
     cp_backend = "none"
 
@@ -252,8 +295,8 @@ def parallelize_model(
             model, loss_fn=pipeline_loss_fn, parallelize_fn=parallelize_stage
         )
         parts = list(pipe.model_parts)
-        _materialize(parts, device=device, seed=seed)
+        initialize(parts)
         return ParallelModel(parts=parts, pipeline=pipe, cp_backend=cp_backend, defer_grad_sync=False)
     parallelize_stage(model)
-    _materialize([model], device=device, seed=seed)
+    initialize([model])
     return ParallelModel(parts=[model], cp_backend=cp_backend, defer_grad_sync=config.defer_fsdp_grad_sync)

@@ -224,11 +224,23 @@ class ClipGradNormSection:
             raise ConfigError("clip_grad_norm.max_norm", self.max_norm, "must be > 0 (or null to disable)")
 
 
+LAYOUT_REPORTS = ("none", "rank0", "all")
+
+
 @dataclass
 class LoggingSection:
+    """Progress bar, TensorBoard, and which ranks write ``layout/rank_<N>.json`` (what each rank holds)."""
+
     SECTION: ClassVar[str] = "logging"
     progress_bar: bool = True
     tensorboard: bool = False
+    layout_report: str = "rank0"
+
+    def __post_init__(self) -> None:
+        if self.layout_report not in LAYOUT_REPORTS:
+            raise ConfigError(
+                "logging.layout_report", self.layout_report, f"must be one of {', '.join(LAYOUT_REPORTS)}"
+            )
 
 
 @dataclass

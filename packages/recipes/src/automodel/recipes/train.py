@@ -28,6 +28,7 @@ from automodel.recipes.data import (
     build_tokenizer,
 )
 from automodel.recipes.data.loader import Batch
+from automodel.recipes.environment import check_environment
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.grad_norm import clip_grad_norm
 from automodel.recipes.instantiate import locate
@@ -90,6 +91,7 @@ class Trainer:
     # ---- construction --------------------------------------------------------------------
     def build(self) -> None:
         cfg = self.cfg
+        check_environment(cfg)
         setup = setup_distributed(
             cfg.distributed, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes
         )
@@ -139,27 +141,53 @@ class Trainer:
             seed=cfg.seed,
             local_batch_size=ss.local_batch_size,
             pipeline_loss_fn=self._pipeline_loss,
+            pretrained_path=cfg.model.pretrained_path,
         )
-        if cfg.model.pretrained_path is not None:
-            from automodel.recipes.checkpoint import load_pretrained_weights
-
-            load_pretrained_weights(self.pm.parts, cfg.model.pretrained_path)
         opt_cls = locate("optimizer._target_", cfg.optimizer.target)
-        self.optimizers = [opt_cls(part.parameters(), **cfg.optimizer.kwargs) for part in self.pm.parts]
+        self.optimizers = [
+            self.pm.prepare_optimizer(opt_cls(part.parameters(), **cfg.optimizer.kwargs), part)
+            for part in self.pm.parts
+        ]
         base_lr = cfg.optimizer.kwargs["lr"]
         self.schedulers = [
             build_lr_scheduler(o, section=cfg.lr_scheduler, base_lr=base_lr, total_steps=self.total_steps)
             for o in self.optimizers
         ]
-        self.params = [p for part in self.pm.parts for p in part.parameters()]
+        # The optimizers' parameters: the ones whose gradients are clipped and stepped (megatron-fsdp
+        # swaps module parameters between forward and step; the optimizer holds the stepped ones).
+        self.params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
+        self._write_layout_report()
+
+    def _write_layout_report(self) -> None:
+        """``<output_dir>/layout/rank_<N>.json``: what this rank holds (``logging.layout_report``)."""
+        which = self.cfg.logging.layout_report
+        if which == "none" or (which == "rank0" and self.rank != 0):
+            return
+        from automodel.recipes.layout_report import describe_rank, write_rank_report
+
+        report = describe_rank(
+            parts=self.pm.parts,
+            mesh=self.mesh,
+            strategy=self.cfg.distributed.strategy,
+            cp_backend=self.pm.cp_backend,
+            pipeline=self.pm.pipeline,
+        )
+        write_rank_report(report, output_dir=Path(self.cfg.output_dir))
 
     # ---- one step ------------------------------------------------------------------------
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-micro-batch loss on the last pipeline stage, already divided by the step's tokens."""
         return self.cfg.loss_fn(logits, labels) / self._step_tokens
 
-    def _forward_loss_sum(self, batch: Batch) -> torch.Tensor:
-        """Sum of token losses of one micro-batch on this rank (its CP shard of the sequence)."""
+    def _micro_batch_loss(
+        self, batch: Batch, *, divisor: torch.Tensor | None, backward: bool
+    ) -> torch.Tensor:
+        """Sum of token losses of one micro-batch on this rank (its CP shard), over `divisor`.
+
+        With `backward` the loss is back-propagated here, inside the CP context: context-parallel
+        attention must run its backward under the same context as its forward (torch's CP
+        dispatches the backward kernels there too). Returns the detached loss.
+        """
         model = self.pm.parts[0]
         fields = {
             "input_ids": batch.input_ids.to(self.device),
@@ -181,7 +209,12 @@ class Trainer:
             logits = model(
                 input_ids=fields["input_ids"], position_ids=fields["position_ids"], use_cache=False, **extra
             ).logits
-            return self.cfg.loss_fn(logits, fields["labels"])
+            loss = self.cfg.loss_fn(logits, fields["labels"])
+            if divisor is not None:
+                loss = loss / divisor
+            if backward:
+                loss.backward()
+        return loss.detach()
 
     def _pipeline_loss_sum(self, batch: Batch, *, train: bool) -> torch.Tensor:
         """One local batch through the pipeline; the loss (already / tokens) summed over the pp group."""
@@ -207,9 +240,7 @@ class Trainer:
                 loss_sum += self._pipeline_loss_sum(batch, train=True)
                 continue
             with self.pm.grad_sync(is_last_microbatch=i == len(batches) - 1):
-                loss = self._forward_loss_sum(batch) / tokens
-                loss.backward()
-            loss_sum += loss.detach()
+                loss_sum += self._micro_batch_loss(batch, divisor=tokens, backward=True)
         loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
         grad_norm = clip_grad_norm(
             self.params, max_norm=self.cfg.clip_grad_norm.max_norm, pp_group=_group(self.mesh, "pp")
@@ -252,7 +283,7 @@ class Trainer:
                 if self.pm.pipeline is not None:
                     loss_sum += self._pipeline_loss_sum(batch, train=False).float()
                 else:
-                    loss_sum += self._forward_loss_sum(batch).float()
+                    loss_sum += self._micro_batch_loss(batch, divisor=None, backward=False).float()
                 tokens += float((batch.labels != -100).sum())
         loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
         tokens = _all_reduce_sum(tokens, _group(self.mesh, "dp"))

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
+
+from automodel.recipes.checkpoint.part_state import full_tensor, part_model_state_dict
 
 _FILE_NAMES = {
     "safetensors": (
@@ -52,8 +52,11 @@ def save_consolidated(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     local: dict[str, Any] = {}
+    owner: dict[str, nn.Module] = {}
     for part in model_parts:
-        local.update(get_model_state_dict(part))
+        part_sd = part_model_state_dict(part)
+        local.update(part_sd)
+        owner.update(dict.fromkeys(part_sd, part))
     sizes = {k: _nbytes(v) for k, v in local.items()}
     gathered: list[Any] = [None] * world
     if dist.is_initialized():
@@ -76,7 +79,7 @@ def save_consolidated(
 
     mine: dict[str, torch.Tensor] = {}
     for key, value in local.items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+        full = full_tensor(value, owner[key])
         if writer_of[key] == rank:
             # Own storage per key: safetensors refuses shared (tied) tensors.
             mine[key] = full.detach().to("cpu").contiguous().clone()

@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from automodel.recipes.checkpoint.part_state import part_model_state_dict, state_module
 
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
@@ -66,14 +67,14 @@ def model_state_dict(model_parts: list[nn.Module]) -> dict[str, Any]:
     """FQN -> (sharded) tensor over all parts of this rank."""
     merged: dict[str, Any] = {}
     for part in model_parts:
-        merged.update(get_model_state_dict(part))
+        merged.update(part_model_state_dict(part))
     return merged
 
 
 def _optim_state_dict(state: TrainingState) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for part, opt in zip(state.model_parts, state.optimizers):
-        merged.update(get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS))
+        merged.update(get_optimizer_state_dict(state_module(part), opt, options=_OPTIM_OPTIONS))
     return merged
 
 
@@ -136,13 +137,14 @@ def apply_loaded_state(
 ) -> None:
     """Push a filled state dict into the modules, optimizers, schedulers, dataloader and RNG."""
     for part in state.model_parts:
-        keys = get_model_state_dict(part).keys()
-        set_model_state_dict(part, {k: loaded[MODEL_KEY][k] for k in keys})
+        keys = part_model_state_dict(part).keys()
+        set_model_state_dict(state_module(part), {k: loaded[MODEL_KEY][k] for k in keys})
     if OPTIM_KEY in loaded:
         for part, opt in zip(state.model_parts, state.optimizers):
-            keys = get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS).keys()
+            module = state_module(part)
+            keys = get_optimizer_state_dict(module, opt, options=_OPTIM_OPTIONS).keys()
             set_optimizer_state_dict(
-                part, opt, {k: loaded[OPTIM_KEY][k] for k in keys}, options=_OPTIM_OPTIONS
+                module, opt, {k: loaded[OPTIM_KEY][k] for k in keys}, options=_OPTIM_OPTIONS
             )
     extra = pickle.loads(loaded[extra_key])
     saved_scheds = extra["lr_schedulers"]

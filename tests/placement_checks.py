@@ -1,0 +1,192 @@
+"""What each rank must hold for a parity-matrix layout, checked on the ranks' layout reports.
+
+Parity alone cannot tell a layout from one process: a run with the parallelism silently off
+reproduces the reference losses too. These checks read what every rank really holds (written
+by `recipes train` to ``layout/rank_<N>.json``) and fail unless each strategy of the layout was
+applied: FSDP shards on dim 0 over ``dp_shard_cp``, HSDP replicates over ``dp_replicate``, TP
+shards attention and MLP per the plan, SP puts the norms on the tp mesh, pipeline stages hold
+disjoint layers, experts are split over ``ep``, DDP wraps the model with a reducer, CP runs the
+ring backend.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+Report = dict[str, Any]
+
+Q_PROJ = "model.layers.{i}.self_attn.q_proj.weight"
+O_PROJ = "model.layers.{i}.self_attn.o_proj.weight"
+NORM = "model.layers.{i}.input_layernorm.weight"
+EXPERTS = "model.layers.{i}.mlp.experts.gate_up_proj"
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+
+
+def placement_on(entry: dict[str, Any], axis: str) -> str | None:
+    """The placement of a reported tensor on mesh `axis` (None: not distributed over it)."""
+    mesh = entry["mesh"] or []
+    return entry["placements"][mesh.index(axis)] if axis in mesh else None
+
+
+def _is_dim0_shard(placement: str | None) -> bool:
+    # "S(0)" is a plain dim-0 shard; "_S(0, k)" the strided dim-0 shard FSDP uses on top of TP.
+    return placement is not None and (placement.startswith("S(0)") or placement.startswith("_S(0,"))
+
+
+def _params(report: Report) -> dict[str, dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {}
+    for part in report["parts"]:
+        merged.update(part["parameters"])
+    return merged
+
+
+def _layers(report: Report) -> list[int]:
+    return sorted(i for part in report["parts"] for i in part["layers"])
+
+
+def check_ddp(reports: list[Report], ranks: int) -> None:
+    for report in reports:
+        (part,) = report["parts"]
+        assert part["wrapper"] == "DistributedDataParallel", (
+            f"rank {report['rank']}: not DDP-wrapped: {part['wrapper']}"
+        )
+        assert part["ddp"] == {"reducer": True, "group_size": ranks}, f"rank {report['rank']}: {part['ddp']}"
+        for name, entry in part["parameters"].items():
+            assert entry["mesh"] is None and entry["local_shape"] == entry["shape"], (
+                report["rank"],
+                name,
+                entry,
+            )
+
+
+def check_fsdp(reports: list[Report], shards: int, *, replicate: int = 1) -> None:
+    """Every parameter dim-0 sharded over ``dp_shard_cp`` (`shards` ranks), replicated over ``dp_replicate``."""
+    for report in reports:
+        for name, entry in _params(report).items():
+            on_shard = placement_on(entry, "dp_shard_cp")
+            if "experts" in name:
+                continue  # expert weights are sharded over ep_shard / ep (check_ep)
+            assert _is_dim0_shard(on_shard), (
+                f"rank {report['rank']}: {name} not sharded on dp_shard_cp: {entry}"
+            )
+            if shards > 1 and entry["shape"][0] >= shards:
+                assert entry["local_shape"][0] < entry["shape"][0], (report["rank"], name, entry)
+            if replicate > 1:
+                assert placement_on(entry, "dp_replicate") == "R", (report["rank"], name, entry)
+        for part in report["parts"]:
+            units = set(part["fsdp_units"])
+            expected = {"<root>"} | {f"model.layers.{i}" for i in part["layers"]}
+            assert expected <= units, (
+                f"rank {report['rank']}: FSDP units {sorted(units)} miss {sorted(expected - units)}"
+            )
+    if shards > 1:
+        # Ranks that differ only in their dp_shard / cp coordinates hold different slices.
+        offsets: dict[tuple[int, int, int], list[tuple[int, ...]]] = defaultdict(list)
+        for report in reports:
+            c = report["coordinates"]
+            norm = _params(report)[NORM.format(i=_layers(report)[0])]
+            offsets[(c["pp"], c["tp"], c["dp_replicate"])].append(tuple(norm["offset"]))
+        for key, found in offsets.items():
+            assert len(found) == shards and len(set(found)) == shards, (
+                f"(pp, tp, dp_replicate)={key}: {found}"
+            )
+
+
+def check_tp(reports: list[Report], tp: int, *, sequence_parallel: bool) -> None:
+    """Attention column-/row-sharded over ``tp``; norms on the tp mesh only with SP."""
+    for report in reports:
+        params = _params(report)
+        for i in _layers(report):
+            q, o, norm = params[Q_PROJ.format(i=i)], params[O_PROJ.format(i=i)], params[NORM.format(i=i)]
+            assert placement_on(q, "tp") == "S(0)", f"rank {report['rank']}: q_proj not colwise on tp: {q}"
+            assert placement_on(o, "tp") == "S(1)", f"rank {report['rank']}: o_proj not rowwise on tp: {o}"
+            assert q["local_shape"][0] * tp <= q["shape"][0], (report["rank"], q)
+            assert o["local_shape"][1] * tp == o["shape"][1], (report["rank"], o)
+            if sequence_parallel:
+                assert placement_on(norm, "tp") == "R", (
+                    f"rank {report['rank']}: SP norm not on the tp mesh: {norm}"
+                )
+            else:
+                assert placement_on(norm, "tp") is None, (
+                    f"rank {report['rank']}: norm on tp without SP: {norm}"
+                )
+
+
+def check_pp(reports: list[Report], *, layers: int, dp_copies: int) -> None:
+    """Each rank holds stage modules with a strict subset of the layers; each layer lives on
+    `dp_copies` ranks (the data-parallel replicas of its stage); embedding first, head last."""
+    held = Counter(i for report in reports for i in _layers(report))
+    assert held == Counter({i: dp_copies for i in range(layers)}), f"layers per rank count: {held}"
+    last_stage = max(s for report in reports for part in report["parts"] for s in part["stage_ids"])
+    for report in reports:
+        assert len(_layers(report)) < layers, f"rank {report['rank']} holds every layer: {_layers(report)}"
+        for part in report["parts"]:
+            (stage,) = part["stage_ids"]
+            assert (EMBED in part["parameters"]) == (stage == 0), (
+                report["rank"],
+                stage,
+                sorted(part["parameters"]),
+            )
+            assert (HEAD in part["parameters"]) == (stage == last_stage), (report["rank"], stage)
+
+
+def check_cp(reports: list[Report]) -> None:
+    for report in reports:
+        assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']!r}"
+
+
+def check_ep(reports: list[Report], ep: int, *, num_experts: int) -> None:
+    """Each rank holds experts ``[e * E/ep, (e+1) * E/ep)`` for its ep coordinate e."""
+    local = num_experts // ep
+    for report in reports:
+        params, e = _params(report), report["coordinates"]["ep"]
+        for i in _layers(report):
+            entry = params[EXPERTS.format(i=i)]
+            assert placement_on(entry, "ep") == "S(0)", (
+                f"rank {report['rank']}: experts not sharded on ep: {entry}"
+            )
+            assert entry["local_shape"][0] == local and entry["offset"][0] == e * local, (
+                report["rank"],
+                entry,
+            )
+
+
+def check_experts_replicated(reports: list[Report], *, num_experts: int) -> None:
+    for report in reports:
+        params = _params(report)
+        for i in _layers(report):
+            entry = params[EXPERTS.format(i=i)]
+            assert placement_on(entry, "tp") is None and entry["local_shape"][0] == num_experts, entry
+
+
+def check_layout_applied(
+    *,
+    name: str,
+    reports: list[Report],
+    ranks: int,
+    distributed: dict[str, Any],
+    dp: int,
+    layers: int,
+    num_experts: int,
+) -> None:
+    """Dispatch the checks that the sizes and strategy of a layout call for."""
+    tp, pp, cp, ep = (int(distributed.get(k) or 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size"))
+    replicate = int(distributed.get("dp_replicate_size") or 1)
+    assert len(reports) == ranks, f"{name}: {len(reports)} reports for {ranks} ranks"
+    if distributed.get("strategy") == "ddp":
+        check_ddp(reports, ranks)
+        return
+    if dp * cp > 1:
+        check_fsdp(reports, dp * cp // replicate, replicate=replicate)
+    if tp > 1:
+        check_tp(reports, tp, sequence_parallel=bool(distributed.get("sequence_parallel")))
+    if pp > 1:
+        check_pp(reports, layers=layers, dp_copies=dp * cp * tp)
+    if cp > 1:
+        check_cp(reports)
+    if ep > 1:
+        check_ep(reports, ep, num_experts=num_experts)
+    elif num_experts:
+        check_experts_replicated(reports, num_experts=num_experts)
