@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -58,13 +59,55 @@ LAYOUTS = {
 }
 
 
+def _placement(report: dict, fqn: str, axis: str) -> str | None:
+    entry = report["parts"][0]["parameters"][fqn]
+    mesh = entry["mesh"] or []
+    return entry["placements"][mesh.index(axis)] if axis in mesh else None
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+NORM = "model.layers.0.input_layernorm.weight"
+#: What each layout must leave on its ranks (read from ``layout/rank_<N>.json``): with the
+#: parallelism switched off every one of these fails.
+APPLIED = {
+    "fsdp2_dp2": lambda r: _placement(r, Q_PROJ, "dp_shard_cp") == "S(0)",
+    "ddp_dp2": lambda r: (
+        r["parts"][0]["wrapper"] == "DistributedDataParallel" and r["parts"][0]["ddp"]["reducer"]
+    ),
+    "tp2": lambda r: _placement(r, Q_PROJ, "tp") == "S(0)" and _placement(r, NORM, "tp") is None,
+    "tp2_sp": lambda r: _placement(r, Q_PROJ, "tp") == "S(0)" and _placement(r, NORM, "tp") == "R",
+    "hsdp_2x2": lambda r: (
+        _placement(r, NORM, "dp_replicate") == "R" and _placement(r, NORM, "dp_shard_cp") == "S(0)"
+    ),
+    "fsdp2_dp2_tp2": lambda r: (
+        _placement(r, Q_PROJ, "tp") == "S(0)" and _placement(r, NORM, "dp_shard_cp") == "S(0)"
+    ),
+    "pp2_1f1b": lambda r: r["parts"][0]["layers"] == [r["coordinates"]["pp"]],
+    "pp2_dp2": lambda r: (
+        r["parts"][0]["layers"] == [r["coordinates"]["pp"]]
+        and _placement(r, f"model.layers.{r['coordinates']['pp']}.input_layernorm.weight", "dp_shard_cp")
+        == "S(0)"
+    ),
+    "cp2": lambda r: r["cp_backend"] == "ring" and _placement(r, NORM, "dp_shard_cp") == "S(0)",
+    "fsdp2_dp2_ac": lambda r: (
+        r["parts"][0]["checkpointed"] == ["model.layers.0", "model.layers.1"]
+        and _placement(r, NORM, "dp_shard_cp") == "S(0)"
+    ),
+}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name: str, reference: list[float], tmp_path: Path) -> None:
     world, dist_section = LAYOUTS[name]
-    cfg = tiny_config(str(tmp_path), distributed=dist_section)
+    cfg = tiny_config(str(tmp_path), distributed=dist_section, logging={"layout_report": "all"})
     results = run_on_ranks(train_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT)
     for rank_losses in results:
         _assert_close(rank_losses, reference)
+    for rank in range(world):
+        report = json.loads((tmp_path / "layout" / f"rank_{rank}.json").read_text())
+        assert APPLIED[name](report), (
+            f"{name}: rank {rank} does not hold the layout: {report['parts'][0]['wrapper']}"
+        )
 
 
 MOE_MODEL = {

@@ -2,7 +2,8 @@
 
 The report is read off the live modules, not off the config: DTensor mesh axes, placements,
 global and local shapes and offsets of every parameter; FSDP2 units; the DDP wrapper and its
-reducer; the pipeline stages of each part; megatron-fsdp's parameter buffers. `recipes train`
+reducer; activation-checkpointed modules; the pipeline stages of each part; megatron-fsdp's
+parameter buffers. `recipes train`
 writes it to ``<output_dir>/layout/rank_<N>.json`` (``logging.layout_report``), so a user (and
 the parity tests) can check that a strategy did what its name says.
 """
@@ -102,6 +103,9 @@ def describe_part(part: nn.Module, *, stage_ids: list[int] | None = None) -> dic
             _canonical(n) or "<root>" for n, m in part.named_modules() if isinstance(m, FSDPModule)
         ),
     }
+    report["checkpointed"] = sorted(
+        _canonical(n) for n, m in part.named_modules() if hasattr(m, "_checkpoint_wrapped_module")
+    )
     if stage_ids is not None:
         report["stage_ids"] = stage_ids
     if isinstance(part, DistributedDataParallel):
