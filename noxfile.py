@@ -1,13 +1,13 @@
 """Sessions: `tests` (CPU suite of every package and tests/), `gpu_tests` (tests marked gpu), `lint`.
 
 All sessions run in the workspace environment (`uv run --frozen nox -s ...`), so torch is never
-installed twice. `gpu_tests` also works on GPU runners that have torch preinstalled and no package
-index: it puts every package's `src/` on PYTHONPATH instead of installing anything.
+installed twice. `gpu_tests` runs scripts/gpu_check.sh, which also works on GPU runners that have
+torch preinstalled and no nox, uv or package index: it puts every package's `src/` on PYTHONPATH
+instead of installing anything (and wheels from `.whl/`, e.g. megatron-fsdp, into a temp dir).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +18,6 @@ nox.options.default_venv_backend = "none"
 nox.options.sessions = ["tests", "lint"]
 
 ROOT = Path(__file__).parent
-PACKAGE_SRCS = sorted(str(p) for p in (ROOT / "packages").glob("*/src"))
 
 
 @nox.session
@@ -29,7 +28,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def gpu_tests(session: nox.Session) -> None:
-    """Every `gpu`-marked test of every package; skips (with the reason) on a machine without CUDA."""
+    """scripts/gpu_check.sh (gpu tests, then the GPU benchmark, one summary); skips without CUDA.
+
+    Posargs go to pytest (`nox -s gpu_tests -- -k megatron`). On a GPU runner without nox or uv,
+    run the script itself: `scripts/gpu_check.sh`.
+    """
     probe = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.cuda.is_available(), torch.cuda.device_count())"],
         capture_output=True,
@@ -39,10 +42,10 @@ def gpu_tests(session: nox.Session) -> None:
         session.skip(
             f"no CUDA device here (torch.cuda.is_available() -> {probe.stdout.strip() or probe.stderr[-200:]})"
         )
-    env = {"PYTHONPATH": os.pathsep.join([*PACKAGE_SRCS, os.environ.get("PYTHONPATH", "")])}
     session.run(
-        sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *session.posargs, env=env
-    )
+        "bash", str(ROOT / "scripts" / "gpu_check.sh"), "--python", sys.executable, "--", *session.posargs,
+        external=True,
+    )  # fmt: skip
 
 
 @nox.session

@@ -1,13 +1,24 @@
 """Single-GPU training throughput of a Llama-3.2-1B-shaped model under FSDP2: tokens/s/GPU and MFU.
 
-    python benchmarks/gpu_throughput.py                          # 1B shape, seq 4096, bf16, FSDP2
-    python benchmarks/gpu_throughput.py --variants base,compile,ac,compile+ac
-    python benchmarks/gpu_throughput.py --variants base,megatron     # FSDP2 vs megatron-fsdp, same GPU
+    python benchmarks/gpu_throughput.py                          # plain torch vs ours: 1B, seq 4096, bf16
+    python benchmarks/gpu_throughput.py --variants plain,base,compile,ac,compile+ac
+    python benchmarks/gpu_throughput.py --variants plain,base,megatron   # + megatron-fsdp, same GPU
     python benchmarks/gpu_throughput.py --tiny --device cpu --steps 2 --warmup 1   # smoke test
+    python benchmarks/gpu_throughput.py --variants plain         # needs no automodel at all
+
+Variants (a comma list; parts joined by "+"):
+    plain     the baseline: HF Llama + torch's own `fully_shard` (one unit per layer, root last) +
+              AdamW, written here with plain torch; it imports nothing from automodel, so it runs
+              where automodel is not importable. `plain+compile`, `plain+ac` add torch's
+              per-layer compile / checkpoint_wrapper.
+    base      the same model, step and policy through automodel.fsdp2.FSDP2Manager;
+              `compile`, `ac`, `compile+ac` its per-layer compile / activation checkpointing.
+    megatron  megatron-fsdp through automodel.megatron_fsdp (`megatron+ac`, `megatron+compile`).
 
 Random init (no download). Each variant builds a fresh model, runs `--warmup` untimed steps and
-`--steps` timed steps (CUDA events on GPU, perf_counter on CPU) and reports the median; ratios
-are against the first variant of the same run.
+`--steps` timed steps (CUDA events on GPU, perf_counter on CPU) and reports the median. Ratios are
+tokens/s against the `plain` variant measured in the same run (against the first variant when
+`plain` is not in the list). The process group (one rank) is set up with plain torch.distributed.
 
 FLOPs per token (the torchtitan / PaLM-appendix-B convention):
     6 * N  +  12 * L * H * Dh * S
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -88,27 +100,43 @@ def build_model(shape: dict, seq_len: int, device: torch.device) -> torch.nn.Mod
         return LlamaForCausalLM(config)
 
 
-def parallelize(model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: bool, ac: bool) -> str:
-    """FSDP2 (one unit per layer, root last) with bf16 params / fp32 reduce; AC and per-layer compile."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+def parallelize_plain(model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: bool, ac: bool) -> str:
+    """The baseline, plain torch only: `fully_shard` per decoder layer then the root, `dtype` params /
+    fp32 reduce; optional checkpoint_wrapper (AC) and per-layer compile. No automodel import."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    try:
-        from automodel.fsdp2 import FSDP2Config, FSDP2Manager
-        from automodel.mesh import MeshContext, ParallelismSizes
-    except ImportError:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-        from torch.distributed.fsdp import fully_shard
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        if ac:
+            layers[i] = layer = checkpoint_wrapper(layer)
+        if compile_layers:
+            layer.compile()
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return "torch.distributed.fsdp.fully_shard (plain torch)"
 
-        layers = model.model.layers
-        for i, layer in enumerate(layers):
-            if ac:
-                layers[i] = layer = checkpoint_wrapper(layer)
-            if compile_layers:
-                layer.compile()
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        return "torch fully_shard (automodel.fsdp2 not importable)"
+
+def _import_automodel_or_exit(variant: str) -> None:
+    try:
+        import automodel.fsdp2  # noqa: F401
+        import automodel.mesh  # noqa: F401
+    except ImportError as err:
+        raise SystemExit(
+            f"variant {variant!r} needs automodel importable ({err}): put packages/*/src on PYTHONPATH "
+            "or use the workspace environment; the `plain` variant runs without it"
+        ) from err
+
+
+def parallelize(model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: bool, ac: bool) -> str:
+    """automodel FSDP2 (one unit per layer, root last) with `dtype` params / fp32 reduce; AC and compile."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from automodel.fsdp2 import FSDP2Config, FSDP2Manager
+    from automodel.mesh import MeshContext, ParallelismSizes
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     ctx = MeshContext.build(ParallelismSizes())
     config = FSDP2Config(mp_policy=policy, activation_checkpointing=ac, enable_compile=compile_layers)
     FSDP2Manager(config, ctx).parallelize(model)
@@ -166,17 +194,30 @@ def make_timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     return timed_cpu
 
 
-def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: torch.device) -> Result:
-    parts = set(variant.split("+")) - {"base"}
-    unknown = parts - {"compile", "ac", "megatron"}
+def variant_parts(variant: str) -> set[str]:
+    """The parts of one `--variants` entry ("base" dropped), checked; ValueError names the bad entry."""
+    parts = set(variant.split("+"))
+    unknown = parts - {"base", "plain", "compile", "ac", "megatron"}
     if unknown:
         raise ValueError(
-            f"--variants: unknown part(s) {sorted(unknown)} in {variant!r}; use base, compile, ac, megatron"
+            f"--variants: unknown part(s) {sorted(unknown)} in {variant!r}; use plain, base, compile, ac, megatron"
         )
+    if "plain" in parts and parts & {"base", "megatron"}:
+        raise ValueError(f"--variants: {variant!r} mixes plain (the torch-only baseline) with base/megatron")
+    if "megatron" in parts and "base" in parts:
+        raise ValueError(f"--variants: {variant!r} mixes base (automodel FSDP2) with megatron")
+    return parts - {"base"}
+
+
+def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: torch.device) -> Result:
+    parts = variant_parts(variant)
+    if "plain" in parts:
+        apply = parallelize_plain
+    else:
+        apply = parallelize_megatron if "megatron" in parts else parallelize
     model = build_model(shape, args.seq_len, device)
     flops = flops_per_token(model, shape, args.seq_len)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    apply = parallelize_megatron if "megatron" in parts else parallelize
     how = apply(model, dtype=dtype, compile_layers="compile" in parts, ac="ac" in parts)
     model = model.__dict__.pop("_benchmark_wrapper", model)
     # foreach AdamW for both strategies (megatron-fsdp's uneven DTensor shards are not tested with fused).
@@ -238,8 +279,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument(
         "--variants",
-        default="base",
-        help="comma list: base (FSDP2), compile, ac, compile+ac, megatron (megatron-fsdp), megatron+ac, ...",
+        default="plain,base",
+        help="comma list: plain (torch-only baseline, ratios are against it), base (automodel FSDP2), "
+        "compile, ac, compile+ac, plain+compile, megatron (megatron-fsdp), megatron+ac, ...",
     )
     parser.add_argument("--peak-tflops", type=float, default=H100_SXM_BF16_DENSE_TFLOPS)
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -249,34 +291,63 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key in ("seq_len", "batch_size", "steps"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not args.variants:
+        parser.error("--variants is empty")
+    for variant in args.variants:
+        try:
+            variant_parts(variant)
+        except ValueError as err:
+            parser.error(str(err))
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but torch.cuda.is_available() is False (use --tiny --device cpu)")
+        parser.error(
+            "no CUDA: --device cuda but torch.cuda.is_available() is False (use --tiny --device cpu)"
+        )
     return args
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """World of one (this process) with plain torch.distributed: NCCL on CUDA, gloo on CPU.
+
+    Under torchrun (RANK/WORLD_SIZE set) the launcher's rendezvous is used; otherwise a private
+    TCP store on a free port, so nothing from automodel is needed to set up the group.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, **kwargs)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    for variant in args.variants:
+        if "plain" not in variant_parts(variant):
+            _import_automodel_or_exit(variant)  # before any variant runs, not after the baseline
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     own_group = not dist.is_initialized()
     if own_group:
-        from automodel.mesh import init_distributed
-
-        init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
-    if dist.get_world_size() != 1:
-        raise SystemExit("gpu_throughput.py measures one GPU: run it as a single process")
+        init_single_process_group(device)
     try:
+        if dist.get_world_size() != 1:
+            raise SystemExit("gpu_throughput.py measures one GPU: run it as a single process")
         shape = TINY if args.tiny else LLAMA_3_2_1B
         results = []
-        for variant in args.variants.split(","):
-            results.append(run_variant(variant.strip(), args, shape, device))
+        for variant in args.variants:
+            results.append(run_variant(variant, args, shape, device))
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the variant's model and optimizer are gone; give back their memory
     finally:
         if own_group:
-            from automodel.mesh import destroy_distributed
-
-            destroy_distributed()
+            dist.barrier()  # destroying without it can abort a rank still in flight
+            dist.destroy_process_group()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    reference = "plain" if "plain" in args.variants else args.variants[0]
+    ref_tokens = results[args.variants.index(reference)].tokens_per_s_per_gpu
     report = {
         "device": name,
         "torch": torch.__version__,
@@ -288,21 +359,25 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": args.steps,
         "warmup": args.warmup,
         "torchtitan": torchtitan_note(),
-        "results": [asdict(r) for r in results],
+        "ratio_to": reference,
+        "results": [{**asdict(r), "ratio": r.tokens_per_s_per_gpu / ref_tokens} for r in results],
     }
     print(
         f"device={name} torch={torch.__version__} shape={report['shape']} seq={args.seq_len} bs={args.batch_size} "
         f"dtype={args.dtype} peak={args.peak_tflops} TFLOP/s steps={args.steps} (median, {args.warmup} warm-up)"
     )
-    base = results[0].tokens_per_s_per_gpu
+    vs = f"vs {reference}"
     print(
-        f"{'variant':<12} {'step s':>9} {'tok/s/GPU':>11} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {'vs first':>9}"
+        f"{'variant':<14} {'step s':>9} {'tok/s/GPU':>11} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {vs:>11}"
     )
     for r in results:
         print(
-            f"{r.variant:<12} {r.median_step_s:>9.4f} {r.tokens_per_s_per_gpu:>11.1f} {r.tflops_per_s:>9.2f} "
-            f"{r.mfu:>7.2%} {r.peak_mem_gib:>9.2f} {r.tokens_per_s_per_gpu / base:>8.2f}x"
+            f"{r.variant:<14} {r.median_step_s:>9.4f} {r.tokens_per_s_per_gpu:>11.1f} {r.tflops_per_s:>9.2f} "
+            f"{r.mfu:>7.2%} {r.peak_mem_gib:>9.2f} {r.tokens_per_s_per_gpu / ref_tokens:>10.3f}x"
         )
+    others = [r for r in results if r.variant != reference]
+    ratios = ", ".join(f"{r.variant}/{reference} {r.tokens_per_s_per_gpu / ref_tokens:.3f}x" for r in others)
+    print(f"ratio (tokens/s, same run): {ratios or f'{reference} only, nothing to compare'}")
     print("via: " + "; ".join(f"{r.variant}: {r.fsdp}" for r in results) + f"; {report['torchtitan']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,9 +1,12 @@
-"""Smoke test of benchmarks/gpu_throughput.py in its --tiny --device cpu mode (2 timed steps)."""
+"""benchmarks/gpu_throughput.py on CPU (tiny shape, 1-2 steps): the FLOP formula, the ratio to the
+plain-torch baseline measured in the same run, and that the baseline runs with automodel NOT importable."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +14,8 @@ import torch
 
 from automodel.mesh.testing import run_on_ranks
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_throughput.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_throughput.py"
+TINY_CPU = ["--tiny", "--device", "cpu", "--dtype", "fp32"]
 
 
 def _load():
@@ -33,16 +37,68 @@ def test_flops_per_token_by_hand() -> None:
 
 
 def _run_tiny() -> dict:
-    return _load().main(["--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--dtype", "fp32"])
+    return _load().main([*TINY_CPU, "--steps", "2", "--warmup", "1", "--variants", "plain,base"])
 
 
-def test_tiny_cpu_mode_runs_two_steps() -> None:
+def test_tiny_cpu_mode_reports_ratio_to_plain() -> None:
     (report,) = run_on_ranks(_run_tiny, world_size=1, timeout_s=300)
-    (result,) = report["results"]
+    plain, base = report["results"]
     assert report["steps"] == 2 and report["shape"] == "tiny" and report["seq_len"] == 32
-    assert result["median_step_s"] > 0 and math.isclose(
-        result["tokens_per_s_per_gpu"], 32 / result["median_step_s"]
-    )
-    assert math.isclose(result["mfu"], result["tflops_per_s"] / 989.0)
-    assert result["fsdp"] == "automodel.fsdp2.FSDP2Manager"
+    assert report["ratio_to"] == "plain" and plain["ratio"] == 1.0
+    assert math.isclose(base["ratio"], base["tokens_per_s_per_gpu"] / plain["tokens_per_s_per_gpu"])
+    for result in (plain, base):
+        assert result["median_step_s"] > 0
+        assert math.isclose(result["tokens_per_s_per_gpu"], 32 / result["median_step_s"])
+        assert math.isclose(result["mfu"], result["tflops_per_s"] / 989.0)
+    assert plain["fsdp"] == "torch.distributed.fsdp.fully_shard (plain torch)"
+    assert base["fsdp"] == "automodel.fsdp2.FSDP2Manager"
     assert "torchtitan" in report["torchtitan"]
+
+
+#: Runs the benchmark as __main__ with every `automodel` import refused (and recorded), then asks for
+#: an automodel variant in the same process, which must stop with a clear message before running.
+_BLOCKED = """
+import json, runpy, sys
+
+attempts = []
+
+class RefuseAutomodel:
+    def find_spec(self, name, path=None, target=None):
+        if name == "automodel" or name.startswith("automodel."):
+            attempts.append(name)
+            raise ImportError(f"automodel is made unimportable by this test ({name})")
+        return None
+
+sys.meta_path.insert(0, RefuseAutomodel())
+script, out, *argv = sys.argv[1:]
+sys.argv = [script, *argv, "--json", out]
+module = runpy.run_path(script, run_name="__main__")
+print("AUTOMODEL_IMPORTS", json.dumps(attempts + sorted(m for m in sys.modules if m.startswith("automodel"))))
+try:
+    module["main"]([*argv, "--variants", "plain,base"])
+except SystemExit as exc:
+    print("BASE_EXIT", exc)
+"""
+
+
+def test_plain_baseline_runs_without_automodel(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    argv = [*TINY_CPU, "--steps", "1", "--warmup", "0", "--variants", "plain,plain+ac"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED, str(SCRIPT), str(out), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "AUTOMODEL_IMPORTS []" in lines, proc.stdout
+    (ratio,) = [line for line in lines if line.startswith("ratio (tokens/s, same run): ")]
+    assert "plain+ac/plain " in ratio and ratio.endswith("x"), ratio
+    (base_exit,) = [line for line in lines if line.startswith("BASE_EXIT ")]
+    assert "variant 'base' needs automodel importable" in base_exit
+    assert "the `plain` variant runs without it" in base_exit
+    report = json.loads(out.read_text())
+    assert [r["variant"] for r in report["results"]] == ["plain", "plain+ac"]
+    assert report["ratio_to"] == "plain"

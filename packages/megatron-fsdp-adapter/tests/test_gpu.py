@@ -1,19 +1,20 @@
 """GPU: a tiny Llama trained 5 steps with megatron_fsdp matches FSDP2 of the same seed and data.
 
-megatron-fsdp needs CUDA, so these run only under ``nox -s gpu_tests``. Each case is a torchrun
-of `gpu_parity_worker.py` (NCCL ranks; the fork harness in automodel.mesh is gloo/CPU only).
+megatron-fsdp needs CUDA, so these run only under ``nox -s gpu_tests`` (or scripts/gpu_check.sh).
+Each case is a torchrun of `gpu_parity_worker.py` (NCCL ranks; the fork harness in automodel.mesh
+is gloo/CPU only). Cases skip, with the reason, when megatron-fsdp is not importable or the
+machine has fewer GPUs than the case needs.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from automodel.mesh.testing import cuda_device_count, run_torchrun
 
 WORKER = Path(__file__).with_name("gpu_parity_worker.py")
 
@@ -31,21 +32,15 @@ CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpus,tp,dtype,rtol", CASES)
 def test_megatron_fsdp_matches_fsdp2(gpus: int, tp: int, dtype: str, rtol: float, tmp_path: Path) -> None:
-    if torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} GPUs, found {torch.cuda.device_count()}")
+    found = cuda_device_count()
+    if found < gpus:
+        pytest.skip(f"needs {gpus} GPUs, found {found}")
+    pytest.importorskip(
+        "megatron_fsdp", reason="megatron-fsdp is not importable (pip install it, or put its wheel in .whl/)"
+    )
     out = tmp_path / "losses.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={gpus}",
-        str(WORKER),
-    ]
-    cmd += ["--tp", str(tp), "--dtype", dtype, "--steps", "5", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    args = ["--tp", str(tp), "--dtype", dtype, "--steps", "5", "--out", str(out)]
+    run_torchrun(WORKER, nproc_per_node=gpus, args=args, timeout_s=600)
     result = json.loads(out.read_text())
     assert len(result["megatron_fsdp"]) == 5
     torch.testing.assert_close(result["megatron_fsdp"], result["fsdp2"], rtol=rtol, atol=0)

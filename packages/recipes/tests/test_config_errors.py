@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 
+from automodel.mesh.testing import cuda_device_count
 from automodel.recipes.cli import run_cli
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -19,6 +19,7 @@ from automodel.megatron_fsdp.optimizer import neutral_state_init, rebind_param_g
 from automodel.megatron_fsdp.runtime import MegatronFSDPUnavailableError, import_megatron_fsdp
 from automodel.megatron_fsdp.tensor_parallel import apply_tp
 from automodel.megatron_fsdp.training import (
+    clip_grad_norm,
     full_tensor,
     is_megatron_fsdp,
     microbatch_grad_sync,
@@ -42,6 +43,7 @@ __all__ = [
     "apply_tp",
     "build_fully_shard_call",
     "check_layout",
+    "clip_grad_norm",
     "full_tensor",
     "is_megatron_fsdp",
     "microbatch_grad_sync",

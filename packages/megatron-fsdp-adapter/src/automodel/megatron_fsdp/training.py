@@ -57,3 +57,39 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
 
     return uneven_dtensor_to_full_tensor(t) if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], *, max_norm: float | None, tp_size: int = 1
+) -> torch.Tensor:
+    """Global L2 gradient norm of megatron-fsdp's distributed parameters, clipped to `max_norm`.
+
+    Each gradient element lives on exactly one rank of the dp (dp_cp) group, and on every tp rank
+    when its TP placement is Replicate; a rank may hold no element of a parameter (its ``.grad``
+    is None there). So the norm is one all-reduce of per-rank sums of squares over the default
+    group, tp-replicated sums divided by `tp_size` — the same number of collectives on every rank,
+    whatever each one holds. Returns the norm before clipping.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cuda", torch.cuda.current_device())
+    sums = torch.zeros(2, dtype=torch.float32, device=device)  # [sharded, tp-replicated]
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        replicated_over_tp = (
+            isinstance(g, DTensor)
+            and "tp" in (g.device_mesh.mesh_dim_names or ())
+            and isinstance(g.placements[g.device_mesh.mesh_dim_names.index("tp")], Replicate)
+        )
+        sums[1 if replicated_over_tp else 0] += local.float().pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    norm = (sums[0] + sums[1] / tp_size).sqrt()
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(coef.to(local.dtype))
+    return norm

@@ -5,20 +5,28 @@ torchrun. Every rank's result comes back to the caller; the first failing rank i
 with its rank and traceback; a rank that hangs fails the call at the time-out instead of
 hanging CI, and the failure carries every hung rank's Python stack (all threads), so a hang
 seen once on CI can be diagnosed from its log.
+
+Forked ranks are gloo/CPU only: a process that has initialised CUDA cannot fork ranks that use
+it ("Cannot re-initialize CUDA in forked subprocess"). GPU tests therefore launch their ranks with
+`run_torchrun` and decide what to skip with `cuda_device_count`, which never initialises CUDA in
+the calling process.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import gc
 import multiprocessing as mp
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,6 +47,10 @@ class RankFailure(RuntimeError):
 
 class RankTimeout(RuntimeError):
     """Some ranks did not finish within the time-out."""
+
+
+class TorchrunFailure(RuntimeError):
+    """A `run_torchrun` job exited non-zero or ran past its time-out; carries the output's tail."""
 
 
 def _rank_main(
@@ -214,3 +226,143 @@ def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
             rank, tb = failures[0]
             raise RankFailure(rank, tb, [r for r, _ in failures])
     return [results[r] for r in range(world_size)]
+
+
+_CUDA_PROBE = (
+    "import torch\n"
+    "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+    "print(n, torch.__version__, torch.version.cuda)\n"
+)
+
+
+@functools.cache
+def _probe_cuda_in_child() -> tuple[int, str]:
+    """(device count, why) as a fresh interpreter sees it; run once per process."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CUDA_PROBE], capture_output=True, text=True, timeout=300, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return 0, f"the CUDA probe process failed to run: {err}"
+    words = proc.stdout.split()
+    if proc.returncode != 0 or len(words) != 3 or not words[0].isdigit():
+        return 0, f"the CUDA probe process failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"
+    count, version, cuda = int(words[0]), words[1], words[2]
+    if count == 0:
+        return 0, f"torch {version} (CUDA {cuda}) sees no CUDA device: torch.cuda.is_available() is False"
+    return count, f"torch {version} (CUDA {cuda}) sees {count} CUDA device(s)"
+
+
+def cuda_probe() -> tuple[int, str]:
+    """``(number of usable CUDA devices, a sentence saying so)``, without initialising CUDA here.
+
+    ``torch.cuda.is_available()`` calls ``cudaGetDeviceCount``, which initialises the CUDA driver in
+    the calling process; a test process that did so can no longer fork ranks that use CUDA. So
+    unless CUDA is already initialised here (then torch is asked directly), a child interpreter
+    answers, once per process (~2-3 s). A CPU-only torch build answers 0 without a child.
+    """
+    if torch.version.cuda is None and torch.version.hip is None:
+        return 0, f"torch {torch.__version__} is a CPU-only build (no CUDA)"
+    if torch.cuda.is_initialized():
+        count = torch.cuda.device_count()
+        return count, f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees {count} CUDA device(s)"
+    return _probe_cuda_in_child()
+
+
+def cuda_device_count() -> int:
+    """Usable CUDA devices, found without initialising CUDA in this process (see `cuda_probe`)."""
+    return cuda_probe()[0]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (Linux /proc), parents before children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, its process group and every descendant. torchrun starts each rank in a session
+    of its own, so killing the launcher's group alone would leave the ranks running."""
+    tree = _descendants(pid) if os.path.isdir("/proc") else []
+    for target in (pid, *tree):
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_torchrun(
+    script: str | os.PathLike[str],
+    *,
+    nproc_per_node: int,
+    args: Sequence[str] = (),
+    timeout_s: float = 600.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run `script` under ``torchrun --standalone --nproc_per_node=N`` in a child process; return it.
+
+    For ranks that need CUDA (NCCL), which `run_on_ranks` cannot fork. Past `timeout_s` the
+    launcher, its ranks (each in a session of its own) and their children are killed, so a hung
+    NCCL rank does not outlive the test holding a GPU. A non-zero exit or a time-out raises
+    `TorchrunFailure` with the tail of the job's output. ``OMP_NUM_THREADS=1`` unless `env`
+    (added to this process's environment) sets it.
+    """
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc_per_node}",
+        str(script),
+        *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # something still holds the pipes: give up on the output
+            stdout, stderr = "", "(output lost: the job's pipes stayed open after the kill)"
+        raise TorchrunFailure(
+            f"torchrun {script} (nproc {nproc_per_node}) ran past {timeout_s:.0f} s and was killed\n"
+            f"--- stdout (tail) ---\n{stdout[-4000:]}\n--- stderr (tail) ---\n{stderr[-4000:]}"
+        ) from None
+    if proc.returncode != 0:
+        raise TorchrunFailure(
+            f"torchrun {script} (nproc {nproc_per_node}) exited {proc.returncode}\n"
+            f"--- stdout (tail) ---\n{stdout[-4000:]}\n--- stderr (tail) ---\n{stderr[-4000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

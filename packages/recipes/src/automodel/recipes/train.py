@@ -242,9 +242,7 @@ class Trainer:
             with self.pm.grad_sync(is_last_microbatch=i == len(batches) - 1):
                 loss_sum += self._micro_batch_loss(batch, divisor=tokens, backward=True)
         loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
-        grad_norm = clip_grad_norm(
-            self.params, max_norm=self.cfg.clip_grad_norm.max_norm, pp_group=_group(self.mesh, "pp")
-        )
+        grad_norm = self._clip_grad_norm()
         loss_value, norm_value = float(loss_sum), float(grad_norm)
         if not math.isfinite(loss_value) or not math.isfinite(norm_value):
             raise NonFiniteError(
@@ -258,6 +256,15 @@ class Trainer:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         return loss_value, norm_value, int(tokens)
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """The global gradient norm before clipping to ``clip_grad_norm.max_norm``."""
+        max_norm = self.cfg.clip_grad_norm.max_norm
+        if self.pm.strategy == "megatron_fsdp":
+            from automodel.megatron_fsdp import clip_grad_norm as clip_megatron_grad_norm
+
+            return clip_megatron_grad_norm(self.params, max_norm=max_norm, tp_size=self.mesh.layout.tp)
+        return clip_grad_norm(self.params, max_norm=max_norm, pp_group=_group(self.mesh, "pp"))
 
     @torch.no_grad()
     def validate(self) -> float:
