@@ -137,8 +137,9 @@ def check_cp(reports: list[Report]) -> None:
         assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']!r}"
 
 
-def check_ep(reports: list[Report], ep: int, *, num_experts: int) -> None:
-    """Each rank holds experts ``[e * E/ep, (e+1) * E/ep)`` for its ep coordinate e."""
+def check_ep(reports: list[Report], ep: int, *, num_experts: int, ep_shard: int) -> None:
+    """Each rank holds experts of ``[e * E/ep, (e+1) * E/ep)`` for its ep coordinate e; with
+    ``ep_shard`` > 1 FSDP splits those E/ep experts further over the ep_shard ranks."""
     local = num_experts // ep
     for report in reports:
         params, e = _params(report), report["coordinates"]["ep"]
@@ -147,10 +148,10 @@ def check_ep(reports: list[Report], ep: int, *, num_experts: int) -> None:
             assert placement_on(entry, "ep") == "S(0)", (
                 f"rank {report['rank']}: experts not sharded on ep: {entry}"
             )
-            assert entry["local_shape"][0] == local and entry["offset"][0] == e * local, (
-                report["rank"],
-                entry,
-            )
+            assert entry["local_shape"][0] * ep_shard == local, (report["rank"], ep_shard, entry)
+            assert e * local <= entry["offset"][0] < (e + 1) * local, (report["rank"], entry)
+            if ep_shard > 1:
+                assert _is_dim0_shard(placement_on(entry, "ep_shard")), (report["rank"], entry)
 
 
 def check_experts_replicated(reports: list[Report], *, num_experts: int) -> None:
@@ -187,6 +188,6 @@ def check_layout_applied(
     if cp > 1:
         check_cp(reports)
     if ep > 1:
-        check_ep(reports, ep, num_experts=num_experts)
+        check_ep(reports, ep, num_experts=num_experts, ep_shard=ranks // (pp * tp * ep))
     elif num_experts:
         check_experts_replicated(reports, num_experts=num_experts)

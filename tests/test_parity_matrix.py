@@ -3,6 +3,7 @@ losses, and every rank holds what the layout says (`placement_checks`)."""
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -23,13 +24,29 @@ from parity_matrix import (  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
-    work = tmp_path_factory.mktemp("parity_ref")
-    refs = {kind: run_layout(layout, work) for kind, layout in REFERENCES.items()}
+def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("parity_ref")
+
+
+@pytest.fixture(scope="module")
+def references(reference_dir: Path) -> dict[str, list[float]]:
+    refs = {kind: run_layout(layout, reference_dir) for kind, layout in REFERENCES.items()}
     for kind, losses in refs.items():
         assert len(losses) == STEPS, (kind, losses)
         assert losses[-1] < losses[0], f"{kind} reference does not learn: {losses}"
     return refs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+def test_placement_checks_reject_a_run_with_the_parallelism_off(
+    layout: Layout, references: dict[str, list[float]], reference_dir: Path
+) -> None:
+    """The single-process run reproduces every layout's losses trivially; its report, standing in
+    for each rank of the layout, must fail that layout's placement checks."""
+    (single,) = read_reports(REFERENCES[layout.model], reference_dir)
+    stand_ins = [{**copy.deepcopy(single), "rank": rank} for rank in range(layout.ranks)]
+    with pytest.raises(AssertionError):
+        check_reports(layout, stand_ins)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
