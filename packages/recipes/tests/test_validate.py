@@ -45,6 +45,32 @@ def test_memory_estimate_scales_with_sharding() -> None:
 
 
 @pytest.mark.parametrize(
+    ("zero", "sharded"),
+    [(0, ""), (1, "o"), (2, "og"), (3, "ogw")],
+    ids=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+)
+def test_megatron_fsdp_estimate_follows_zero_dp_strategy(zero: int, sharded: str) -> None:
+    """megatron-fsdp shards optimizer state from level 1, gradients from 2, weights at 3; fp32
+    main grads and fp32 master weights follow grad_reduce_in_fp32 and preserve_fp32_weights."""
+    from automodel.recipes.loader import load_config
+    from automodel.recipes.plan import plan_layout
+    from automodel.recipes.recipe_config import parse_recipe_config
+
+    raw = load_config(EXAMPLES / "llama_megatron_fsdp.yaml")
+    raw["model"]["dtype"] = "bfloat16"
+    raw["step_scheduler"]["global_batch_size"] = 32
+    raw["distributed"].update(
+        tp_size=1, zero_dp_strategy=zero, grad_reduce_in_fp32=True, preserve_fp32_weights=True
+    )
+    _, mem, _ = plan_layout(parse_recipe_config(raw), world_size=8)
+    n = mem.total_params
+    share = {kind: n / 8 if kind in sharded else n for kind in "ogw"}
+    assert mem.param_bytes == pytest.approx(share["w"] * 2)  # bf16 weights
+    assert mem.grad_bytes == pytest.approx(share["g"] * 4)  # fp32 main grads
+    assert mem.optimizer_bytes == pytest.approx(share["o"] * 4 * 3)  # two Adam moments + fp32 master
+
+
+@pytest.mark.parametrize(
     ("name", "args", "rule"),
     [
         ("llama3_70b_64gpu.yaml", ["--world-size=1000"], "is not divisible by tp_size*pp_size*cp_size"),

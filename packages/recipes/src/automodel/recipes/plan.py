@@ -66,12 +66,19 @@ def estimate_memory(cfg: RecipeConfig, layout: ResolvedLayout, hf_config) -> Mem
         return dense_mp / d + expert_mp / e
 
     elem = torch.empty((), dtype=getattr(torch, cfg.model.dtype)).element_size()
+    grad_elem, master_bytes = elem, 0.0
+    if strategy == "megatron_fsdp":
+        # megatron-fsdp's buffers: main grads in fp32 with grad_reduce_in_fp32; an fp32 copy of the
+        # weights (sharded like the optimizer state) with preserve_fp32_weights.
+        options = cfg.distributed.options
+        grad_elem = 4 if options.get("grad_reduce_in_fp32") else elem
+        master_bytes = per_rank("o") * 4 if options.get("preserve_fp32_weights") else 0.0
     return MemoryEstimate(
         total_params=dense + expert,
         params_per_rank=per_rank("w"),
         param_bytes=per_rank("w") * elem,
-        grad_bytes=per_rank("g") * elem,
-        optimizer_bytes=per_rank("o") * 4 * _optimizer_states(cfg.optimizer.target),
+        grad_bytes=per_rank("g") * grad_elem,
+        optimizer_bytes=per_rank("o") * 4 * _optimizer_states(cfg.optimizer.target) + master_bytes,
     )
 
 
