@@ -71,6 +71,7 @@ def test_megatron_fsdp_matches_fsdp2_and_really_wraps(gpus: int, tmp_path: Path)
     ref = _losses(_train(tmp_path / "fsdp2", gpus, {"strategy": "fsdp2", **FP32}))
     got = _losses(_train(tmp_path / "megatron", gpus, {"strategy": "megatron_fsdp", "zero_dp_strategy": 3}))
     _close(got, ref)
+    estimate = _estimate(tmp_path / "megatron", gpus)
     for rank in range(gpus):
         report = json.loads((tmp_path / "megatron" / "layout" / f"rank_{rank}.json").read_text())
         (part,) = report["parts"]
@@ -79,6 +80,18 @@ def test_megatron_fsdp_matches_fsdp2_and_really_wraps(gpus: int, tmp_path: Path)
         assert groups and all(g["model_weight_buffer"]["dp_world_size"] == gpus for g in groups), groups
         if gpus > 1:  # ZeRO-3: weights, grads and optimizer state live in shards of the dp group
             assert all(g["model_weight_buffer"]["distributed"] for g in groups), groups
+        held = sum(g["model_weight_buffer"]["local_numel"] for g in groups)
+        # `recipes validate`'s estimate of this layout (buffers pad to alignment: within 10%)
+        assert abs(held - estimate.params_per_rank) <= 0.1 * estimate.params_per_rank, (held, estimate)
+
+
+def _estimate(out: Path, gpus: int):
+    from automodel.recipes.loader import load_config
+    from automodel.recipes.plan import plan_layout
+    from automodel.recipes.recipe_config import parse_recipe_config
+
+    _, mem, _ = plan_layout(parse_recipe_config(load_config(out.with_suffix(".yaml"))), world_size=gpus)
+    return mem
 
 
 def test_megatron_fsdp_resume_is_exact_and_consolidated_loads(tmp_path: Path) -> None:
