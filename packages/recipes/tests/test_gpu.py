@@ -1,7 +1,7 @@
 """CUDA-only paths of the recipes (run by `nox -s gpu_tests` or scripts/gpu_check.sh; skipped without CUDA).
 
-NCCL process groups, the seed's default bf16 mixed precision, and megatron-fsdp sharding over
-dp > 1 only run on GPUs; these launch the CLI in a child process (torchrun for 2+ ranks) like a
+NCCL process groups and the seed's default bf16 mixed precision only run on GPUs (megatron_fsdp
+through the recipes: test_gpu_megatron.py); these launch the CLI in a child process (torchrun for 2+ ranks) like a
 user would, never ranks forked from the test process. The fsdp2 case runs on one GPU too; the
 dp = 2 megatron case skips, with the reason, below 2 GPUs (test_gpu_megatron.py covers dp = 1).
 """
@@ -34,26 +34,9 @@ def _run(tmp_path: Path, nproc: int, **sections) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _need_gpus(n: int) -> None:
-    found = cuda_device_count()
-    if found < n:
-        pytest.skip(f"needs {n} GPUs, found {found}")
-
-
 @pytest.mark.gpu
 def test_fsdp2_bf16_default_policy_on_gpus(tmp_path: Path) -> None:
     nproc = min(2, cuda_device_count())
     records = _run(tmp_path, nproc, distributed={"strategy": "fsdp2"})
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert all(r["peak_mem_bytes"] > 0 for r in records)
-
-
-@pytest.mark.gpu
-def test_megatron_fsdp_dp2_on_gpus(tmp_path: Path) -> None:
-    """(dp = 1 and more megatron_fsdp checks: test_gpu_megatron.py.)"""
-    _need_gpus(2)
-    pytest.importorskip(
-        "megatron_fsdp", reason="megatron-fsdp is not importable (pip install it, or put its wheel in .whl/)"
-    )
-    records = _run(tmp_path, 2, distributed={"strategy": "megatron_fsdp"})
-    assert records[-1]["loss"] < records[0]["loss"] - 0.5
