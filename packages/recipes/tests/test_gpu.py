@@ -1,9 +1,8 @@
 """CUDA-only paths of the recipes (run by `nox -s gpu_tests` or scripts/gpu_check.sh; skipped without CUDA).
 
-NCCL process groups and the seed's default bf16 mixed precision only run on GPUs (megatron_fsdp
-through the recipes: test_gpu_megatron.py); these launch the CLI in a child process (torchrun for 2+ ranks) like a
-user would, never ranks forked from the test process. The fsdp2 case runs on one GPU too; the
-dp = 2 megatron case skips, with the reason, below 2 GPUs (test_gpu_megatron.py covers dp = 1).
+NCCL process groups and the seed's default bf16 mixed precision only run on GPUs; this launches
+the CLI in a child process (torchrun for 2+ ranks) like a user would, never ranks forked from the
+test process, on one GPU or two. megatron_fsdp through the recipes: test_gpu_megatron.py.
 """
 
 from __future__ import annotations
