@@ -40,7 +40,8 @@ def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
             "placements": [str(p) for p in t.placements],
             "shape": list(t.shape),
             "local_shape": list(local.shape),
-            "offset": _global_offset(t),
+            # megatron-fsdp shards flattened buffers unevenly: the even-chunk offset would be wrong.
+            "offset": None if getattr(t, "__fsdp_param__", False) else _global_offset(t),
             "dtype": str(t.dtype).removeprefix("torch."),
         }
     return {
