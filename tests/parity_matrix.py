@@ -195,6 +195,9 @@ def write_table(results: list[tuple[Layout, float, str, float]], path: Path) -> 
         "on the tp mesh, disjoint pipeline stages, experts per ep rank, the DDP reducer, the CP ring backend. The",
         "single-process run fails every one of these checks (a test), so parity alone cannot pass a layout.",
         "",
+        "`strategy: megatron_fsdp` is not in this CPU matrix: megatron-fsdp needs CUDA, so the recipes refuse it before",
+        "launch here; its checks (parity with fsdp2, buffers held, exact resume) are `packages/recipes/tests/test_gpu_megatron.py`.",
+        "",
         "| layout | ranks | distributed | max rel. loss diff | placed | wall s | pass |",
         "|---|---|---|---|---|---|---|",
     ]
