@@ -237,3 +237,50 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
     _assert_close(resumed, uninterrupted[3:])
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(records) == 5
+
+
+TIED = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "world", "dist_section"),
+    [
+        ("llama", 2, {"tp_size": 2, "sequence_parallel": True}),
+        ("llama", 4, {"tp_size": 2}),
+        ("qwen2", 2, {"tp_size": 2}),  # the model's own HF plan (its head is colwise there)
+    ],
+    ids=["llama_tp2_sp", "llama_dp2_tp2", "qwen2_tp2"],
+)
+def test_tied_embeddings_under_tp_match_single_process(
+    model_type: str, world: int, dist_section: dict, tmp_path: Path
+) -> None:
+    """A tied embedding/head weight stays one replicated parameter over tp: sharding it once per
+    owner would untie it and train two copies (2e-2 off one process before the fix)."""
+    model = {"config": {**TIED, "model_type": model_type}}
+    (ref,) = run_on_ranks(
+        train_on_rank, world_size=1, args=(tiny_config(str(tmp_path / "r"), model=model),), timeout_s=TIMEOUT
+    )
+    cfg = tiny_config(
+        str(tmp_path / "tp"),
+        model=model,
+        distributed={"strategy": "fsdp2", **dist_section},
+        logging={"layout_report": "all"},
+    )
+    for rank_losses in run_on_ranks(train_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT):
+        _assert_close(rank_losses, ref)
+    for rank in range(world):
+        report = json.loads((tmp_path / "tp" / "layout" / f"rank_{rank}.json").read_text())
+        params = report["parts"][0]["parameters"]
+        assert "lm_head.weight" not in params  # still the embedding's parameter (listed once)
+        assert _placement(report, "model.embed_tokens.weight", "tp") is None
+        assert _placement(report, Q_PROJ, "tp") == "S(0)"

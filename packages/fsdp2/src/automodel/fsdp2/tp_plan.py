@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -115,9 +116,6 @@ def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
         raw.update({f"{base}.{k}" if base else k: v for k, v in base_plan.items()})
     instance_plan = model.__dict__.get("_tp_plan") or {}
     raw.update(instance_plan)
-    if getattr(config, "tie_word_embeddings", False):
-        # Sharding the shared weight twice (rowwise embedding, colwise head) would untie it.
-        raw = {k: v for k, v in raw.items() if v != "embedding_rowwise"}
     if not raw:
         raise ValueError(
             f"{type(model).__name__} has no Hugging Face tensor-parallel plan (_tp_plan / base_model_tp_plan)"
@@ -207,7 +205,7 @@ def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) 
     base = layers.rpartition(".")[0]
     embed = f"{base}.embed_tokens" if base else "embed_tokens"
     norm = f"{base}.norm" if base else "norm"
-    tied = bool(getattr(_text_config(model), "tie_word_embeddings", False))
+    tied = bool({embed, "lm_head"} & tied_weight_modules(model))
     seq = Shard(1)
     plan: TPPlan = {}
     if embed in root and not tied:
@@ -216,11 +214,21 @@ def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) 
             if sequence_parallel
             else RowwiseParallel(input_layouts=Replicate())
         )
+    elif embed in root and sequence_parallel:
+        # A tied embedding stays replicated; its output enters the sequence-sharded residual stream.
+        plan[embed] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=seq, use_local_output=False
+        )
     if sequence_parallel and norm in root:
         plan[norm] = SequenceParallel()
     if "lm_head" in root and not tied:
         plan["lm_head"] = ColwiseParallel(
             input_layouts=seq if sequence_parallel else Replicate(), output_layouts=Replicate()
+        )
+    elif "lm_head" in root and sequence_parallel:
+        # A tied (replicated) head reads the whole sequence.
+        plan["lm_head"] = PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
         )
     row_out = {"output_layouts": seq, "use_local_output": False} if sequence_parallel else {}
     lp = f"{layers}.*."
@@ -280,21 +288,61 @@ def _explicit_plan(tp_plan: Mapping[str, Any] | str) -> TPPlan:
     return plan
 
 
+#: Styles that only re-lay activations and leave a module's parameters alone.
+_LAYOUT_ONLY_STYLES = (PrepareModuleInput, PrepareModuleOutput)
+
+
+def tied_weight_modules(model: nn.Module) -> set[str]:
+    """FQNs of modules that hold a parameter another module holds too (tied input/output embeddings).
+
+    TP would shard such a weight once per owner (rowwise in the embedding, colwise in the head) and
+    so untie it: each owner would train its own copy and the run would silently differ from one
+    process. Read off the instance, so it covers any architecture's ties.
+    """
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    return {name for names in owners.values() if len(names) > 1 for name in names}
+
+
+def _drop_tied(plan: TPPlan, model: nn.Module, *, explicit: bool) -> TPPlan:
+    tied = tied_weight_modules(model)
+    hits = [
+        key
+        for key, style in plan.items()
+        if not isinstance(style, _LAYOUT_ONLY_STYLES) and any(_fqn_matches(key, name) for name in tied)
+    ]
+    if hits and explicit:
+        raise ValueError(
+            f"tp_plan shards {hits}, which hold weights tied to another module ({sorted(tied)}); "
+            "sharding them would untie the weights. Leave them out of the plan (they stay replicated "
+            "over tp) or build the model with tie_word_embeddings=False"
+        )
+    for key in hits:
+        logger.info("TP plan: leaving %s replicated (its weight is tied to another module)", key)
+    return {k: v for k, v in plan.items() if k not in hits}
+
+
 def resolve_tp_plan(
     model: nn.Module, *, tp_plan: Mapping[str, Any] | str | None = None, sequence_parallel: bool = False
 ) -> TPPlan:
-    """The TP plan to apply: explicit -> the model's HF plan -> Llama-style default (see module doc)."""
+    """The TP plan to apply: explicit -> the model's HF plan -> Llama-style default (see module doc).
+
+    Modules holding tied weights stay replicated over tp (an explicit plan that shards them is a
+    ValueError): the tie, and so the single-process math, is kept.
+    """
     if tp_plan is not None:
-        return _explicit_plan(tp_plan)
+        return _drop_tied(_explicit_plan(tp_plan), model, explicit=True)
     if sequence_parallel:
-        return default_llama_tp_plan(model, sequence_parallel=True)
+        return _drop_tied(default_llama_tp_plan(model, sequence_parallel=True), model, explicit=False)
     try:
         plan = get_hf_tp_shard_plan(model)
     except ValueError:
         plan = {}
-    if plan:
-        return plan
-    return default_llama_tp_plan(model, sequence_parallel=False)
+    if not plan:
+        plan = default_llama_tp_plan(model, sequence_parallel=False)
+    return _drop_tied(plan, model, explicit=False)
 
 
 def plan_has_sequence_parallel(plan: Mapping[str, ParallelStyle]) -> bool:
@@ -309,6 +357,7 @@ __all__ = [
     "get_hf_tp_shard_plan",
     "plan_has_sequence_parallel",
     "resolve_tp_plan",
+    "tied_weight_modules",
     "translate_to_torch_parallel_style",
     "validate_tp_mesh",
 ]
