@@ -3,6 +3,8 @@
 Every parameter is generated in full on CPU from a generator seeded by (seed, FQN) and this
 rank keeps its shard, so the values do not depend on the layout: the same call on the unsharded
 model in one process gives bit-identical parameters. Peak extra memory is one full parameter.
+Buffers the model computes (rotary frequencies, embedding scales, router correction biases) are
+recomputed by the model's own ``_init_weights``, else by re-creating their module from its config.
 """
 
 from __future__ import annotations
@@ -53,7 +55,45 @@ def _meta_buffers(model: nn.Module) -> list[tuple[nn.Module, str]]:
     ]
 
 
-def _rebuild_buffers(module: nn.Module, names: list[str], device: torch.device) -> None:
+def _init_weights_owner(model: nn.Module) -> nn.Module | None:
+    """The outermost module with a Hugging Face ``_init_weights`` (the model's own init code)."""
+    for module in model.modules():
+        if callable(getattr(module, "_init_weights", None)) and hasattr(module, "config"):
+            return module
+    return None
+
+
+def _restore_with_init_weights(owner: nn.Module | None, module: nn.Module, names: list[str]) -> str | None:
+    """Let the model's own ``_init_weights`` fill `module`'s lost buffers; its parameters are kept.
+
+    The parameters are swapped for meta placeholders during the call (the model's init would
+    otherwise overwrite the seeded values). Float buffers are poisoned with NaN first, so a buffer
+    the init code does not set is detected. Returns None when every buffer was filled, else why not.
+    """
+    if owner is None:
+        return "the model has no _init_weights"
+    if not all(module._buffers[n].is_floating_point() for n in names):
+        return "a lost buffer is not floating point"
+    for name in names:
+        module._buffers[name].fill_(float("nan"))
+    kept = {n: p for n, p in module._parameters.items() if p is not None}
+    for name, param in kept.items():
+        module._parameters[name] = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad
+        )
+    failure = None
+    try:
+        owner._init_weights(module)
+    except Exception as err:  # noqa: BLE001 - reported if re-creating the module fails too
+        failure = f"{type(owner).__name__}._init_weights failed: {type(err).__name__}: {err}"
+    finally:
+        module._parameters.update(kept)
+    if failure is None and any(torch.isnan(module._buffers[n]).any() for n in names):
+        failure = f"{type(owner).__name__}._init_weights does not set them"
+    return failure
+
+
+def _rebuild_buffers(module: nn.Module, names: list[str], device: torch.device, *, why: str) -> None:
     """Recompute buffers lost on meta (e.g. rotary ``inv_freq``) by re-creating the module on CPU."""
     config = getattr(module, "config", None)
     fresh = None
@@ -67,8 +107,8 @@ def _rebuild_buffers(module: nn.Module, names: list[str], device: torch.device) 
                     continue
     if fresh is None:
         raise ValueError(
-            f"cannot recompute buffers {names} of {type(module).__name__} after meta init; "
-            "build that module off the meta device or pass buffer values yourself"
+            f"cannot recompute buffers {names} of {type(module).__name__} after meta init ({why}, and "
+            "the module cannot be re-created from its config); build that module off the meta device"
         )
     fresh_buffers = dict(fresh.named_buffers(recurse=False))
     for name in names:
@@ -112,8 +152,11 @@ def materialize_meta_model(
     by_module: dict[int, tuple[nn.Module, list[str]]] = {}
     for module, name in lost:
         by_module.setdefault(id(module), (module, []))[1].append(name)
+    owner = _init_weights_owner(model) if by_module else None
     for module, names in by_module.values():
-        _rebuild_buffers(module, names, device)
+        why = _restore_with_init_weights(owner, module, names)
+        if why is not None:
+            _rebuild_buffers(module, names, device, why=why)
     return model
 
 
