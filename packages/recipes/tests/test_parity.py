@@ -11,7 +11,7 @@ import pytest
 from automodel.mesh.testing import RankFailure, run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _recipe_helpers import preload, tiny_config, train_on_rank  # noqa: E402
+from _recipe_helpers import TINY, preload, tiny_config, train_on_rank  # noqa: E402
 
 preload()
 
@@ -239,17 +239,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
     assert len(records) == 5
 
 
-TIED = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
+TIED = {**TINY["model"]["config"], "tie_word_embeddings": True}
 
 
 @pytest.mark.parametrize(
