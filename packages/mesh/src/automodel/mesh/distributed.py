@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -153,15 +155,78 @@ def init_distributed(*, backend: str | None = None, timeout_minutes: float = 10.
 
 
 def destroy_distributed(*, barrier: bool = True) -> None:
-    """Barrier, then destroy: destroying without the barrier aborts ranks still in flight.
+    """Tear the process groups down so that the process can exit cleanly: barrier, destroy, free.
+
+    1. Barrier: destroying a group while a peer is still in a collective aborts that peer.
+    2. ``destroy_process_group()``: unregisters every group. For gloo that is all it does: each
+       ``ProcessGroupGloo`` keeps its worker threads until the C++ object itself is freed.
+    3. Free the groups (`free_process_groups`), whose destructors join those threads.
+
+    Step 3 is the rule behind "a finished training exits 0": no gloo worker may outlive the
+    interpreter. A worker frees the tensors of a completed collective after the caller has moved
+    on; when Python already dropped them, that needs the GIL. If the interpreter starts finalizing
+    in between, Python ends the worker inside a C++ ``noexcept`` destructor and the rank dies with
+    "terminate called without an active exception" (SIGABRT) after its last step.
 
     After a failure pass ``barrier=False``: peers may be stuck in a collective this rank will never
-    join, and waiting for them would turn an error into a hang (the launcher then stops them).
+    join, and waiting for them would turn an error into a hang (the launcher then stops them). The
+    groups are then left as they are, since freeing one waits for its queued collectives.
     """
-    if dist.is_initialized():
-        if barrier and dist.get_backend() != "fake":
-            dist.barrier()
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    clean = barrier and dist.get_backend() != "fake"
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+    if clean:
+        free_process_groups()
+
+
+def free_process_groups() -> None:
+    """Free the destroyed process groups now, joining their gloo worker threads.
+
+    Call after ``destroy_process_group()``. Whatever still references a group keeps it (and its
+    threads) alive: our own objects (meshes, FSDP state, optimizers) usually sit in reference
+    cycles, so they go with a collection; and each root ``DeviceMesh`` keeps its groups in
+    ``_pg_registry`` while torch's DTensor caches (sharding propagation, redistribute plans) keep
+    the meshes themselves alive until the process exits. Emptying those registries lets the groups
+    go. The destructors run without the GIL, so a worker still freeing tensors finishes first.
+    Objects frozen by ``gc.freeze()`` (a forked rank's inheritance) are not touched.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        # By type, not isinstance(): some torch objects warn when their class is inspected.
+        if DeviceMesh in type(obj).__mro__:
+            registry = getattr(obj, "_pg_registry", None)  # private; absent in torch without it
+            if registry:
+                registry.clear()
+    gc.collect()
+    left = gloo_worker_threads()
+    if left:
+        warnings.warn(
+            f"{left} gloo worker threads outlive the destroyed process groups (something still "
+            "references a group); the process may abort at exit with 'terminate called without an "
+            "active exception'",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def gloo_worker_threads() -> int:
+    """How many gloo collective worker threads this process runs (0 where /proc is unavailable)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    count = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
 
 
 @contextmanager
