@@ -1,5 +1,6 @@
 """Context parallelism: CP batch sharding, ring attention on any device, torch SDPA CP and Transformer Engine THD."""
 
+from automodel.context_parallel._version import __version__ as __version__
 from automodel.context_parallel.backends import BACKENDS, resolve_backend
 from automodel.context_parallel.batch import make_cp_batch_and_ctx
 from automodel.context_parallel.hf_attention import (

@@ -1,5 +1,6 @@
 """FSDP2/HSDP, tensor and sequence parallel, activation checkpointing and DDP for Hugging Face models."""
 
+from automodel.fsdp2._version import __version__ as __version__
 from automodel.fsdp2.activation_checkpointing import apply_activation_checkpointing, get_lm_ac_layers
 from automodel.fsdp2.autocast import apply_autocast
 from automodel.fsdp2.compile import apply_compile

@@ -6,6 +6,7 @@ checkpointing and megatron-fsdp in that order; `microbatch_grad_sync`, `model_st
 of `MegatronFSDPConfig` into megatron-fsdp's arguments.
 """
 
+from automodel.megatron_fsdp._version import __version__ as __version__
 from automodel.megatron_fsdp.checkpointing import apply_mlp_checkpointing
 from automodel.megatron_fsdp.config import ZERO_DP_STRATEGIES, MegatronFSDPConfig
 from automodel.megatron_fsdp.fully_shard import (

@@ -1,5 +1,6 @@
 """automodel.mesh: parallelism sizes, device meshes, process-group setup, the multi-rank harness."""
 
+from automodel.mesh._version import __version__ as __version__
 from automodel.mesh.context import MeshContext
 from automodel.mesh.distributed import (
     DistInfo,

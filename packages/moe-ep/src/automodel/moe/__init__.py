@@ -1,5 +1,6 @@
 """automodel.moe: expert parallelism (EP x FSDP2) for Hugging Face mixture-of-experts models."""
 
+from automodel.moe._version import __version__ as __version__
 from automodel.moe.checkpointing import apply_ac, checkpoint_module
 from automodel.moe.config import MoEParallelizerConfig
 from automodel.moe.dispatch import DispatchPlan, combine_tokens, dispatch_tokens, plan_dispatch

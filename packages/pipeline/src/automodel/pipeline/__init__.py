@@ -5,6 +5,7 @@ cuts a model (a Hugging Face causal LM, or any module with explicit FQN lists) i
 stages and returns a `PipelineModel` with `step`/`eval`.
 """
 
+from automodel.pipeline._version import __version__ as __version__
 from automodel.pipeline.autopipeline import LABEL_PAD, AutoPipeline, PipelineModel
 from automodel.pipeline.config import PipelineConfig
 from automodel.pipeline.hf import (
