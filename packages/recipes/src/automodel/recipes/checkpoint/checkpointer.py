@@ -29,6 +29,7 @@ from automodel.recipes.checkpoint import paths
 from automodel.recipes.checkpoint.config import CheckpointConfig
 from automodel.recipes.checkpoint.consolidated import save_consolidated
 from automodel.recipes.checkpoint.paths import CheckpointError
+from automodel.recipes.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from automodel.recipes.checkpoint.state import (
     EXTRA_PREFIX,
     OPTIM_KEY,
@@ -36,11 +37,26 @@ from automodel.recipes.checkpoint.state import (
     apply_loaded_state,
     build_load_state,
     build_save_state,
+    has_extra,
+    has_legacy_extra,
 )
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 1: per-rank training state as one pickled blob (refused on load, see `legacy_format_message`);
+# 2: the same state as JSON + tensor entries, nothing pickled.
+FORMAT_VERSION = 2
+
+
+def legacy_format_message(path: Path) -> str:
+    """Why a format-1 checkpoint is refused, and the command that converts it."""
+    return (
+        f"checkpoint {path} stores its training state (step, LR schedulers, dataloader, RNG) as a pickle "
+        "(checkpoint format 1); unpickling it could run code from the checkpoint, so it is not loaded. "
+        "If you trust whoever wrote it, convert it once with "
+        f"`python -m automodel.recipes.checkpoint.convert_legacy --trust-pickle {path} <new directory>` "
+        "and resume from the new directory"
+    )
 
 
 def _rank() -> int:
@@ -231,16 +247,21 @@ class Checkpointer:
         path = self.resolve_restore_path()
         if path is None:
             return None
-        reader = dcp.FileSystemReader(str(path))
+        # DCP's own reader unpickles .metadata and loads non-tensor entries with weights_only=False:
+        # read both through the restricted paths of `safe_dcp` instead.
+        reader = SafeFileSystemReader(str(path))
         try:
-            saved_keys = set(reader.read_metadata().state_dict_metadata)
+            metadata = reader.read_metadata()
         except Exception as err:  # noqa: BLE001 - any unreadable metadata is a corrupt checkpoint
             raise CheckpointError(f"checkpoint {path} is corrupt: cannot read DCP metadata ({err})") from err
+        saved_keys = set(metadata.state_dict_metadata)
         own_key = f"{EXTRA_PREFIX}{_rank()}"
         info = paths.check_complete(path)
-        same_world = info.get("world_size") == _world() and own_key in saved_keys
+        if has_legacy_extra(metadata, own_key) or has_legacy_extra(metadata, f"{EXTRA_PREFIX}0"):
+            raise CheckpointError(legacy_format_message(path))
+        same_world = info.get("world_size") == _world() and has_extra(metadata, own_key)
         extra_key = own_key if same_world else f"{EXTRA_PREFIX}0"
-        if extra_key not in saved_keys:
+        if not has_extra(metadata, extra_key):
             raise CheckpointError(f"checkpoint {path} is corrupt: it has no {extra_key!r} entry")
         if not same_world and _rank() == 0:
             log.info(
@@ -253,9 +274,9 @@ class Checkpointer:
         with_optim = any(k.startswith(f"{OPTIM_KEY}.") for k in saved_keys)
         if state.optimizers and not with_optim:
             raise CheckpointError(f"checkpoint {path} holds no optimizer state but this run has optimizers")
-        loaded = build_load_state(state, extra_key=extra_key, with_optim=with_optim)
+        loaded = build_load_state(state, metadata=metadata, extra_key=extra_key, with_optim=with_optim)
         try:
-            dcp.load(loaded, storage_reader=reader)
+            dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner())
         except Exception as err:  # noqa: BLE001 - re-raised with the checkpoint named
             raise CheckpointError(f"could not load checkpoint {path}: {type(err).__name__}: {err}") from err
         apply_loaded_state(state, loaded, extra_key=extra_key, restore_rng=restore_rng and same_world)
