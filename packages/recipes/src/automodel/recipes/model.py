@@ -10,6 +10,7 @@ from torch import nn
 
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import resolve_dtype
+from automodel.recipes.trust import announce_remote_code
 
 
 def build_hf_config(section: Any) -> Any:
@@ -39,7 +40,20 @@ def build_hf_config(section: Any) -> Any:
             raise ConfigError(
                 "model.pretrained_path", str(path), "is not a local HF model directory (no config.json)"
             )
-        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        trust = section.trust_remote_code
+        if trust:
+            announce_remote_code(key="model.trust_remote_code", path=str(path))
+        try:
+            cfg = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust)
+        except ValueError as e:
+            if not trust and "trust_remote_code" in str(e):
+                raise ConfigError(
+                    "model.trust_remote_code",
+                    False,
+                    f"{path} needs its own Python code (config.json auto_map) to load; it was not run. "
+                    "Set model.trust_remote_code: true only if you trust that directory",
+                ) from None
+            raise
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         value = getattr(cfg, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -48,14 +62,24 @@ def build_hf_config(section: Any) -> Any:
     return cfg
 
 
-def build_meta_model(hf_config: Any, *, dtype: str = "float32") -> nn.Module:
-    """The causal-LM for `hf_config` with every parameter and buffer on the meta device."""
+def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_code: bool = False) -> nn.Module:
+    """The causal-LM for `hf_config` with every parameter and buffer on the meta device.
+
+    `trust_remote_code` (YAML ``model.trust_remote_code``) lets a config's ``auto_map`` import
+    model code from its directory; off, only transformers' own classes are used.
+    """
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
         except ValueError as e:
+            if not trust_remote_code and "trust_remote_code" in str(e):
+                raise ConfigError(
+                    "model.trust_remote_code",
+                    False,
+                    "the model class is custom code (config auto_map); set it to true only if you trust it",
+                ) from None
             raise ConfigError(
                 "model.config.model_type", hf_config.model_type, f"has no causal-LM class ({e})"
             ) from None

@@ -243,6 +243,7 @@ def parallelize_model(
     pipeline_loss_fn: Any = None,
     gradient_divide_factor: float | None = 1.0,
     pretrained_path: str | None = None,
+    allow_pickle_weights: bool = False,
 ) -> ParallelModel:
     """Compose the parallelisms of `section` on `model` (on the meta device) and materialize it.
 
@@ -258,7 +259,7 @@ def parallelize_model(
         if pretrained_path is not None:
             from automodel.recipes.checkpoint import load_pretrained_weights
 
-            load_pretrained_weights(parts, pretrained_path)
+            load_pretrained_weights(parts, pretrained_path, allow_pickle_weights=allow_pickle_weights)
 
     if section.strategy == "ddp":
         from automodel.fsdp2 import DDPManager

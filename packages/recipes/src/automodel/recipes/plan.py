@@ -43,7 +43,7 @@ def _optimizer_states(target: str) -> int:
 
 def estimate_memory(cfg: RecipeConfig, layout: ResolvedLayout, hf_config) -> MemoryEstimate:
     """Per-rank bytes under `layout` and the strategy's sharding of weights, grads and state."""
-    model = build_meta_model(hf_config, dtype=cfg.model.dtype)
+    model = build_meta_model(hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     expert = sum(p.numel() for n, p in model.named_parameters() if any(m in f".{n}" for m in _EXPERT_MARKERS))
     dense = sum(p.numel() for p in model.parameters()) - expert
     # model-parallel split first (tp for dense weights, ep for experts, pp for layers) ...

@@ -83,8 +83,15 @@ class ModelSection:
     pretrained_path: str | None = None
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
+    # Security: a model directory is data. Its Python files (config.json auto_map) run only with
+    # trust_remote_code: true; pickled weights (*.bin) load only with allow_pickle_weights: true.
+    trust_remote_code: bool = False
+    allow_pickle_weights: bool = False
 
     def __post_init__(self) -> None:
+        for key in ("trust_remote_code", "allow_pickle_weights"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"model.{key}", getattr(self, key), "must be true or false")
         if (self.config is None) == (self.pretrained_path is None):
             raise ConfigError(
                 "model",
@@ -144,9 +151,13 @@ class TokenizerSection:
 
     SECTION: ClassVar[str] = "tokenizer"
     path: str | None = None
+    trust_remote_code: bool = False  # run Python files of the tokenizer directory (auto_map)
 
     def __post_init__(self) -> None:
         from pathlib import Path
+
+        if not isinstance(self.trust_remote_code, bool):
+            raise ConfigError("tokenizer.trust_remote_code", self.trust_remote_code, "must be true or false")
 
         if self.path is not None and not Path(self.path).is_dir():
             raise ConfigError("tokenizer.path", self.path, "is not a local directory")

@@ -99,7 +99,9 @@ class Trainer:
         layout = self.mesh.layout
         self.hf_config = build_hf_config(cfg.model)
         check_layout_rules(cfg, layout, self.hf_config)
-        self.tokenizer = build_tokenizer(cfg.tokenizer.path)
+        self.tokenizer = build_tokenizer(
+            cfg.tokenizer.path, trust_remote_code=cfg.tokenizer.trust_remote_code
+        )
         if self.tokenizer.vocab_size > self.hf_config.vocab_size:
             raise ConfigError(
                 "model.config.vocab_size",
@@ -131,7 +133,9 @@ class Trainer:
         self.total_steps = min(total, ss.max_steps) if ss.max_steps is not None else total
 
         torch.manual_seed(cfg.seed)
-        model = build_meta_model(self.hf_config, dtype=cfg.model.dtype)
+        model = build_meta_model(
+            self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
+        )
         self._step_tokens = torch.ones((), device=self.device)
         self.pm = parallelize_model(
             model,
@@ -142,6 +146,7 @@ class Trainer:
             local_batch_size=ss.local_batch_size,
             pipeline_loss_fn=self._pipeline_loss,
             pretrained_path=cfg.model.pretrained_path,
+            allow_pickle_weights=cfg.model.allow_pickle_weights,
         )
         opt_cls = locate("optimizer._target_", cfg.optimizer.target)
         self.optimizers = [

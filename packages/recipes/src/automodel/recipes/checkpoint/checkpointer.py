@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from automodel.mesh import MeshContext
 from automodel.recipes.checkpoint import paths
@@ -277,7 +278,9 @@ class Checkpointer:
         loaded = build_load_state(state, metadata=metadata, extra_key=extra_key, with_optim=with_optim)
         try:
             dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner())
-        except Exception as err:  # noqa: BLE001 - re-raised with the checkpoint named
+        # CheckpointException (a BaseException) carries every rank's failure, e.g. an entry that
+        # the weights-only unpickler refused.
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised with the checkpoint named
             raise CheckpointError(f"could not load checkpoint {path}: {type(err).__name__}: {err}") from err
         apply_loaded_state(state, loaded, extra_key=extra_key, restore_rng=restore_rng and same_world)
         self.last_saved_step = state.step

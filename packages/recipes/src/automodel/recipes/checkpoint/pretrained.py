@@ -2,6 +2,11 @@
 
 DCP's HF reader plans reads against this rank's DTensor shards and reads only those slices
 from the safetensors files, so no rank materialises the full model when the layout shards it.
+
+safetensors holds only tensors and a JSON header: reading it runs no code. Pickled weights
+(``pytorch_model*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) are refused unless the YAML sets
+``model.allow_pickle_weights: true``; even then they are read with ``torch.load(weights_only=True)``,
+torch's restricted unpickler, and every rank reads the full files.
 """
 
 from __future__ import annotations
@@ -9,10 +14,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 
 def _tied_keys(part: nn.Module, keys: set[str]) -> set[str]:
@@ -27,18 +38,95 @@ def _tied_keys(part: nn.Module, keys: set[str]) -> set[str]:
     return tied
 
 
-def load_pretrained_weights(model_parts: list[nn.Module], directory: str | Path) -> None:
-    """Fill every parameter and persistent buffer of `model_parts` from HF safetensors in `directory`.
+PICKLE_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def _pickle_weight_files(directory: Path) -> list[Path]:
+    return sorted({p for pattern in PICKLE_WEIGHT_PATTERNS for p in directory.glob(pattern) if p.is_file()})
+
+
+def load_pretrained_weights(
+    model_parts: list[nn.Module], directory: str | Path, *, allow_pickle_weights: bool = False
+) -> None:
+    """Fill every parameter and persistent buffer of `model_parts` from HF weights in `directory`.
 
     Collective: every rank calls it with its own parts. Tied weights absent from the files are
-    left to the tie. Raises `ValueError` naming missing keys or a directory without safetensors.
+    left to the tie. Reads ``*.safetensors``; a directory holding only pickled weights
+    (``*.bin``, ``*.pt``, ...) is refused unless `allow_pickle_weights` (YAML
+    ``model.allow_pickle_weights``), and then read with ``torch.load(weights_only=True)``.
+    Raises `ValueError` naming missing keys or a directory without loadable weights.
     """
     directory = Path(directory)
-    if not directory.is_dir() or not any(directory.glob("*.safetensors")):
-        raise ValueError(f"model directory {str(directory)!r} holds no *.safetensors files")
+    if not directory.is_dir():
+        raise ValueError(f"model directory {str(directory)!r} does not exist")
+    if not any(directory.glob("*.safetensors")):
+        pickled = _pickle_weight_files(directory)
+        if not pickled:
+            raise ValueError(f"model directory {str(directory)!r} holds no *.safetensors files")
+        if not allow_pickle_weights:
+            raise ValueError(
+                f"model directory {str(directory)!r} holds only pickled weights "
+                f"({', '.join(p.name for p in pickled[:4])}), which can run code when loaded; convert them "
+                "to safetensors, or set model.allow_pickle_weights: true if you trust them "
+                "(they are then read with torch.load(weights_only=True)), got model.allow_pickle_weights=False"
+            )
+        _load_pickled_weights(model_parts, directory, pickled)
+        return
     reader = dcp.HuggingFaceStorageReader(path=str(directory))
     available = set(reader.read_metadata().state_dict_metadata)
     part_sds = [get_model_state_dict(part) for part in model_parts]
+    _check_missing(model_parts, part_sds, available, directory)
+    to_load = {k: v for sd in part_sds for k, v in sd.items() if k in available}
+    dcp.load(to_load, storage_reader=reader)
+    for part, sd in zip(model_parts, part_sds):
+        set_model_state_dict(part, {k: to_load.get(k, v) for k, v in sd.items()})
+
+
+def _load_pickled_weights(model_parts: list[nn.Module], directory: Path, files: list[Path]) -> None:
+    """Opted-in path: every rank reads the full files with weights_only=True, then shards them."""
+    full: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            loaded = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # noqa: BLE001 - refused by the restricted unpickler or unreadable
+            raise ValueError(
+                f"model directory {str(directory)!r}: {path.name} cannot be read with "
+                f"torch.load(weights_only=True) ({type(err).__name__}: {str(err).splitlines()[0]})"
+            ) from None
+        if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+            raise ValueError(
+                f"model directory {str(directory)!r}: {path.name} is not a state dict of tensors"
+            )
+        full.update(loaded)
+    part_sds = [get_model_state_dict(part) for part in model_parts]
+    _check_missing(model_parts, part_sds, set(full), directory)
+    options = StateDictOptions(full_state_dict=True)
+    for part, sd in zip(model_parts, part_sds):
+        # Every key of the part, in its own order, on every rank: distributing a full tensor to a
+        # DTensor is a collective over that tensor's mesh. Tied keys absent from the files keep the tie.
+        first_name = _first_names(part)
+        values: dict[str, Any] = {}
+        for key, value in sd.items():
+            source = key if key in full else first_name.get(key, key)
+            if source in full:
+                values[key] = full[source].to(value.dtype)
+            else:
+                values[key] = value.full_tensor() if isinstance(value, DTensor) else value
+        set_model_state_dict(part, values, options=options)
+
+
+def _first_names(part: nn.Module) -> dict[str, str]:
+    """Parameter name -> the first name of the same (tied) parameter."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in part.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(param), name)
+    return out
+
+
+def _check_missing(
+    model_parts: list[nn.Module], part_sds: list[dict[str, Any]], available: set[str], directory: Path
+) -> None:
     missing: list[str] = []
     for part, sd in zip(model_parts, part_sds):
         tied = _tied_keys(part, set(sd))
@@ -53,7 +141,3 @@ def load_pretrained_weights(model_parts: list[nn.Module], directory: str | Path)
         raise ValueError(
             f"model directory {str(directory)!r} lacks {len(missing)} weights this model needs: {shown}"
         )
-    to_load = {k: v for sd in part_sds for k, v in sd.items() if k in available}
-    dcp.load(to_load, storage_reader=reader)
-    for part, sd in zip(model_parts, part_sds):
-        set_model_state_dict(part, {k: to_load.get(k, v) for k, v in sd.items()})

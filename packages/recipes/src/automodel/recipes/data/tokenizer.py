@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.trust import announce_remote_code
 
 
 class ByteTokenizer:
@@ -27,13 +28,28 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local `transformers` tokenizer directory behind the same two-method interface."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, trust_remote_code: bool = False) -> None:
         from transformers import AutoTokenizer
 
         if not Path(path).is_dir():
             raise ConfigError("tokenizer.path", path, "is not a local directory")
+        if trust_remote_code:
+            announce_remote_code(key="tokenizer.trust_remote_code", path=path)
         try:
-            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self._tok = AutoTokenizer.from_pretrained(
+                path, local_files_only=True, trust_remote_code=trust_remote_code
+            )
+        except ValueError as e:
+            if not trust_remote_code and "trust_remote_code" in str(e):
+                raise ConfigError(
+                    "tokenizer.trust_remote_code",
+                    False,
+                    f"{path} needs its own Python code (auto_map) to load; it was not run. "
+                    "Set tokenizer.trust_remote_code: true only if you trust that directory",
+                ) from None
+            raise ConfigError(
+                "tokenizer.path", path, f"cannot be loaded as a HF tokenizer ({type(e).__name__})"
+            ) from None
         except Exception as e:  # noqa: BLE001 - any failure to load is a config problem
             raise ConfigError(
                 "tokenizer.path", path, f"cannot be loaded as a HF tokenizer ({type(e).__name__})"
@@ -54,5 +70,6 @@ class HFTokenizer:
         return self._tok.save_pretrained(str(directory))
 
 
-def build_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
-    return ByteTokenizer() if path is None else HFTokenizer(path)
+def build_tokenizer(path: str | None, *, trust_remote_code: bool = False) -> ByteTokenizer | HFTokenizer:
+    """The byte tokenizer, or the local HF tokenizer at `path` (its own code runs only if trusted)."""
+    return ByteTokenizer() if path is None else HFTokenizer(path, trust_remote_code=trust_remote_code)
