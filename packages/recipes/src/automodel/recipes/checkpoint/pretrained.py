@@ -11,6 +11,7 @@ torch's restricted unpickler, and every rank reads the full files.
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,9 @@ def _load_pickled_weights(model_parts: list[nn.Module], directory: Path, files: 
     full: dict[str, torch.Tensor] = {}
     for path in files:
         try:
-            loaded = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            loaded = torch.load(
+                str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
+            )
         except Exception as err:  # noqa: BLE001 - refused by the restricted unpickler or unreadable
             raise ValueError(
                 f"model directory {str(directory)!r}: {path.name} cannot be read with "
