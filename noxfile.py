@@ -1,4 +1,6 @@
-"""Sessions: `tests` (CPU suite of every package and tests/), `gpu_tests` (tests marked gpu), `lint`.
+"""Sessions: `tests` (CPU suite of every package and tests/), `gpu_tests` (tests marked gpu), `lint`,
+`build` (wheel + sdist per package, checked), `install_alone` (each wheel alone in a fresh venv,
+imported and smoke-run), `release_check` (versions, changelogs and release tags agree).
 
 All sessions run in the workspace environment (`uv run --frozen nox -s ...`), so torch is never
 installed twice. `gpu_tests` runs scripts/gpu_check.sh, which also works on GPU runners that have
@@ -53,3 +55,33 @@ def lint(session: nox.Session) -> None:
     """ruff lint and format check over the whole tree."""
     session.run(sys.executable, "-m", "ruff", "check", ".")
     session.run(sys.executable, "-m", "ruff", "format", "--check", ".")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheel + sdist of each of the seven packages into dist/ (`uv build --package ...`), checked.
+
+    The wheel rebuilt from each sdist must equal the tree's (file list and hashes); `twine check
+    --strict` (metadata, README rendering); LICENSE, py.typed, version and sibling bounds in each
+    wheel. `nox -s build -- --out DIR` writes elsewhere. See scripts/dists.py.
+    """
+    session.run(sys.executable, str(ROOT / "scripts" / "dists.py"), "build", *session.posargs)
+
+
+@nox.session
+def install_alone(session: nox.Session) -> None:
+    """Build (as `build`), then install each wheel alone into a fresh `uv venv` and smoke-run it.
+
+    Only the package's declared dependencies: siblings from the just-built wheels, third-party
+    packages at uv.lock's versions from the uv cache. `-- --only automodel-pipeline` limits it.
+    .ci/run runs it. See scripts/dists.py and scripts/install_alone/.
+    """
+    session.run(sys.executable, str(ROOT / "scripts" / "dists.py"), "install-alone", *session.posargs)
+
+
+@nox.session
+def release_check(session: nox.Session) -> None:
+    """Fail when a package changed since its last release tag (`<distribution>-v<version>`) without a
+    version bump and a changelog entry, or lacks a CHANGELOG.md entry for its current version.
+    See RELEASING.md and scripts/release_check.py."""
+    session.run(sys.executable, str(ROOT / "scripts" / "release_check.py"))

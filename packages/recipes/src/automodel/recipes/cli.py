@@ -1,4 +1,4 @@
-"""The `recipes` console script: ``train``, ``validate`` and ``plot``.
+"""The `recipes` console script: ``train``, ``validate`` and ``plot`` (and ``--version``).
 
 Config mistakes exit with code 2 and one line ``error: <key>=<value>: <why>``, with no traceback,
 no process left behind and nothing written.
@@ -16,10 +16,55 @@ from automodel.recipes.errors import ConfigError
 EXIT_CONFIG_ERROR = 2
 
 
+AUTOMODEL_DISTRIBUTIONS = (
+    "automodel-recipes",
+    "automodel-mesh",
+    "automodel-fsdp2",
+    "automodel-megatron-fsdp-adapter",
+    "automodel-pipeline",
+    "automodel-context-parallel",
+    "automodel-moe-ep",
+)
+THIRD_PARTY_REPORTED = ("torch", "transformers", "megatron-fsdp")
+
+
+def version_report() -> str:
+    """`recipes --version`: one `name version` line per automodel package, torch, transformers and
+    megatron-fsdp ("not installed" where absent), read from the installed metadata (no imports)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def one(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            if name == "automodel-recipes":  # running from a source tree: the pyproject's version
+                from automodel.recipes import __version__
+
+                return f"{name} {__version__}"
+            return f"{name} not installed"
+
+    return "\n".join(one(name) for name in (*AUTOMODEL_DISTRIBUTIONS, *THIRD_PARTY_REPORTED))
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs) -> None:
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            help="print the versions of the automodel packages, torch, transformers and megatron-fsdp, and exit",
+        )
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_report())
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="recipes", description="Train Hugging Face LMs with composable parallelism."
     )
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train from a YAML config (any --section.key=value overrides it)")
     t.add_argument("config")
