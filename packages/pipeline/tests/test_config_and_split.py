@@ -174,9 +174,16 @@ def test_split_keeps_fqns_and_shares_modules() -> None:
     assert len(model.model.layers) == 4  # the model itself is untouched
 
 
-def test_validate_rejects_tied_encoder_decoder_and_layerless() -> None:
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        validate_hf_model_for_pipeline_support(tiny_llama(2, tie_word_embeddings=True))
+def test_tied_embedding_is_held_by_first_and_last_stage() -> None:
+    tied = tiny_llama(4, tie_word_embeddings=True)
+    structure = validate_hf_model_for_pipeline_support(tied)
+    assert structure.tied_pre_fqns == ("model.embed_tokens",)
+    parts = hf_module_fqns_per_stage(tied, num_stages=2, structure=structure)
+    assert "model.embed_tokens" in parts[0] and "model.embed_tokens" in parts[1]
+    assert "lm_head" in parts[1] and "lm_head" not in parts[0]
+
+
+def test_validate_rejects_encoder_decoder_and_layerless() -> None:
     t5 = T5ForConditionalGeneration(
         T5Config(
             vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, tie_word_embeddings=False

@@ -9,11 +9,12 @@ from automodel.pipeline._version import __version__ as __version__
 from automodel.pipeline.autopipeline import LABEL_PAD, AutoPipeline, PipelineModel
 from automodel.pipeline.config import PipelineConfig
 from automodel.pipeline.hf import (
-    CausalLMStage,
     hf_module_fqns_per_stage,
     is_hf_causal_lm,
     validate_hf_model_for_pipeline_support,
 )
+from automodel.pipeline.hf_stage import CausalLMStage
+from automodel.pipeline.hf_structure import HFStructure, PipelineSplitError, trace_hf_structure
 from automodel.pipeline.layout import num_stages_for, split_layers_evenly, stage_ids_this_rank
 from automodel.pipeline.schedules import ScheduleSpec, known_schedule_names, resolve_schedule
 from automodel.pipeline.split import check_parameter_coverage, split_module
@@ -22,8 +23,10 @@ __all__ = [
     "LABEL_PAD",
     "AutoPipeline",
     "CausalLMStage",
+    "HFStructure",
     "PipelineConfig",
     "PipelineModel",
+    "PipelineSplitError",
     "ScheduleSpec",
     "check_parameter_coverage",
     "hf_module_fqns_per_stage",
@@ -34,5 +37,6 @@ __all__ = [
     "split_layers_evenly",
     "split_module",
     "stage_ids_this_rank",
+    "trace_hf_structure",
     "validate_hf_model_for_pipeline_support",
 ]

@@ -22,14 +22,16 @@ from automodel.mesh import MeshContext
 from automodel.pipeline.config import PipelineConfig
 from automodel.pipeline.hf import (
     hf_module_fqns_per_stage,
-    hf_num_layers,
     is_hf_causal_lm,
     make_causal_lm_stage,
+    tied_parameter_names,
     validate_hf_model_for_pipeline_support,
 )
+from automodel.pipeline.hf_structure import HFStructure
 from automodel.pipeline.layout import check_stages_per_rank, num_stages_for, stage_ids_this_rank
 from automodel.pipeline.schedules import read_csv_stage_layout
 from automodel.pipeline.split import check_parameter_coverage, modules_in_several_stages, split_module
+from automodel.pipeline.tied import TiedParameters
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ParallelizeFn = Callable[..., nn.Module | None]
@@ -52,18 +54,24 @@ class AutoPipeline:
 
     def stage_layout(self, model: nn.Module) -> tuple[list[list[str]], dict[int, list[int]]]:
         """Module FQNs of every stage and the stage ids of every pp rank, for `model`."""
+        fqns, ranks, _ = self._stage_layout(model)
+        return fqns, ranks
+
+    def _stage_layout(
+        self, model: nn.Module
+    ) -> tuple[list[list[str]], dict[int, list[int]], HFStructure | None]:
         cfg, spec = self.config, self.config.schedule_spec
         pp_size = self.mesh.size("pp")
-        hf = is_hf_causal_lm(model)
+        structure = None
         if cfg.module_fqns_per_model_part is None:
-            if not hf:
+            if not is_hf_causal_lm(model):
                 if getattr(model, "config", None) is not None:
                     validate_hf_model_for_pipeline_support(model)  # says what is wrong with this HF model
                 raise ValueError(
                     f"{type(model).__name__} is not a Hugging Face causal LM: set module_fqns_per_model_part "
                     "(one list of module FQNs per stage)"
                 )
-            validate_hf_model_for_pipeline_support(model)
+            structure = validate_hf_model_for_pipeline_support(model)
         if cfg.pp_schedule_csv is not None:
             ranks = read_csv_stage_layout(cfg.pp_schedule_csv, pp_size=pp_size)
             num_stages = sum(len(s) for s in ranks.values())
@@ -72,7 +80,7 @@ class AutoPipeline:
             check_stages_per_rank(num_stages=num_stages, pp_size=pp_size, multi_stage=spec.multi_stage)
         else:
             num_stages = num_stages_for(
-                num_layers=hf_num_layers(model),
+                num_layers=structure.num_layers,
                 pp_size=pp_size,
                 multi_stage=spec.multi_stage,
                 layers_per_stage=cfg.layers_per_stage,
@@ -92,8 +100,8 @@ class AutoPipeline:
                     f"module_fqns_per_model_part has {len(fqns)} parts but pp_schedule_csv lays out {num_stages} stages"
                 )
         else:
-            fqns = hf_module_fqns_per_stage(model, num_stages=num_stages)
-        return fqns, ranks
+            fqns = hf_module_fqns_per_stage(model, num_stages=num_stages, structure=structure)
+        return fqns, ranks, structure
 
     def build(
         self,
@@ -112,20 +120,22 @@ class AutoPipeline:
         None when it changed the module in place).
         """
         cfg, spec = self.config, self.config.schedule_spec
-        fqns_per_stage, ranks = self.stage_layout(model)
-        check_parameter_coverage(model, fqns_per_stage)
+        fqns_per_stage, ranks, structure = self._stage_layout(model)
+        tied = tied_parameter_names(model, fqns_per_stage) if structure is not None else {}
+        check_parameter_coverage(model, fqns_per_stage, shared_ok=tied)
         pp_mesh = self.mesh.get_mesh("pp")
         pp_rank = pp_mesh.get_local_rank()
         num_stages = len(fqns_per_stage)
         shared = modules_in_several_stages(fqns_per_stage)
-        hf = cfg.module_fqns_per_model_part is None or is_hf_causal_lm(model)
 
         parts: list[nn.Module] = []
         stages: list[PipelineStage] = []
         for stage_index in ranks[pp_rank]:
             part = split_module(model, fqns=fqns_per_stage[stage_index], shared_fqns=shared)
-            if hf:
-                part = make_causal_lm_stage(part, config=model.config)
+            if structure is not None:
+                part = make_causal_lm_stage(
+                    part, model=model, structure=structure, stage_index=stage_index, num_stages=num_stages
+                )
             if cfg.dtype is not None:
                 part = part.to(dtype=cfg.dtype)
             if parallelize_fn is not None:
@@ -136,6 +146,9 @@ class AutoPipeline:
             stages.append(
                 PipelineStage(part, stage_index, num_stages, self.device, group=pp_mesh.get_group())
             )
+        tied_parameters = TiedParameters.build(
+            mesh=self.mesh, holders=tied, stage_ids_per_rank=ranks, model_parts=parts
+        )
 
         if cfg.pp_schedule_csv is not None:
             schedule = _PipelineScheduleRuntime(
@@ -162,6 +175,7 @@ class AutoPipeline:
             stage_ids_per_rank=ranks,
             pp_group=pp_mesh.get_group(),
             device=self.device,
+            tied_parameters=tied_parameters,
         )
 
 
@@ -204,6 +218,7 @@ class PipelineModel:
         stage_ids_per_rank: dict[int, list[int]],
         pp_group: dist.ProcessGroup,
         device: torch.device,
+        tied_parameters: TiedParameters | None = None,
     ) -> None:
         self.config = config
         self.stages = stages
@@ -214,6 +229,7 @@ class PipelineModel:
         self.stage_ids_per_rank = stage_ids_per_rank
         self.pp_group = pp_group
         self.device = device
+        self.tied_parameters = tied_parameters or TiedParameters.none()
         self._seq_len: int | None = config.pp_seq_len
 
     # ---- layout --------------------------------------------------------------------------
@@ -241,6 +257,16 @@ class PipelineModel:
         """Parameters of this rank's stages under their FQNs in the full model."""
         for part in self.model_parts:
             yield from part.named_parameters()
+
+    def sync_tied_gradients(self) -> None:
+        """Sum the gradients of tied weights over the stages holding them (call after the last
+        backward of a step, before clipping and the optimizer step), so every copy steps alike."""
+        self.tied_parameters.sync_gradients()
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters for a global gradient norm: each tied weight counted on one stage."""
+        duplicates = self.tied_parameters.duplicate_ids()
+        return [p for p in self.parameters() if id(p) not in duplicates]
 
     def train(self, mode: bool = True) -> PipelineModel:
         for part in self.model_parts:

@@ -12,7 +12,7 @@ Face causal LMs get a stage forward of their own (see `hf.py`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch import nn
 
@@ -60,9 +60,36 @@ def check_fqns_exist(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) 
 def split_module(model: nn.Module, *, fqns: Sequence[str], shared_fqns: Sequence[str] = ()) -> nn.Module:
     """The stage of `model` that holds the modules `fqns` (parameter FQNs unchanged).
 
-    Modules in `shared_fqns` (kept by more than one stage) are deep-copied instead of shared.
+    Modules in `shared_fqns` (kept by more than one stage) are deep-copied instead of shared. A
+    parameter the model holds in several modules (tied weights) stays one parameter in the stage.
     """
-    return _prune(model, set(fqns), set(shared_fqns), "")
+    stage = _prune(model, set(fqns), set(shared_fqns), "")
+    _retie(stage, model)
+    return stage
+
+
+def _retie(stage: nn.Module, model: nn.Module) -> None:
+    """Where `model` holds one parameter in several modules, make the stage's copies one object."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((mod_name, attr))
+    for places in holders.values():
+        if len(places) < 2:
+            continue
+        present = []
+        for mod_name, attr in places:
+            try:
+                module = stage.get_submodule(mod_name)
+            except AttributeError:
+                continue
+            if module is not None and module._parameters.get(attr) is not None:
+                present.append((module, attr))
+        if len(present) > 1:
+            first = present[0][0]._parameters[present[0][1]]
+            for module, attr in present[1:]:
+                module._parameters[attr] = first
 
 
 def modules_in_several_stages(fqns_per_stage: Sequence[Sequence[str]]) -> set[str]:
@@ -73,8 +100,11 @@ def modules_in_several_stages(fqns_per_stage: Sequence[Sequence[str]]) -> set[st
     return {fqn for fqn, count in seen.items() if count > 1}
 
 
-def check_parameter_coverage(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> None:
-    """Each parameter of `model` must land in exactly one stage (none lost, none duplicated)."""
+def check_parameter_coverage(
+    model: nn.Module, fqns_per_stage: Sequence[Sequence[str]], *, shared_ok: Collection[str] = ()
+) -> None:
+    """Each parameter of `model` must land in exactly one stage (none lost, none duplicated), except
+    the parameters named in `shared_ok` (tied weights whose gradients the pipeline synchronises)."""
     check_fqns_exist(model, fqns_per_stage)
     owner: dict[int, list[int]] = {}
     names: dict[int, str] = {}
@@ -91,7 +121,9 @@ def check_parameter_coverage(model: nn.Module, fqns_per_stage: Sequence[Sequence
             f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} are in no pipeline stage; "
             "add their modules to module_fqns_per_model_part"
         )
-    doubled = {names[k]: stages for k, stages in owner.items() if len(stages) > 1}
+    doubled = {
+        names[k]: stages for k, stages in owner.items() if len(stages) > 1 and names[k] not in shared_ok
+    }
     if doubled:
         first = dict(list(doubled.items())[:5])
         raise ValueError(

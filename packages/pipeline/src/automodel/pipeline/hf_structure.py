@@ -1,0 +1,282 @@
+"""What a Hugging Face causal LM does around its decoder layers, read off one traced forward.
+
+A pipeline stage runs the model's own ``forward`` (see `hf_stage.py`), so the split only needs to
+know, for the modules that hold parameters outside the decoder layers, whether the model runs
+them *before* the layers (embeddings, learned positions, embedding norms: the first stage holds
+them) or *after* them (final norm, LM head: the last stage). Registration order cannot tell (OPT
+registers its final norm before its layers), so one forward is traced on a parameter-free copy
+of the model (meta tensors, torch's fake-tensor mode) and the call order is recorded, together
+with how the layers take and return hidden states. Nothing here is specific to one family.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Sequence length of the traced forward (any length the model accepts; shapes only).
+_TRACE_SEQ = 16
+
+
+@dataclass(frozen=True)
+class HFStructure:
+    """The layer list and the roles of the other parameter-holding modules of one model."""
+
+    model_type: str
+    #: FQN of the ModuleList of decoder layers, e.g. ``model.layers`` or ``transformer.h``.
+    layers_fqn: str
+    num_layers: int
+    #: Modules with parameters the forward runs before the first layer (held by the first stage).
+    pre_fqns: tuple[str, ...]
+    #: Modules with parameters the forward runs after the last layer (held by the last stage).
+    post_fqns: tuple[str, ...]
+    #: Modules with parameters whose ``forward`` never ran (kept on the first stage, as one process would).
+    unused_fqns: tuple[str, ...]
+    #: Parameter-free modules outside the layers (rotary embeddings, dropout): on every stage.
+    stateless_fqns: tuple[str, ...]
+    #: Pre-modules that share a parameter with a post-module (tied input/output embeddings).
+    tied_pre_fqns: tuple[str, ...]
+    #: 0: a layer returns the hidden states; n > 0: a tuple of n items, hidden states first.
+    layer_output_len: int
+    #: Keyword under which the model passes hidden states to a layer; None: first positional.
+    hidden_kwarg: str | None
+    #: Width of the layers' hidden states and of the input embeddings (inputs_embeds).
+    hidden_size: int
+    embed_size: int
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def find_layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The decoder layers: the shallowest ModuleList of ``num_hidden_layers`` modules of one class
+    (or, without that config field, the longest such list)."""
+    expected = getattr(_text_config(model), "num_hidden_layers", None)
+    candidates = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0 or not name:
+            continue
+        kinds = {type(m) for m in module}
+        if len(kinds) == 1 and any(True for _ in module.parameters()):
+            candidates.append((name.count("."), -len(module), name, module))
+    if expected is not None:
+        matching = [c for c in candidates if -c[1] == expected]
+        candidates = matching or candidates
+    if not candidates:
+        return None
+    _, _, name, module = min(candidates, key=lambda c: (c[0], c[1]) if expected else (c[1], c[0]))
+    return name, module
+
+
+def _outside_modules(model: nn.Module, layers_fqn: str) -> tuple[list[str], list[str], list[str]]:
+    """Children of the ancestors of the layer list, off the path to it: (with params, without params,
+    ancestors that hold parameters of their own)."""
+    with_params, stateless, own_params = [], [], []
+    path = layers_fqn.split(".")
+    node, prefix = model, ""
+    for atom in path:
+        if any(True for _ in node.parameters(recurse=False)):
+            own_params.append(prefix or "<root>")
+        for name, child in node.named_children():
+            if name == atom or child is None:
+                continue
+            fqn = f"{prefix}{name}"
+            (with_params if any(True for _ in child.parameters()) else stateless).append(fqn)
+        node = getattr(node, atom)
+        prefix = f"{prefix}{atom}."
+    return with_params, stateless, own_params
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy whose parameters and buffers are meta tensors (no data is copied)."""
+    memo: dict[int, Any] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) in memo:
+            continue
+        meta = t.detach().to("meta")
+        memo[id(t)] = (
+            nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        )
+    return copy.deepcopy(module, memo)
+
+
+class PipelineSplitError(ValueError):
+    """The model cannot be split into pipeline stages generically; the message says why."""
+
+
+def trace_hf_structure(model: nn.Module) -> HFStructure:
+    """Trace one forward of a parameter-free copy of `model` and classify its modules.
+
+    Raises `PipelineSplitError` naming the model_type when the model cannot be split generically:
+    no layer list, parameters held by a module that runs between layers, a layer output the
+    stages cannot pass on, or a forward that cannot run on meta tensors.
+    """
+    config = _text_config(model)
+    model_type = str(getattr(config, "model_type", type(model).__name__))
+    found = find_layer_list(model)
+    if found is None:
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: no ModuleList of decoder layers found; pipelining splits a model by it"
+        )
+    layers_fqn, layers = found
+    with_params, stateless, own_params = _outside_modules(model, layers_fqn)
+    if own_params:
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: {own_params} hold parameters of their own outside any submodule; "
+            "a stage cannot tell when the model uses them"
+        )
+
+    twin = meta_copy(model)
+    # Shapes only: bf16 satisfies kernels whose meta implementations accept nothing else (grouped_mm).
+    twin.to(torch.bfloat16)
+    events: list[tuple[str, str]] = []
+    layer_io: dict[str, Any] = {}
+    twin_layers = twin.get_submodule(layers_fqn)
+    handles = []
+    for fqn in with_params:
+        handles.append(
+            twin.get_submodule(fqn).register_forward_pre_hook(
+                lambda m, a, f=fqn: events.append(("outside", f))
+            )
+        )
+    for i, layer in enumerate(twin_layers):
+        handles.append(
+            layer.register_forward_pre_hook(_layer_pre_hook(i, events, layer_io), with_kwargs=True)
+        )
+        handles.append(layer.register_forward_hook(_layer_post_hook(i, layer_io)))
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            ids = torch.zeros(1, _TRACE_SEQ, dtype=torch.long, device="meta")
+            positions = torch.arange(_TRACE_SEQ, device="meta").unsqueeze(0)
+            twin(input_ids=ids, position_ids=positions, use_cache=False)
+    except Exception as err:  # any failure means: cannot be split generically
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: its forward could not be traced on meta tensors to find what runs "
+            f"before and after the decoder layers ({type(err).__name__}: {str(err)[:300]})"
+        ) from err
+    finally:
+        for h in handles:
+            h.remove()
+    return _classify(
+        model,
+        model_type=model_type,
+        layers_fqn=layers_fqn,
+        num_layers=len(layers),
+        with_params=with_params,
+        stateless=stateless,
+        events=events,
+        layer_io=layer_io,
+    )
+
+
+def _layer_pre_hook(index: int, events: list, layer_io: dict[str, Any]) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        events.append(("layer", str(index)))
+        if index == 0 and "hidden_kwarg" not in layer_io:
+            if args and isinstance(args[0], torch.Tensor):
+                layer_io["hidden_kwarg"], layer_io["hidden_size"] = None, args[0].shape[-1]
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                layer_io["hidden_kwarg"], layer_io["hidden_size"] = (
+                    "hidden_states",
+                    kwargs["hidden_states"].shape[-1],
+                )
+
+    return hook
+
+
+def _layer_post_hook(index: int, layer_io: dict[str, Any]) -> Any:
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            layer_io.setdefault("outputs", set()).add(0)
+        elif isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            layer_io.setdefault("outputs", set()).add(len(output))
+        else:
+            layer_io.setdefault("outputs", set()).add(-1)
+
+    return hook
+
+
+def _classify(
+    model: nn.Module,
+    *,
+    model_type: str,
+    layers_fqn: str,
+    num_layers: int,
+    with_params: list[str],
+    stateless: list[str],
+    events: list[tuple[str, str]],
+    layer_io: dict[str, Any],
+) -> HFStructure:
+    layer_steps = [i for i, (kind, _) in enumerate(events) if kind == "layer"]
+    called = {name for kind, name in events if kind == "layer"}
+    if len(called) != num_layers:
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: the traced forward ran {len(called)} of its {num_layers} decoder layers"
+        )
+    first, last = layer_steps[0], layer_steps[-1]
+    pre, post, unused, interleaved = [], [], [], []
+    steps_of = {
+        fqn: [i for i, (kind, name) in enumerate(events) if kind == "outside" and name == fqn]
+        for fqn in with_params
+    }
+    # In the order the forward runs them (registration order can differ).
+    for fqn in sorted(with_params, key=lambda f: steps_of[f][0] if steps_of[f] else len(events)):
+        steps = steps_of[fqn]
+        if not steps:
+            unused.append(fqn)
+        elif any(first < s < last for s in steps) or (
+            any(s < first for s in steps) and any(s > last for s in steps)
+        ):
+            interleaved.append(fqn)
+        elif steps[0] < first:
+            pre.append(fqn)
+        else:
+            post.append(fqn)
+    if interleaved:
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: {interleaved} run between (or both before and after) the decoder layers, "
+            "so no single pipeline stage can hold them"
+        )
+    outputs = layer_io.get("outputs", set())
+    if len(outputs) != 1 or -1 in outputs or "hidden_kwarg" not in layer_io:
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: its decoder layers do not take and return hidden states in one "
+            "way (a tensor, or a tuple with the hidden states first), so stages cannot pass them on"
+        )
+    embed_size = _input_embedding_size(model) or layer_io["hidden_size"]
+    return HFStructure(
+        model_type=model_type,
+        layers_fqn=layers_fqn,
+        num_layers=num_layers,
+        pre_fqns=tuple(pre),
+        post_fqns=tuple(post),
+        unused_fqns=tuple(unused),
+        stateless_fqns=tuple(stateless),
+        tied_pre_fqns=tuple(_tied_pre_modules(model, pre, post)),
+        layer_output_len=next(iter(outputs)),
+        hidden_kwarg=layer_io["hidden_kwarg"],
+        hidden_size=int(layer_io["hidden_size"]),
+        embed_size=int(embed_size),
+    )
+
+
+def _input_embedding_size(model: nn.Module) -> int | None:
+    try:
+        weight = model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError):
+        return None
+    return int(weight.shape[-1])
+
+
+def _tied_pre_modules(model: nn.Module, pre: list[str], post: list[str]) -> list[str]:
+    """Pre-modules holding a parameter that a post-module holds too (the same tensor object)."""
+    post_params = {id(p) for fqn in post for p in model.get_submodule(fqn).parameters()}
+    return [fqn for fqn in pre if any(id(p) in post_params for p in model.get_submodule(fqn).parameters())]

@@ -1,0 +1,113 @@
+"""Tied weights across pipeline stages (input embedding = LM head): one weight, several copies.
+
+The first stage uses the weight as the embedding, the last as the head. Each holds a copy under
+the weight's name in the model, initialised or loaded identically. After backward, the copies'
+gradients are summed over the stages holding them, so every copy takes the same optimizer step
+and the tie holds exactly, as in one process. For the gradient norm, one copy counts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from automodel.mesh import MeshContext
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return t.to_local() if isinstance(t, DTensor) else t
+
+
+class TiedParameters:
+    """The tied weights of this rank's stages and the groups of ranks that hold their copies."""
+
+    def __init__(
+        self, entries: list[tuple[str, list[nn.Parameter], dist.ProcessGroup | None]], duplicates: set[int]
+    ) -> None:
+        self._entries = entries
+        self._duplicates = duplicates
+
+    @classmethod
+    def none(cls) -> TiedParameters:
+        return cls([], set())
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        mesh: MeshContext,
+        holders: dict[str, list[int]],
+        stage_ids_per_rank: dict[int, list[int]],
+        model_parts: list[nn.Module],
+    ) -> TiedParameters:
+        """Collective over the world: every rank makes the same process groups in the same order."""
+        if not holders:
+            return cls.none()
+        layout, me = mesh.layout, mesh.rank
+        pp_rank_of = {s: r for r, stages in stage_ids_per_rank.items() for s in stages}
+        pp_groups = sorted({tuple(layout.group_ranks(r, "pp")) for r in range(mesh.world_size)})
+        groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        entries, duplicates = [], set()
+        for name in sorted(holders):
+            stages = holders[name]
+            holder_pp = tuple(sorted({pp_rank_of[s] for s in stages}))
+            if holder_pp not in groups:
+                groups[holder_pp] = None
+                if len(holder_pp) > 1:
+                    for pp_group in pp_groups:  # every rank creates every group (new_group is collective)
+                        group = dist.new_group([pp_group[i] for i in holder_pp])
+                        if me in (pp_group[i] for i in holder_pp):
+                            groups[holder_pp] = group
+            copies = []
+            for part in model_parts:
+                params = dict(part.named_parameters())
+                if name in params:
+                    copies.append(params[name])
+                    if getattr(part, "stage_index", min(stages)) != min(stages):
+                        duplicates.add(id(params[name]))
+            if copies:
+                entries.append((name, copies, groups[holder_pp]))
+        tied = cls(entries, duplicates)
+        tied._check_shapes()
+        return tied
+
+    def _check_shapes(self) -> None:
+        """The copies must be laid out alike on every holder, or summing their gradients is wrong."""
+        for name, copies, group in self._entries:
+            shapes = {tuple(_local(p).shape) for p in copies}
+            if group is not None:
+                gathered: list[object] = [None] * dist.get_world_size(group)
+                dist.all_gather_object(gathered, sorted(shapes), group=group)
+                shapes = {tuple(s) for per_rank in gathered for s in per_rank}  # type: ignore[union-attr]
+            if len(shapes) > 1:
+                raise ValueError(
+                    f"the pipeline stages holding the tied weight {name} shard it differently ({sorted(shapes)} "
+                    "local shapes); keep it replicated over tp or build the model with tie_word_embeddings=False"
+                )
+
+    def duplicate_ids(self) -> set[int]:
+        """Ids of the copies not counted in a gradient norm (all but the lowest stage's)."""
+        return set(self._duplicates)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _, _ in self._entries]
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        for _, copies, group in self._entries:
+            grads = []
+            for p in copies:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(_local(p.grad))
+            total = grads[0].clone()
+            for g in grads[1:]:
+                total += g
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for g in grads:
+                g.copy_(total)

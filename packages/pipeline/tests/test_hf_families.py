@@ -1,0 +1,146 @@
+"""Stages run the model's own forward: families whose math differs from Llama's, pp2 vs one process.
+
+Each case switches on what a re-implemented Llama stage forward would drop (embedding scale,
+multipliers, logit scaling and soft-capping, sliding-window layers, learned positions, an
+embedding norm, projections around the layers, tuple-returning layers, tied embeddings), and
+compares fp32 loss and every gradient with one process over two SGD steps. The test also checks
+what each rank holds, so it fails if the split did not happen.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from automodel.mesh import MeshContext, ParallelismSizes
+from automodel.mesh.testing import run_on_ranks
+from automodel.pipeline import AutoPipeline, PipelineConfig
+
+VOCAB, SEQ, BATCH, MICRO, LAYERS, LR, STEPS = 96, 12, 4, 2, 4, 0.5, 2
+SMALL = {
+    "num_hidden_layers": LAYERS,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+}
+
+CASES: dict[str, dict] = {
+    "granite_multipliers": {
+        "model_type": "granite",
+        "embedding_multiplier": 3.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.3,
+        "logits_scaling": 2.0,
+        "tie_word_embeddings": False,
+    },
+    "cohere_logit_scale_tied": {"model_type": "cohere", "logit_scale": 0.5, "tie_word_embeddings": True},
+    "gemma3_sliding_softcap_tied": {
+        "model_type": "gemma3_text",
+        "sliding_window": 4,
+        "final_logit_softcapping": 3.0,
+        "tie_word_embeddings": True,
+    },
+    "llama_tied": {"model_type": "llama", "tie_word_embeddings": True},
+    "opt_projections": {
+        "model_type": "opt",
+        "ffn_dim": 64,
+        "word_embed_proj_dim": 16,
+        "tie_word_embeddings": False,
+    },
+    "gpt2_learned_positions_tied": {"model_type": "gpt2", "n_embd": 32, "n_layer": LAYERS, "n_head": 4},
+    "bloom_tuple_layers_tied": {"model_type": "bloom", "n_layer": LAYERS, "n_head": 4},
+}
+
+
+def build(case: str) -> torch.nn.Module:
+    options = dict(CASES[case])
+    config = AutoConfig.for_model(options.pop("model_type"))
+    for key, value in {**SMALL, **options}.items():
+        if hasattr(config, key) or key in options:
+            setattr(config, key, value)
+    for key, value in config.to_dict().items():  # dropout would make the runs differ by RNG
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    config._attn_implementation = "eager" if config.model_type in ("gemma3_text", "bloom") else "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[0, -4:] = -100
+    return ids, labels
+
+
+def loss_of(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
+
+
+def reference(case: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    model = build(case)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], []
+    for step in range(STEPS):
+        ids, labels = batch(step)
+        loss = loss_of(model(input_ids=ids).logits, labels, int((labels != -100).sum()))
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def pipelined(case: str) -> dict:
+    mesh = MeshContext.build(ParallelismSizes(pp_size=2))
+    tokens = [0]
+    pipe = AutoPipeline(
+        mesh=mesh, config=PipelineConfig(pp_batch_size=BATCH, pp_microbatch_size=MICRO)
+    ).build(build(case), loss_fn=lambda logits, labels: loss_of(logits, labels, tokens[0]))
+    opt = torch.optim.SGD(list(pipe.parameters()), lr=LR)
+    out: dict = {"losses": [], "grads": [], "held": sorted(n for n, _ in pipe.named_parameters())}
+    out["tied"] = pipe.tied_parameters.names
+    for step in range(STEPS):
+        ids, labels = batch(step)
+        tokens[0] = int((labels != -100).sum())
+        loss = pipe.reduce_loss(pipe.step(ids, labels=labels))
+        pipe.sync_tied_gradients()
+        out["losses"].append(loss.item())
+        out["grads"].append({n: p.grad.clone() for n, p in pipe.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pp2_equals_one_process(case: str) -> None:
+    ref_losses, ref_grads = reference(case)
+    ranks = run_on_ranks(pipelined, world_size=2, args=(case,), timeout_s=240)
+    for rank in ranks:
+        assert rank["losses"] == pytest.approx(ref_losses, rel=1e-5), (rank["losses"], ref_losses)
+    held = [set(r["held"]) for r in ranks]
+    layer_names = [
+        {n.split(".layers.")[-1].split(".")[0] for n in h if ".layers." in n or ".h." in n} for h in held
+    ]
+    assert held[0] != held[1] and all(layer_names), f"each stage holds its own layers: {layer_names}"
+    everything = set(ref_grads[0])
+    assert held[0] | held[1] == everything, everything ^ (held[0] | held[1])
+    shared = held[0] & held[1]
+    assert shared == set(ranks[0]["tied"]) == set(ranks[1]["tied"]), shared  # only tied weights on both
+    for step in range(STEPS):
+        for rank in ranks:
+            for name, grad in rank["grads"][step].items():
+                torch.testing.assert_close(
+                    grad, ref_grads[step][name], rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}"
+                )
