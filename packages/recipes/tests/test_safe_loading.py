@@ -471,6 +471,8 @@ def test_remote_model_code_is_not_run_by_default(tmp_path, modules_cache, capsys
     assert marker.exists()
     err = capsys.readouterr().err
     assert err.count("model.trust_remote_code: true") == 1 and str(d) in err
+    build_hf_config(_section(d, trust_remote_code=True), announce=False)  # the pre-launch check is quiet
+    assert "trust_remote_code" not in capsys.readouterr().err
     assert type(build_meta_model(cfg, trust_remote_code=True)).__name__ == "EvilModel"
 
 

@@ -13,8 +13,12 @@ from automodel.recipes.instantiate import resolve_dtype
 from automodel.recipes.trust import announce_remote_code
 
 
-def build_hf_config(section: Any) -> Any:
-    """A transformers config from ``model.config`` (with ``model_type``) or ``model.pretrained_path``."""
+def build_hf_config(section: Any, *, announce: bool = True) -> Any:
+    """A transformers config from ``model.config`` (with ``model_type``) or ``model.pretrained_path``.
+
+    With ``model.trust_remote_code: true`` and `announce`, rank 0 prints that the directory's code
+    may run (the pre-launch layout check passes ``announce=False``: the run itself says it once).
+    """
     from transformers import AutoConfig
 
     if section.config is not None:
@@ -41,7 +45,7 @@ def build_hf_config(section: Any) -> Any:
                 "model.pretrained_path", str(path), "is not a local HF model directory (no config.json)"
             )
         trust = section.trust_remote_code
-        if trust:
+        if trust and announce:
             announce_remote_code(key="model.trust_remote_code", path=str(path))
         try:
             cfg = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust)

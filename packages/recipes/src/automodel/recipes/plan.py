@@ -89,7 +89,7 @@ def _gib(x: float) -> str:
 def plan_layout(cfg: RecipeConfig, *, world_size: int) -> tuple[ResolvedLayout, MemoryEstimate, list[str]]:
     """Build every mesh for `world_size` fake ranks, check every rule; return the report lines."""
     layout = resolve_layout(cfg.distributed, world_size)
-    hf_config = build_hf_config(cfg.model)
+    hf_config = build_hf_config(cfg.model, announce=False)  # the run announces remote code once
     check_layout_rules(cfg, layout, hf_config)
     with fake_world(world_size):
         mesh = MeshContext.build(cfg.distributed.sizes, device_type="cpu")
