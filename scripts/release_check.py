@@ -7,6 +7,8 @@ For each package under packages/ (its version from pyproject.toml):
 
 - its CHANGELOG.md has an entry `## [<version>]` for the current version, and no entry for a
   newer one (an `## [Unreleased]` section is allowed on top);
+- once the current version is tagged, its entry carries the release date (`## [0.1.0] - 2025-01-31`;
+  `- unreleased` until then);
 - with no release tag yet, that is all (the first release is whatever is current);
 - with tags, the current version is not older than the newest tagged one; if it *is* the newest
   tagged one, nothing that goes into the distribution (`src/`, `pyproject.toml`, `README.md`,
@@ -31,7 +33,8 @@ from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
 RELEASE_PATHS = ("src", "pyproject.toml", "README.md", "LICENSE")
-_HEADING = re.compile(r"^## \[([^\]]+)\]", re.M)
+_HEADING = re.compile(r"^## \[([^\]]+)\](.*)$", re.M)
+_DATE = re.compile(r"^\s*-\s*\d{4}-\d{2}-\d{2}\s*$")
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,14 @@ def read_packages(root: Path) -> list[Package]:
     return out
 
 
+def changelog_entries(text: str) -> dict[str, str]:
+    """{version: what follows its heading} (`## [0.1.0] - 2025-01-31` -> {"0.1.0": " - 2025-01-31"}),
+    in file order; an `## [Unreleased]` section is left out."""
+    return {v.strip(): rest for v, rest in _HEADING.findall(text) if v.strip().lower() != "unreleased"}
+
+
 def changelog_versions(text: str) -> list[str]:
-    """Versions with an entry (`## [0.1.0] - 2025-01-31`), in file order; `Unreleased` left out."""
-    return [v.strip() for v in _HEADING.findall(text) if v.strip().lower() != "unreleased"]
+    return list(changelog_entries(text))
 
 
 def _git(root: Path, *args: str) -> str:
@@ -106,7 +114,7 @@ def check(root: Path) -> tuple[list[str], list[str]]:
             )
             continue
         changelog = root / p.folder / "CHANGELOG.md"
-        entries = changelog_versions(changelog.read_text()) if changelog.is_file() else []
+        entries = changelog_entries(changelog.read_text()) if changelog.is_file() else {}
         if not changelog.is_file():
             problems.append(f"{p.name}: {p.folder}/CHANGELOG.md is missing")
         elif p.version not in entries:
@@ -143,6 +151,11 @@ def check(root: Path) -> tuple[list[str], list[str]]:
                 )
             else:
                 status.append(f"{p.name} {p.version}: released as {last_tag}, unchanged since")
+            if p.version in entries and not _DATE.match(entries[p.version]):
+                problems.append(
+                    f"{p.name}: {last_tag} is tagged but its CHANGELOG.md heading is `## [{p.version}]"
+                    f"{entries[p.version]}`: give it the release date (`## [{p.version}] - YYYY-MM-DD`)"
+                )
         else:
             status.append(f"{p.name} {p.version}: bumped since {last_tag}, to be released")
     return problems, status
