@@ -1,5 +1,5 @@
 """install_alone smoke for automodel-recipes: the installed `recipes` script prints the versions,
-plans a layout for 8 ranks (fake process group) and trains 2 steps of the quickstart in one process.
+plans the layout for 2 ranks (fake process group) and trains 2 steps of the quickstart in one process.
 
 Usage: python smoke_recipes.py QUICKSTART_YAML   (run in an empty directory; writes runs/ there)
 """
@@ -24,7 +24,7 @@ if __name__ == "__main__":
     config = sys.argv[1]
     versions = run("--version")
     assert "automodel-recipes" in versions and "torch" in versions, versions
-    layout = run("validate", config, "--world-size", "8")
+    run("validate", config, "--world-size", "2")
     out = Path("runs/smoke").resolve()
     run(
         "train",
@@ -36,6 +36,6 @@ if __name__ == "__main__":
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2], steps
     print(
-        f"ok automodel-recipes: --version, validate (8 ranks), 2 training steps (loss {steps[-1]['loss']:.4f})"
+        f"ok automodel-recipes: --version, validate (2 ranks), 2 training steps (loss {steps[-1]['loss']:.4f})"
     )
     print(versions.rstrip())
