@@ -30,7 +30,6 @@ if __name__ == "__main__":
         "train",
         config,
         "--step_scheduler.max_steps=2",
-        "--step_scheduler.val_every_steps=0",
         f"--output_dir={out}",
     )
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
