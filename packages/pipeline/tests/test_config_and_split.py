@@ -177,10 +177,11 @@ def test_split_keeps_fqns_and_shares_modules() -> None:
 def test_tied_embedding_is_held_by_first_and_last_stage() -> None:
     tied = tiny_llama(4, tie_word_embeddings=True)
     structure = validate_hf_model_for_pipeline_support(tied)
-    assert structure.tied_pre_fqns == ("model.embed_tokens",)
-    parts = hf_module_fqns_per_stage(tied, num_stages=2, structure=structure)
-    assert "model.embed_tokens" in parts[0] and "model.embed_tokens" in parts[1]
-    assert "lm_head" in parts[1] and "lm_head" not in parts[0]
+    assert structure.tied_fqns == ("model.embed_tokens", "lm_head")
+    parts = hf_module_fqns_per_stage(tied, num_stages=3, structure=structure)
+    assert {"model.embed_tokens", "lm_head"} <= set(parts[0]) & set(parts[2])
+    assert "model.norm" in parts[2] and "model.norm" not in parts[0]
+    assert not {"model.embed_tokens", "lm_head"} & set(parts[1])
 
 
 def test_validate_rejects_encoder_decoder_and_layerless() -> None:

@@ -44,6 +44,10 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("config_and_pretrained", {"model.pretrained_path": "/nonexistent"}, [], "model"),
     ("pretrained_missing", {"model.config": _DELETE, "model.pretrained_path": "/nonexistent"}, [], "model.pretrained_path"),
     ("model_dtype", {"model.dtype": "int8"}, [], "model.dtype"),
+    ("attn_unknown", {"model.attn_implementation": "fast"}, [], "model.attn_implementation"),
+    # gpt_oss declares no sdpa support: the error names the model_type and what it supports
+    ("attn_unsupported", {"model.config.model_type": "gpt_oss", "model.attn_implementation": "sdpa"}, [], "model.attn_implementation"),
+    ("pp_with_v_shape_validation", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "zbvzerobubble"}, "model.config.num_hidden_layers": 4}, ["--nproc-per-node=2"], "distributed.pipeline.pp_schedule"),
     ("vocab_too_small", {"model.config.vocab_size": 100}, [], "model.config.vocab_size"),
     ("dataset_source", {"dataset.source": "web"}, [], "dataset.source"),
     ("dataset_path_missing", {"dataset.source": "json"}, [], "dataset.path"),
@@ -184,3 +188,17 @@ def test_subprocess_exit_code_2(argv: list[str], tmp_path: Path) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: distributed."), proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_attn_implementation_auto_follows_what_the_model_supports() -> None:
+    from transformers import AutoConfig
+
+    from automodel.recipes.errors import ConfigError
+    from automodel.recipes.model import resolve_attn_implementation
+
+    assert resolve_attn_implementation(AutoConfig.for_model("llama"), "auto") == "sdpa"
+    assert resolve_attn_implementation(AutoConfig.for_model("bloom"), "auto") == "eager"  # no sdpa in bloom
+    assert resolve_attn_implementation(AutoConfig.for_model("gpt_oss"), "auto") == "eager"
+    assert resolve_attn_implementation(AutoConfig.for_model("gpt_oss"), "flex_attention") == "flex_attention"
+    with pytest.raises(ConfigError, match=r"model_type 'gpt_oss' .*supports eager, flex_attention"):
+        resolve_attn_implementation(AutoConfig.for_model("gpt_oss"), "sdpa")

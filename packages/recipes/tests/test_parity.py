@@ -274,3 +274,49 @@ def test_tied_embeddings_under_tp_match_single_process(
         assert "lm_head.weight" not in params  # still the embedding's parameter (listed once)
         assert _placement(report, "model.embed_tokens.weight", "tp") is None
         assert _placement(report, Q_PROJ, "tp") == "S(0)"
+
+
+@pytest.mark.parametrize(
+    ("world", "dist_section"),
+    [
+        (2, {"pp_size": 2, "pipeline": {"pp_schedule": "1f1b", "pp_microbatch_size": 1}}),
+        (4, {"pp_size": 2, "tp_size": 2, "pipeline": {"pp_schedule": "gpipe", "pp_microbatch_size": 1}}),
+        # V-shape: rank 0 holds the first and the last of 4 stages (copies summed in place)
+        (2, {"pp_size": 2, "pipeline": {"pp_schedule": "zbvzerobubble", "pp_microbatch_size": 1}}),
+    ],
+    ids=["pp2_1f1b", "pp2_tp2", "pp2_zbv"],
+)
+def test_tied_embeddings_under_pp_match_single_process(
+    world: int, dist_section: dict, tmp_path: Path
+) -> None:
+    """The first and the last stage each hold the tied embedding/head weight under its one name;
+    their gradients are summed after backward, so both copies step alike and equal one process."""
+    model = {"config": {**TIED, "model_type": "llama", "num_hidden_layers": 4}}
+    (ref,) = run_on_ranks(
+        train_on_rank, world_size=1, args=(tiny_config(str(tmp_path / "r"), model=model),), timeout_s=TIMEOUT
+    )
+    v_shape = dist_section["pipeline"]["pp_schedule"] == "zbvzerobubble"  # no forward-only eval in torch
+    cfg = tiny_config(
+        str(tmp_path / "pp"),
+        model=model,
+        distributed={"strategy": "fsdp2", **dist_section},
+        logging={"layout_report": "all"},
+        **(
+            {
+                "validation_dataset": None,
+                "step_scheduler": {**TINY["step_scheduler"], "val_every_steps": None},
+            }
+            if v_shape
+            else {}
+        ),
+    )
+    for rank_losses in run_on_ranks(train_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT):
+        _assert_close(rank_losses, ref[:3] if v_shape else ref)  # ref[3]: the validation loss
+    for rank in range(world):
+        report = json.loads((tmp_path / "pp" / "layout" / f"rank_{rank}.json").read_text())
+        held = {name for part in report["parts"] for name in part["parameters"]}
+        first_stage_here = any(name.startswith("model.layers.0.") for name in held)
+        last_stage_here = any(name.startswith("model.layers.3.") for name in held)
+        assert ("model.embed_tokens.weight" in held) == (first_stage_here or last_stage_here), sorted(held)
+        assert "lm_head.weight" not in held  # the embedding's parameter, listed once
+        assert ("model.norm.weight" in held) == last_stage_here, sorted(held)  # final norm: last stage only

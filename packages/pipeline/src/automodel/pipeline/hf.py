@@ -67,21 +67,24 @@ def hf_num_layers(model: nn.Module) -> int:
 def hf_module_fqns_per_stage(
     model: nn.Module, *, num_stages: int, structure: HFStructure | None = None
 ) -> list[list[str]]:
-    """Modules run before the layers on the first stage, those run after on the last (with the
-    input embedding too when it is tied to the head), parameter-free ones (rotary embeddings) on
+    """Modules run before the layers on the first stage, those run after on the last (the first and
+    the last stage both hold an input embedding tied to the head), parameter-free ones (rotary embeddings) on
     every stage, decoder layers spread evenly (the remainder one each on the first stages)."""
     structure = structure or validate_hf_model_for_pipeline_support(model)
     ranges = split_layers_evenly(structure.num_layers, num_stages)
     parts: list[list[str]] = []
     for stage, layer_range in enumerate(ranges):
         fqns: list[str] = []
-        if stage == 0:
+        first, last = stage == 0, stage == num_stages - 1
+        if first:
             fqns += [*structure.pre_fqns, *structure.unused_fqns]
-        if stage == num_stages - 1:
-            fqns += [f for f in structure.tied_pre_fqns if f not in fqns]
+        elif last:
+            fqns += [f for f in structure.pre_fqns if f in structure.tied_fqns]
         fqns += [f"{structure.layers_fqn}.{i}" for i in layer_range]
-        if stage == num_stages - 1:
+        if last:
             fqns += list(structure.post_fqns)
+        elif first:
+            fqns += [f for f in structure.post_fqns if f in structure.tied_fqns]
         fqns += list(structure.stateless_fqns)
         parts.append(fqns)
     return parts

@@ -38,8 +38,9 @@ class HFStructure:
     unused_fqns: tuple[str, ...]
     #: Parameter-free modules outside the layers (rotary embeddings, dropout): on every stage.
     stateless_fqns: tuple[str, ...]
-    #: Pre-modules that share a parameter with a post-module (tied input/output embeddings).
-    tied_pre_fqns: tuple[str, ...]
+    #: Modules holding only weights tied across the layers (input embedding = LM head): the first
+    #: and the last stage hold them all, so each sees the tie (and keeps it, e.g. under TP).
+    tied_fqns: tuple[str, ...]
     #: 0: a layer returns the hidden states; n > 0: a tuple of n items, hidden states first.
     layer_output_len: int
     #: Keyword under which the model passes hidden states to a layer; None: first positional.
@@ -260,7 +261,7 @@ def _classify(
         post_fqns=tuple(post),
         unused_fqns=tuple(unused),
         stateless_fqns=tuple(stateless),
-        tied_pre_fqns=tuple(_tied_pre_modules(model, pre, post)),
+        tied_fqns=tuple(_tied_modules(model, pre, post)),
         layer_output_len=next(iter(outputs)),
         hidden_kwarg=layer_io["hidden_kwarg"],
         hidden_size=int(layer_io["hidden_size"]),
@@ -276,7 +277,10 @@ def _input_embedding_size(model: nn.Module) -> int | None:
     return int(weight.shape[-1])
 
 
-def _tied_pre_modules(model: nn.Module, pre: list[str], post: list[str]) -> list[str]:
-    """Pre-modules holding a parameter that a post-module holds too (the same tensor object)."""
-    post_params = {id(p) for fqn in post for p in model.get_submodule(fqn).parameters()}
-    return [fqn for fqn in pre if any(id(p) in post_params for p in model.get_submodule(fqn).parameters())]
+def _tied_modules(model: nn.Module, pre: list[str], post: list[str]) -> list[str]:
+    """Pre- and post-modules whose parameters are all shared between the two sides."""
+    params = {fqn: {id(p) for p in model.get_submodule(fqn).parameters()} for fqn in (*pre, *post)}
+    pre_ids = set().union(*(params[f] for f in pre)) if pre else set()
+    post_ids = set().union(*(params[f] for f in post)) if post else set()
+    tied = pre_ids & post_ids
+    return [fqn for fqn in (*pre, *post) if params[fqn] and params[fqn] <= tied]

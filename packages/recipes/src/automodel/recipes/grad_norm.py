@@ -39,11 +39,20 @@ def total_grad_norm(
 
 
 def clip_grad_norm(
-    params: list[torch.nn.Parameter], *, max_norm: float | None, pp_group: dist.ProcessGroup | None = None
+    params: list[torch.nn.Parameter],
+    *,
+    max_norm: float | None,
+    pp_group: dist.ProcessGroup | None = None,
+    counted_ids: set[int] | None = None,
 ) -> torch.Tensor:
-    """Clip in place to `max_norm` (None: measure only); returns the norm before clipping."""
+    """Clip in place to `max_norm` (None: measure only); returns the norm before clipping.
+
+    `counted_ids`: the parameters (by id) that enter the norm, when some are copies of others
+    (a tied weight held by two pipeline stages counts once); every parameter is clipped.
+    """
     params = [p for p in params if p.grad is not None]
-    norm = total_grad_norm(params, pp_group=pp_group)
+    counted = params if counted_ids is None else [p for p in params if id(p) in counted_ids]
+    norm = total_grad_norm(counted, pp_group=pp_group)
     if max_norm is not None and params:
         by_mesh: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
         for p in params:

@@ -62,8 +62,52 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
         value = getattr(cfg, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"model.config.{key}", value, "must be an int >= 1")
-    cfg._attn_implementation = section.attn_implementation
+    cfg._attn_implementation = resolve_attn_implementation(cfg, section.attn_implementation)
     return cfg
+
+
+#: Attention implementations a model class declares support for, by its class flag (eager: all).
+_ATTN_SUPPORT_FLAGS = {
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+}
+
+
+def causal_lm_class(hf_config: Any) -> type:
+    """transformers' causal-LM class for `hf_config` (ConfigError when the model_type has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        pass
+    if getattr(hf_config, "auto_map", None) and "AutoModelForCausalLM" in hf_config.auto_map:
+        return object  # the directory's own class (trust_remote_code); its flags are read after loading
+    raise ConfigError(
+        "model.config.model_type",
+        hf_config.model_type,
+        "has no causal-LM class in transformers (AutoModelForCausalLM does not map it)",
+    )
+
+
+def resolve_attn_implementation(hf_config: Any, requested: str) -> str:
+    """``auto``: sdpa where the model supports it, else eager. A named implementation the model
+    does not support is a ConfigError naming the model_type and what it supports."""
+    cls = causal_lm_class(hf_config)
+    if cls is object:
+        return "eager" if requested == "auto" else requested
+    supported = ["eager"] + [impl for impl, flag in _ATTN_SUPPORT_FLAGS.items() if getattr(cls, flag, False)]
+    if requested == "auto":
+        return "sdpa" if "sdpa" in supported else "eager"
+    if requested not in supported:
+        raise ConfigError(
+            "model.attn_implementation",
+            requested,
+            f"is not supported by model_type {hf_config.model_type!r} ({cls.__name__}); it supports "
+            f"{', '.join(supported)} (or auto)",
+        )
+    return requested
 
 
 def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_code: bool = False) -> nn.Module:
@@ -84,8 +128,9 @@ def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_cod
                     False,
                     "the model class is custom code (config auto_map); set it to true only if you trust it",
                 ) from None
+            causal_lm_class(hf_config)  # a model_type without a causal-LM class says so
             raise ConfigError(
-                "model.config.model_type", hf_config.model_type, f"has no causal-LM class ({e})"
+                "model.config", hf_config.model_type, f"cannot be built by transformers: {e}"
             ) from None
     return model.to(resolve_dtype("model.dtype", dtype))
 

@@ -6,13 +6,13 @@ from typing import Any
 
 from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.model import num_experts
+from automodel.recipes.model import build_meta_model, num_experts
+from automodel.recipes.parallelize import pipeline_config
 
 
 def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
     """Total pipeline stages for the configured schedule (validates the ``pipeline`` section)."""
     from automodel.recipes.availability import require_api
-    from automodel.recipes.parallelize import pipeline_config
 
     (num_stages_for,) = require_api(
         "automodel.pipeline", "num_stages_for", key="distributed.pp_size", value=layout.pp
@@ -32,6 +32,22 @@ def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
         raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
 
 
+def check_pipeline_split(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None:
+    """A model the pipeline cannot split into stages that run its own forward is refused before
+    launch, naming the model_type and why (the same check the ranks run when they split it)."""
+    if (cfg.distributed.pipeline or {}).get("module_fqns_per_model_part") is not None:
+        return
+    from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
+
+    model = build_meta_model(
+        hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
+    )
+    try:
+        validate_hf_model_for_pipeline_support(model)
+    except PipelineSplitError as e:
+        raise ConfigError("distributed.pp_size", layout.pp, f"cannot be applied: {e}") from None
+
+
 def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None:
     """Every divisibility rule of the issue: heads vs tp, layers vs stages, experts vs ep, seq vs cp, batch."""
     d = cfg.distributed
@@ -49,6 +65,15 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None
     if pp > 1:
         layers = hf_config.num_hidden_layers
         stages = pipeline_stages(cfg, layout, hf_config)
+        check_pipeline_split(cfg, layout, hf_config)
+        pcfg = pipeline_config(d, local_batch_size=cfg.step_scheduler.local_batch_size)
+        if pcfg.schedule_spec.v_shape and cfg.validation_dataset is not None:
+            raise ConfigError(
+                "distributed.pipeline.pp_schedule",
+                d.pipeline.get("pp_schedule"),
+                "cannot run forward-only (torch's V-shape schedules assert on eval), so validation_dataset "
+                "cannot be evaluated; use another schedule or set validation_dataset: null",
+            )
         if layers < stages:
             raise ConfigError(
                 "distributed.pp_size",

@@ -82,7 +82,8 @@ class ModelSection:
     config: dict | None = None
     pretrained_path: str | None = None
     dtype: str = "float32"
-    attn_implementation: str = "sdpa"
+    # auto: sdpa where the model supports it, else eager (see model.resolve_attn_implementation)
+    attn_implementation: str = "auto"
     # Security: a model directory is data. Its Python files (config.json auto_map) run only with
     # trust_remote_code: true; pickled weights (*.bin) load only with allow_pickle_weights: true.
     trust_remote_code: bool = False
@@ -102,11 +103,11 @@ class ModelSection:
             raise ConfigError("model.config.model_type", None, "is required (e.g. llama, qwen3, mixtral)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("model.dtype", self.dtype, "must be float32, bfloat16 or float16")
-        if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
+        if self.attn_implementation not in ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"):
             raise ConfigError(
                 "model.attn_implementation",
                 self.attn_implementation,
-                "must be sdpa, eager, flash_attention_2 or flex_attention",
+                "must be auto, sdpa, eager, flash_attention_2 or flex_attention",
             )
 
 

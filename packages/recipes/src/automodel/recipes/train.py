@@ -246,6 +246,8 @@ class Trainer:
                 continue
             with self.pm.grad_sync(is_last_microbatch=i == len(batches) - 1):
                 loss_sum += self._micro_batch_loss(batch, divisor=tokens, backward=True)
+        if self.pm.pipeline is not None:
+            self.pm.pipeline.sync_tied_gradients()  # tied embedding/head copies on first and last stage
         loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
         grad_norm = self._clip_grad_norm()
         loss_value, norm_value = float(loss_sum), float(grad_norm)
@@ -269,7 +271,12 @@ class Trainer:
             from automodel.megatron_fsdp import clip_grad_norm as clip_megatron_grad_norm
 
             return clip_megatron_grad_norm(self.params, max_norm=max_norm, tp_size=self.mesh.layout.tp)
-        return clip_grad_norm(self.params, max_norm=max_norm, pp_group=_group(self.mesh, "pp"))
+        counted = None
+        if self.pm.pipeline is not None:
+            counted = {id(p) for p in self.pm.pipeline.norm_parameters()}
+        return clip_grad_norm(
+            self.params, max_norm=max_norm, pp_group=_group(self.mesh, "pp"), counted_ids=counted
+        )
 
     @torch.no_grad()
     def validate(self) -> float:
