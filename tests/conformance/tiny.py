@@ -61,6 +61,17 @@ def tiny_overrides(config: Any) -> dict[str, Any]:
         current = getattr(config, key, None)
         if isinstance(current, int) and not isinstance(current, bool) and current > 0:
             out[key] = min(current, value) if key in ("num_experts_per_tok",) else value
+    heads = out.get("num_attention_heads") or out.get("n_head") or out.get("num_heads")
+    width = out.get("hidden_size") or out.get("n_embd") or out.get("d_model")
+    if isinstance(getattr(config, "rotary_dim", None), int) and heads and width:
+        out["rotary_dim"] = width // heads  # partial-rotary models: the rotary part of one head
+    if "qk_rope_head_dim" in out:
+        # multi-head latent attention: the rotary embedding's width is the rope part of a head
+        out["head_dim"] = out["qk_rope_head_dim"]
+        if "num_key_value_heads" in out and heads:
+            out["num_key_value_heads"] = heads  # latent attention expands keys to every head
+        if "qk_head_dim" in out:
+            out["qk_head_dim"] = out["qk_rope_head_dim"] + out.get("qk_nope_head_dim", 0)
     layers = out.get("num_hidden_layers") or out.get("n_layer") or out.get("num_layers")
     for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
         current = getattr(config, key, None)

@@ -134,8 +134,10 @@ def trace_hf_structure(model: nn.Module) -> HFStructure:
         )
 
     twin = meta_copy(model)
-    # Shapes only: bf16 satisfies kernels whose meta implementations accept nothing else (grouped_mm).
+    # Shapes only: bf16 satisfies kernels whose meta implementations accept nothing else
+    # (grouped_mm), and eager attention avoids fused kernels whose meta versions lack features (GQA).
     twin.to(torch.bfloat16)
+    _use_eager_attention(twin)
     events: list[tuple[str, str]] = []
     layer_io: dict[str, Any] = {}
     twin_layers = twin.get_submodule(layers_fqn)
@@ -176,6 +178,16 @@ def trace_hf_structure(model: nn.Module) -> HFStructure:
         events=events,
         layer_io=layer_io,
     )
+
+
+def _use_eager_attention(model: nn.Module) -> None:
+    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    for config in configs.values():
+        if hasattr(config, "_attn_implementation"):
+            try:
+                config._attn_implementation = "eager"
+            except (AttributeError, ValueError):
+                pass
 
 
 def _layer_pre_hook(index: int, events: list, layer_io: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from automodel.mesh import MeshContext
 
-#: Where a Hugging Face decoder layer index appears in a parameter FQN.
+#: Where a decoder layer index appears in a parameter FQN when the part has no layer list of its own.
 _LAYER_MARK = ".layers."
 
 
@@ -60,15 +60,28 @@ def _canonical(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def layer_indices(names: list[str]) -> list[int]:
-    """Decoder layer indices present in a list of parameter FQNs (``...layers.<i>....``)."""
+def layer_indices(names: list[str], *, layers_fqn: str | None = None) -> list[int]:
+    """Decoder layer indices present in a list of parameter FQNs (``<layers_fqn>.<i>....``; by
+    default any ``...layers.<i>....``)."""
     found = set()
+    mark = f"{layers_fqn}." if layers_fqn else _LAYER_MARK
     for name in names:
-        _, mark, rest = name.partition(_LAYER_MARK)
+        if layers_fqn and not name.startswith(mark):
+            continue
+        _, hit, rest = name.partition(mark)
         head = rest.split(".", 1)[0]
-        if mark and head.isdigit():
+        if hit and head.isdigit():
             found.add(int(head))
     return sorted(found)
+
+
+def layer_list_fqn(part: nn.Module) -> str | None:
+    """FQN (as the model names it) of the part's list of decoder layers (``model.layers``,
+    ``transformer.h``, ...), found the way the pipeline finds it."""
+    from automodel.pipeline.hf_structure import find_layer_list
+
+    found = find_layer_list(part)
+    return _canonical(found[0]) if found else None
 
 
 def _megatron_buffers(part: nn.Module) -> list[dict[str, Any]] | None:
@@ -96,10 +109,12 @@ def describe_part(part: nn.Module, *, stage_ids: list[int] | None = None) -> dic
     from torch.nn.parallel import DistributedDataParallel
 
     params = {_canonical(name): describe_tensor(p) for name, p in part.named_parameters()}
+    layers_fqn = layer_list_fqn(part)
     report: dict[str, Any] = {
         "wrapper": type(part).__name__,
         "parameters": params,
-        "layers": layer_indices(list(params)),
+        "layers_fqn": layers_fqn,
+        "layers": layer_indices(list(params), layers_fqn=layers_fqn),
         "fsdp_units": sorted(
             _canonical(n) or "<root>" for n, m in part.named_modules() if isinstance(m, FSDPModule)
         ),

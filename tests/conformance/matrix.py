@@ -1,0 +1,406 @@
+"""Conformance: every causal LM in transformers' registry through the recipes, one process vs each layout.
+
+For each model_type of ``AutoModelForCausalLM``'s mapping a tiny config (the config class's own
+defaults, sizes shrunk; see `tiny.py`) is trained for a few fp32 steps through the code path of
+`recipes train` (`plan_layout`'s pre-launch checks, then `run_training` on forked gloo ranks):
+once in one process, then under each layout. A case passes when every step's loss and gradient
+norm equal the single-process run (relative 1e-5) and every rank holds what the layout asks for
+(read from the ranks' layout reports). The only other acceptable outcome is a refusal before
+launch with a message; anything else (a different loss, a crash inside the ranks) is a failure.
+
+    uv run --frozen python tests/conformance/matrix.py            # full sweep, writes docs/models.md
+    uv run --frozen python tests/conformance/matrix.py --models llama,gpt2 --layouts tp2,pp2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from tiny import tiny_overrides  # noqa: E402
+
+STEPS = 3
+RTOL = 1e-5
+RANK_TIMEOUT_S = 300
+#: Largest tiny model (parameters) a sweep builds; configs that nest big sub-configs stay larger.
+MAX_TINY_PARAMS = 5_000_000
+
+LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "fsdp2": (2, {"strategy": "fsdp2"}),
+    "tp2": (2, {"strategy": "fsdp2", "tp_size": 2}),
+    "tp2_sp": (2, {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True}),
+    "pp2": (
+        2,
+        {"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_schedule": "1f1b", "pp_microbatch_size": 1}},
+    ),
+    "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
+    "ep2": (2, {"strategy": "fsdp2", "ep_size": 2}),
+}
+DENSE_LAYOUTS = ("fsdp2", "tp2", "tp2_sp", "pp2", "cp2")
+MOE_LAYOUTS = ("fsdp2", "tp2", "pp2", "ep2")
+#: Variants switch on options that change the math; they run where those options matter most.
+VARIANT_LAYOUTS = ("tp2", "pp2")
+
+#: Options that change the math, switched on when the config has the field: (field, value).
+_MATH_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("embedding_multiplier", 3.0),
+    ("residual_multiplier", 0.5),
+    ("attention_multiplier", 0.3),
+    ("logits_scaling", 2.0),
+    ("logit_scale", 0.5),
+    ("final_logit_softcapping", 5.0),
+    ("attn_logit_softcapping", 20.0),
+    ("sliding_window", 8),
+    ("use_sliding_window", True),
+    ("attention_bias", True),
+    ("mlp_bias", True),
+    ("use_qk_norm", True),
+    ("qk_layernorm", True),
+)
+
+
+# ---- the registry and its tiny configs ------------------------------------------------------
+def registry_model_types() -> list[str]:
+    """Every model_type that ``AutoModelForCausalLM`` maps (transformers' own registry)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _settable(config: Any, key: str) -> bool:
+    attr = getattr(type(config), key, None)
+    return not (isinstance(attr, property) and attr.fset is None)
+
+
+def tiny_model_config(model_type: str, variant: str = "default") -> dict[str, Any]:
+    """The YAML ``model.config`` of the tiny `model_type` (`variant`: default, options, tie_flipped)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    out = {k: v for k, v in tiny_overrides(config).items() if _settable(config, k)}
+    if variant == "options":
+        changed = {k: v for k, v in _MATH_OPTIONS if hasattr(config, k) and _settable(config, k)}
+        if not changed:
+            raise LookupError(f"{model_type} has none of the math options")
+        out.update(changed)
+    elif variant == "tie_flipped":
+        if not hasattr(config, "tie_word_embeddings"):
+            raise LookupError(f"{model_type} has no tie_word_embeddings")
+        out["tie_word_embeddings"] = not bool(config.tie_word_embeddings)
+    return {"model_type": model_type, **out}
+
+
+def recipe_config(
+    model_config: dict[str, Any], distributed: dict[str, Any], output_dir: str
+) -> dict[str, Any]:
+    return {
+        "seed": 5,
+        "output_dir": output_dir,
+        "model": {"config": copy.deepcopy(model_config), "dtype": "float32"},
+        "dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 20000},
+        "step_scheduler": {"global_batch_size": 4, "local_batch_size": 2, "max_steps": STEPS},
+        "optimizer": {"_target_": "torch.optim.AdamW", "lr": 3.0e-3, "foreach": False},
+        "lr_scheduler": {"warmup_steps": 1, "decay_style": "cosine", "min_lr": 3.0e-4},
+        "distributed": copy.deepcopy(distributed),
+        "checkpoint": {"enabled": False},
+        "logging": {"progress_bar": False, "layout_report": "all"},
+    }
+
+
+# ---- running -----------------------------------------------------------------------------------
+def _train_rank(raw: dict[str, Any]) -> None:
+    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes.train import run_training
+
+    run_training(parse_recipe_config(raw))
+
+
+class Refused(Exception):  # noqa: N818 - an outcome, not an error
+    """Refused before launch (the recipes' ConfigError)."""
+
+
+def run_case(raw: dict[str, Any], ranks: int) -> tuple[list[dict[str, float]], list[dict[str, Any]]]:
+    """Pre-launch checks, then training on `ranks` forked ranks: (per-step metrics, rank reports)."""
+    from automodel.mesh.testing import run_on_ranks
+    from automodel.recipes.errors import ConfigError
+    from automodel.recipes.plan import plan_layout
+    from automodel.recipes.recipe_config import parse_recipe_config
+
+    try:
+        plan_layout(parse_recipe_config(copy.deepcopy(raw)), world_size=ranks)
+    except ConfigError as err:
+        raise Refused(str(err)) from None
+    run_on_ranks(_train_rank, world_size=ranks, args=(raw,), timeout_s=RANK_TIMEOUT_S)
+    out = Path(raw["output_dir"])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    reports = [json.loads((out / "layout" / f"rank_{r}.json").read_text()) for r in range(ranks)]
+    return [{"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"])} for m in metrics], reports
+
+
+def max_relative_difference(got: list[dict[str, float]], ref: list[dict[str, float]]) -> float:
+    if len(got) != len(ref):
+        return float("inf")
+    return max(
+        abs(g[k] - r[k]) / max(abs(r[k]), 1e-12) for g, r in zip(got, ref) for k in ("loss", "grad_norm")
+    )
+
+
+# ---- what each rank holds ----------------------------------------------------------------------
+def _placement(entry: dict[str, Any], axis: str) -> str | None:
+    mesh = entry["mesh"] or []
+    return entry["placements"][mesh.index(axis)] if axis in mesh else None
+
+
+def _params(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {name: entry for part in report["parts"] for name, entry in part["parameters"].items()}
+
+
+def _layer_of(name: str, layers_fqn: str) -> int | None:
+    if not name.startswith(layers_fqn + "."):
+        return None
+    head = name[len(layers_fqn) + 1 :].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def check_applied(
+    layout: str, reports: list[dict[str, Any]], *, num_layers: int, num_experts: int | None
+) -> None:
+    """AssertionError unless every rank holds what `layout` asks for (generic over architectures)."""
+    for report in reports:
+        params = _params(report)
+        layers_fqn = next((p["layers_fqn"] for p in report["parts"] if p.get("layers_fqn")), None)
+        assert layers_fqn, f"rank {report['rank']}: no decoder layer list found in its report"
+        held = sorted({i for part in report["parts"] for i in part["layers"]})
+        if layout == "fsdp2":
+            for name, entry in params.items():
+                if "experts" not in name:
+                    placement = _placement(entry, "dp_shard_cp") or ""
+                    assert placement.startswith(("S(0)", "_S(0,")), f"{name} not FSDP-sharded: {entry}"
+        elif layout.startswith("tp2"):
+            for i in held:
+                sharded = [
+                    n
+                    for n, e in params.items()
+                    if _layer_of(n, layers_fqn) == i and (_placement(e, "tp") or "").startswith("S(")
+                ]
+                assert sharded, f"rank {report['rank']}: nothing in layer {i} is sharded over tp"
+            if layout == "tp2_sp":
+                on_tp = [n for n, e in params.items() if len(e["shape"]) == 1 and _placement(e, "tp") == "R"]
+                assert on_tp, f"rank {report['rank']}: no norm weight on the tp mesh under SP"
+        elif layout == "pp2":
+            assert 0 < len(held) < num_layers, f"rank {report['rank']} holds layers {held} of {num_layers}"
+        elif layout == "cp2":
+            assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']}"
+        elif layout == "ep2":
+            experts = {n: e for n, e in params.items() if ".experts." in f".{n}"}
+            assert experts and num_experts, f"rank {report['rank']}: no expert parameters"
+            for name, entry in experts.items():
+                if _placement(entry, "ep") is not None:
+                    assert entry["local_shape"][0] * 2 == entry["shape"][0] == num_experts, (name, entry)
+            assert any(_placement(e, "ep") == "S(0)" for e in experts.values()), "no expert is split over ep"
+    if layout == "pp2":
+        per_rank = [set(i for part in r["parts"] for i in part["layers"]) for r in reports]
+        assert not per_rank[0] & per_rank[1] and per_rank[0] | per_rank[1] == set(range(num_layers)), per_rank
+
+
+# ---- one model, all its cases --------------------------------------------------------------------
+@dataclass
+class Outcome:
+    model_type: str
+    variant: str
+    layout: str
+    status: str  # pass | refused | FAIL | n/a
+    detail: str = ""
+    max_rel: float | None = None
+
+
+def _model_facts(model_config: dict[str, Any]) -> tuple[int, int | None, int]:
+    """(decoder layers, experts, parameters) of the tiny model, built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.recipes.model import num_experts
+
+    kwargs = dict(model_config)
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    from automodel.pipeline.hf_structure import find_layer_list
+
+    found = find_layer_list(model)
+    return (len(found[1]) if found else 0), num_experts(config), sum(p.numel() for p in model.parameters())
+
+
+def run_model(
+    model_type: str, *, layouts: tuple[str, ...] | None = None, variants: bool = True, workdir: Path
+) -> list[Outcome]:
+    """Every case of one model_type (the default tiny config on each layout, then the variants)."""
+    outcomes: list[Outcome] = []
+    plan: list[tuple[str, tuple[str, ...]]] = [("default", ())]
+    try:
+        base = tiny_model_config(model_type)
+        num_layers, experts, params = _model_facts(base)
+    except Exception as err:  # the registry entry itself cannot be built as a tiny causal LM
+        return [Outcome(model_type, "default", "*", "n/a", f"tiny config not buildable: {_short(err)}")]
+    if params > MAX_TINY_PARAMS:
+        return [
+            Outcome(model_type, "default", "*", "n/a", f"not tiny ({params:,} parameters with shrunk sizes)")
+        ]
+    kind_layouts = MOE_LAYOUTS if experts else DENSE_LAYOUTS
+    plan[0] = ("default", tuple(x for x in kind_layouts if layouts is None or x in layouts))
+    if variants:
+        for variant in ("options", "tie_flipped"):
+            try:
+                tiny_model_config(model_type, variant)
+            except LookupError:
+                continue
+            plan.append((variant, tuple(x for x in VARIANT_LAYOUTS if layouts is None or x in layouts)))
+    for variant, variant_layouts in plan:
+        if not variant_layouts:
+            continue
+        model_config = tiny_model_config(model_type, variant)
+        case_dir = workdir / f"{model_type}-{variant}"
+        try:
+            ref, _ = run_case(recipe_config(model_config, {"strategy": "fsdp2"}, str(case_dir / "ref")), 1)
+        except Refused as err:
+            outcomes += [Outcome(model_type, variant, x, "refused", str(err)) for x in variant_layouts]
+            continue
+        except Exception as err:
+            outcomes += [
+                Outcome(model_type, variant, x, "FAIL", f"one process: {_short(err)}")
+                for x in variant_layouts
+            ]
+            continue
+        for layout in variant_layouts:
+            ranks, distributed = LAYOUTS[layout]
+            raw = recipe_config(model_config, distributed, str(case_dir / layout))
+            try:
+                got, reports = run_case(raw, ranks)
+                rel = max_relative_difference(got, ref)
+                if not rel <= RTOL:
+                    outcomes.append(
+                        Outcome(model_type, variant, layout, "FAIL", f"max rel diff {rel:.2e}", rel)
+                    )
+                    continue
+                check_applied(layout, reports, num_layers=num_layers, num_experts=experts)
+                outcomes.append(Outcome(model_type, variant, layout, "pass", "", rel))
+            except Refused as err:
+                outcomes.append(Outcome(model_type, variant, layout, "refused", str(err)))
+            except AssertionError as err:
+                outcomes.append(Outcome(model_type, variant, layout, "FAIL", f"not applied: {_short(err)}"))
+            except Exception as err:
+                outcomes.append(Outcome(model_type, variant, layout, "FAIL", _short(err)))
+    return outcomes
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    # A rank failure carries the rank's traceback: its last line is the cause.
+    last = [line for line in text if line.strip()][-1:] or [type(err).__name__]
+    return f"{type(err).__name__}: {last[0].strip()[:300]}"
+
+
+# ---- the matrix ---------------------------------------------------------------------------------
+def write_matrix(outcomes: list[Outcome], path: Path, *, seconds: float) -> None:
+    import torch
+    import transformers
+
+    cols = ("fsdp2", "tp2", "tp2_sp", "pp2", "cp2", "ep2")
+    rows: dict[tuple[str, str], dict[str, Outcome]] = {}
+    for o in outcomes:
+        rows.setdefault((o.model_type, o.variant), {})[o.layout] = o
+    passing = {c: sum(1 for r in rows.values() if r.get(c) and r[c].status == "pass") for c in cols}
+    lines = [
+        "# Model conformance matrix",
+        "",
+        "Every model_type in transformers' `AutoModelForCausalLM` registry, as a tiny config (the config class's",
+        "own defaults with sizes shrunk: 4 layers, hidden 64, vocab 256, 4 experts top-2), trained for",
+        f"{STEPS} AdamW steps in fp32 through the recipes' code path (pre-launch checks, then `run_training` on",
+        "gloo ranks): once in one process, then under each layout. **pass**: every step's loss and gradient",
+        f"norm within {RTOL:g} relative of one process, and every rank holds what the layout asks for (FSDP",
+        "dim-0 shards, TP shards in every layer, SP norms on the tp mesh, disjoint pipeline stages, the CP",
+        "ring backend, experts split over ep). **refused**: stopped before launch with the message shown.",
+        "**FAIL**: anything else. *n/a*: the registry entry cannot be built as a tiny decoder (shown why).",
+        "",
+        "Variants: `options` switches on every math-changing option the config has (multipliers, logit",
+        "scaling and soft-capping, a sliding window of 8 < sequence 32, biases, qk-norm); `tie_flipped`",
+        "flips `tie_word_embeddings`. They run under tp2 and pp2.",
+        "",
+        "Generated by `uv run --frozen nox -s conformance` (= `python tests/conformance/matrix.py`) with",
+        f"transformers {transformers.__version__}, torch {torch.__version__}, CPU, in {seconds / 60:.0f} min.",
+        "",
+        "Passing (default configs): " + ", ".join(f"{c} {passing[c]}" for c in cols),
+        "",
+        "| model_type | variant | " + " | ".join(cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    notes: list[str] = []
+    for (model_type, variant), by_layout in sorted(rows.items()):
+        cells = []
+        if "*" in by_layout:
+            cells = ["n/a"] * len(cols)
+            notes.append(f"- `{model_type}`: {by_layout['*'].detail}")
+        else:
+            for c in cols:
+                o = by_layout.get(c)
+                if o is None:
+                    cells.append("")
+                elif o.status == "pass":
+                    cells.append("pass")
+                else:
+                    notes.append(f"- `{model_type}` {variant} {c}: **{o.status}** — {o.detail}")
+                    cells.append(f"{o.status} [{len(notes)}]")
+        lines.append(f"| {model_type} | {variant} | " + " | ".join(cells) + " |")
+    lines += ["", "## Notes", "", *[f"{i}. {n[2:]}" for i, n in enumerate(notes, 1)], ""]
+    path.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", help="comma-separated model_types (default: the whole registry)")
+    parser.add_argument("--layouts", help="comma-separated layouts (default: all that apply)")
+    parser.add_argument("--no-variants", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "models.md"))
+    parser.add_argument("--json", default=None, help="also write the outcomes as JSON here")
+    args = parser.parse_args(argv)
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    models = args.models.split(",") if args.models else registry_model_types()
+    layouts = tuple(args.layouts.split(",")) if args.layouts else None
+    outcomes: list[Outcome] = []
+    start = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, model_type in enumerate(models, 1):
+            t0 = time.time()
+            try:
+                got = run_model(model_type, layouts=layouts, variants=not args.no_variants, workdir=Path(tmp))
+            except Exception:
+                got = [Outcome(model_type, "default", "*", "FAIL", traceback.format_exc(limit=2)[-300:])]
+            outcomes += got
+            summary = ", ".join(f"{o.variant}/{o.layout}={o.status}" for o in got)
+            print(f"[{i}/{len(models)}] {model_type} ({time.time() - t0:.0f}s): {summary}", flush=True)
+    write_matrix(outcomes, Path(args.out), seconds=time.time() - start)
+    if args.json:
+        Path(args.json).write_text(json.dumps([o.__dict__ for o in outcomes], indent=1))
+    failed = [o for o in outcomes if o.status == "FAIL"]
+    print(f"{sum(o.status == 'pass' for o in outcomes)} passed, {len(failed)} failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
