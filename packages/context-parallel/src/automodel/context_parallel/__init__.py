@@ -7,6 +7,7 @@ from automodel.context_parallel.hf_attention import (
     ATTN_IMPLEMENTATION,
     apply_context_parallel,
     attach_context_parallel_hooks,
+    check_context_parallel_support,
     context_parallel_attention,
 )
 from automodel.context_parallel.layout import (
@@ -26,6 +27,7 @@ __all__ = [
     "_shard_thd_chunk_for_te",
     "apply_context_parallel",
     "attach_context_parallel_hooks",
+    "check_context_parallel_support",
     "context_parallel_attention",
     "contiguous_indices",
     "document_ids",

@@ -123,11 +123,20 @@ def context_parallel_attention(
         raise ValueError(
             f"attention dropout is not supported under context parallelism, got dropout={dropout}"
         )
-    if kwargs.get("sliding_window") is not None:
+    window = kwargs.get("sliding_window")
+    if (
+        window is not None and window < query.shape[2] * spec.cp_size
+    ):  # a window >= the sequence is full attention
         raise ValueError(
-            f"sliding_window={kwargs['sliding_window']}: sliding-window attention is not supported under "
+            f"sliding_window={window}: sliding-window attention is not supported under "
             "context parallelism; use cp_size=1 for this model or disable its sliding window"
         )
+    for option in _UNSUPPORTED_ATTENTION_KWARGS:
+        if kwargs.get(option) is not None:
+            raise ValueError(
+                f"attention with {option} (attention sinks or logit soft-capping) is not supported under "
+                "context parallelism; use cp_size=1 for this model"
+            )
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -169,6 +178,42 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             # Hook the wrapped module so activation-checkpoint recomputation sees the same state.
             found.append(getattr(module, "_checkpoint_wrapped_module", module))
     return found
+
+
+#: Attention-function arguments that change the math and the ring attention does not implement.
+_UNSUPPORTED_ATTENTION_KWARGS = ("s_aux", "sinks", "softcap")
+
+
+def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -> None:
+    """ValueError (naming the model_type and why) for a model the CP attention cannot run exactly:
+    no ``*self_attn`` modules to hook, a sliding window shorter than `seq_length` (the ring has no
+    window mask), attention sinks or attention logit soft-capping."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", type(model).__name__)
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(f"model_type {model_type!r} has no '*self_attn' modules to make context-parallel")
+    window = getattr(config, "sliding_window", None)
+    layer_types = [str(t) for t in getattr(config, "layer_types", None) or []]
+    windowed = (
+        any("sliding" in t or "chunked" in t for t in layer_types)
+        if layer_types
+        else getattr(config, "use_sliding_window", True) is not False
+    )
+    if windowed and isinstance(window, int) and window < seq_length:
+        raise ValueError(
+            f"model_type {model_type!r} has sliding-window attention (sliding_window={window} < sequence "
+            f"length {seq_length}), which context parallelism does not support"
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"model_type {model_type!r} soft-caps attention logits (attn_logit_softcapping="
+            f"{config.attn_logit_softcapping}), which context parallelism does not support"
+        )
+    if any(name.rpartition(".")[2] == "sinks" for m in modules for name, _ in m.named_parameters()):
+        raise ValueError(
+            f"model_type {model_type!r} has attention sinks, which context parallelism does not support"
+        )
 
 
 def attach_context_parallel_hooks(model: torch.nn.Module) -> None:

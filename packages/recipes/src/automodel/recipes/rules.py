@@ -32,20 +32,41 @@ def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
         raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
 
 
-def check_pipeline_split(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None:
-    """A model the pipeline cannot split into stages that run its own forward is refused before
-    launch, naming the model_type and why (the same check the ranks run when they split it)."""
-    if (cfg.distributed.pipeline or {}).get("module_fqns_per_model_part") is not None:
+def check_model_supports_layout(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None:
+    """The checks the ranks run when they apply TP, CP and the pipeline split, run once on the
+    meta-device model before launch: a model a strategy cannot be applied to exactly is refused
+    here, naming the model_type and why, instead of failing (or silently differing) in the ranks."""
+    d = cfg.distributed
+    needs_pp_split = layout.pp > 1 and (d.pipeline or {}).get("module_fqns_per_model_part") is None
+    if not (layout.tp > 1 or layout.cp > 1 or needs_pp_split):
         return
-    from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
-
     model = build_meta_model(
         hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
     )
-    try:
-        validate_hf_model_for_pipeline_support(model)
-    except PipelineSplitError as e:
-        raise ConfigError("distributed.pp_size", layout.pp, f"cannot be applied: {e}") from None
+    if layout.tp > 1 and d.strategy != "megatron_fsdp":
+        from automodel.fsdp2 import check_plan_matches_model, resolve_tp_plan
+
+        try:
+            plan = resolve_tp_plan(
+                model, tp_plan=d.options.get("tp_plan"), sequence_parallel=d.sequence_parallel
+            )
+            check_plan_matches_model(model, plan)
+        except ValueError as e:
+            raise ConfigError("distributed.tp_size", layout.tp, f"cannot be applied: {e}") from None
+    if layout.cp > 1:
+        from automodel.context_parallel import check_context_parallel_support
+
+        try:
+            check_context_parallel_support(model, seq_length=cfg.seq_length)
+        except ValueError as e:
+            raise ConfigError("distributed.cp_size", layout.cp, f"cannot be applied: {e}") from None
+    if needs_pp_split:
+        from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
+
+        try:
+            validate_hf_model_for_pipeline_support(model)
+        except PipelineSplitError as e:
+            raise ConfigError("distributed.pp_size", layout.pp, f"cannot be applied: {e}") from None
 
 
 def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None:
@@ -65,7 +86,6 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None
     if pp > 1:
         layers = hf_config.num_hidden_layers
         stages = pipeline_stages(cfg, layout, hf_config)
-        check_pipeline_split(cfg, layout, hf_config)
         pcfg = pipeline_config(d, local_batch_size=cfg.step_scheduler.local_batch_size)
         if pcfg.schedule_spec.v_shape and cfg.validation_dataset is not None:
             raise ConfigError(
@@ -135,3 +155,4 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None
             ss.global_batch_size,
             f"must be a multiple of local_batch_size*dp = {ss.local_batch_size}*{dp} = {ss.local_batch_size * dp}",
         )
+    check_model_supports_layout(cfg, layout, hf_config)
