@@ -28,9 +28,11 @@ from automodel.fsdp2.tp_plan import (
     check_plan_matches_model,
     default_llama_tp_plan,
     get_hf_tp_shard_plan,
+    has_lora_adapter,
     resolve_tp_plan,
     translate_to_torch_parallel_style,
     validate_tp_mesh,
+    with_lora_adapters,
 )
 from automodel.fsdp2.utils import import_class_from_path, import_classes_from_paths
 
@@ -57,6 +59,7 @@ __all__ = [
     "get_fsdp_mesh",
     "get_hf_tp_shard_plan",
     "get_lm_ac_layers",
+    "has_lora_adapter",
     "grad_sync_context",
     "import_class_from_path",
     "import_classes_from_paths",
@@ -69,4 +72,5 @@ __all__ = [
     "translate_to_torch_parallel_style",
     "unshard_fsdp2_model",
     "validate_tp_mesh",
+    "with_lora_adapters",
 ]

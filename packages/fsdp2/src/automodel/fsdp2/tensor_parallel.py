@@ -16,6 +16,7 @@ from automodel.fsdp2.tp_plan import (
     plan_has_sequence_parallel,
     resolve_tp_plan,
     validate_tp_mesh,
+    with_lora_adapters,
 )
 
 
@@ -47,14 +48,22 @@ def apply_tp(
 
     The plan is resolved by `resolve_tp_plan` (explicit -> HF -> Llama default). Heads must divide
     the TP size and every plan key must name a module, else ValueError. When the plan shards the
-    sequence, a pre-hook fills ``position_ids`` if the caller gave none.
+    sequence, a pre-hook fills ``position_ids`` if the caller gave none. A LoRA-wrapped linear
+    (``lora_A``/``lora_B`` children) follows its plan key (`with_lora_adapters`).
     """
     validate_tp_mesh(model, tp_mesh)
     plan = resolve_tp_plan(model, tp_plan=tp_plan, sequence_parallel=sequence_parallel)
+    plan = with_lora_adapters(model, plan)
     check_plan_matches_model(model, plan)
+    # torch's SequenceParallel (and the replication of parameters a style leaves alone) re-creates
+    # parameters with requires_grad=True: frozen ones (a LoRA base model's norms) must stay frozen.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*could not be resolved.*")
         parallelize_module(model, tp_mesh, plan)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     if plan_has_sequence_parallel(plan):
         model.register_forward_pre_hook(_add_position_ids, with_kwargs=True)
     return plan

@@ -97,11 +97,18 @@ def strategy_config(section: DistributedSection) -> Any:
         raise ConfigError(f"distributed.{key}" if key else "distributed", options.get(key), msg) from None
 
 
-def _materialize(parts: list[nn.Module], *, device: torch.device, seed: int) -> None:
-    from automodel.fsdp2 import materialize_meta_model
+def _materialize(parts: list[nn.Module], *, device: torch.device, seed: int, peft: Any = None) -> None:
+    from automodel.fsdp2 import default_init_fn, materialize_meta_model
 
     for part in parts:
-        materialize_meta_model(part, device=device, seed=seed)
+        init_fn = None
+        if peft is not None:  # LoRA: A kaiming-uniform, B zeros; the rest as without adapters
+            from automodel.recipes.peft import lora_init_fn
+
+            config = getattr(part, "config", None)
+            std = float(getattr(config, "initializer_range", 0.02) or 0.02)
+            init_fn = lora_init_fn(default_init_fn(std), section=peft)
+        materialize_meta_model(part, device=device, seed=seed, init_fn=init_fn)
 
 
 def _parallelize_megatron_fsdp(
@@ -244,22 +251,33 @@ def parallelize_model(
     gradient_divide_factor: float | None = 1.0,
     pretrained_path: str | None = None,
     allow_pickle_weights: bool = False,
+    peft: Any = None,
 ) -> ParallelModel:
     """Compose the parallelisms of `section` on `model` (on the meta device) and materialize it.
 
     Weights are initialised (seeded, identical to one process) or loaded from the HF
     checkpoint at `pretrained_path` straight into the sharded parameters. With pp > 1,
-    `pipeline_loss_fn(logits, labels)` runs on the last stage per micro-batch.
+    `pipeline_loss_fn(logits, labels)` runs on the last stage per micro-batch. With `peft` (the
+    `PeftSection` whose LoRA adapters `model` already carries) the adapters are initialised as
+    LoRA's (B = 0) and are not looked for in the pretrained checkpoint.
     """
     layout = mesh.layout
     config = strategy_config(section)
 
     def initialize(parts: list[nn.Module]) -> None:
-        _materialize(parts, device=device, seed=seed)
+        _materialize(parts, device=device, seed=seed, peft=peft)
         if pretrained_path is not None:
             from automodel.recipes.checkpoint import load_pretrained_weights
 
-            load_pretrained_weights(parts, pretrained_path, allow_pickle_weights=allow_pickle_weights)
+            adapters: set[str] = set()
+            if peft is not None:
+                from automodel.recipes.checkpoint.part_state import part_model_state_dict
+                from automodel.recipes.peft import is_adapter_key
+
+                adapters = {k for p in parts for k in part_model_state_dict(p) if is_adapter_key(k)}
+            load_pretrained_weights(
+                parts, pretrained_path, allow_pickle_weights=allow_pickle_weights, optional_keys=adapters
+            )
 
     if section.strategy == "ddp":
         from automodel.fsdp2 import DDPManager

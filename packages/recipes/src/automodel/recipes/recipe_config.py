@@ -9,6 +9,7 @@ from typing import Any
 from automodel.recipes._dist_setup import DistributedSection, parse_distributed_section
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import locate
+from automodel.recipes.peft.config import PeftSection
 from automodel.recipes.sections import (
     ClipGradNormSection,
     DatasetSection,
@@ -27,7 +28,7 @@ from automodel.recipes.sections import (
 TOP_LEVEL_KEYS = (
     "model", "dataset", "validation_dataset", "tokenizer", "step_scheduler", "optimizer", "lr_scheduler",
     "loss_fn", "distributed", "packed_sequence", "checkpoint", "logging", "seed", "output_dir", "dist_env",
-    "clip_grad_norm",
+    "clip_grad_norm", "peft",
 )  # fmt: skip
 DEFAULT_LOSS_FN = "automodel.recipes.loss.masked_cross_entropy_sum"
 
@@ -48,6 +49,7 @@ class RecipeConfig:
     logging: LoggingSection
     dist_env: DistEnvSection
     clip_grad_norm: ClipGradNormSection
+    peft: PeftSection | None  # LoRA when the YAML has a peft: section
     seed: int
     output_dir: str
     raw: dict
@@ -119,6 +121,7 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         logging=build_section(LoggingSection, raw.get("logging")),
         dist_env=build_section(DistEnvSection, raw.get("dist_env")),
         clip_grad_norm=build_section(ClipGradNormSection, raw.get("clip_grad_norm")),
+        peft=None if raw.get("peft") is None else build_section(PeftSection, raw["peft"]),
         seed=seed,
         output_dir=output_dir,
         raw=raw,

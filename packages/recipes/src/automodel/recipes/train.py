@@ -136,6 +136,11 @@ class Trainer:
         model = build_meta_model(
             self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
         )
+        self.lora = None
+        if cfg.peft is not None:  # LoRA on the meta model: every parallelism below composes with it
+            from automodel.recipes.peft import apply_lora
+
+            self.lora = apply_lora(model, section=cfg.peft)
         self._step_tokens = torch.ones((), device=self.device)
         self.pm = parallelize_model(
             model,
@@ -147,10 +152,14 @@ class Trainer:
             pipeline_loss_fn=self._pipeline_loss,
             pretrained_path=cfg.model.pretrained_path,
             allow_pickle_weights=cfg.model.allow_pickle_weights,
+            peft=cfg.peft,
         )
         opt_cls = locate("optimizer._target_", cfg.optimizer.target)
+        # Only trainable parameters (all of them, or the LoRA adapters) reach the optimizer.
         self.optimizers = [
-            self.pm.prepare_optimizer(opt_cls(part.parameters(), **cfg.optimizer.kwargs), part)
+            self.pm.prepare_optimizer(
+                opt_cls([p for p in part.parameters() if p.requires_grad], **cfg.optimizer.kwargs), part
+            )
             for part in self.pm.parts
         ]
         base_lr = cfg.optimizer.kwargs["lr"]
@@ -402,7 +411,14 @@ class Trainer:
             hf_config=self.hf_config,
             tokenizer=self.tokenizer,
         )
-        return Checkpointer(CheckpointConfig(**self.cfg.checkpoint), output_dir=out, mesh=self.mesh), state
+        checkpointer = Checkpointer(
+            CheckpointConfig(**self.cfg.checkpoint),
+            output_dir=out,
+            mesh=self.mesh,
+            lora=self.lora,
+            base_model_name_or_path=self.cfg.model.pretrained_path,
+        )
+        return checkpointer, state
 
 
 def run_training(cfg: RecipeConfig) -> TrainResult:

@@ -5,6 +5,11 @@ Save: every rank writes its DCP shards (and its share of the consolidated HF exp
 ``step_<N>``, then replaces ``LATEST`` and applies retention. A crash at any point leaves the
 previous checkpoint and ``LATEST`` untouched. Restore resolves ``restore_from`` on rank 0 and
 broadcasts the choice, so all ranks load the same checkpoint.
+
+A LoRA run (`lora` given) also writes ``adapter/`` (Hugging Face PEFT format, see
+`automodel.recipes.peft.export`); its ``consolidated/`` export is written only with
+``peft.save_merged: true``, and then holds the adapters merged into the base weights. The DCP
+state holds the whole model (frozen base included), so a resume needs nothing else.
 """
 
 from __future__ import annotations
@@ -88,10 +93,18 @@ class Checkpointer:
     """
 
     def __init__(
-        self, config: CheckpointConfig, *, output_dir: str | os.PathLike, mesh: MeshContext | None = None
+        self,
+        config: CheckpointConfig,
+        *,
+        output_dir: str | os.PathLike,
+        mesh: MeshContext | None = None,
+        lora: Any = None,
+        base_model_name_or_path: str | None = None,
     ):
         self.config = config
         self.mesh = mesh
+        self.lora = lora  # automodel.recipes.peft.LoRAInfo of a LoRA run
+        self.base_model_name_or_path = base_model_name_or_path
         self.root = Path(config.checkpoint_dir) if config.checkpoint_dir else Path(output_dir) / "checkpoints"
         self.last_saved_step: int | None = None
         self._sigterm = False
@@ -153,7 +166,19 @@ class Checkpointer:
         _barrier()
         dcp.save(build_save_state(state), checkpoint_id=str(tmp))
         files: list[str] = []
-        if self.config.save_consolidated:
+        adapter_files: list[str] = []
+        lora_scales = None
+        if self.lora is not None:
+            from automodel.recipes.peft import save_adapter
+
+            adapter_files = save_adapter(
+                model_parts=state.model_parts,
+                directory=tmp / paths.ADAPTER_DIR,
+                info=self.lora,
+                base_model_name_or_path=self.base_model_name_or_path,
+            )
+            lora_scales = dict.fromkeys(self.lora.module_fqns, self.lora.section.scale)
+        if self.config.save_consolidated and (self.lora is None or self.lora.section.save_merged):
             (tmp / paths.CONSOLIDATED_DIR).mkdir(exist_ok=True)
             files = save_consolidated(
                 model_parts=state.model_parts,
@@ -161,6 +186,7 @@ class Checkpointer:
                 model_save_format=self.config.model_save_format,
                 hf_config=state.hf_config,
                 tokenizer=state.tokenizer,
+                lora_scales=lora_scales,
             )
         _barrier()
         if _rank() == 0:
@@ -171,6 +197,7 @@ class Checkpointer:
                 "layout": self._layout_summary(),
                 "model_save_format": self.config.model_save_format,
                 "consolidated_files": [f"{paths.CONSOLIDATED_DIR}/{f}" for f in files],
+                "adapter_files": [f"{paths.ADAPTER_DIR}/{f}" for f in adapter_files],
                 # Sizes of everything written, so a truncated file marks the checkpoint corrupt.
                 "files": paths.file_sizes(tmp),
                 "saved_at": time.time(),

@@ -5,11 +5,15 @@ mesh, so PP stages gather independently) and written by the lowest rank holding 
 per writer, plus the HF index when there is more than one. Keys are the model's FQNs, which
 are HF's own names (MoE experts stay stacked as transformers keeps them), so
 ``AutoModelForCausalLM.from_pretrained`` loads the directory with no code of ours.
+
+With `lora_scales` (a LoRA run with ``peft.save_merged: true``) the adapters are not written:
+each adapted linear's weight is written merged, ``W + scale * B @ A``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +48,24 @@ def save_consolidated(
     model_save_format: str,
     hf_config: Any = None,
     tokenizer: Any = None,
+    lora_scales: Mapping[str, float] | None = None,
 ) -> list[str]:
     """Write this rank's share of the consolidated checkpoint; collective over all ranks.
 
+    `lora_scales` (adapted linear FQN -> alpha / dim) merges LoRA adapters into their weights.
     Returns the file names written by all ranks (the same list on every rank).
     """
+    lora_scales = lora_scales or {}
+
+    def adapted(key: str) -> tuple[str, str] | None:
+        module, _, leaf = key.rpartition(".")  # <linear>.lora_A / weight
+        base, _, which = module.rpartition(".")
+        return (
+            (base, which)
+            if leaf == "weight" and which in ("lora_A", "lora_B") and base in lora_scales
+            else None
+        )
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     local: dict[str, Any] = {}
@@ -57,7 +74,7 @@ def save_consolidated(
         part_sd = part_model_state_dict(part)
         local.update(part_sd)
         owner.update(dict.fromkeys(part_sd, part))
-    sizes = {k: _nbytes(v) for k, v in local.items()}
+    sizes = {k: _nbytes(v) for k, v in local.items() if adapted(k) is None}
     gathered: list[Any] = [None] * world
     if dist.is_initialized():
         dist.all_gather_object(gathered, sizes)
@@ -78,12 +95,25 @@ def save_consolidated(
     }
 
     mine: dict[str, torch.Tensor] = {}
+    adapters: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in local.items():
         full = full_tensor(value, owner[key])
+        lora = adapted(key)
+        if lora is not None:  # the writer of the linear's weight holds its adapters too (same part)
+            adapters.setdefault(lora[0], {})[lora[1]] = full.detach()
+            continue
         if writer_of[key] == rank:
             # Own storage per key: safetensors refuses shared (tied) tensors.
             mine[key] = full.detach().to("cpu").contiguous().clone()
         del full
+    if adapters:
+        from automodel.recipes.peft.lora import merged_weight
+
+        for base, ab in adapters.items():
+            if f"{base}.weight" in mine:
+                mine[f"{base}.weight"] = merged_weight(
+                    mine[f"{base}.weight"], ab["lora_A"], ab["lora_B"], scale=lora_scales[base]
+                )
     if rank in file_of_writer:
         _write(mine, directory / file_of_writer[rank], model_save_format)
     del mine

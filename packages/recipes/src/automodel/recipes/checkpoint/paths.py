@@ -20,6 +20,7 @@ LATEST_FILE = "LATEST"
 INFO_FILE = "checkpoint.json"
 DCP_METADATA_FILE = ".metadata"
 CONSOLIDATED_DIR = "consolidated"
+ADAPTER_DIR = "adapter"  # LoRA runs: Hugging Face PEFT adapter_config.json + adapter_model.safetensors
 _STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"

@@ -12,6 +12,7 @@ torch's restricted unpickler, and every rank reads the full files.
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,11 @@ def _pickle_weight_files(directory: Path) -> list[Path]:
 
 
 def load_pretrained_weights(
-    model_parts: list[nn.Module], directory: str | Path, *, allow_pickle_weights: bool = False
+    model_parts: list[nn.Module],
+    directory: str | Path,
+    *,
+    allow_pickle_weights: bool = False,
+    optional_keys: Collection[str] = (),
 ) -> None:
     """Fill every parameter and persistent buffer of `model_parts` from HF weights in `directory`.
 
@@ -56,6 +61,7 @@ def load_pretrained_weights(
     (``*.bin``, ``*.pt``, ...) is refused unless `allow_pickle_weights` (YAML
     ``model.allow_pickle_weights``), and then read with ``torch.load(weights_only=True)``.
     Raises `ValueError` naming missing keys or a directory without loadable weights.
+    `optional_keys` may be absent from the files (LoRA adapters: they keep their initial values).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -71,19 +77,21 @@ def load_pretrained_weights(
                 "to safetensors, or set model.allow_pickle_weights: true if you trust them "
                 "(they are then read with torch.load(weights_only=True)), got model.allow_pickle_weights=False"
             )
-        _load_pickled_weights(model_parts, directory, pickled)
+        _load_pickled_weights(model_parts, directory, pickled, optional_keys)
         return
     reader = dcp.HuggingFaceStorageReader(path=str(directory))
     available = set(reader.read_metadata().state_dict_metadata)
     part_sds = [get_model_state_dict(part) for part in model_parts]
-    _check_missing(model_parts, part_sds, available, directory)
+    _check_missing(model_parts, part_sds, available | set(optional_keys), directory)
     to_load = {k: v for sd in part_sds for k, v in sd.items() if k in available}
     dcp.load(to_load, storage_reader=reader)
     for part, sd in zip(model_parts, part_sds):
         set_model_state_dict(part, {k: to_load.get(k, v) for k, v in sd.items()})
 
 
-def _load_pickled_weights(model_parts: list[nn.Module], directory: Path, files: list[Path]) -> None:
+def _load_pickled_weights(
+    model_parts: list[nn.Module], directory: Path, files: list[Path], optional_keys: Collection[str] = ()
+) -> None:
     """Opted-in path: every rank reads the full files with weights_only=True, then shards them."""
     full: dict[str, torch.Tensor] = {}
     for path in files:
@@ -102,7 +110,7 @@ def _load_pickled_weights(model_parts: list[nn.Module], directory: Path, files: 
             )
         full.update(loaded)
     part_sds = [get_model_state_dict(part) for part in model_parts]
-    _check_missing(model_parts, part_sds, set(full), directory)
+    _check_missing(model_parts, part_sds, set(full) | set(optional_keys), directory)
     options = StateDictOptions(full_state_dict=True)
     for part, sd in zip(model_parts, part_sds):
         # Every key of the part, in its own order, on every rank: distributing a full tensor to a
