@@ -38,7 +38,7 @@ def check_model_supports_layout(cfg: Any, layout: ResolvedLayout, hf_config: Any
     here, naming the model_type and why, instead of failing (or silently differing) in the ranks."""
     d = cfg.distributed
     needs_pp_split = layout.pp > 1 and (d.pipeline or {}).get("module_fqns_per_model_part") is None
-    if not (layout.tp > 1 or layout.cp > 1 or needs_pp_split):
+    if not (layout.tp > 1 or layout.cp > 1 or layout.ep > 1 or needs_pp_split):
         return
     model = build_meta_model(
         hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
@@ -60,6 +60,24 @@ def check_model_supports_layout(cfg: Any, layout: ResolvedLayout, hf_config: Any
             check_context_parallel_support(model, seq_length=cfg.seq_length)
         except ValueError as e:
             raise ConfigError("distributed.cp_size", layout.cp, f"cannot be applied: {e}") from None
+    if layout.ep > 1:
+        from automodel.moe import find_moe_blocks, validate_moe_layout
+        from automodel.moe.model_inspect import check_supported_experts
+
+        blocks = find_moe_blocks(model)
+        if not blocks and num_experts(hf_config):
+            raise ConfigError(
+                "distributed.ep_size",
+                layout.ep,
+                f"cannot be applied: model_type {hf_config.model_type!r} keeps its experts in a layout expert "
+                "parallelism does not implement (it needs stacked gate_up_proj [E, 2I, H] and down_proj [E, H, I])",
+            )
+        try:
+            validate_moe_layout(layout=layout, num_experts=[b.num_experts for b in blocks])
+            for block in blocks:
+                check_supported_experts(f"{block.name}.experts", block.experts)
+        except ValueError as e:
+            raise ConfigError("distributed.ep_size", layout.ep, f"cannot be applied: {e}") from None
     if needs_pp_split:
         from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
 

@@ -1,0 +1,77 @@
+"""The conformance sweep's representative subset (one model per family), part of the CPU suite.
+
+Each case trains the tiny config of a registry model_type through the recipes' code path, once in
+one process and once under a layout, and must either pass (loss and gradient norm of every step
+within 1e-5 relative, the layout really applied on every rank) or be refused before launch with
+the expected reason. The full sweep (`nox -s conformance`) writes docs/models.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from matrix import (  # noqa: E402
+    LAYOUTS,
+    RTOL,
+    Refused,
+    _model_facts,
+    check_applied,
+    max_relative_difference,
+    recipe_config,
+    run_case,
+    tiny_model_config,
+)
+
+PASS = "pass"
+
+# (model_type, variant, layout, expected: "pass" or a substring of the refusal)
+CASES = [
+    ("llama", "default", "tp2_sp", PASS),  # Llama-like
+    ("llama", "tie_flipped", "pp2", PASS),  # tied embedding held by both end stages
+    ("llama", "default", "cp2", PASS),
+    ("gemma3_text", "options", "pp2", PASS),  # embedding scale, soft-capping, sliding window 8 < 32
+    ("gemma3_text", "options", "tp2", PASS),
+    ("gemma3_text", "options", "cp2", "sliding-window attention"),
+    ("granite", "options", "pp2", PASS),  # embedding/residual/attention multipliers, logit scaling
+    ("cohere", "default", "tp2", PASS),  # logit scale, tied embeddings kept replicated over tp
+    ("deepseek_v3", "default", "ep2", PASS),  # latent attention, MoE router correction bias
+    ("deepseek_v3", "default", "pp2", PASS),
+    ("gpt_oss", "default", "pp2", PASS),  # attention sinks, MoE
+    ("gpt_oss", "default", "ep2", "keeps its experts in a layout"),  # transposed experts with biases
+    ("gpt_oss", "default", "cp2", "attention sinks"),
+    ("gpt2", "default", "pp2", PASS),  # learned positions, another naming scheme
+    ("gpt2", "default", "tp2", "no decoder-layer ModuleList"),
+]
+
+
+@functools.cache
+def _reference(model_type: str, variant: str, tmp: str) -> list[dict[str, float]]:
+    ref, _ = run_case(
+        recipe_config(tiny_model_config(model_type, variant), {"strategy": "fsdp2"}, f"{tmp}/ref"), 1
+    )
+    return ref
+
+
+@pytest.mark.parametrize(("model_type", "variant", "layout", "expected"), CASES, ids=lambda v: str(v))
+def test_conformance_case(
+    model_type: str, variant: str, layout: str, expected: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model_config = tiny_model_config(model_type, variant)
+    ranks, distributed = LAYOUTS[layout]
+    out = tmp_path_factory.mktemp(f"{model_type}-{variant}-{layout}")
+    raw = recipe_config(model_config, distributed, str(out / "run"))
+    if expected != PASS:
+        with pytest.raises(Refused, match=expected):
+            run_case(raw, ranks)
+        return
+    got, reports = run_case(raw, ranks)
+    ref = _reference(model_type, variant, str(tmp_path_factory.mktemp(f"{model_type}-{variant}-ref")))
+    rel = max_relative_difference(got, ref)
+    assert rel <= RTOL, f"{model_type}/{variant}/{layout}: max relative difference {rel:.2e}\n{got}\n{ref}"
+    num_layers, experts, _ = _model_facts(model_config)
+    check_applied(layout, reports, num_layers=num_layers, num_experts=experts)
