@@ -60,3 +60,21 @@ def lora_train_on_rank(raw: dict[str, Any]) -> dict[str, Any]:
         "optimizer_params": optimizer_params,
         "num_adapter_params": trainer.lora.num_adapter_params,
     }
+
+
+def lora_train_then_logits(raw: dict[str, Any], input_ids: Any) -> Any:
+    """Train `raw`, then return the trained model's logits for `input_ids` (a layout whose first
+    part outputs whole logits: no pipeline)."""
+    import torch
+
+    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes.train import Trainer
+
+    trainer = Trainer(parse_recipe_config(raw))
+    trainer.build()
+    trainer.train()
+    model = trainer.pm.parts[0]
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids.to(trainer.device), use_cache=False).logits
+    return logits.detach().cpu()
