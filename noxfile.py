@@ -1,6 +1,7 @@
 """Sessions: `tests` (CPU suite of every package and tests/), `gpu_tests` (tests marked gpu), `lint`,
 `build` (wheel + sdist per package, checked), `install_alone` (each wheel alone in a fresh venv,
-imported and smoke-run), `release_check` (versions, changelogs and release tags agree).
+imported and smoke-run), `release_check` (versions, changelogs and release tags agree), `conformance`
+(every causal LM of the transformers registry under every layout; writes docs/models.md).
 
 All sessions run in the workspace environment (`uv run --frozen nox -s ...`), so torch is never
 installed twice. `gpu_tests` runs scripts/gpu_check.sh, which also works on GPU runners that have
@@ -85,3 +86,13 @@ def release_check(session: nox.Session) -> None:
     version bump and a changelog entry, or lacks a CHANGELOG.md entry for its current version.
     See RELEASING.md and scripts/release_check.py."""
     session.run(sys.executable, str(ROOT / "scripts" / "release_check.py"))
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """Every causal LM in transformers' registry, one process vs each layout; writes docs/models.md.
+
+    Posargs go to the sweep (`nox -s conformance -- --models llama,gpt2 --layouts pp2`). The CPU
+    suite runs a representative subset (tests/conformance/test_conformance.py); this is the full run.
+    """
+    session.run(sys.executable, str(ROOT / "tests" / "conformance" / "matrix.py"), *session.posargs)
