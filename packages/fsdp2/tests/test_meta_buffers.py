@@ -1,6 +1,6 @@
 """Buffers a model computes at construction come back after meta-device init, from the model's own
 code: rotary frequencies, Gemma's embedding scale, the router correction bias of DeepSeek-V3 /
-GLM-4-MoE; parameters keep their seeded values."""
+GLM-4-MoE, Apertus' activation constants; parameters keep their seeded values."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ ROUTED = {
 CONFIGS = {
     "llama": {**DENSE, "num_attention_heads": 4, "num_key_value_heads": 2},
     "gemma3_text": {**DENSE, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+    # XIELU activation constants: restored by re-creating the enclosing MLP from the config
+    "apertus": {**DENSE, "num_attention_heads": 4, "num_key_value_heads": 2},
     "deepseek_v3": {
         **DENSE,
         **ROUTED,

@@ -93,26 +93,64 @@ def _restore_with_init_weights(owner: nn.Module | None, module: nn.Module, names
     return failure
 
 
-def _rebuild_buffers(module: nn.Module, names: list[str], device: torch.device, *, why: str) -> None:
-    """Recompute buffers lost on meta (e.g. rotary ``inv_freq``) by re-creating the module on CPU."""
-    config = getattr(module, "config", None)
-    fresh = None
-    if config is not None:
-        with torch.device("cpu"):
-            for call in (lambda: type(module)(config=config), lambda: type(module)(config)):
-                try:
-                    fresh = call()
-                    break
-                except TypeError:
-                    continue
-    if fresh is None:
-        raise ValueError(
-            f"cannot recompute buffers {names} of {type(module).__name__} after meta init ({why}, and "
-            "the module cannot be re-created from its config); build that module off the meta device"
-        )
-    fresh_buffers = dict(fresh.named_buffers(recurse=False))
-    for name in names:
-        module._buffers[name] = fresh_buffers[name].to(device)
+def _plain_class(module: nn.Module) -> type:
+    """The module's own class (FSDP2 swaps in a subclass named ``FSDP<name>``)."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP"):
+        cls = next((c for c in cls.__mro__ if c.__name__ == cls.__name__[4:]), cls)
+    return cls
+
+
+def _recreate(module: nn.Module, config: object, layer_idx: int | None) -> nn.Module | None:
+    """`module`'s class built afresh on CPU from `config` (the usual HF constructor shapes), or None."""
+    cls = _plain_class(module)
+    calls = [lambda: cls(config=config), lambda: cls(config)]
+    if layer_idx is not None:
+        calls += [lambda: cls(config, layer_idx), lambda: cls(config=config, layer_idx=layer_idx)]
+    with torch.device("cpu"):
+        for call in calls:
+            try:
+                return call()
+            except (TypeError, ValueError, AttributeError, IndexError):
+                continue
+    return None
+
+
+def _rebuild_buffers(
+    module: nn.Module, names: list[str], device: torch.device, *, why: str, root: nn.Module, fqn: str
+) -> None:
+    """Recompute buffers lost on meta (rotary ``inv_freq``, an activation's constants) by re-creating,
+    on CPU, the module or else its nearest ancestor that can be built from the model's config, and
+    copying the buffers from the fresh copy (the module's own construction code computes them)."""
+    root_config = getattr(root, "config", None)
+    text_config = root_config.get_text_config() if hasattr(root_config, "get_text_config") else root_config
+    atoms = fqn.split(".") if fqn else []
+    for depth in range(len(atoms), -1, -1):
+        owner = root.get_submodule(".".join(atoms[:depth]))
+        layer_idx = next((int(a) for a in reversed(atoms[:depth]) if a.isdigit()), None)
+        fresh = None
+        for config in {
+            id(c): c for c in (getattr(owner, "config", None), text_config, root_config) if c is not None
+        }.values():
+            fresh = _recreate(owner, config, layer_idx)
+            if fresh is not None:
+                break
+        if fresh is None:
+            continue
+        try:
+            twin = fresh.get_submodule(canonical_fqn(".".join(atoms[depth:])))
+        except AttributeError:
+            continue
+        fresh_buffers = dict(twin.named_buffers(recurse=False))
+        if all(n in fresh_buffers for n in names):
+            for name in names:
+                module._buffers[name] = fresh_buffers[name].to(device)
+            return
+    raise ValueError(
+        f"cannot recompute buffers {names} of {type(module).__name__} at {fqn or '<root>'} after meta init "
+        f"({why}, and neither it nor an enclosing module can be re-created from the config); build that "
+        "module off the meta device"
+    )
 
 
 @torch.no_grad()
@@ -153,10 +191,11 @@ def materialize_meta_model(
     for module, name in lost:
         by_module.setdefault(id(module), (module, []))[1].append(name)
     owner = _init_weights_owner(model) if by_module else None
+    fqns = {id(m): n for n, m in model.named_modules(remove_duplicate=False)} if by_module else {}
     for module, names in by_module.values():
         why = _restore_with_init_weights(owner, module, names)
         if why is not None:
-            _rebuild_buffers(module, names, device, why=why)
+            _rebuild_buffers(module, names, device, why=why, root=model, fqn=fqns[id(module)])
     return model
 
 
