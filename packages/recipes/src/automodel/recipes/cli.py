@@ -1,4 +1,4 @@
-"""The `recipes` console script: ``train``, ``validate`` and ``plot`` (and ``--version``).
+"""The `recipes` console script: ``train``, ``validate``, ``generate`` and ``plot`` (and ``--version``).
 
 Config mistakes exit with code 2 and one line ``error: <key>=<value>: <why>``, with no traceback,
 no process left behind and nothing written.
@@ -77,6 +77,24 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="resolve config and layout for --world-size ranks; no training")
     v.add_argument("config")
     v.add_argument("--world-size", "--world_size", type=int, default=None, dest="world_size")
+    g = sub.add_parser(
+        "generate",
+        help="continue a prompt with a consolidated checkpoint or a LoRA adapter directory (transformers generate)",
+    )
+    g.add_argument(
+        "checkpoint", help="a consolidated/ directory, an HF model directory, or an adapter directory"
+    )
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=64, dest="max_new_tokens")
+    g.add_argument(
+        "--do-sample", "--do_sample", action="store_true", dest="do_sample", help="sample (default: greedy)"
+    )
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", "--top_p", type=float, default=1.0, dest="top_p")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--raw", action="store_true", help="send the prompt as is (no chat template or SFT prompt format)"
+    )
     pl = sub.add_parser("plot", help="write <OUTPUT_DIR>/loss.png from metrics.jsonl")
     pl.add_argument("output_dir")
     pl.add_argument("--out", default=None)
@@ -173,6 +191,25 @@ def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    from automodel.recipes.generate import generate
+
+    if overrides:
+        raise ConfigError(overrides[0], None, "generate takes no overrides")
+    out = generate(
+        checkpoint=args.checkpoint,
+        prompt=args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        raw=args.raw,
+    )
+    print(out.text)
+    return 0
+
+
 def run_cli(argv: Sequence[str]) -> int:
     """Parse and run one command; returns the exit code (2 for config errors, one line on stderr)."""
     parser = _parser()
@@ -184,7 +221,9 @@ def run_cli(argv: Sequence[str]) -> int:
         overrides = _split_overrides(args.command, extra)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
-            return {"train": _train, "validate": _validate, "plot": _plot}[args.command](args, overrides)
+            return {"train": _train, "validate": _validate, "plot": _plot, "generate": _generate}[
+                args.command
+            ](args, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

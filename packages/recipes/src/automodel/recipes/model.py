@@ -14,7 +14,8 @@ from automodel.recipes.trust import announce_remote_code
 
 
 def build_hf_config(section: Any, *, announce: bool = True) -> Any:
-    """A transformers config from ``model.config`` (with ``model_type``) or ``model.pretrained_path``.
+    """A transformers config from ``model.config`` (with ``model_type``) or a pretrained directory
+    (``model.pretrained_model_name_or_path``, alias ``model.pretrained_path``).
 
     With ``model.trust_remote_code: true`` and `announce`, rank 0 prints that the directory's code
     may run (the pre-launch layout check passes ``announce=False``: the run itself says it once).
@@ -39,11 +40,7 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
                 "model.config", kwargs, f"is not accepted by the {model_type} config ({e})"
             ) from None
     else:
-        path = Path(section.pretrained_path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                "model.pretrained_path", str(path), "is not a local HF model directory (no config.json)"
-            )
+        path = pretrained_dir(section)
         trust = section.trust_remote_code
         if trust and announce:
             announce_remote_code(key="model.trust_remote_code", path=str(path))
@@ -64,6 +61,16 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
             raise ConfigError(f"model.config.{key}", value, "must be an int >= 1")
     cfg._attn_implementation = resolve_attn_implementation(cfg, section.attn_implementation)
     return cfg
+
+
+def pretrained_dir(section: Any) -> Path:
+    """The local directory of ``model.pretrained_model_name_or_path`` (alias ``model.pretrained_path``):
+    the directory itself, or the cached snapshot of a Hub id (never downloaded; `ConfigError` naming
+    the key when it is not cached or has no config.json)."""
+    from automodel.recipes.hub_cache import resolve_local_or_cached
+
+    source = section.pretrained_path or section.pretrained_source
+    return resolve_local_or_cached(source, key=section.pretrained_key, required_file="config.json")
 
 
 #: Attention implementations a model class declares support for, by its class flag (eager: all).

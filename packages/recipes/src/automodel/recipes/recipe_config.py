@@ -19,6 +19,8 @@ from automodel.recipes.sections import (
     ModelSection,
     OptimizerSection,
     PackedSequenceSection,
+    SFTDatasetSection,
+    SFTValidationDatasetSection,
     StepSchedulerSection,
     TokenizerSection,
     ValidationDatasetSection,
@@ -36,8 +38,8 @@ DEFAULT_LOSS_FN = "automodel.recipes.loss.masked_cross_entropy_sum"
 @dataclass
 class RecipeConfig:
     model: ModelSection
-    dataset: DatasetSection
-    validation_dataset: ValidationDatasetSection | None
+    dataset: DatasetSection | SFTDatasetSection
+    validation_dataset: ValidationDatasetSection | SFTValidationDatasetSection | None
     tokenizer: TokenizerSection
     step_scheduler: StepSchedulerSection
     optimizer: OptimizerSection
@@ -84,6 +86,55 @@ def _checkpoint_section(data: Any) -> dict:
     return dict(data)
 
 
+def _dataset_section(data: Any, *, validation: bool) -> Any:
+    """The pretraining-text section, or the SFT one for an SFT `source` (or a NeMo ``_target_``)."""
+    from automodel.recipes.sections import SFT_SOURCES, SFT_TARGETS
+
+    key = "validation_dataset" if validation else "dataset"
+    if isinstance(data, dict) and "_target_" in data:
+        target = data["_target_"]
+        source = SFT_TARGETS.get(str(target).rsplit(".", 1)[-1]) if isinstance(target, str) else None
+        if source is None:
+            raise ConfigError(
+                f"{key}._target_",
+                target,
+                f"is not a dataset class read here ({', '.join(SFT_TARGETS)}); or set {key}.source",
+            )
+        if data.get("source", source) != source:
+            raise ConfigError(f"{key}.source", data["source"], f"contradicts {key}._target_={target}")
+        data = {**{k: v for k, v in data.items() if k != "_target_"}, "source": source}
+    if isinstance(data, dict) and data.get("source") in SFT_SOURCES:
+        return build_section(SFTValidationDatasetSection if validation else SFTDatasetSection, data)
+    return build_section(ValidationDatasetSection if validation else DatasetSection, data)
+
+
+def _resolve_pretrained(cfg: RecipeConfig) -> None:
+    """``model.pretrained_path`` becomes the local directory of the pretrained model (a Hub id is
+    looked up in the local cache, never downloaded); ``tokenizer.path`` the tokenizer's directory:
+    the tokenizer section's, else the model directory when it holds tokenizer files."""
+    from automodel.recipes.data.tokenizer import has_tokenizer_files
+    from automodel.recipes.hub_cache import resolve_local_or_cached
+
+    model = cfg.model
+    if model.pretrained_source is not None:
+        model.pretrained_path = str(
+            resolve_local_or_cached(
+                model.pretrained_source, key=model.pretrained_key, required_file="config.json"
+            )
+        )
+    tok = cfg.tokenizer
+    if tok.pretrained_model_name_or_path is not None:
+        tok.path = str(
+            resolve_local_or_cached(
+                tok.pretrained_model_name_or_path, key="tokenizer.pretrained_model_name_or_path"
+            )
+        )
+    elif (
+        tok.path is None and model.pretrained_path is not None and has_tokenizer_files(model.pretrained_path)
+    ):
+        tok.path = model.pretrained_path
+
+
 def parse_recipe_config(raw: dict) -> RecipeConfig:
     """Validate every section of `raw` (the loaded YAML); the first mistake raises `ConfigError`."""
     if not isinstance(raw, dict):
@@ -92,7 +143,9 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     if "model" not in raw:
         raise ConfigError("model", None, "section is required")
     if raw["model"] is None or not isinstance(raw["model"], dict):
-        raise ConfigError("model", raw["model"], "must be a mapping (model.config or model.pretrained_path)")
+        raise ConfigError(
+            "model", raw["model"], "must be a mapping (model.config or model.pretrained_model_name_or_path)"
+        )
     seed = raw.get("seed", 42)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", seed, "must be an int >= 0")
@@ -108,8 +161,8 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     val = raw.get("validation_dataset")
     cfg = RecipeConfig(
         model=build_section(ModelSection, raw["model"]),
-        dataset=build_section(DatasetSection, raw.get("dataset")),
-        validation_dataset=None if val is None else build_section(ValidationDatasetSection, val),
+        dataset=_dataset_section(raw.get("dataset"), validation=False),
+        validation_dataset=None if val is None else _dataset_section(val, validation=True),
         tokenizer=build_section(TokenizerSection, raw.get("tokenizer")),
         step_scheduler=build_section(StepSchedulerSection, raw.get("step_scheduler")),
         optimizer=OptimizerSection.parse(raw.get("optimizer")),
@@ -126,6 +179,7 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         output_dir=output_dir,
         raw=raw,
     )
+    _resolve_pretrained(cfg)
     ss = cfg.step_scheduler
     if cfg.packed_sequence.packed_sequence_size > 0 and ss.local_batch_size != 1:
         raise ConfigError(

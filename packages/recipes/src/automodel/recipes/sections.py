@@ -80,7 +80,9 @@ class ModelSection:
 
     SECTION: ClassVar[str] = "model"
     config: dict | None = None
-    pretrained_path: str | None = None
+    # A local HF directory or a Hub id resolved through the local HF cache (never downloaded).
+    pretrained_model_name_or_path: str | None = None
+    pretrained_path: str | None = None  # alias of pretrained_model_name_or_path (the 0.1 name)
     dtype: str = "float32"
     # auto: sdpa where the model supports it, else eager (see model.resolve_attn_implementation)
     attn_implementation: str = "auto"
@@ -93,11 +95,22 @@ class ModelSection:
         for key in ("trust_remote_code", "allow_pickle_weights"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"model.{key}", getattr(self, key), "must be true or false")
-        if (self.config is None) == (self.pretrained_path is None):
+        if self.pretrained_model_name_or_path is not None and self.pretrained_path is not None:
+            raise ConfigError(
+                "model.pretrained_path",
+                self.pretrained_path,
+                "is an alias of model.pretrained_model_name_or_path; set only one of them",
+            )
+        for key in ("pretrained_model_name_or_path", "pretrained_path"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"model.{key}", value, "must be a local directory or a Hub id (org/name)")
+        if (self.config is None) == (self.pretrained_source is None):
             raise ConfigError(
                 "model",
-                self.config or self.pretrained_path,
-                "set exactly one of model.config and model.pretrained_path",
+                self.config or self.pretrained_source,
+                "set exactly one of model.config and model.pretrained_model_name_or_path "
+                "(alias model.pretrained_path)",
             )
         if self.config is not None and "model_type" not in self.config:
             raise ConfigError("model.config.model_type", None, "is required (e.g. llama, qwen3, mixtral)")
@@ -109,6 +122,18 @@ class ModelSection:
                 self.attn_implementation,
                 "must be auto, sdpa, eager, flash_attention_2 or flex_attention",
             )
+
+    @property
+    def pretrained_source(self) -> str | None:
+        """What the YAML names: ``pretrained_model_name_or_path`` or its alias ``pretrained_path``."""
+        return self.pretrained_model_name_or_path or self.pretrained_path
+
+    @property
+    def pretrained_key(self) -> str:
+        """The YAML key that names the pretrained model (for error messages)."""
+        if self.pretrained_model_name_or_path is not None:
+            return "model.pretrained_model_name_or_path"
+        return "model.pretrained_path"
 
 
 DATA_SOURCES = ("embedded", "json", "text", "parquet")
@@ -152,6 +177,9 @@ class TokenizerSection:
 
     SECTION: ClassVar[str] = "tokenizer"
     path: str | None = None
+    # A local directory or a Hub id from the local HF cache. With neither key, a pretrained model's
+    # own tokenizer files are used (the byte tokenizer when its directory has none).
+    pretrained_model_name_or_path: str | None = None
     trust_remote_code: bool = False  # run Python files of the tokenizer directory (auto_map)
 
     def __post_init__(self) -> None:
@@ -159,9 +187,118 @@ class TokenizerSection:
 
         if not isinstance(self.trust_remote_code, bool):
             raise ConfigError("tokenizer.trust_remote_code", self.trust_remote_code, "must be true or false")
+        if self.path is not None and self.pretrained_model_name_or_path is not None:
+            raise ConfigError(
+                "tokenizer.pretrained_model_name_or_path",
+                self.pretrained_model_name_or_path,
+                "names the tokenizer like tokenizer.path; set only one of them",
+            )
 
         if self.path is not None and not Path(self.path).is_dir():
             raise ConfigError("tokenizer.path", self.path, "is not a local directory")
+
+
+SFT_SOURCES = ("instruction", "chat", "stdlib_docstrings")
+#: NeMo AutoModel dataset classes (``dataset._target_``) and the source that reads the same data.
+SFT_TARGETS = {"ColumnMappedTextInstructionDataset": "instruction", "ChatDataset": "chat"}
+SFT_COLUMNS = {"instruction": ("context", "question", "answer"), "chat": ("messages",)}
+TRUNCATION = {False: False, "do_not_truncate": False, True: True, "longest_first": True, "right": True}
+
+
+@dataclass
+class SFTDatasetSection:
+    """Supervised fine-tuning examples: instruction columns, chat ``messages``, or a built-in set.
+
+    ``instruction`` maps columns onto ``context`` / ``question`` / ``answer`` (NeMo AutoModel's
+    ColumnMappedTextInstructionDataset); ``chat`` reads a ``messages`` column in the OpenAI chat
+    format (NeMo's ChatDataset); ``stdlib_docstrings`` builds (function signature -> first line of its
+    docstring) pairs from the Python standard library at run time. Each example is one row of
+    ``seq_length`` tokens (padding carries no loss), or several per row with ``packed_sequence``.
+    """
+
+    SECTION: ClassVar[str] = "dataset"
+    source: str = "instruction"
+    # local .jsonl/.json/.parquet/.csv file(s) or a directory, or a Hub dataset id from the local cache
+    path_or_dataset_id: str | list | None = None
+    column_mapping: dict | None = None
+    split: str = "train"  # for a Hub id or a directory (local files are one split), stdlib: train/validation
+    name: str | None = None  # dataset configuration (subset) of a Hub id or directory
+    answer_only_loss_mask: bool = True
+    # null: the tokenizer's chat template when it has one, else plain "context\nquestion\n" + answer
+    use_hf_chat_template: bool | None = None
+    chat_template: str | None = None  # a Jinja template that replaces the tokenizer's (saved with it)
+    seq_length: int = 128
+    # false / do_not_truncate: an example longer than the row is skipped (counted and reported);
+    # true / longest_first / right: its end is cut off (skipped if no answer token is left)
+    truncation: bool | str = False
+    limit_dataset_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if self.source not in SFT_SOURCES:
+            raise ConfigError(f"{s}.source", self.source, f"must be one of {', '.join(SFT_SOURCES)}")
+        if self.source == "stdlib_docstrings":
+            if self.path_or_dataset_id is not None or self.column_mapping is not None:
+                key = "path_or_dataset_id" if self.path_or_dataset_id is not None else "column_mapping"
+                raise ConfigError(f"{s}.{key}", getattr(self, key), "is not used by source stdlib_docstrings")
+            if self.split not in ("train", "validation"):
+                raise ConfigError(
+                    f"{s}.split", self.split, "must be train or validation for stdlib_docstrings"
+                )
+        elif self.path_or_dataset_id is None:
+            raise ConfigError(f"{s}.path_or_dataset_id", None, f"is required for source {self.source!r}")
+        if isinstance(self.path_or_dataset_id, list) and (
+            not self.path_or_dataset_id or not all(isinstance(p, str) for p in self.path_or_dataset_id)
+        ):
+            raise ConfigError(
+                f"{s}.path_or_dataset_id", self.path_or_dataset_id, "must be a path or a list of paths"
+            )
+        if self.column_mapping is not None:
+            allowed = SFT_COLUMNS.get(self.source, ())
+            for role, column in self.column_mapping.items():
+                if role not in allowed:
+                    raise ConfigError(
+                        f"{s}.column_mapping.{role}",
+                        column,
+                        f"is not a role of source {self.source!r} ({', '.join(allowed)})",
+                    )
+                if not isinstance(column, str) or not column:
+                    raise ConfigError(f"{s}.column_mapping.{role}", column, "must be a column name")
+        if self.source == "instruction":
+            mapping = self.column_mapping or {}
+            if "answer" not in mapping:
+                raise ConfigError(
+                    f"{s}.column_mapping.answer", None, "is required (the column holding the answer)"
+                )
+            if "context" not in mapping and "question" not in mapping:
+                raise ConfigError(
+                    f"{s}.column_mapping", mapping, "must map context or question (or both) besides answer"
+                )
+        for key in ("answer_only_loss_mask",):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{s}.{key}", getattr(self, key), "must be true or false")
+        if (
+            self.truncation not in TRUNCATION
+            or isinstance(self.truncation, int)
+            and not isinstance(self.truncation, bool)
+        ):
+            raise ConfigError(
+                f"{s}.truncation",
+                self.truncation,
+                "must be false / do_not_truncate, or true / longest_first / right",
+            )
+        _positive(s, "seq_length", self.seq_length, minimum=2)
+        _positive(s, "limit_dataset_samples", self.limit_dataset_samples, allow_none=True)
+
+    @property
+    def truncate(self) -> bool:
+        return TRUNCATION[self.truncation]
+
+
+@dataclass
+class SFTValidationDatasetSection(SFTDatasetSection):
+    SECTION: ClassVar[str] = "validation_dataset"
+    split: str = "validation"
 
 
 @dataclass

@@ -23,7 +23,19 @@ class Batch:
 
 def check_data_paths(section: Any) -> None:
     """Local data files must exist (checked before any rank starts; `validate` skips this)."""
-    if section is None or section.source == "embedded":
+    if section is None or section.source in ("embedded", "stdlib_docstrings"):
+        return
+    if hasattr(section, "path_or_dataset_id"):  # SFT: local files, or a Hub id resolved when read
+        src = section.path_or_dataset_id
+        for p in src if isinstance(src, list) else []:
+            if not Path(p).expanduser().is_file():
+                raise ConfigError(
+                    f"{section.SECTION}.path_or_dataset_id", p, "does not exist (only local files are read)"
+                )
+        if isinstance(src, str) and not Path(src).expanduser().exists():
+            from automodel.recipes.hub_cache import resolve_local_or_cached
+
+            resolve_local_or_cached(src, key=f"{section.SECTION}.path_or_dataset_id", repo_type="dataset")
         return
     paths = section.path if isinstance(section.path, list) else [section.path]
     for p in paths:
@@ -59,8 +71,16 @@ def _local_documents(section: Any) -> list[str]:
     return docs
 
 
-def build_packed_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int) -> PackedDataset:
-    """Read the section's documents, tokenize, and pack into rows (document-aware when packed)."""
+def build_packed_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int) -> Any:
+    """Read the section's documents, tokenize, and pack into rows (document-aware when packed).
+
+    An SFT section (`SFTDatasetSection`) gives an `SFTDataset` (answer-only labels, one example
+    per row or whole examples packed); both have ``len`` and ``batch(indices)``.
+    """
+    if hasattr(section, "path_or_dataset_id"):
+        from automodel.recipes.data.sft import build_sft_dataset
+
+        return build_sft_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size)
     if section.source == "embedded":
         docs = embedded_documents(split=section.split, max_bytes=section.max_bytes)
     else:

@@ -8,12 +8,24 @@ from typing import Any
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.trust import announce_remote_code
 
+#: Files that make a directory a Hugging Face tokenizer directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(directory: str | Path) -> bool:
+    """Whether `directory` holds a Hugging Face tokenizer (else a model directory carries none)."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids: needs no vocabulary file; byte 0 (absent from text) is EOS."""
 
     vocab_size = 256
     eos_token_id = 0
+    pad_token_id = 0
+    bos_token_id = None
+    hf = None  # no transformers tokenizer behind it: no chat template
+    chat_template = None
 
     def encode(self, text: str) -> list[int]:
         return [b for b in text.encode("utf-8") if b != 0]
@@ -59,6 +71,18 @@ class HFTokenizer:
             raise ConfigError("tokenizer.path", path, "the tokenizer has no eos_token_id")
         self.eos_token_id = int(eos)
         self.vocab_size = len(self._tok)
+        pad = self._tok.pad_token_id
+        self.pad_token_id = self.eos_token_id if pad is None else int(pad)
+        self.bos_token_id = self._tok.bos_token_id
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (chat templates, offsets)."""
+        return self._tok
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._tok, "chat_template", None) or None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
