@@ -1,0 +1,293 @@
+"""SFT data: answer-only masks checked token by token, packing keeps documents apart, bad data."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from automodel.recipes.data import ByteTokenizer, build_packed_dataset, build_tokenizer
+from automodel.recipes.data.sft import IGNORE_INDEX, encode_chat, format_plain_prompt
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.sections import SFTDatasetSection, SFTValidationDatasetSection, build_section
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _sft_helpers import save_chat_tokenizer, write_arithmetic_jsonl  # noqa: E402
+
+
+@pytest.fixture
+def chat_tok(tmp_path: Path):
+    vocab = save_chat_tokenizer(tmp_path / "tok")
+    return build_tokenizer(str(tmp_path / "tok")), vocab
+
+
+def _ids(vocab: dict[str, int], text: str) -> list[int]:
+    return [vocab[w] for w in text.split()]
+
+
+def test_chat_answer_mask_matches_hand_computed(chat_tok) -> None:
+    tok, v = chat_tok
+    messages = [
+        {"role": "system", "content": "you are a bot"},
+        {"role": "user", "content": "what is two plus two"},
+        {"role": "assistant", "content": "four"},
+        {"role": "user", "content": "say hi"},
+        {"role": "assistant", "content": "hello and hi"},
+    ]
+    ex = encode_chat(tok, messages, answer_only=True, key="dataset.use_hf_chat_template")
+    # The template, token by token; an assistant turn's answer is its content and its <|end|>.
+    prompt1 = "<|system|> you are a bot <|end|> <|user|> what is two plus two <|end|> <|assistant|>"
+    answer1 = "four <|end|>"
+    prompt2 = "<|user|> say hi <|end|> <|assistant|>"
+    answer2 = "hello and hi <|end|>"
+    expected_ids, expected_mask = [], []
+    for text, is_answer in ((prompt1, False), (answer1, True), (prompt2, False), (answer2, True)):
+        expected_ids += _ids(v, text)
+        expected_mask += [is_answer] * len(text.split())
+    assert ex.ids == expected_ids
+    assert ex.label_mask == expected_mask
+    full = encode_chat(tok, messages, answer_only=False, key="k")
+    assert full.ids == expected_ids and all(full.label_mask)
+
+
+def _section(**kw) -> SFTDatasetSection:
+    return build_section(SFTDatasetSection, kw)
+
+
+def test_instruction_rows_labels_token_by_token(tmp_path: Path, chat_tok) -> None:
+    tok, v = chat_tok
+    path = tmp_path / "d.jsonl"
+    rows = [{"sys": "you are a bot", "q": "what is two plus three", "a": "five"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    section = _section(
+        source="instruction",
+        path_or_dataset_id=str(path),
+        column_mapping={"context": "sys", "question": "q", "answer": "a"},
+        seq_length=24,
+    )
+    ds = build_packed_dataset(section, tok, packed_sequence_size=0)
+    ids, labels, pos = ds.batch([0])
+    text = (
+        "<|system|> you are a bot <|end|> <|user|> what is two plus three <|end|> <|assistant|> five <|end|>"
+    )
+    tokens = _ids(v, text)
+    n = len(tokens) - 1
+    assert ids[0, :n].tolist() == tokens[:-1]
+    assert ids[0, n:].tolist() == [v["<pad>"]] * (24 - n)  # padding ...
+    expected = [IGNORE_INDEX] * (n - 2) + [v["five"], v["<|end|>"]] + [IGNORE_INDEX] * (24 - n)
+    assert labels[0].tolist() == expected  # ... never carries loss
+    assert pos[0].tolist() == list(range(24))
+    # answer_only_loss_mask: false trains every next token of the example, still not the padding
+    section = _section(**{**section.__dict__, "answer_only_loss_mask": False})
+    _, labels, _ = build_packed_dataset(section, tok, packed_sequence_size=0).batch([0])
+    assert labels[0].tolist() == tokens[1:] + [IGNORE_INDEX] * (24 - n)
+
+
+def test_plain_format_without_chat_template(tmp_path: Path) -> None:
+    path = write_arithmetic_jsonl(tmp_path / "d.jsonl", n=3)
+    section = _section(
+        source="instruction",
+        path_or_dataset_id=str(path),
+        column_mapping={"question": "q", "answer": "a"},
+        seq_length=16,
+    )
+    ds = build_packed_dataset(section, ByteTokenizer(), packed_sequence_size=0)
+    ids, labels, _ = ds.batch([1])
+    prompt, answer = format_plain_prompt(context=None, question="1+7="), "8"
+    assert prompt == "1+7=\n"
+    tokens = list(prompt.encode()) + list(answer.encode()) + [0]
+    assert ids[0, : len(tokens) - 1].tolist() == tokens[:-1]
+    # labels: the answer byte and the EOS after it, nothing for the prompt or the padding
+    assert labels[0].tolist() == [IGNORE_INDEX] * (len(prompt) - 1) + [ord("8"), 0] + [IGNORE_INDEX] * (
+        16 - len(tokens) + 1
+    )
+    with pytest.raises(ConfigError, match="dataset.use_hf_chat_template"):
+        build_packed_dataset(
+            _section(**{**section.__dict__, "use_hf_chat_template": True}),
+            ByteTokenizer(),
+            packed_sequence_size=0,
+        )
+
+
+def _tiny_model(attn: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=128,
+    )
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_row_equals_documents_one_by_one(tmp_path: Path, attn: str) -> None:
+    path = write_arithmetic_jsonl(tmp_path / "d.jsonl", n=12)
+    kw = {
+        "source": "instruction",
+        "path_or_dataset_id": str(path),
+        "column_mapping": {"question": "q", "answer": "a"},
+    }
+    single = build_packed_dataset(_section(**kw, seq_length=16), ByteTokenizer(), packed_sequence_size=0)
+    packed = build_packed_dataset(_section(**kw, seq_length=16), ByteTokenizer(), packed_sequence_size=64)
+    assert len(single) == 12 and len(packed) < len(single)
+    model = _tiny_model(attn)
+
+    def token_losses(ids, labels, pos):
+        with torch.no_grad():
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits  # as train.py
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+
+    per_doc_single = []
+    for i in range(len(single)):
+        ids, labels, pos = single.batch([i])
+        per_doc_single.append(token_losses(ids, labels, pos).sum().item())
+    per_doc_packed = []
+    for r in range(len(packed)):
+        ids, labels, pos = packed.batch([r])
+        losses = token_losses(ids, labels, pos)[0]
+        starts = torch.nonzero(pos[0] == 0).flatten().tolist() + [pos.shape[1]]
+        for a, b in zip(starts[:-1], starts[1:]):
+            if (labels[0, a:b] != IGNORE_INDEX).any():  # the padding tail is a "document" without labels
+                per_doc_packed.append(losses[a:b].sum().item())
+    assert len(per_doc_packed) == len(per_doc_single)
+    for got, ref in zip(per_doc_packed, per_doc_single):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
+    # and a row whose positions do not restart (documents attending to each other) differs
+    ids, labels, pos = packed.batch([0])
+    crossed = token_losses(ids, labels, torch.arange(64).unsqueeze(0))[0]
+    assert abs(crossed.sum().item() - token_losses(ids, labels, pos).sum().item()) > 1e-3
+
+
+def test_bad_rows_are_skipped_and_counted(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "d.jsonl"
+    rows = [
+        {"q": "1+1=", "a": "2"},
+        {"q": "2+2=", "a": ""},  # empty answer
+        {"q": "3+3=", "a": None},  # missing answer
+        {"q": "", "a": "4"},  # no prompt
+        {"q": "x" * 40, "a": "5"},  # longer than the row
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kw = {
+        "source": "instruction",
+        "path_or_dataset_id": str(path),
+        "column_mapping": {"question": "q", "answer": "a"},
+    }
+    ds = build_packed_dataset(_section(**kw, seq_length=16), ByteTokenizer(), packed_sequence_size=0)
+    assert len(ds) == 1
+    assert ds.stats["skipped"] == {"empty answer": 2, "empty prompt": 1, "longer than the 16-token row": 1}
+    assert "skipped 4 of 5" in capsys.readouterr().err
+    # truncation keeps the long one while an answer token is left, cut to the row
+    ds = build_packed_dataset(
+        _section(**kw, seq_length=16, truncation=True), ByteTokenizer(), packed_sequence_size=0
+    )
+    assert ds.stats["skipped"] == {
+        "empty answer": 2,
+        "empty prompt": 1,
+        "no answer token left after truncation": 1,
+    }
+    only_long = tmp_path / "long.jsonl"
+    only_long.write_text(json.dumps({"q": "x" * 40, "a": "5"}) + "\n")
+    with pytest.raises(ConfigError, match="yields no usable example"):
+        build_packed_dataset(
+            _section(**{**kw, "path_or_dataset_id": str(only_long)}, seq_length=16),
+            ByteTokenizer(),
+            packed_sequence_size=0,
+        )
+
+
+@pytest.mark.parametrize(
+    ("data", "key"),
+    [
+        (
+            {"source": "instruction", "path_or_dataset_id": "x.jsonl", "column_mapping": {"question": "q"}},
+            "dataset.column_mapping.answer",
+        ),
+        (
+            {"source": "instruction", "path_or_dataset_id": "x.jsonl", "column_mapping": {"answer": "a"}},
+            "dataset.column_mapping",
+        ),
+        (
+            {
+                "source": "instruction",
+                "path_or_dataset_id": "x.jsonl",
+                "column_mapping": {"answer": "a", "prompt": "p"},
+            },
+            "dataset.column_mapping.prompt",
+        ),
+        (
+            {"source": "instruction", "column_mapping": {"question": "q", "answer": "a"}},
+            "dataset.path_or_dataset_id",
+        ),
+        ({"source": "chat", "path_or_dataset_id": "x.jsonl", "truncation": "middle"}, "dataset.truncation"),
+        ({"source": "stdlib_docstrings", "path_or_dataset_id": "x.jsonl"}, "dataset.path_or_dataset_id"),
+        ({"source": "stdlib_docstrings", "split": "test"}, "dataset.split"),
+    ],
+)
+def test_section_errors_name_the_key(data: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        build_section(SFTDatasetSection, data)
+    assert e.value.key == key
+
+
+def test_nemo_target_and_missing_column(tmp_path: Path, chat_tok) -> None:
+    from automodel.recipes.recipe_config import _dataset_section
+
+    path = write_arithmetic_jsonl(tmp_path / "d.jsonl", n=4)
+    nemo = {
+        "_target_": "nemo_automodel.components.datasets.llm.column_mapped_text_instruction_dataset."
+        "ColumnMappedTextInstructionDataset",
+        "path_or_dataset_id": str(path),
+        "column_mapping": {"question": "q", "answer": "answer_text"},
+        "answer_only_loss_mask": True,
+    }
+    section = _dataset_section(nemo, validation=True)
+    assert isinstance(section, SFTValidationDatasetSection) and section.source == "instruction"
+    with pytest.raises(ConfigError) as e:
+        build_packed_dataset(section, ByteTokenizer(), packed_sequence_size=0)
+    assert e.value.key == "validation_dataset.column_mapping.answer" and "q, a" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        _dataset_section({**nemo, "_target_": "my.OwnDataset"}, validation=False)
+    assert e.value.key == "dataset._target_"
+    chat = _dataset_section({"_target_": "x.ChatDataset", "path_or_dataset_id": str(path)}, validation=False)
+    with pytest.raises(ConfigError) as e:  # the byte tokenizer has no chat template
+        build_packed_dataset(chat, ByteTokenizer(), packed_sequence_size=0)
+    assert e.value.key == "dataset.source"
+
+
+def test_chat_messages_jsonl(tmp_path: Path, chat_tok) -> None:
+    tok, v = chat_tok
+    path = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi"}]}
+    no_answer = {"messages": [{"role": "user", "content": "say hi"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(no_answer) + "\n")
+    ds = build_packed_dataset(
+        _section(source="chat", path_or_dataset_id=str(path), seq_length=12), tok, packed_sequence_size=0
+    )
+    assert len(ds) == 1 and ds.stats["skipped"] == {"no assistant turn": 1}
+    _, labels, _ = ds.batch([0])
+    assert [t for t in labels[0].tolist() if t != IGNORE_INDEX] == [v["hi"], v["<|end|>"]]
+
+
+def test_stdlib_docstrings_examples() -> None:
+    from automodel.recipes.data.stdlib_docstrings import stdlib_docstring_examples
+
+    train, val = stdlib_docstring_examples(split="train"), stdlib_docstring_examples(split="validation")
+    assert len(train) > 200 and 0 < len(val) < len(train) // 10
+    assert not {r["question"] for r in train} & {r["question"] for r in val}
+    dedent = next(r for r in train + val if r["question"].startswith("textwrap.dedent("))
+    import textwrap
+
+    assert dedent["answer"] == textwrap.dedent.__doc__.strip().splitlines()[0]
