@@ -39,6 +39,7 @@ CASES = [
     ("gemma3_text", "options", "cp2", "sliding-window attention"),
     ("granite", "options", "pp2", PASS),  # embedding/residual/attention multipliers, logit scaling
     ("cohere", "default", "tp2", PASS),  # logit scale, tied embeddings kept replicated over tp
+    ("cohere", "options", "tp2", "one entry per attention head"),  # per-head qk-norm weights
     ("deepseek_v3", "default", "ep2", PASS),  # latent attention, MoE router correction bias
     ("deepseek_v3", "default", "pp2", PASS),
     ("gpt_oss", "default", "pp2", PASS),  # attention sinks, MoE

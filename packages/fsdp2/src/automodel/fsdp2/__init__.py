@@ -26,6 +26,7 @@ from automodel.fsdp2.prefetch import apply_fsdp2_prefetch
 from automodel.fsdp2.tensor_parallel import apply_tp, enable_async_tp
 from automodel.fsdp2.tp_plan import (
     check_plan_matches_model,
+    check_plan_shards_every_layer,
     default_llama_tp_plan,
     get_hf_tp_shard_plan,
     has_lora_adapter,
@@ -50,6 +51,7 @@ __all__ = [
     "apply_tp",
     "canonical_fqn",
     "check_plan_matches_model",
+    "check_plan_shards_every_layer",
     "default_init_fn",
     "default_llama_tp_plan",
     "default_mp_policy",

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from automodel.fsdp2.tp_plan import (
     check_plan_matches_model,
+    check_plan_shards_every_layer,
     plan_has_sequence_parallel,
     resolve_tp_plan,
     validate_tp_mesh,
@@ -55,6 +56,7 @@ def apply_tp(
     plan = resolve_tp_plan(model, tp_plan=tp_plan, sequence_parallel=sequence_parallel)
     plan = with_lora_adapters(model, plan)
     check_plan_matches_model(model, plan)
+    check_plan_shards_every_layer(model, plan)
     # torch's SequenceParallel (and the replication of parameters a style leaves alone) re-creates
     # parameters with requires_grad=True: frozen ones (a LoRA base model's norms) must stay frozen.
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}

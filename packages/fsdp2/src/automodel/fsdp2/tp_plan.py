@@ -164,6 +164,48 @@ def check_plan_matches_model(model: nn.Module, plan: Mapping[str, Any]) -> None:
         )
 
 
+def check_plan_shards_every_layer(model: nn.Module, plan: Mapping[str, Any]) -> None:
+    """ValueError unless the plan really parallelizes every decoder layer of `model`.
+
+    Two ways a resolved plan can silently leave the math as one process while looking applied:
+    a decoder layer no sharding key reaches (the model's plan covers only some layers, e.g. only
+    the MoE ones), and a per-head parameter (a per-head norm weight, attention sinks) left whole
+    in an attention module whose projections are sharded by heads.
+    """
+    found = _layers_prefix(model)
+    if found is None:
+        return
+    prefix = found[0]
+    sharding = [k for k, style in plan.items() if not isinstance(style, _LAYOUT_ONLY_STYLES)]
+    names = [n for n, _ in model.named_modules()]
+    config = _text_config(model)
+    heads = {getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads")} - {None, 1}
+
+    def covered(fqn: str) -> bool:
+        atoms = fqn.split(".")
+        return any(_fqn_matches(k, ".".join(atoms[:n])) for k in sharding for n in range(1, len(atoms) + 1))
+
+    layers = sorted({n[len(prefix) + 1 :].split(".", 1)[0] for n in names if n.startswith(prefix + ".")})
+    untouched = [i for i in layers if not any(covered(n) for n in names if n.startswith(f"{prefix}.{i}."))]
+    if untouched:
+        raise ValueError(
+            f"the tensor-parallel plan shards nothing in decoder layers {untouched} of {type(model).__name__} "
+            f"(plan keys: {sorted(plan)}); tp would leave them replicated. Give an explicit tp_plan"
+        )
+    for name, module in model.named_modules():
+        if not name.startswith(prefix + ".") or not name.rpartition(".")[2].endswith(("attn", "attention")):
+            continue
+        if not any(covered(n) for n, _ in module.named_modules(prefix=name)):
+            continue  # attention not sharded by the plan: nothing split by heads here
+        for pname, param in module.named_parameters(prefix=name):
+            owner = pname.rpartition(".")[0]
+            if not covered(owner) and param.dim() >= 1 and param.shape[0] in heads:
+                raise ValueError(
+                    f"{pname} holds one entry per attention head (shape {tuple(param.shape)}) but the "
+                    "tensor-parallel plan shards the heads and not it; give an explicit tp_plan that lays it out"
+                )
+
+
 def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh | int) -> None:
     """Attention heads and KV heads must be divisible by the TP size (each rank owns whole heads)."""
     tp = tp_mesh if isinstance(tp_mesh, int) else tp_mesh.size()

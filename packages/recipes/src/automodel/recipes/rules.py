@@ -44,13 +44,14 @@ def check_model_supports_layout(cfg: Any, layout: ResolvedLayout, hf_config: Any
         hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
     )
     if layout.tp > 1 and d.strategy != "megatron_fsdp":
-        from automodel.fsdp2 import check_plan_matches_model, resolve_tp_plan
+        from automodel.fsdp2 import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
 
         try:
             plan = resolve_tp_plan(
                 model, tp_plan=d.options.get("tp_plan"), sequence_parallel=d.sequence_parallel
             )
             check_plan_matches_model(model, plan)
+            check_plan_shards_every_layer(model, plan)
         except ValueError as e:
             raise ConfigError("distributed.tp_size", layout.tp, f"cannot be applied: {e}") from None
     if layout.cp > 1:
