@@ -4,8 +4,8 @@ Trains a Llama (hidden 512, 4 layers, fp32, AdamW) through the recipes' own `Tra
 dp=2 (2 forked gloo ranks), once with every weight trainable and once with ``peft:`` (LoRA dim 8 on
 every ``*_proj``), and prints per rank: parameter, gradient and optimizer-state bytes this rank
 holds (measured on the live tensors after the last step, plus one more backward so gradients
-exist), the process's peak resident set, and the median tokens/s of the timed steps; then the
-LoRA / full ratios.
+exist), the peak growth of the rank's resident set over its start (parameters, gradients, optimizer
+state, activations; Linux), and the median tokens/s of the timed steps; then the LoRA / full ratios.
 
     uv run --frozen python benchmarks/lora_vs_full.py [--steps 8] [--warmup 2]
 """
@@ -49,10 +49,19 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def _current_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
 def measure(raw: dict, warmup: int) -> dict[str, float]:
     from automodel.recipes.recipe_config import parse_recipe_config
     from automodel.recipes.train import Trainer
 
+    rss_start = _current_rss()
     trainer = Trainer(parse_recipe_config(raw))
     trainer.build()
     rates = []
@@ -78,7 +87,8 @@ def measure(raw: dict, warmup: int) -> dict[str, float]:
         "trainable": sum(_local_bytes(p) for p in params if p.requires_grad),
         "grad": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": opt_bytes,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # growth of the resident set over the forked rank's start (imports are shared with the parent)
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_start,
         "tokens_per_s": statistics.median(rates),
     }
 
@@ -97,7 +107,7 @@ def main() -> None:
     print("fsdp2 dp=2, Llama hidden 512 x 4 layers, seq 256, local batch 4, fp32 AdamW; per rank:")
     print(
         f"{'run':>5} {'rank':>4} {'param MiB':>10} {'trainable MiB':>14} {'grad MiB':>9} {'optim MiB':>10} "
-        f"{'p+g+o MiB':>10} {'peak RSS MiB':>13} {'tokens/s':>9}"
+        f"{'p+g+o MiB':>10} {'peak RSS+ MiB':>13} {'tokens/s':>9}"
     )
     for name, per_rank in results.items():
         for rank, m in enumerate(per_rank):
