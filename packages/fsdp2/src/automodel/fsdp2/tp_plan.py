@@ -299,9 +299,12 @@ def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) 
             raise ValueError(
                 f"{type(layer).__name__} has no dense mlp.gate/up/down_proj; sequence parallel needs an explicit tp_plan"
             )
-        for ln in ("input_layernorm", "post_attention_layernorm"):
-            if ln in names:
-                plan[f"{lp}{ln}"] = SequenceParallel()
+        # Every norm directly in the layer (input/post-attention, and the pre-/post-feed-forward
+        # norms of Gemma 2/3 and others) acts on the sequence-sharded residual stream.
+        for child_name, child in layer.named_children():
+            params = list(child.parameters())
+            if child_name not in ("self_attn", "mlp") and params and all(p.dim() == 1 for p in params):
+                plan[f"{lp}{child_name}"] = SequenceParallel()
         plan[f"{lp}self_attn"] = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": seq},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
