@@ -162,6 +162,8 @@ LAYOUTS = {
     "tp2_sp": (2, {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True}),
     "pp2": (2, {"strategy": "fsdp2", "pp_size": 2, "pipeline": PP_1F1B}),
     "hsdp_2x2": (4, {"strategy": "fsdp2", "dp_replicate_size": 2}),
+    "ddp_dp2": (2, {"strategy": "ddp"}),
+    "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
 }
 
 
@@ -196,6 +198,10 @@ APPLIED = {
         _placement(r, f"{L0}.self_attn.q_proj.lora_B.weight", "dp_replicate") == "R"
         and _placement(r, f"{L0}.self_attn.q_proj.lora_B.weight", "dp_shard_cp") == "S(0)"
     ),
+    # DDP: whole plain tensors on every rank (its reducer holds only the adapters: frozen parameters get no bucket)
+    "ddp_dp2": lambda r: all(p["placements"] is None for p in r["params"].values()),
+    # the cp ranks shard parameters with the dp ranks (dp_shard_cp)
+    "cp2": lambda r: _placement(r, f"{L0}.self_attn.q_proj.lora_A.weight", "dp_shard_cp") == "S(0)",
 }
 
 
