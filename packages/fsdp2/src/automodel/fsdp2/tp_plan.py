@@ -279,8 +279,18 @@ def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) 
     for proj in ("q_proj", "k_proj", "v_proj"):
         plan[f"{lp}self_attn.{proj}"] = ColwiseParallel()
     plan[f"{lp}self_attn.o_proj"] = RowwiseParallel(**row_out)
+    config = _text_config(model)
+    heads = getattr(config, "num_attention_heads", None) or 1
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
     for qk_norm in ("q_norm", "k_norm"):
         if f"self_attn.{qk_norm}" in names:
+            weight = getattr(layer.get_submodule(f"self_attn.{qk_norm}"), "weight", None)
+            if weight is not None and head_dim and weight.numel() > head_dim:
+                # A norm over all heads together needs statistics from every tp rank.
+                raise ValueError(
+                    f"{type(layer).__name__}.self_attn.{qk_norm} normalizes across heads (weight of "
+                    f"{weight.numel()} > head_dim {head_dim}); the default plan cannot shard it: give an explicit tp_plan"
+                )
             plan[f"{lp}self_attn.{qk_norm}"] = translate_to_torch_parallel_style(
                 "replicated_with_grad_allreduce"
             )
