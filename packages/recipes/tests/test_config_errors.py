@@ -45,8 +45,8 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("pretrained_missing", {"model.config": _DELETE, "model.pretrained_path": "/nonexistent"}, [], "model.pretrained_path"),
     ("model_dtype", {"model.dtype": "int8"}, [], "model.dtype"),
     ("attn_unknown", {"model.attn_implementation": "fast"}, [], "model.attn_implementation"),
-    # gpt_oss declares no sdpa support: the error names the model_type and what it supports
-    ("attn_unsupported", {"model.config.model_type": "gpt_oss", "model.attn_implementation": "sdpa"}, [], "model.attn_implementation"),
+    # bloom declares no sdpa support: the error names the model_type and what it supports
+    ("attn_unsupported", {"model.config.model_type": "bloom", "model.config.n_head": 4, "model.attn_implementation": "sdpa"}, [], "model.attn_implementation"),
     ("pp_with_v_shape_validation", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "zbvzerobubble"}, "model.config.num_hidden_layers": 4}, ["--nproc-per-node=2"], "distributed.pipeline.pp_schedule"),
     ("vocab_too_small", {"model.config.vocab_size": 100}, [], "model.config.vocab_size"),
     ("dataset_source", {"dataset.source": "web"}, [], "dataset.source"),
