@@ -265,8 +265,11 @@ def check_applied(
                     if _layer_of(n, layers_fqn) == i and (_placement(e, "tp") or "").startswith("S(")
                 ]
                 assert sharded, f"rank {report['rank']}: nothing in layer {i} is sharded over tp"
-            if layout == "tp2_sp":
-                on_tp = [n for n, e in params.items() if len(e["shape"]) == 1 and _placement(e, "tp") == "R"]
+            norms = [
+                n for n, e in params.items() if _layer_of(n, layers_fqn) is not None and len(e["shape"]) == 1
+            ]
+            if layout == "tp2_sp" and norms:  # (OLMo's norms have no weights to place)
+                on_tp = [n for n in norms if _placement(params[n], "tp") == "R"]
                 assert on_tp, f"rank {report['rank']}: no norm weight on the tp mesh under SP"
         elif layout == "pp2":
             assert 0 < len(held) < num_layers, f"rank {report['rank']} holds layers {held} of {num_layers}"

@@ -47,7 +47,9 @@ CASES = [
     ("gpt_oss", "default", "ep2", "keeps its experts in a layout"),  # transposed experts with biases
     ("gpt_oss", "default", "cp2", "attention sinks"),
     ("gpt2", "default", "pp2", PASS),  # learned positions, another naming scheme
-    ("gpt2", "default", "tp2", "no decoder-layer ModuleList"),
+    ("gpt2", "default", "tp2", "declares no tensor-parallel plan"),
+    ("stablelm", "default", "tp2", "declares no tensor-parallel plan"),  # views with the global head count
+    ("bloom", "default", "cp2", r"no .\*self_attn. modules"),
 ]
 
 

@@ -94,18 +94,17 @@ def test_resolution_order() -> None:
     assert type(sp["model.norm"]) is SequenceParallel and "model.layers.*.input_layernorm" in sp
 
 
-def test_model_without_hf_plan_falls_back_to_llama_default() -> None:
+def test_model_without_hf_plan_needs_an_explicit_plan() -> None:
+    """A model declaring no TP plan may hard-code its head count (StableLM does): the automatic
+    plans refuse it by name; an explicit plan is the user's statement that it works."""
     model = tiny_model()
     model.config.base_model_tp_plan = None
-    model.__dict__["_tp_plan"] = None
-    model.model.__dict__["_tp_plan"] = None
-    type_plan = type(model)._tp_plan
-    try:
-        type(model)._tp_plan = None
-        plan = resolve_tp_plan(model)
-    finally:
-        type(model)._tp_plan = type_plan
-    assert "model.layers.*.mlp.gate_proj" in plan and "model.embed_tokens" in plan
+    with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
+        resolve_tp_plan(model)
+    with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
+        resolve_tp_plan(model, sequence_parallel=True)
+    plan = resolve_tp_plan(model, tp_plan={"model.layers.*.mlp.gate_proj": "colwise"})
+    assert list(plan) == ["model.layers.*.mlp.gate_proj"]
 
 
 def test_validate_tp_mesh_names_heads() -> None:

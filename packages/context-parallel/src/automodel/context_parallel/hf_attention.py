@@ -193,6 +193,14 @@ def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"model_type {model_type!r} has no '*self_attn' modules to make context-parallel")
+    import inspect
+
+    if "position_ids" not in inspect.signature(type(model).forward).parameters:
+        # Each rank holds a chunk of the sequence: positions must come from the batch, not the length.
+        raise ValueError(
+            f"model_type {model_type!r} takes no position_ids (it derives positions from the input length), "
+            "so a rank's sequence chunk would get the wrong positions under context parallelism"
+        )
     window = getattr(config, "sliding_window", None)
     layer_types = [str(t) for t in getattr(config, "layer_types", None) or []]
     windowed = (

@@ -381,6 +381,20 @@ def _drop_tied(plan: TPPlan, model: nn.Module, *, explicit: bool) -> TPPlan:
     return {k: v for k, v in plan.items() if k not in hits}
 
 
+def _require_declared_tp_support(model: nn.Module) -> None:
+    """The automatic plans need a model whose attention is written for sharded heads, which a
+    Hugging Face model declares with a tensor-parallel plan (``base_model_tp_plan``); a model
+    without one may hard-code the head count and would crash or, worse, compute something else."""
+    config = _text_config(model)
+    if getattr(config, "base_model_tp_plan", None):
+        return
+    raise ValueError(
+        f"model_type {getattr(config, 'model_type', type(model).__name__)!r} declares no tensor-parallel plan "
+        "(config.base_model_tp_plan), so its attention is not known to work with sharded heads; give an "
+        "explicit tp_plan"
+    )
+
+
 def resolve_tp_plan(
     model: nn.Module, *, tp_plan: Mapping[str, Any] | str | None = None, sequence_parallel: bool = False
 ) -> TPPlan:
@@ -391,6 +405,7 @@ def resolve_tp_plan(
     """
     if tp_plan is not None:
         return _drop_tied(_explicit_plan(tp_plan), model, explicit=True)
+    _require_declared_tp_support(model)
     if sequence_parallel:
         return _drop_tied(default_llama_tp_plan(model, sequence_parallel=True), model, explicit=False)
     try:

@@ -21,6 +21,7 @@ attention masks from shapes, exactly as in one process.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -143,6 +144,9 @@ class CausalLMStage(nn.Module):
         super().__init__()
         object.__setattr__(self, "_modules", causal_lm._modules)
         object.__setattr__(self, "_causal_lm", causal_lm)
+        # Models that derive positions from the input length take no position_ids (every stage
+        # sees the whole sequence, so their own positions are right).
+        self._takes_position_ids = "position_ids" in inspect.signature(type(causal_lm).forward).parameters
         self.config = causal_lm.config
         self.structure = structure
         self.stage_index, self.num_stages, self.layer_range = stage_index, num_stages, layer_range
@@ -224,8 +228,10 @@ class CausalLMStage(nn.Module):
             size = (batch, seq, self.structure.embed_size)
             call = {"inputs_embeds": torch.full(size, float("nan"), dtype=inputs.dtype, device=inputs.device)}
         try:
+            if self._takes_position_ids:
+                call["position_ids"] = position_ids
             with self._placeholders():
-                out = self._causal_lm(**call, position_ids=position_ids, use_cache=False, **kwargs)
+                out = self._causal_lm(**call, use_cache=False, **kwargs)
         except _StageOutput as stop:
             return stop.hidden
         finally:
