@@ -27,6 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from automodel.recipes.checkpoint.expert_weights import load_stacked_experts, per_expert_sources
+
 
 def _tied_keys(part: nn.Module, keys: set[str]) -> set[str]:
     """Keys that share storage with another key of `part` (tied embeddings): HF saves only one."""
@@ -82,9 +84,14 @@ def load_pretrained_weights(
     reader = dcp.HuggingFaceStorageReader(path=str(directory))
     available = set(reader.read_metadata().state_dict_metadata)
     part_sds = [get_model_state_dict(part) for part in model_parts]
-    _check_missing(model_parts, part_sds, available | set(optional_keys), directory)
+    stacked = per_expert_sources([k for sd in part_sds for k in sd], available)
+    _check_missing(model_parts, part_sds, available | set(optional_keys) | set(stacked), directory)
     to_load = {k: v for sd in part_sds for k, v in sd.items() if k in available}
     dcp.load(to_load, storage_reader=reader)
+    if stacked:  # published MoE checkpoints: one tensor per expert, stacked here
+        load_stacked_experts(
+            {k: v for sd in part_sds for k, v in sd.items() if k in stacked}, stacked, directory
+        )
     for part, sd in zip(model_parts, part_sds):
         set_model_state_dict(part, {k: to_load.get(k, v) for k, v in sd.items()})
 
