@@ -39,7 +39,7 @@ RTOL = 1e-5
 #: comparison stays sharp; Adam's sharded state is covered by the parity matrix (tests/parity_matrix.py).
 OPTIMIZER = "torch.optim.SGD"
 LR = 0.1
-RANK_TIMEOUT_S = 300
+RANK_TIMEOUT_S = 150
 #: Largest tiny model (parameters) a sweep builds; configs that nest big sub-configs stay larger.
 MAX_TINY_PARAMS = 5_000_000
 
