@@ -52,6 +52,16 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
         {"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_schedule": "1f1b", "pp_microbatch_size": 1}},
     ),
     "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
+    # two stages per rank and activation checkpointing inside them (not in the sweep's columns)
+    "pp2_ac": (
+        2,
+        {
+            "strategy": "fsdp2",
+            "pp_size": 2,
+            "activation_checkpointing": True,
+            "pipeline": {"pp_schedule": "interleaved1f1b", "pp_microbatch_size": 1},
+        },
+    ),
     "ep2": (2, {"strategy": "fsdp2", "ep_size": 2}),
 }
 DENSE_LAYOUTS = ("fsdp2", "tp2", "tp2_sp", "pp2", "cp2")
@@ -271,8 +281,10 @@ def check_applied(
             if layout == "tp2_sp" and norms:  # (OLMo's norms have no weights to place)
                 on_tp = [n for n in norms if _placement(params[n], "tp") == "R"]
                 assert on_tp, f"rank {report['rank']}: no norm weight on the tp mesh under SP"
-        elif layout == "pp2":
+        elif layout.startswith("pp2"):
             assert 0 < len(held) < num_layers, f"rank {report['rank']} holds layers {held} of {num_layers}"
+            if layout == "pp2_ac":
+                assert all(part["checkpointed"] for part in report["parts"]), f"rank {report['rank']}: no AC"
         elif layout == "cp2":
             assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']}"
         elif layout == "ep2":
@@ -282,7 +294,7 @@ def check_applied(
                 if _placement(entry, "ep") is not None:
                     assert entry["local_shape"][0] * 2 == entry["shape"][0] == num_experts, (name, entry)
             assert any(_placement(e, "ep") == "S(0)" for e in experts.values()), "no expert is split over ep"
-    if layout == "pp2":
+    if layout.startswith("pp2"):
         per_rank = [set(i for part in r["parts"] for i in part["layers"]) for r in reports]
         assert not per_rank[0] & per_rank[1] and per_rank[0] | per_rank[1] == set(range(num_layers)), per_rank
 

@@ -36,6 +36,7 @@ CASES = [
     ("llama", "default", "cp2", PASS),
     ("gemma3_text", "options", "pp2", PASS),  # embedding scale, soft-capping, sliding window 8 < 32
     ("gemma3_text", "options", "tp2", PASS),
+    ("gemma3_text", "options", "pp2_ac", PASS),  # 4 stages on 2 ranks, checkpointed layers
     ("gemma3_text", "default", "tp2_sp", PASS),  # pre-/post-feed-forward norms on the sequence-sharded stream
     ("gemma3_text", "options", "cp2", "sliding-window attention"),
     ("granite", "options", "pp2", PASS),  # embedding/residual/attention multipliers, logit scaling

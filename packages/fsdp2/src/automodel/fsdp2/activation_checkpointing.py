@@ -34,10 +34,11 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
         config.use_cache = False
     wrapped = 0
     for _, layers in _layer_lists(model):
-        for i, layer in enumerate(layers):
+        # By key: a pipeline stage's list keeps the model's layer indices ("2", "3", ...).
+        for key, layer in list(layers._modules.items()):
             if layer is None or _is_checkpoint_wrapped(layer):
                 continue
-            layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            layers._modules[key] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
             wrapped += 1
     if wrapped == 0 and not get_lm_ac_layers(model):
         raise ValueError(f"{type(model).__name__} has no '*layers' ModuleList to checkpoint")
