@@ -61,6 +61,9 @@ def tiny_overrides(config: Any) -> dict[str, Any]:
         current = getattr(config, key, None)
         if isinstance(current, int) and not isinstance(current, bool) and current > 0:
             out[key] = min(current, value) if key in ("num_experts_per_tok",) else value
+    experts = any(k in out for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    if experts and hasattr(config, "num_experts_per_tok") and "num_experts_per_tok" not in out:
+        out["num_experts_per_tok"] = 2  # configs that leave top-k unset (None) by default
     heads = out.get("num_attention_heads") or out.get("n_head") or out.get("num_heads")
     width = out.get("hidden_size") or out.get("n_embd") or out.get("d_model")
     if isinstance(getattr(config, "rotary_dim", None), int) and heads and width:
