@@ -89,6 +89,6 @@ def tiny_overrides(config: Any) -> dict[str, Any]:
     if hasattr(config, "add_cross_attention") and not getattr(config, "is_decoder", True):
         out["is_decoder"] = True  # BERT-style encoders are causal LMs only as decoders
     for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
-            out[key] = 0.0  # dropout would make runs differ by RNG state
+        if ("dropout" in key or "pdrop" in key or "jitter" in key) and isinstance(value, float) and value > 0:
+            out[key] = 0.0  # dropout and router jitter would make runs differ by RNG state
     return out

@@ -186,8 +186,9 @@ _UNSUPPORTED_ATTENTION_KWARGS = ("s_aux", "sinks", "softcap")
 
 def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -> None:
     """ValueError (naming the model_type and why) for a model the CP attention cannot run exactly:
-    no ``*self_attn`` modules to hook, a sliding window shorter than `seq_length` (the ring has no
-    window mask), attention sinks or attention logit soft-capping."""
+    no ``*self_attn`` modules to hook, layers mixing the sequence otherwise (convolution, linear
+    attention), a sliding window shorter than `seq_length` (the ring has no window mask), attention
+    sinks, attention logit soft-capping, or positions derived from the input length."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", type(model).__name__)
     modules = _attention_modules(model)
@@ -203,6 +204,14 @@ def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -
         )
     window = getattr(config, "sliding_window", None)
     layer_types = [str(t) for t in getattr(config, "layer_types", None) or []]
+    mixers = sorted({t for t in layer_types if not t.endswith("_attention") or t == "linear_attention"})
+    if mixers:
+        # Only softmax attention is made context-parallel; a convolution or a linear-attention
+        # (recurrent) layer would see just this rank's chunk of the sequence.
+        raise ValueError(
+            f"model_type {model_type!r} has {', '.join(mixers)} layers, which context parallelism does not "
+            "split the sequence for (only softmax attention layers are context-parallel)"
+        )
     windowed = (
         any("sliding" in t or "chunked" in t for t in layer_types)
         if layer_types
