@@ -31,6 +31,37 @@ TINY: dict[str, Any] = {
 }
 
 
+#: The tiny MoE model of the recipes tests (Qwen3-MoE, 4 experts, top-2).
+MOE_MODEL = {
+    "config": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+}
+
+RTOL = 1e-5
+
+
+def assert_losses_close(got: list[float], ref: list[float]) -> None:
+    """Per-step losses equal the reference to RTOL (fp32 parity with one process)."""
+    assert len(got) == len(ref)
+    for step, (g, r) in enumerate(zip(got, ref), start=1):
+        assert abs(g - r) <= RTOL * abs(r), f"step {step}: {g} vs reference {r}"
+
+
 def tiny_config(output_dir: str, **sections: Any) -> dict[str, Any]:
     """TINY with `output_dir` and sections merged in (a None value deletes the section)."""
     cfg = copy.deepcopy(TINY)

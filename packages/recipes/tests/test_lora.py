@@ -15,19 +15,12 @@ from automodel.mesh.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _lora_helpers import lora_train_on_rank, lora_train_then_logits  # noqa: E402
-from _recipe_helpers import TINY, preload, tiny_config, train_on_rank  # noqa: E402
+from _recipe_helpers import MOE_MODEL, RTOL, TINY, assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
 
 preload()
 
 TIMEOUT = 300
-RTOL = 1e-5
 PEFT = {"dim": 4, "alpha": 8}  # target_modules: NeMo's default "*_proj"
-
-
-def _assert_close(got: list[float], ref: list[float]) -> None:
-    assert len(got) == len(ref)
-    for step, (g, r) in enumerate(zip(got, ref), start=1):
-        assert abs(g - r) <= RTOL * abs(r), f"step {step}: {g} vs reference {r}"
 
 
 def _assert_grads_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
@@ -212,33 +205,12 @@ def test_lora_layout_matches_single_process(name: str, reference: dict, tmp_path
     results = run_on_ranks(lora_train_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT)
     grads: dict[str, torch.Tensor] = {}
     for rank, result in enumerate(results):
-        _assert_close(result["losses"], reference["losses"])
+        assert_losses_close(result["losses"], reference["losses"])
         _adapters_only(result)
         result["pp_rank"] = rank  # pp2: rank r holds stage r
         assert APPLIED[name](result), f"{name}: rank {rank} holds {result['params']}"
         grads.update(result["grads"])
     _assert_grads_close(grads, reference["grads"])
-
-
-MOE_MODEL = {
-    "config": {
-        "model_type": "qwen3_moe",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    }
-}
 
 
 def test_lora_moe_ep2_matches_single_process(tmp_path: Path) -> None:
@@ -251,7 +223,7 @@ def test_lora_moe_ep2_matches_single_process(tmp_path: Path) -> None:
     results = run_on_ranks(lora_train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
     experts = f"{L0}.mlp.experts.gate_up_proj"
     for result in results:
-        _assert_close(result["losses"], ref["losses"])
+        assert_losses_close(result["losses"], ref["losses"])
         _adapters_only(result)
         assert not result["params"][experts]["requires_grad"]
         assert _placement(result, experts, "ep") == "S(0)", result["params"][experts]
@@ -338,4 +310,4 @@ def test_lora_resume_continues_exactly(tmp_path: Path) -> None:
     assert not (step3 / "consolidated").exists()  # LoRA without save_merged: adapter/ instead
     second = tiny_config(str(tmp_path / "run"), step_scheduler=steps, checkpoint=ckpt, **common)
     resumed = run_on_ranks(train_on_rank, world_size=2, args=(second,), timeout_s=TIMEOUT)[0]
-    _assert_close(resumed, uninterrupted[3:])
+    assert_losses_close(resumed, uninterrupted[3:])

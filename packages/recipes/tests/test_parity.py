@@ -11,18 +11,11 @@ import pytest
 from automodel.mesh.testing import RankFailure, run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _recipe_helpers import TINY, preload, tiny_config, train_on_rank  # noqa: E402
+from _recipe_helpers import MOE_MODEL, RTOL, TINY, assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
 
 preload()
 
 TIMEOUT = 300
-RTOL = 1e-5
-
-
-def _assert_close(got: list[float], ref: list[float]) -> None:
-    assert len(got) == len(ref)
-    for step, (g, r) in enumerate(zip(got, ref), start=1):
-        assert abs(g - r) <= RTOL * abs(r), f"step {step}: {g} vs reference {r}"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +29,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 def test_reference_is_independent_of_accumulation(reference: list[float], tmp_path: Path) -> None:
     cfg = tiny_config(str(tmp_path), step_scheduler={"local_batch_size": 8})
     (losses,) = run_on_ranks(train_on_rank, world_size=1, args=(cfg,), timeout_s=TIMEOUT)
-    _assert_close(losses, reference)
+    assert_losses_close(losses, reference)
 
 
 LAYOUTS = {
@@ -102,7 +95,7 @@ def test_layout_matches_single_process(name: str, reference: list[float], tmp_pa
     cfg = tiny_config(str(tmp_path), distributed=dist_section, logging={"layout_report": "all"})
     results = run_on_ranks(train_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT)
     for rank_losses in results:
-        _assert_close(rank_losses, reference)
+        assert_losses_close(rank_losses, reference)
     for rank in range(world):
         report = json.loads((tmp_path / "layout" / f"rank_{rank}.json").read_text())
         assert APPLIED[name](report), (
@@ -110,33 +103,12 @@ def test_layout_matches_single_process(name: str, reference: list[float], tmp_pa
         )
 
 
-MOE_MODEL = {
-    "config": {
-        "model_type": "qwen3_moe",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    }
-}
-
-
 def test_moe_ep2_matches_single_process(tmp_path: Path) -> None:
     ref_cfg = tiny_config(str(tmp_path / "ref"), model=MOE_MODEL)
     (ref,) = run_on_ranks(train_on_rank, world_size=1, args=(ref_cfg,), timeout_s=TIMEOUT)
     cfg = tiny_config(str(tmp_path / "ep"), model=MOE_MODEL, distributed={"strategy": "fsdp2", "ep_size": 2})
     for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
-        _assert_close(rank_losses, ref)
+        assert_losses_close(rank_losses, ref)
 
 
 def test_packed_sequences_cp2_match_single_process(tmp_path: Path) -> None:
@@ -156,7 +128,7 @@ def test_packed_sequences_cp2_match_single_process(tmp_path: Path) -> None:
     )
     cfg = tiny_config(str(tmp_path / "cp"), distributed={"strategy": "fsdp2", "cp_size": 2}, **packed)
     for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
-        _assert_close(rank_losses, ref)
+        assert_losses_close(rank_losses, ref)
     unpacked = {**packed, "packed_sequence": {"packed_sequence_size": 0}}
     (plain,) = run_on_ranks(
         train_on_rank, world_size=1, args=(tiny_config(str(tmp_path / "u"), **unpacked),), timeout_s=TIMEOUT
@@ -204,7 +176,7 @@ def test_pretrained_weights_are_loaded_into_every_layout(tmp_path: Path) -> None
     assert abs(ref[0] - expected) <= RTOL * expected, (ref[0], expected)
     cfg = tiny_config(str(tmp_path / "d"), model=model, distributed={"strategy": "fsdp2", "tp_size": 2})
     for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
-        _assert_close(rank_losses, ref)
+        assert_losses_close(rank_losses, ref)
 
 
 def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
@@ -234,7 +206,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path: Path) -> None:
         lr_scheduler=sched,
     )
     resumed = run_on_ranks(train_on_rank, world_size=2, args=(second,), timeout_s=TIMEOUT)[0]
-    _assert_close(resumed, uninterrupted[3:])
+    assert_losses_close(resumed, uninterrupted[3:])
     records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(records) == 5
 
@@ -267,7 +239,7 @@ def test_tied_embeddings_under_tp_match_single_process(
         logging={"layout_report": "all"},
     )
     for rank_losses in run_on_ranks(train_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT):
-        _assert_close(rank_losses, ref)
+        assert_losses_close(rank_losses, ref)
     for rank in range(world):
         report = json.loads((tmp_path / "tp" / "layout" / f"rank_{rank}.json").read_text())
         params = report["parts"][0]["parameters"]
@@ -311,7 +283,7 @@ def test_tied_embeddings_under_pp_match_single_process(
         ),
     )
     for rank_losses in run_on_ranks(train_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT):
-        _assert_close(rank_losses, ref[:3] if v_shape else ref)  # ref[3]: the validation loss
+        assert_losses_close(rank_losses, ref[:3] if v_shape else ref)  # ref[3]: the validation loss
     for rank in range(world):
         report = json.loads((tmp_path / "pp" / "layout" / f"rank_{rank}.json").read_text())
         held = {name for part in report["parts"] for name in part["parameters"]}

@@ -11,13 +11,12 @@ import pytest
 from automodel.mesh.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _recipe_helpers import preload, tiny_config, train_on_rank  # noqa: E402
+from _recipe_helpers import assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
 from _sft_helpers import write_arithmetic_jsonl  # noqa: E402
 
 preload()
 
 TIMEOUT = 300
-RTOL = 1e-5
 
 
 def _sft_config(tmp: Path, out: str, *, packed: int = 0, **sections) -> dict:
@@ -44,12 +43,6 @@ def _sft_config(tmp: Path, out: str, *, packed: int = 0, **sections) -> dict:
     return cfg
 
 
-def _assert_close(got: list[float], ref: list[float]) -> None:
-    assert len(got) == len(ref)
-    for step, (g, r) in enumerate(zip(got, ref), start=1):
-        assert abs(g - r) <= RTOL * abs(r), f"step {step}: {g} vs reference {r}"
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     tmp = tmp_path_factory.mktemp("sft_ref")
@@ -71,7 +64,7 @@ LAYOUTS = {
 def test_sft_layout_equals_one_process(layout: str, reference: list[float], tmp_path: Path) -> None:
     cfg = _sft_config(tmp_path, str(tmp_path / "out"), distributed=LAYOUTS[layout])
     for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
-        _assert_close(rank_losses, reference)
+        assert_losses_close(rank_losses, reference)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2_dp2", "cp2"])
@@ -81,4 +74,4 @@ def test_packed_sft_equals_one_process(layout: str, tmp_path: Path) -> None:
     dist = {"strategy": "fsdp2"} if layout == "fsdp2_dp2" else {"strategy": "fsdp2", "cp_size": 2}
     cfg = _sft_config(tmp_path, str(tmp_path / "out"), packed=64, distributed=dist)
     for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
-        _assert_close(rank_losses, ref)
+        assert_losses_close(rank_losses, ref)
