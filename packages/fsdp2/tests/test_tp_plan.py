@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from fsdp2_testlib import tiny_model
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from automodel.fsdp2 import (
@@ -13,6 +14,7 @@ from automodel.fsdp2 import (
     translate_to_torch_parallel_style,
     validate_tp_mesh,
 )
+from automodel.fsdp2.tp_shared_styles import SharedTailParallel
 from automodel.mesh.testing import RankFailure, run_on_ranks
 
 #: A plan importable by path (resolve_tp_plan accepts "module.attr" strings).
@@ -23,25 +25,35 @@ def custom_plan_fn() -> dict:
     return dict(CUSTOM_PLAN)
 
 
+_IN_SHARD = (Shard(-1),)
+_REP = (Replicate(),)
+
+
 @pytest.mark.parametrize(
-    "style",
+    ("style", "cls", "inputs", "outputs"),
     [
-        "colwise",
-        "rowwise",
-        "colwise_rep",
-        "colwise_gather_output",
-        "rowwise_rep",
-        "rowwise_split_input",
-        "embedding_rowwise",
-        "embedding_colwise",
-        "sequence_parallel",
-        "replicated_with_grad_allreduce",
-        "local_colwise",
-        "local_rowwise",
+        ("colwise", ColwiseParallel, _REP, _IN_SHARD),
+        ("rowwise", RowwiseParallel, _IN_SHARD, _REP),
+        ("colwise_rep", ColwiseParallel, _REP, _REP),
+        ("colwise_gather_output", ColwiseParallel, _REP, _REP),
+        ("rowwise_rep", RowwiseParallel, _REP, _REP),
+        ("rowwise_split_input", RowwiseParallel, _REP, _REP),
+        ("embedding_rowwise", RowwiseParallel, _REP, _REP),
+        ("embedding_colwise", ColwiseParallel, _REP, _REP),
+        ("sequence_parallel", SequenceParallel, None, None),
+        ("replicated_with_grad_allreduce", SequenceParallel, None, None),
+        ("local_colwise", ColwiseParallel, _REP, _IN_SHARD),
+        ("local_rowwise", RowwiseParallel, _IN_SHARD, _REP),
     ],
 )
-def test_every_supported_style_translates(style: str) -> None:
-    translate_to_torch_parallel_style(style)
+def test_every_supported_style_translates(
+    style: str, cls: type, inputs: tuple | None, outputs: tuple | None
+) -> None:
+    """Each HF style string becomes the torch style (and input/output layouts) that shards like it."""
+    translated = translate_to_torch_parallel_style(style)
+    assert type(translated) is cls
+    assert getattr(translated, "input_layouts", None) == inputs
+    assert getattr(translated, "output_layouts", None) == outputs
 
 
 def test_style_semantics() -> None:
@@ -146,3 +158,59 @@ def _bad_input_on_ranks(case: str) -> str:
 def test_bad_input_is_a_clear_error(case: str, world: int, message: str) -> None:
     with pytest.raises(RankFailure, match=message):
         run_on_ranks(_bad_input_on_ranks, world_size=world, args=(case,), timeout_s=300)
+
+
+def _meta_model(model_type: str, **sizes: int) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, num_hidden_layers=2, vocab_size=64, **sizes)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_hf_plan_of_latent_attention_sums_the_shared_rope_key_grad() -> None:
+    """MLA's kv_a_proj_with_mqa ([latent | rope key]) stays whole; its rope key, used by every rank's
+    heads, has its gradient summed over tp (left alone it was a partial sum: tp2 was 3e-4 off)."""
+    model = _meta_model(
+        "minicpm3", hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, intermediate_size=64,
+    )  # fmt: skip
+    style = get_hf_tp_shard_plan(model)["model.layers.*.self_attn.kv_a_proj_with_mqa"]
+    assert isinstance(style, SharedTailParallel) and style.width == 8
+
+
+def test_hf_plan_of_a_learned_activation_replicates_it_with_grad_allreduce() -> None:
+    """Apertus' xIELU has learned scalars applied to the colwise-sharded MLP activation."""
+    model = _meta_model(
+        "apertus", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64
+    )
+    plan = get_hf_tp_shard_plan(model)
+    style = plan["model.layers.*.mlp.act_fn"]
+    assert type(style) is SequenceParallel and style.sequence_sharding == (Shard(-1),)
+    assert not any(k.endswith("act_fn") for k in get_hf_tp_shard_plan(tiny_model()))  # SiLU: no parameters
+
+
+def _shared_tail_on_ranks() -> list[float]:
+    """y = W x; rank r uses y's last 2 features scaled by (r + 1) and its first 2 features whole,
+    as MLA's heads do: W's gradient must be the one-process gradient of the summed use."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(3, 4, bias=False), torch.randn(5, 3)
+    parallelize_module(lin, init_device_mesh("cpu", (2,)), SharedTailParallel(2))
+    rank = dist.get_rank()
+    y = lin(x)
+    (y[:, :2].sum() + (rank + 1) * y[:, 2:].sum()).backward()
+    return lin.weight.grad.flatten().tolist()
+
+
+def test_shared_tail_parallel_sums_only_the_tail_gradient() -> None:
+    results = run_on_ranks(_shared_tail_on_ranks, world_size=2, timeout_s=120)
+    torch.manual_seed(0)
+    torch.nn.Linear(3, 4, bias=False)  # same random stream as the ranks
+    x = torch.randn(5, 3)
+    expected = torch.cat([x.sum(0).expand(2, 3), 3 * x.sum(0).expand(2, 3)]).flatten()
+    for got in results:
+        torch.testing.assert_close(torch.tensor(got), expected)

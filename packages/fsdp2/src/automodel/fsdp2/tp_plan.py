@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from automodel.fsdp2.tp_shared_styles import SharedTailParallel, replicated_on_sharded_width
 from automodel.fsdp2.utils import import_class_from_path
 
 logger = logging.getLogger(__name__)
@@ -61,14 +62,14 @@ _UNSUPPORTED_STYLES = {
     "moe_identity_expert": "MoE experts are parallelized by automodel.moe (EP)",
     "grouped_gemm": "an expert-parallel (EP) style; use automodel.moe",
     "ep_dispatch_experts": "an expert-parallel (EP) style; use automodel.moe",
-    "mla_kv_a_proj": "MLA latent projections have no DTensor plan here; give an explicit plan",
+    "mla_kv_a_proj": "needs the rope width of the model; a model's own HF plan resolves it",
     "all_reduce": "a module-output all-reduce of HF's own TP engine",
     "local_params": "HF's manual local-parameter mode",
     "local": "HF's manual local-tensor mode",
     "replicate": "HF's replicate marker (nothing to shard)",
 }
 #: Styles that `get_hf_tp_shard_plan` leaves out (the module stays replicated: correct, not sharded).
-_SKIPPED_IN_HF_PLAN = set(_UNSUPPORTED_STYLES)
+_SKIPPED_IN_HF_PLAN = set(_UNSUPPORTED_STYLES) - {"mla_kv_a_proj"}
 
 
 def translate_to_torch_parallel_style(style: str) -> ParallelStyle:
@@ -136,8 +137,50 @@ def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
             # for `mlp_only_layers`); a key this instance has no module for is not an error.
             logger.info("TP plan: %s matches no module of this model; skipped", key)
             continue
-        plan[key] = translate_to_torch_parallel_style(style)
+        plan[key] = (
+            _mla_kv_a_style(config) if style == "mla_kv_a_proj" else translate_to_torch_parallel_style(style)
+        )
+    plan.update(_activations_between(model, plan))
     return plan
+
+
+def _mla_kv_a_style(config: Any) -> ParallelStyle:
+    """Multi-head latent attention's ``kv_a_proj_with_mqa`` ([latent | rope key shared by all heads]):
+    replicated, with the rope key's gradient summed over tp (each rank's heads use it)."""
+    width = getattr(config, "qk_rope_head_dim", None)
+    if not isinstance(width, int) or width <= 0:
+        raise ValueError(
+            f"the plan style 'mla_kv_a_proj' needs config.qk_rope_head_dim, {type(config).__name__} has {width!r}"
+        )
+    return SharedTailParallel(width)
+
+
+def _activations_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> TPPlan:
+    """Plan entries for parameterized activations between a colwise and a rowwise linear.
+
+    In a feed-forward block whose only linears are sharded (colwise in, rowwise out), a child with
+    parameters that is not in the plan (xIELU's learned ``alpha_p``/``alpha_n``) runs on the
+    width-sharded activation, so its parameter gradients are partial sums over tp: it is laid out
+    by `replicated_on_sharded_width`. Only parameters that broadcast over the features qualify
+    (one value per feature would have to be sharded instead); attention blocks are left alone.
+    """
+    extra: TPPlan = {}
+    parents = {k.rpartition(".")[0] for k, v in plan.items() if type(v) is RowwiseParallel}
+    for parent_key in parents:
+        children = {k.rpartition(".")[2]: v for k, v in plan.items() if k.rpartition(".")[0] == parent_key}
+        if not any(type(v) is ColwiseParallel for v in children.values()):
+            continue
+        for name, parent in model.named_modules():
+            if not _fqn_matches(parent_key, name) or name.rpartition(".")[2].endswith(("attn", "attention")):
+                continue
+            unplanned = [(c, m) for c, m in parent.named_children() if c not in children]
+            if any(isinstance(m, nn.Linear) for _, m in unplanned):
+                continue  # a replicated linear in the block: its activations are not all sharded
+            for child, module in unplanned:
+                params = list(module.parameters())
+                if params and all(p.dim() == 0 or p.shape[-1] == 1 for p in params):
+                    extra[f"{parent_key}.{child}"] = replicated_on_sharded_width()
+    return extra
 
 
 def _resolves_to_parameter(model: nn.Module, key: str) -> bool:
