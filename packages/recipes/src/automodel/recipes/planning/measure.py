@@ -1,0 +1,88 @@
+"""Measured peak memory of real training steps on this rank (the oracle the estimate is tested against).
+
+The measurement reads the c10 CPU/CUDA allocator through torch's profiler (``profile_memory``):
+every allocation and free of tensor storage is an event carrying the allocator's running total of
+live bytes. Profiling starts before the model is built, so the total counts every tensor the rank
+allocates (parameters, gradients, optimizer state, activations, communication buffers, the
+dataset's token tensors) and nothing else (no Python objects, no library code, no allocator
+caching). It shares no code with `planning.memory`: the estimate never reads these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_STEP_MARK = "automodel.measure.step"
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Live allocator bytes of one step: at its start and at its highest point."""
+
+    step: int
+    start_bytes: int
+    peak_bytes: int
+
+
+def _events(prof: Any) -> list[Any]:
+    out: list[Any] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children)
+    return out
+
+
+def _allocation_fields(node: Any, device_type: str) -> Any | None:
+    fields = node.extra_fields
+    if type(fields).__name__ != "_ExtraFields_Allocation":
+        return None
+    return fields if fields.device.type == device_type else None
+
+
+def step_peaks(prof: Any, *, device_type: str = "cpu") -> list[StepMemory]:
+    """Per marked step: live bytes when it began and the maximum while it ran (from the events)."""
+    events = _events(prof)
+    allocs = sorted(
+        (node.start_time_ns, f.total_allocated)
+        for node in events
+        if (f := _allocation_fields(node, device_type)) is not None
+    )
+    marks = sorted(
+        (node.start_time_ns, node.end_time_ns, node.name) for node in events if node.name.startswith(_STEP_MARK)
+    )
+    result = []
+    for start, end, name in marks:
+        before = [total for t, total in allocs if t < start]
+        inside = [total for t, total in allocs if start <= t <= end]
+        first = before[-1] if before else 0
+        result.append(
+            StepMemory(step=int(name.rsplit(".", 1)[-1]), start_bytes=first, peak_bytes=max([first, *inside]))
+        )
+    return result
+
+
+def measure_training_peaks(cfg: Any, *, steps: int = 2) -> list[StepMemory]:
+    """Build `cfg`'s model on this rank (inside an initialized process group) and run `steps` real
+    training steps of `recipes train` (`Trainer.train_step`) under the allocator profiler."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from automodel.recipes.train import Trainer
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, profile_memory=True) as prof:
+        trainer = Trainer(cfg)
+        trainer.build()
+        trainer.step = 0
+        for i in range(1, steps + 1):
+            batches = trainer.loader.next_step()
+            with record_function(f"{_STEP_MARK}.{i}"):
+                trainer.train_step(batches)
+            trainer.step = i
+    return step_peaks(prof, device_type="cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,313 @@
+"""Per-rank peak memory of one training step, from the model's sizes and the layout alone.
+
+The estimate follows what the step keeps alive, moment by moment (nothing is run or measured):
+
+* static: sharded parameters and optimizer state (plus DDP's gradient buckets), all step long;
+* forward end / loss backward: every saved activation of the rank's layers (one micro-batch, or
+  the schedule's in-flight micro-batches under PP), the logits and the loss's fp32 buffers, and
+  the parameters FSDP2 keeps unsharded (the root and the last layer; every layer under PP);
+* each layer's backward, top to bottom: the saved activations of the layers below, this layer's
+  activations (recomputed under activation checkpointing), its unsharded weights (and the next
+  layer's, prefetched), its unsharded weight gradients and the gradients of the layers done;
+* the optimizer step: parameters, gradients, state and the optimizer's temporaries.
+
+The peak is the largest of these moments; `MemoryEstimate` reports its parts at that moment.
+Saved activations are counted tensor by tensor as Hugging Face decoder layers save them for
+backward (RMSNorm keeps an fp32 copy of its input and its normalized output, attention keeps
+q, k, v after RoPE, its output and log-sum-exp, the SwiGLU MLP keeps gate, up, silu(gate) and
+their product); see docs/planning.md for the list and what the measurement counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from automodel.recipes.planning.shape import ModelShape
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """The layout and training knobs of one rank's step (sizes are the resolved mesh axes)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    strategy: str = "fsdp2"
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    seq_len: int = 2048
+    local_batch: int = 1  # rows of one local batch (one pipeline step under PP)
+    grad_accum: int = 1  # local batches per optimizer step
+    pp_microbatch: int = 1
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    storage_bytes: int = 4  # model.dtype: sharded parameters and their gradients
+    compute_bytes: int = 4  # mp_policy.param_dtype: unsharded weights and activations
+    reduce_bytes: int = 4
+    optimizer_states: int = 2
+    optimizer_impl: str = "foreach"  # foreach | fused | loop (per parameter)
+    defer_grad_sync: bool = True
+    trainable_params: int | None = None  # LoRA: only these have gradients and optimizer state
+    megatron_zero: int = 3
+    megatron_grad_fp32: bool = False
+    megatron_master_fp32: bool = False
+
+    @property
+    def dp_shard_cp(self) -> int:
+        return self.dp_shard * self.cp
+
+    @property
+    def ep_shard(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp // self.ep
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "seq_len", "local_batch", "grad_accum"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be an int >= 1, got {value!r}")
+        if self.strategy not in ("fsdp2", "ddp", "megatron_fsdp"):
+            raise ValueError(f"strategy must be fsdp2, ddp or megatron_fsdp, got {self.strategy!r}")
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank bytes. `param_bytes`, `grad_bytes`, `optimizer_bytes` are the full steady amounts
+    (all gradients present, as at the optimizer step); the ``peak_*`` parts add up to `peak_bytes`
+    at the moment of the peak (`peak_phase`)."""
+
+    total_params: int
+    params_per_rank: float
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float = 0.0  # saved activations of one micro-batch, whole rank, by AC mode
+    logits_bytes: float = 0.0  # logits and cross-entropy's buffers at their peak
+    pipeline_bytes: float = 0.0  # saved activations of the other in-flight micro-batches
+    buffer_bytes: float = 0.0  # unsharded FSDP weights/grads, DDP buckets, PP p2p buffers
+    peak_bytes: float = 0.0
+    peak_phase: str = ""
+    peak_parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> float:
+        return self.peak_bytes
+
+
+def _in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
+    """Stage-micro-batches whose activations the first pipeline rank holds at once."""
+    name = setup.pp_schedule.lower().replace("_", "")
+    v, pp = setup.stages_per_rank, setup.pp
+    if "gpipe" in name or "loopedbfs" in name:
+        return n_mb * v
+    if "zbv" in name or "dualpipe" in name:
+        return min(n_mb * v, 2 * pp)
+    if "interleaved" in name:  # torch's warm-up on rank 0, plus the one in flight
+        return min(n_mb * v, (v - 1) * pp + 2 * (pp - 1) + 1)
+    return min(n_mb, pp) * v  # 1F1B
+
+
+def _norm_bytes(setup: StepSetup, width: float) -> float:
+    """RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its output twice
+    (x * rsqrt in fp32-or-compute dtype, then weight * that)."""
+    return (4 + 2 * setup.compute_bytes) * width
+
+
+def layer_activation_bytes(shape: ModelShape, setup: StepSetup, *, tokens: float, moe: bool) -> float:
+    """Bytes one decoder layer saves for backward for `tokens` tokens on this rank (no AC)."""
+    e, tp = setup.compute_bytes, setup.tp
+    h = shape.hidden
+    h_norm = h / tp if setup.sequence_parallel else h
+    per_token = 2 * _norm_bytes(setup, h_norm)
+    if setup.sequence_parallel:  # the all-gathered norm outputs the column-parallel linears keep
+        per_token += 2 * e * h
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    # q and k after RoPE, v, attention output (compute dtype) and log-sum-exp per head (fp32)
+    per_token += e * (2 * q + 2 * kv) / tp + 4 * shape.heads / tp
+    if setup.cp > 1:  # the ring keeps the other ranks' k and v for backward
+        per_token += e * 2 * kv / tp * (setup.cp - 1)
+    if moe:
+        k, inter = shape.top_k, shape.moe_intermediate
+        # router: fp32 logits and softmax per expert; per routed slot: the gathered input,
+        # gate|up, silu(gate), their product and the expert output
+        per_token += 2 * 4 * shape.experts + k * e * (2 * h + 4 * inter)
+        if setup.ep > 1:  # the dispatched copy of each routed slot
+            per_token += k * e * h
+        if shape.shared_intermediate:
+            per_token += 4 * e * shape.shared_intermediate / tp
+    else:
+        per_token += 4 * e * shape.intermediate / tp
+    return per_token * tokens
+
+
+def _backward_transient(shape: ModelShape, setup: StepSetup, *, tokens: float, moe: bool) -> float:
+    """Gradients of activations alive inside one layer's backward (two MLP-wide, one hidden-wide)."""
+    e = setup.compute_bytes
+    if moe:
+        width = shape.top_k * (2 * shape.moe_intermediate + shape.hidden)
+    else:
+        width = 2 * shape.intermediate / setup.tp + shape.hidden
+    return e * width * tokens
+
+
+def estimate_step_memory(shape: ModelShape, setup: StepSetup) -> MemoryEstimate:
+    """The per-rank peak of one step of `shape` under `setup` (the worst pipeline rank)."""
+    ranks = [0] if setup.pp == 1 else [0, setup.pp - 1]
+    estimates = [_estimate_rank(shape, setup, pp_rank=r) for r in ranks]
+    return max(estimates, key=lambda m: m.peak_bytes)
+
+
+def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEstimate:
+    tp, e_s, e_c = s.tp, s.storage_bytes, s.compute_bytes
+    v = s.stages_per_rank
+    layers = shape.layers / s.pp  # layers on this rank (all its stages)
+    moe_frac = shape.moe_layers / shape.layers if shape.is_moe else 0.0
+    first = pp_rank == 0
+    # the last stage lives on rank 0 for V-shape schedules, on the last rank otherwise
+    v_shape = any(k in s.pp_schedule.lower() for k in ("zbv", "dualpipe"))
+    last = pp_rank == (0 if v_shape and s.pp > 1 else s.pp - 1)
+
+    # ---- parameters: model-parallel split, then the data-parallel shard ----------------------
+    expert_mp = shape.layer_expert_params / (s.ep if s.ep > 1 else tp)
+    layer_mp = shape.layer_dense_params / tp + expert_mp  # elements of one layer on this rank
+    root_mp = (shape.embed_params if first or shape.tied_embeddings and last else 0) / tp
+    root_mp += (shape.head_params if last else 0) / tp
+    if s.strategy == "ddp":
+        fs_dense = fs_expert = 1
+    elif s.strategy == "megatron_fsdp":
+        fs_dense = fs_expert = s.dp_replicate * s.dp_shard * s.cp
+    else:
+        fs_dense = s.dp_shard_cp
+        fs_expert = s.ep_shard if s.ep > 1 else fs_dense
+    layer_shard = shape.layer_dense_params / tp / fs_dense + expert_mp / fs_expert
+    root_shard = root_mp / fs_dense
+    params_rank = layers * layer_shard + root_shard
+    if s.strategy == "megatron_fsdp" and s.megatron_zero < 3:
+        params_rank = layers * layer_mp + root_mp
+    trainable_frac = 1.0 if s.trainable_params is None else s.trainable_params / max(shape.total_params, 1)
+    opt_shard = layers * layer_shard + root_shard
+    if s.strategy == "megatron_fsdp" and s.megatron_zero < 1:
+        opt_shard = layers * layer_mp + root_mp
+    grad_shard = opt_shard if not (s.strategy == "megatron_fsdp" and s.megatron_zero < 2) else (
+        layers * layer_mp + root_mp
+    )
+    grad_e = 4 if (s.strategy == "megatron_fsdp" and s.megatron_grad_fp32) else e_s
+    param_b = params_rank * e_s
+    grad_b = grad_shard * grad_e * trainable_frac
+    opt_b = opt_shard * 4 * s.optimizer_states * trainable_frac
+    if s.strategy == "megatron_fsdp" and s.megatron_master_fp32:
+        opt_b += opt_shard * 4
+    static = param_b + opt_b
+    if s.strategy == "ddp" and s.dp_replicate * s.dp_shard > 1:
+        static += grad_shard * e_s * trainable_frac  # DDP's flat gradient buckets, allocated once
+
+    # ---- activations of one micro-batch --------------------------------------------------------
+    rows = s.pp_microbatch if s.pp > 1 else s.local_batch
+    tokens = rows * s.seq_len / s.cp
+    tokens_norm = tokens  # SP shards are inside the per-layer formula
+    a_dense = layer_activation_bytes(shape, s, tokens=tokens, moe=False)
+    a_moe = layer_activation_bytes(shape, s, tokens=tokens, moe=True) if moe_frac else 0.0
+    a_layer = (1 - moe_frac) * a_dense + moe_frac * a_moe
+    h_saved = shape.hidden / tp if s.sequence_parallel else shape.hidden
+    x_in = e_c * h_saved * tokens_norm  # what a checkpointed layer keeps: its input
+    a_save = x_in if s.activation_checkpointing else a_layer
+    a_peak_layer = max(a_dense, a_moe) if moe_frac else a_dense
+    rope = 2 * shape.head_dim * e_c * tokens
+    head_acts = _norm_bytes(s, h_saved) * tokens if last else 0.0
+    extra_fp32 = 0 if e_c == 4 else 4
+    # logits (compute dtype), their fp32 copy for the loss, log-softmax output, and in its
+    # backward the gradient of the log-probabilities and of the logits
+    logits_peak = tokens * shape.vocab * (e_c + extra_fp32 + 12) if last else 0.0
+    logits_live = tokens * shape.vocab * e_c if last and s.pp == 1 else 0.0  # the loop's `logits`
+    transient = _backward_transient(shape, s, tokens=tokens, moe=bool(moe_frac))
+
+    n_mb = max(1, s.local_batch // s.pp_microbatch) if s.pp > 1 else 1
+    chunks = _in_flight_chunks(s, n_mb) if s.pp > 1 else v
+    in_flight = chunks / v  # micro-batches of the whole rank's layers
+    pipe_extra = (in_flight - 1) * layers * a_save
+
+    # ---- buffers: unsharded weights / grads (FSDP2), p2p buffers (PP) ----------------------
+    w_layer_u = layer_mp * e_c
+    g_layer_u = layer_mp * e_c * trainable_frac
+    g_layer_s = layer_shard * e_s * trainable_frac
+    w_root_u = root_mp * e_c
+    head_grad_u = (shape.head_params / tp if last else 0.0) * e_c * trainable_frac
+    if s.strategy == "fsdp2":
+        # layers reshard after forward except the last; nothing reshards under PP; root never
+        held_fwd = (layers if s.pp > 1 else 1) * w_layer_u + w_root_u
+        prefetch = w_layer_u
+    elif s.strategy == "megatron_fsdp":
+        held_fwd, prefetch = 2 * w_layer_u, w_layer_u
+    else:
+        held_fwd = prefetch = 0.0
+        w_layer_u = 0.0
+    p2p = 2 * e_c * shape.hidden * tokens * v if s.pp > 1 else 0.0
+
+    # ---- gradients held from earlier micro-batches of the step ----------------------------
+    accum = s.grad_accum * (n_mb if s.pp > 1 else 1)
+    unsharded_accum = s.strategy == "fsdp2" and s.defer_grad_sync and s.pp == 1 and s.grad_accum > 1
+    layers_int = max(1, round(layers))
+    phases: dict[str, dict[str, float]] = {}
+
+    def moment(name: str, **parts: float) -> None:
+        phases[name] = {"static": static, **parts}
+
+    for k_last in ([False, True] if accum > 1 else [True]):
+        if not k_last:
+            held_g, new_g = 0.0, g_layer_s  # first micro-batch: gradients appear as layers finish
+            if unsharded_accum:
+                new_g = g_layer_u
+        elif accum > 1 and unsharded_accum:
+            held_g = layers * g_layer_u + (root_mp * e_c * trainable_frac)
+            new_g = g_layer_s - g_layer_u  # the last reduce-scatter swaps unsharded for sharded
+        elif accum > 1:
+            held_g, new_g = grad_b, 0.0
+        else:
+            held_g, new_g = 0.0, g_layer_s
+        tag = "last micro-batch" if k_last and accum > 1 else "first micro-batch" if accum > 1 else "step"
+        moment(
+            f"loss backward ({tag})",
+            gradients=held_g,
+            activations=layers * a_save + head_acts + rope,
+            pipeline=pipe_extra,
+            logits=logits_peak,
+            buffers=held_fwd + p2p,
+        )
+        for i in range(layers_int - 1, -1, -1):
+            done = layers_int - 1 - i
+            current = a_peak_layer  # saved (or recomputed under AC) activations of this layer
+            moment(
+                f"layer {i} backward ({tag})",
+                gradients=held_g + done * new_g + head_grad_u + g_layer_u,
+                activations=i * a_save + current + rope + transient,
+                pipeline=pipe_extra,
+                logits=logits_live,
+                buffers=(held_fwd if s.pp > 1 else w_root_u) + w_layer_u + (prefetch if i else 0.0) + p2p,
+            )
+    if s.optimizer_impl == "fused":
+        opt_tmp = 0.0
+    elif s.optimizer_impl == "foreach":
+        opt_tmp = opt_shard * 4 * trainable_frac  # one state-sized intermediate list
+    else:
+        opt_tmp = 2 * max(layer_shard / 3, root_shard) * 4 * trainable_frac
+    moment("optimizer step", gradients=grad_b, buffers=opt_tmp)
+
+    name, parts = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    return MemoryEstimate(
+        total_params=shape.total_params,
+        params_per_rank=params_rank,
+        param_bytes=param_b,
+        grad_bytes=grad_b,
+        optimizer_bytes=opt_b,
+        activation_bytes=layers * a_save + head_acts + rope,
+        logits_bytes=logits_peak,
+        pipeline_bytes=pipe_extra,
+        buffer_bytes=max(p.get("buffers", 0.0) for p in phases.values()),
+        peak_bytes=sum(parts.values()),
+        peak_phase=name,
+        peak_parts={"parameters": param_b, "optimizer": opt_b, **{k: v for k, v in parts.items() if k != "static"}},
+    )

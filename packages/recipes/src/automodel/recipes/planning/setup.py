@@ -1,0 +1,84 @@
+"""A recipe config and its resolved layout -> the `StepSetup` the memory estimate reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from automodel.mesh import ResolvedLayout
+from automodel.recipes.planning.memory import StepSetup
+
+_ONE_STATE = ("sgd", "adagrad", "rmsprop")
+
+
+def _elem(dtype: Any, default: int) -> int:
+    if dtype is None:
+        return default
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def optimizer_states(target: str) -> int:
+    """fp32 state tensors per parameter: Adam-like optimizers keep two moments, others one."""
+    return 1 if target.rsplit(".", 1)[-1].lower() in _ONE_STATE else 2
+
+
+def _flag(section: Any, name: str, default: Any) -> Any:
+    """A strategy flag: from the built strategy config when the section carries one, else the YAML."""
+    config = getattr(section, "strategy_config", None)
+    if config is not None and hasattr(config, name):
+        return getattr(config, name)
+    return section.options.get(name, default)
+
+
+def step_setup(cfg: Any, layout: ResolvedLayout, *, stages: int = 1, on_gpu: bool | None = None) -> StepSetup:
+    """What `recipes train` would run for `cfg` on `layout` (`on_gpu`: default mixed precision
+    is bf16 on CUDA and none on CPU, as `parallelize.default_mp_policy` picks)."""
+    d = cfg.distributed
+    storage = _elem(cfg.model.dtype, 4)
+    mp = d.options.get("mp_policy")  # the YAML's; the built config holds the CPU default
+    if on_gpu is None:
+        on_gpu = torch.cuda.is_available()
+    if mp is None and on_gpu and d.strategy == "fsdp2":
+        compute, reduce = 2, 4
+    else:
+        compute = _elem(getattr(mp, "param_dtype", None), storage)
+        reduce = _elem(getattr(mp, "reduce_dtype", None), compute)
+    kwargs = cfg.optimizer.kwargs
+    impl = "fused" if kwargs.get("fused") else "loop" if kwargs.get("foreach") is False else "foreach"
+    if kwargs.get("foreach") is None and not kwargs.get("fused") and not on_gpu:
+        impl = "loop"  # torch picks foreach only for CUDA tensors
+    ss = cfg.step_scheduler
+    pipe = d.pipeline or {}
+    trainable = None
+    if cfg.peft is not None:
+        trainable = -1  # filled by the caller that knows the adapter sizes
+    return StepSetup(
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        ep=layout.ep,
+        dp_shard=layout.dp_shard,
+        dp_replicate=layout.dp_replicate,
+        strategy=d.strategy,
+        sequence_parallel=bool(_flag(d, "sequence_parallel", False)),
+        activation_checkpointing=bool(_flag(d, "activation_checkpointing", False)),
+        seq_len=cfg.seq_length,
+        local_batch=ss.local_batch_size,
+        grad_accum=max(1, ss.global_batch_size // (ss.local_batch_size * layout.dp)),
+        pp_microbatch=int(pipe.get("pp_microbatch_size", 1)),
+        pp_schedule=str(pipe.get("pp_schedule", "1f1b")),
+        stages_per_rank=max(1, stages // layout.pp) if layout.pp > 1 else 1,
+        storage_bytes=storage,
+        compute_bytes=compute,
+        reduce_bytes=reduce,
+        optimizer_states=optimizer_states(cfg.optimizer.target),
+        optimizer_impl=impl,
+        defer_grad_sync=d.strategy == "fsdp2" and bool(_flag(d, "defer_fsdp_grad_sync", True)),
+        trainable_params=None if trainable is None else None,
+        megatron_zero=int(d.options.get("zero_dp_strategy", 3)),
+        megatron_grad_fp32=bool(d.options.get("grad_reduce_in_fp32", False)),
+        megatron_master_fp32=bool(d.options.get("preserve_fp32_weights", False)),
+    )

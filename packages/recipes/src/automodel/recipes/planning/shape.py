@@ -1,0 +1,119 @@
+"""The numbers of a model the estimates need: sizes from the HF config, parameter counts from the
+meta-device model (exact for any architecture, nothing is allocated)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from automodel.recipes.model import build_meta_model, num_experts
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = ".experts."
+_HEAD = ("lm_head.",)
+_EMBED = ("embed_tokens.", "wte.", "word_embeddings.")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a decoder-only causal LM; parameter counts are per layer averages (elements)."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    embed_params: int
+    head_params: int  # lm_head (0 when tied) + final norm
+    layer_dense_params: float  # per layer: attention, dense MLP, norms, router
+    layer_expert_params: float  # per layer: routed experts (0 for dense models)
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    moe_layers: int = 0
+    shared_intermediate: int = 0
+
+    @property
+    def total_params(self) -> int:
+        per_layer = self.layer_dense_params + self.layer_expert_params
+        return round(self.embed_params + self.head_params + self.layers * per_layer)
+
+    @property
+    def expert_params(self) -> int:
+        return round(self.layers * self.layer_expert_params)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0 and self.moe_layers > 0
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token passes through (embedding lookups excluded, top-k of the experts)."""
+        per_layer = self.layer_dense_params
+        if self.is_moe:
+            per_layer += self.layer_expert_params * self.top_k / self.experts
+        return self.head_params + self.layers * per_layer + (self.embed_params if self.tied_embeddings else 0)
+
+
+def _int(hf_config: Any, *keys: str, default: int = 0) -> int:
+    for key in keys:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return default
+
+
+def model_shape(hf_config: Any, *, trust_remote_code: bool = False) -> ModelShape:
+    """Sizes from `hf_config`; parameter counts by walking the meta-device model's parameters."""
+    model = build_meta_model(hf_config, dtype="float32", trust_remote_code=trust_remote_code)
+    embed = head = dense = expert = 0
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # tied lm_head: counted once, as the embedding
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        if _LAYER.search(name):
+            if _EXPERT in f".{name}":
+                expert += n
+            else:
+                dense += n
+        elif any(k in name for k in _EMBED):
+            embed += n
+        else:
+            head += n
+    layers = hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    hidden = hf_config.hidden_size
+    experts = num_experts(hf_config) or 0
+    moe_layers = 0
+    if experts:
+        moe_layers = sum(
+            1 for i, layer in enumerate(model.model.layers) if any(_EXPERT in f".{n}." for n, _ in layer.named_parameters())
+        ) if hasattr(model, "model") and hasattr(model.model, "layers") else layers
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return ModelShape(
+        model_type=hf_config.model_type,
+        hidden=hidden,
+        intermediate=_int(hf_config, "intermediate_size", "ffn_dim", default=4 * hidden),
+        layers=layers,
+        heads=heads,
+        kv_heads=_int(hf_config, "num_key_value_heads", default=heads),
+        head_dim=_int(hf_config, "head_dim", default=hidden // heads),
+        vocab=hf_config.vocab_size,
+        tied_embeddings=tied,
+        embed_params=embed,
+        head_params=head,
+        layer_dense_params=dense / layers,
+        layer_expert_params=expert / layers,
+        experts=experts,
+        top_k=_int(hf_config, "num_experts_per_tok", "top_k", "moe_topk") if experts else 0,
+        moe_intermediate=_int(hf_config, "moe_intermediate_size", "expert_intermediate_size") if experts else 0,
+        moe_layers=moe_layers,
+        shared_intermediate=_int(hf_config, "shared_expert_intermediate_size") if experts else 0,
+    )
