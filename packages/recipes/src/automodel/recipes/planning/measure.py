@@ -71,7 +71,7 @@ def measure_training_peaks(cfg: Any, *, steps: int = 2) -> list[StepMemory]:
     training steps of `recipes train` (`Trainer.train_step`) under the allocator profiler."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from automodel.recipes.train import Trainer
+    from automodel.recipes.trainer import Trainer
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
