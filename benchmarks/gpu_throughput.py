@@ -147,7 +147,7 @@ def parallelize_megatron(
     model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: bool, ac: bool
 ) -> str:
     """megatron-fsdp (ZeRO-3, one unit per decoder layer) on the same GPU: params in `dtype`,
-    fp32 main weights and fp32 gradient reduction; AC on each layer's MLP (the seed's scope)."""
+    fp32 main weights and fp32 gradient reduction; AC on each layer's MLP (megatron-fsdp's AC scope)."""
     from automodel.megatron_fsdp import (
         MegatronFSDPConfig,
         apply_megatron_fsdp,

@@ -59,7 +59,7 @@ def _current_rss() -> int:
 
 def measure(raw: dict, warmup: int) -> dict[str, float]:
     from automodel.recipes.recipe_config import parse_recipe_config
-    from automodel.recipes.train import Trainer
+    from automodel.recipes.trainer import Trainer
 
     rss_start = _current_rss()
     trainer = Trainer(parse_recipe_config(raw))

@@ -41,7 +41,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 def measure(raw: dict) -> dict[str, int]:
     from automodel.recipes.recipe_config import parse_recipe_config
-    from automodel.recipes.train import Trainer
+    from automodel.recipes.trainer import Trainer
 
     trainer = Trainer(parse_recipe_config(raw))
     trainer.build()

@@ -1,6 +1,6 @@
 """Recipe-loop throughput vs a hand-written torch loop, and layouts vs 1 process (CPU, same run).
 
-Measures tokens/s of `automodel.recipes.train.Trainer` on a tiny Llama against a minimal loop
+Measures tokens/s of `automodel.recipes.trainer.Trainer` on a tiny Llama against a minimal loop
 (forward, mean CE, backward, AdamW step) on the same model and batches, then the recipe on
 fsdp2 dp=2 and ddp dp=2 (2 forked gloo ranks) against its own 1-process figure. Prints ratios.
 
@@ -21,7 +21,7 @@ from _recipe_config import llama, recipe_config
 
 from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.recipe_config import parse_recipe_config
-from automodel.recipes.train import Trainer
+from automodel.recipes.trainer import Trainer
 
 CFG = recipe_config(
     model=llama(hidden=128, intermediate=344, layers=4, heads=4, kv_heads=2, max_positions=128),

@@ -201,7 +201,7 @@ def recipe_config(
 # ---- running -----------------------------------------------------------------------------------
 def _train_rank(raw: dict[str, Any]) -> None:
     from automodel.recipes.recipe_config import parse_recipe_config
-    from automodel.recipes.train import run_training
+    from automodel.recipes.trainer import run_training
 
     run_training(parse_recipe_config(raw))
 

@@ -87,3 +87,39 @@ def test_missing_transformer_engine_says_how_to_install_it():
         pytest.skip("CPU-only check")
     with pytest.raises(ImportError, match="automodel-context-parallel\\[te\\]"):
         import_transformer_engine()
+
+
+class _OwnMatmulAttention(torch.nn.Module):
+    """Attention by its own matmuls (as XGLM's is): the CP attention function never runs."""
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        scores = (hidden_states @ hidden_states.transpose(-1, -2)).softmax(-1)
+        return scores @ hidden_states
+
+
+class _OwnAttentionModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = _OwnMatmulAttention()
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.self_attn(hidden_states=x)
+
+
+def test_attention_computed_by_the_module_itself_is_refused_before_launch():
+    from automodel.context_parallel import check_context_parallel_support
+
+    with pytest.raises(ValueError, match="computes attention inside _OwnMatmulAttention"):
+        check_context_parallel_support(_OwnAttentionModel(), seq_length=8)
+
+
+def _own_attention_under_cp() -> None:
+    mesh = MeshContext.build(ParallelismSizes(cp_size=dist.get_world_size()))
+    model = _OwnAttentionModel()
+    apply_context_parallel(model, cp_mesh=mesh.get_mesh("cp"))
+    model(torch.randn(1, 4, 2))
+
+
+def test_attention_that_bypasses_the_cp_function_fails_loudly_at_run_time():
+    with pytest.raises(RankFailure, match="computed attention without transformers' attention functions"):
+        run_on_ranks(_own_attention_under_cp, world_size=2, timeout_s=300)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from automodel.context_parallel import apply_context_parallel, make_cp_batch_and_ctx
 from automodel.mesh import MeshContext, ParallelismSizes
+from automodel.mesh.reduction import set_unit_gradient_divide_factor
 from automodel.mesh.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -80,7 +81,7 @@ def _run_cp_only(
     ref_loss, ref_grads = _reference(ref_model, [batch])
     cp_mesh = mesh.get_mesh("cp")
     backend = apply_context_parallel(model, cp_mesh=cp_mesh, backend="ring", kv_rotation=kv_rotation)
-    if checkpointing:  # AC comes after the CP hooks (DESIGN §2); recomputation re-runs the ring
+    if checkpointing:  # AC comes after the CP hooks; recomputation re-runs the ring
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for i, layer in enumerate(model.model.layers):
@@ -125,8 +126,8 @@ def _run_cp_fsdp() -> dict[str, float]:
         fully_shard(layer, mesh=fsdp_mesh)
     fully_shard(model, mesh=fsdp_mesh)
     for unit in [*model.model.layers, model]:
-        unit.set_gradient_divide_factor(1.0)  # pure sum: the loss is already globally normalised
-        unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        # pure sum: the loss is already globally normalised
+        set_unit_gradient_divide_factor(unit, factor=1.0)
     dp_rank = mesh.coordinates["dp_shard"]
     loss = _cp_step(
         model,

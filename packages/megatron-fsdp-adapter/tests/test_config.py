@@ -8,7 +8,7 @@ import pytest
 
 from automodel.megatron_fsdp import ZERO_DP_STRATEGIES, MegatronFSDPConfig
 
-#: seed 02 (nemo_automodel.components.distributed.config.MegatronFSDPConfig), field: default.
+#: NeMo AutoModel's config (nemo_automodel.components.distributed.config.MegatronFSDPConfig), field: default.
 SEED_DEFAULTS = {
     "sequence_parallel": False,
     "megatron_fsdp_unit_modules": None,

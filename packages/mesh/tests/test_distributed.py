@@ -15,8 +15,8 @@ from automodel.mesh import detect_launch_env, init_distributed
 SCRIPT = textwrap.dedent(
     """
     import torch, torch.distributed as dist
-    from automodel.mesh import MeshContext, ParallelismSizes, distributed
-    with distributed(timeout_minutes=2) as info:
+    from automodel.mesh import MeshContext, ParallelismSizes, distributed_session
+    with distributed_session(timeout_minutes=2) as info:
         ctx = MeshContext.build(ParallelismSizes())
         t = torch.tensor([info.rank + 1])
         dist.all_reduce(t)

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from automodel.mesh import MeshContext, ParallelismSizes
+from automodel.mesh.reduction import set_unit_gradient_divide_factor
 from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig
 
@@ -76,8 +77,7 @@ def _compose_ranks(mode: str, schedule: str) -> dict:
         fully_shard(stage, mesh=dp_mesh)
         for module in stage.modules():
             if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+                set_unit_gradient_divide_factor(module, factor=1.0)
         return None
 
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=H.BATCH, pp_microbatch_size=H.MICRO)

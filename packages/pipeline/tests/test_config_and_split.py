@@ -91,7 +91,7 @@ def test_unknown_schedule_lists_known_ones() -> None:
         ({"layers_per_stage": 0}, "layers_per_stage"),
         ({"round_virtual_stages_to_pp_multiple": "sideways"}, "round_virtual_stages_to_pp_multiple"),
         ({"pp_seq_len": 0}, "pp_seq_len"),
-        ({"dtype": "int7"}, "dtype='int7'"),
+        ({"dtype": "int7"}, "dtype must be a torch dtype .*got 'int7'"),
         ({"scale_grads_in_schedule": "yes"}, "scale_grads_in_schedule"),
         ({"pp_schedule_csv": "/nonexistent/schedule.csv"}, "pp_schedule_csv"),
         ({"module_fqns_per_model_part": [["a"], []]}, r"module_fqns_per_model_part\[1\]"),

@@ -21,7 +21,7 @@ def lora_train_on_rank(raw: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from automodel.recipes.recipe_config import parse_recipe_config
-    from automodel.recipes.train import Trainer
+    from automodel.recipes.trainer import Trainer
 
     trainer = Trainer(parse_recipe_config(raw))
     trainer.build()
@@ -68,7 +68,7 @@ def lora_train_then_logits(raw: dict[str, Any], input_ids: Any) -> Any:
     import torch
 
     from automodel.recipes.recipe_config import parse_recipe_config
-    from automodel.recipes.train import Trainer
+    from automodel.recipes.trainer import Trainer
 
     trainer = Trainer(parse_recipe_config(raw))
     trainer.build()

@@ -80,7 +80,7 @@ def train_on_rank(raw: dict[str, Any]) -> list[float]:
     """Rank function: parse and train `raw`; every rank returns the per-step losses, then the
     validation losses (so parity covers the evaluation path too)."""
     from automodel.recipes.recipe_config import parse_recipe_config
-    from automodel.recipes.train import run_training
+    from automodel.recipes.trainer import run_training
 
     result = run_training(parse_recipe_config(raw))
     return result.losses + [result.val_losses[k] for k in sorted(result.val_losses)]
@@ -91,4 +91,4 @@ def preload() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import automodel.fsdp2  # noqa: F401
-    import automodel.recipes.train  # noqa: F401
+    import automodel.recipes.trainer  # noqa: F401

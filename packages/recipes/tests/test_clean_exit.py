@@ -64,7 +64,7 @@ RANK_SCRIPT = textwrap.dedent(
     from automodel.mesh import destroy_distributed
     from automodel.mesh.distributed import gloo_worker_threads
     from automodel.recipes.recipe_config import parse_recipe_config
-    from automodel.recipes.train import run_training
+    from automodel.recipes.trainer import run_training
 
     result = run_training(parse_recipe_config(yaml.safe_load(open(sys.argv[1]))))
     during = gloo_worker_threads()

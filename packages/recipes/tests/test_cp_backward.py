@@ -24,7 +24,7 @@ preload()
 def _train_recording_context(raw: dict[str, Any]) -> dict[str, int]:
     import automodel.context_parallel as cp
     from automodel.recipes.recipe_config import parse_recipe_config
-    from automodel.recipes.train import Trainer
+    from automodel.recipes.trainer import Trainer
 
     seen = {"contexts": 0, "grads_inside": 0, "grads_outside": 0}
     open_contexts = [0]

@@ -1,6 +1,6 @@
 """CUDA-only paths of the recipes (run by `nox -s gpu_tests` or scripts/gpu_check.sh; skipped without CUDA).
 
-NCCL process groups and the seed's default bf16 mixed precision only run on GPUs; this launches
+NCCL process groups and FSDP2Config's default bf16 mixed precision only run on GPUs; this launches
 the CLI in a child process (torchrun for 2+ ranks) like a user would, never ranks forked from the
 test process, on one GPU or two. megatron_fsdp through the recipes: test_gpu_megatron.py.
 """

@@ -17,14 +17,13 @@ from automodel.context_parallel.layout import (
     unshard_sequence,
 )
 from automodel.context_parallel.ring_attention import KV_ROTATIONS, ring_attention
-from automodel.context_parallel.te_batch import _shard_thd_chunk_for_te, make_cp_batch_for_te
+from automodel.context_parallel.te_batch import make_cp_batch_for_te
 from automodel.context_parallel.thd import document_ids, pad_documents, thd_partitioned_indices
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "BACKENDS",
     "KV_ROTATIONS",
-    "_shard_thd_chunk_for_te",
     "apply_context_parallel",
     "attach_context_parallel_hooks",
     "check_context_parallel_support",

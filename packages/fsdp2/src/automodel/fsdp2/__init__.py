@@ -21,7 +21,12 @@ from automodel.fsdp2.meta_init import (
     materialize_meta_model,
 )
 from automodel.fsdp2.packed_sequence import patch_is_packed_sequence
-from automodel.fsdp2.parallelize import FSDP2Manager, fsdp2_strategy_parallelize
+from automodel.fsdp2.parallelize import (
+    FSDP2Manager,
+    apply_sharding_from_config,
+    apply_tensor_parallel_from_config,
+    fsdp2_strategy_parallelize,
+)
 from automodel.fsdp2.prefetch import apply_fsdp2_prefetch
 from automodel.fsdp2.tensor_parallel import apply_tp, enable_async_tp
 from automodel.fsdp2.tp_plan import (
@@ -48,6 +53,8 @@ __all__ = [
     "apply_ddp",
     "apply_fsdp2_prefetch",
     "apply_fsdp2_sharding_recursively",
+    "apply_sharding_from_config",
+    "apply_tensor_parallel_from_config",
     "apply_tp",
     "canonical_fqn",
     "check_plan_matches_model",

@@ -1,4 +1,4 @@
-"""Strategy configs: `FSDP2Config` and `DDPConfig` (fields and defaults follow seed 02).
+"""Strategy configs: `FSDP2Config` and `DDPConfig` (field names and defaults are those of NeMo AutoModel's configs).
 
 Sizes (dp, tp, pp, cp, ep, dp_replicate) live in `automodel.mesh.ParallelismSizes`; these configs
 carry only the flags unique to each strategy. Values read from YAML (dtype names, policy dicts)
@@ -15,6 +15,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from automodel.fsdp2.utils import import_class_from_path
+from automodel.mesh import parse_dtype
 
 _BACKENDS = ("nccl", "gloo", "cpu:gloo,cuda:nccl")
 
@@ -24,17 +25,6 @@ def default_mp_policy() -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
     )
-
-
-def to_dtype(value: Any, *, key: str) -> torch.dtype | None:
-    """`torch.bfloat16`, ``"bfloat16"`` or ``"torch.bfloat16"`` -> torch.dtype; None stays None."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        dtype = getattr(torch, value.removeprefix("torch."), None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    raise ValueError(f"{key} must be a torch dtype or its name (e.g. 'bfloat16'), got {value!r}")
 
 
 def _policy_kwargs(value: dict, *, key: str) -> tuple[Any, dict]:
@@ -57,7 +47,7 @@ def _to_mp_policy(value: Any) -> MixedPrecisionPolicy:
             )
         for k in ("param_dtype", "reduce_dtype", "output_dtype"):
             if k in kwargs:
-                kwargs[k] = to_dtype(kwargs[k], key=f"mp_policy.{k}")
+                kwargs[k] = parse_dtype(kwargs[k], key=f"mp_policy.{k}")
         try:
             return MixedPrecisionPolicy(**kwargs)
         except TypeError as e:
@@ -130,7 +120,7 @@ class FSDP2Config:
             raise ValueError(f"tp_plan must be a dict, an import path string or None, got {self.tp_plan!r}")
         self.mp_policy = _to_mp_policy(self.mp_policy)
         self.offload_policy = _to_offload_policy(self.offload_policy)
-        self.autocast_dtype = to_dtype(self.autocast_dtype, key="autocast_dtype")
+        self.autocast_dtype = parse_dtype(self.autocast_dtype, key="autocast_dtype")
         _check_backend(self.backend)
         for name in ("fsdp2_backward_prefetch_depth", "fsdp2_forward_prefetch_depth"):
             value = getattr(self, name)

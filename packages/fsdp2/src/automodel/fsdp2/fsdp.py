@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from automodel.mesh import MeshContext
+from automodel.mesh.reduction import set_unit_gradient_divide_factor
 
 
 def get_fsdp_mesh(mesh: MeshContext) -> DeviceMesh:
@@ -131,20 +131,7 @@ def fsdp_units(model: nn.Module) -> list[FSDPModule]:
 def set_gradient_divide_factor(model: nn.Module, *, factor: float) -> None:
     """Divide reduced gradients by `factor` instead of the data-parallel size (1.0 = sum)."""
     for unit in fsdp_units(model):
-        unit.set_gradient_divide_factor(factor)
-        # A custom factor becomes NCCL's PREMUL_SUM; other backends (gloo) need plain SUM plus scaling.
-        if _needs_sum_only(unit) and hasattr(unit, "set_force_sum_reduction_for_comms"):
-            unit.set_force_sum_reduction_for_comms(True)
-
-
-def _needs_sum_only(unit: FSDPModule) -> bool:
-    try:
-        groups = [
-            g for pg in unit._get_fsdp_state()._fsdp_param_groups for g in pg.mesh_info.mesh.get_all_groups()
-        ]
-    except AttributeError:  # private layout differs across torch versions: judge by the default group
-        return dist.get_backend() != "nccl"
-    return any(dist.get_backend(g) != "nccl" for g in groups)
+        set_unit_gradient_divide_factor(unit, factor=factor)
 
 
 @contextmanager

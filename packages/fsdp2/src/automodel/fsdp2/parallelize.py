@@ -1,8 +1,10 @@
-"""`fsdp2_strategy_parallelize` and `FSDP2Manager`: the appliers composed in the fixed order.
+"""The FSDP2 strategy's appliers composed in their fixed order, in two halves.
 
-Order: TP/SP -> activation checkpointing -> per-layer compile -> FSDP2 (layers, then root) ->
-prefetch chains -> autocast. (CP hooks and EP go between TP and AC; the recipes call the
-appliers one by one in that case.)
+Order: TP/SP -> [CP hooks, EP: other packages, composed by the recipes] -> activation
+checkpointing -> per-layer compile -> FSDP2 (layers, then root) -> prefetch chains -> autocast.
+`apply_tensor_parallel_from_config` is the first half and `apply_sharding_from_config` the second;
+`fsdp2_strategy_parallelize` runs both back to back, and a composer that adds CP or EP runs them
+around its own steps, so the order lives here only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,64 @@ from automodel.fsdp2.packed_sequence import patch_is_packed_sequence
 from automodel.fsdp2.prefetch import apply_fsdp2_prefetch
 from automodel.fsdp2.tensor_parallel import apply_tp, enable_async_tp
 from automodel.mesh import MeshContext
+
+
+def apply_tensor_parallel_from_config(
+    model: nn.Module,
+    *,
+    mesh: MeshContext,
+    config: FSDP2Config,
+    tp_plan: Mapping[str, Any] | str | None = None,
+    sequence_parallel: bool | None = None,
+) -> None:
+    """First half: packed-sequence patch, then TP/SP over the ``tp`` axis (a no-op when tp is 1)."""
+    sequence_parallel = config.sequence_parallel if sequence_parallel is None else sequence_parallel
+    tp_plan = config.tp_plan if tp_plan is None else tp_plan
+    if config.patch_is_packed_sequence:
+        patch_is_packed_sequence()
+    tp_mesh = mesh.get_optional_mesh("tp")
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh=tp_mesh, tp_plan=tp_plan, sequence_parallel=sequence_parallel)
+        if config.enable_async_tensor_parallel:
+            enable_async_tp(tp_mesh)
+
+
+def apply_sharding_from_config(
+    model: nn.Module,
+    *,
+    mesh: MeshContext,
+    config: FSDP2Config,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    activation_checkpointing: bool | None = None,
+    gradient_divide_factor: float | None = None,
+    pp_enabled: bool | None = None,
+    compile_backend: str = "inductor",
+) -> None:
+    """Second half: activation checkpointing -> compile -> FSDP2 -> prefetch -> autocast."""
+    activation_checkpointing = (
+        config.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    )
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if config.enable_compile:
+        apply_compile(model, backend=compile_backend)
+    apply_fsdp2_sharding_recursively(
+        model,
+        mesh=mesh,
+        mp_policy=config.mp_policy if mp_policy is None else mp_policy,
+        offload_policy=config.offload_policy if offload_policy is None else offload_policy,
+        pp_enabled=mesh.pp_enabled if pp_enabled is None else pp_enabled,
+        gradient_divide_factor=gradient_divide_factor,
+    )
+    if config.enable_fsdp2_prefetch:
+        apply_fsdp2_prefetch(
+            model,
+            forward_depth=config.fsdp2_forward_prefetch_depth,
+            backward_depth=config.fsdp2_backward_prefetch_depth,
+        )
+    if config.autocast_dtype is not None:
+        apply_autocast(model, dtype=config.autocast_dtype, device_type=mesh.device_type)
 
 
 def fsdp2_strategy_parallelize(
@@ -46,42 +106,20 @@ def fsdp2_strategy_parallelize(
     The model may live on the meta device; call `materialize_meta_model` afterwards.
     """
     config = config or FSDP2Config()
-    sequence_parallel = config.sequence_parallel if sequence_parallel is None else sequence_parallel
-    activation_checkpointing = (
-        config.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    apply_tensor_parallel_from_config(
+        model, mesh=mesh, config=config, tp_plan=tp_plan, sequence_parallel=sequence_parallel
     )
-    tp_plan = config.tp_plan if tp_plan is None else tp_plan
-    mp_policy = config.mp_policy if mp_policy is None else mp_policy
-    offload_policy = config.offload_policy if offload_policy is None else offload_policy
-    pp_enabled = mesh.pp_enabled if pp_enabled is None else pp_enabled
-
-    if config.patch_is_packed_sequence:
-        patch_is_packed_sequence()
-    tp_mesh = mesh.get_optional_mesh("tp")
-    if tp_mesh is not None:
-        apply_tp(model, tp_mesh=tp_mesh, tp_plan=tp_plan, sequence_parallel=sequence_parallel)
-        if config.enable_async_tensor_parallel:
-            enable_async_tp(tp_mesh)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if config.enable_compile:
-        apply_compile(model, backend=compile_backend)
-    apply_fsdp2_sharding_recursively(
+    apply_sharding_from_config(
         model,
         mesh=mesh,
+        config=config,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
-        pp_enabled=pp_enabled,
+        activation_checkpointing=activation_checkpointing,
         gradient_divide_factor=gradient_divide_factor,
+        pp_enabled=pp_enabled,
+        compile_backend=compile_backend,
     )
-    if config.enable_fsdp2_prefetch:
-        apply_fsdp2_prefetch(
-            model,
-            forward_depth=config.fsdp2_forward_prefetch_depth,
-            backward_depth=config.fsdp2_backward_prefetch_depth,
-        )
-    if config.autocast_dtype is not None:
-        apply_autocast(model, dtype=config.autocast_dtype, device_type=mesh.device_type)
     return model
 
 

@@ -18,7 +18,6 @@ from automodel.megatron_fsdp.layout import MegatronFSDPAxes, check_layout, megat
 from automodel.megatron_fsdp.manager import MegatronFSDPManager
 from automodel.megatron_fsdp.optimizer import neutral_state_init, rebind_param_groups
 from automodel.megatron_fsdp.runtime import MegatronFSDPUnavailableError, import_megatron_fsdp
-from automodel.megatron_fsdp.tensor_parallel import apply_tp
 from automodel.megatron_fsdp.training import (
     clip_grad_norm,
     full_tensor,
@@ -41,7 +40,6 @@ __all__ = [
     "MegatronFSDPUnavailableError",
     "apply_megatron_fsdp",
     "apply_mlp_checkpointing",
-    "apply_tp",
     "build_fully_shard_call",
     "check_layout",
     "clip_grad_norm",

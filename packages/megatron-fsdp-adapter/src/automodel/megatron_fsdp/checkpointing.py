@@ -1,4 +1,4 @@
-"""Activation checkpointing of the MLP of each unit module (the seed's Megatron-FSDP AC scope)."""
+"""Activation checkpointing of the MLP of each unit module (Megatron-FSDP's AC scope: the MLP only)."""
 
 from __future__ import annotations
 

@@ -7,12 +7,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from automodel.fsdp2 import apply_tp
 from automodel.megatron_fsdp.checkpointing import apply_mlp_checkpointing
 from automodel.megatron_fsdp.config import MegatronFSDPConfig
 from automodel.megatron_fsdp.fully_shard import apply_megatron_fsdp
 from automodel.megatron_fsdp.layout import MegatronFSDPAxes, check_layout, megatron_fsdp_axes
 from automodel.megatron_fsdp.runtime import import_megatron_fsdp
-from automodel.megatron_fsdp.tensor_parallel import apply_tp
 from automodel.megatron_fsdp.translate import build_fully_shard_call
 from automodel.megatron_fsdp.units import resolve_unit_modules
 from automodel.mesh import MeshContext
@@ -63,7 +63,12 @@ class MegatronFSDPManager:
         """
         units = resolve_unit_modules(model, self.config.megatron_fsdp_unit_modules)
         if self.mesh.layout.tp_enabled:
-            apply_tp(model, tp_mesh=self.mesh.get_mesh("tp"), tp_plan=self.config.custom_tp_plan)
+            apply_tp(
+                model,
+                tp_mesh=self.mesh.get_mesh("tp"),
+                tp_plan=self.config.custom_tp_plan,
+                sequence_parallel=False,
+            )
         if self.config.activation_checkpointing:
             apply_mlp_checkpointing(model, unit_modules=units)
         return units

@@ -8,14 +8,16 @@ from automodel.mesh.distributed import (
     default_backend,
     destroy_distributed,
     detect_launch_env,
-    distributed,
+    distributed_session,
     fake_world,
     init_distributed,
 )
+from automodel.mesh.dtypes import DTYPE_NAMES, parse_dtype
 from automodel.mesh.sizes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, ParallelismSizes, ResolvedLayout
 
 __all__ = [
     "DENSE_AXES",
+    "DTYPE_NAMES",
     "FLATTENED_AXES",
     "MOE_AXES",
     "DistInfo",
@@ -26,7 +28,8 @@ __all__ = [
     "default_backend",
     "destroy_distributed",
     "detect_launch_env",
-    "distributed",
+    "distributed_session",
     "fake_world",
     "init_distributed",
+    "parse_dtype",
 ]

@@ -230,7 +230,7 @@ def gloo_worker_threads() -> int:
 
 
 @contextmanager
-def distributed(*, backend: str | None = None, timeout_minutes: float = 10.0) -> Iterator[DistInfo]:
+def distributed_session(*, backend: str | None = None, timeout_minutes: float = 10.0) -> Iterator[DistInfo]:
     """`init_distributed` for the duration of a block, with clean teardown."""
     info = init_distributed(backend=backend, timeout_minutes=timeout_minutes)
     try:

@@ -6,27 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-
-
-def resolve_dtype(key: str, value: torch.dtype | str | None) -> torch.dtype | None:
-    """Accept a torch dtype or its YAML spelling ("float32", "bf16", "torch.bfloat16")."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        name = value.removeprefix("torch.").lower()
-        if name in _DTYPE_NAMES:
-            return _DTYPE_NAMES[name]
-    raise ValueError(f"{key} must be a torch dtype or one of {sorted(_DTYPE_NAMES)}, got {value!r}")
+from automodel.mesh import parse_dtype
 
 
 @dataclass
@@ -56,7 +36,7 @@ class MoEParallelizerConfig:
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be a bool, got {value!r} ({type(value).__name__})")
-        self.lm_head_precision = resolve_dtype("lm_head_precision", self.lm_head_precision)
+        self.lm_head_precision = parse_dtype(self.lm_head_precision, key="lm_head_precision")
         if self.mp_policy is not None:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
+
+from automodel.mesh.reduction import set_unit_gradient_divide_factor
 
 
 def _shard(
@@ -36,9 +37,7 @@ def _shard(
         kwargs["shard_placement_fn"] = shard_placement_fn
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     if divide_factor is not None:
-        module.set_gradient_divide_factor(divide_factor)
-        if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM: reduce with SUM, scale separately
-            module.set_force_sum_reduction_for_comms(True)
+        set_unit_gradient_divide_factor(module, factor=divide_factor)
 
 
 def _is_managed(name: str, units: set[str]) -> bool:

@@ -58,7 +58,7 @@ def parallelize_model(
 ) -> nn.Module:
     """Apply expert parallelism, activation checkpointing and FSDP2 to a Hugging Face MoE model, in place.
 
-    Order (DESIGN §2): EP (experts ``Shard(0)`` over ``ep``) -> activation checkpointing per block
+    Order: EP (experts ``Shard(0)`` over ``ep``) -> activation checkpointing per block
     -> FSDP2 (experts over ``ep_shard``, the rest over the dense dp mesh). A dense model is
     returned untouched when ep_size is 1 (shard it with automodel.fsdp2), and rejected otherwise.
     `mp_policy` overrides ``config.mp_policy``; `gradient_divide_factor` scales every data-parallel

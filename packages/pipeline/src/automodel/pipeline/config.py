@@ -8,18 +8,8 @@ from typing import Literal
 
 import torch
 
+from automodel.mesh import parse_dtype
 from automodel.pipeline.schedules import ScheduleSpec, resolve_schedule
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 
 
 def _positive_int(key: str, value: object) -> None:
@@ -68,7 +58,7 @@ class PipelineConfig:
             _positive_int("pp_seq_len", self.pp_seq_len)
         if not isinstance(self.scale_grads_in_schedule, bool):
             raise ValueError(f"scale_grads_in_schedule must be a bool, got {self.scale_grads_in_schedule!r}")
-        self.dtype = self._resolve_dtype(self.dtype)
+        self.dtype = parse_dtype(self.dtype, key="dtype")
         self._check_fqns()
         if self.pp_schedule_csv is not None:
             if not isinstance(self.pp_schedule_csv, str | Path) or not Path(self.pp_schedule_csv).is_file():
@@ -79,14 +69,6 @@ class PipelineConfig:
                 "set either module_fqns_per_model_part or layers_per_stage, not both "
                 f"(layers_per_stage={self.layers_per_stage})"
             )
-
-    @staticmethod
-    def _resolve_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-        if value is None or isinstance(value, torch.dtype):
-            return value
-        if isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
-            return _DTYPES[value.lower().removeprefix("torch.")]
-        raise ValueError(f"dtype={value!r} is not a torch dtype; use one of {', '.join(_DTYPES)}")
 
     def _check_fqns(self) -> None:
         parts = self.module_fqns_per_model_part

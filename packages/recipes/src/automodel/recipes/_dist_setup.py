@@ -1,83 +1,138 @@
-"""The YAML ``distributed:`` section -> validated settings -> `MeshContext` (seed 01's flow).
+"""The YAML ``distributed:`` section -> validated settings -> `MeshContext`.
 
 YAML distributed section
-  -> parse_distributed_section()   sizes, strategy flags, pipeline / moe sub-sections, every rule
-  -> setup_distributed()           process group, MeshContext, strategy / pipeline / moe configs
-  -> recipes.parallelize           applies them to the model in DESIGN §2 order
+  -> parse_distributed_section()   sizes; the strategy's, moe's config built by their packages;
+                                   the rules that tie the strategy to the sizes
+  -> setup_distributed()           process group and MeshContext
+  -> recipes.parallelize           applies them to the model (composition order: see its docstring)
+
+Each flag's own rule (type, range) lives in its package's config class; only rules across the
+strategy and the sizes live here, and rules that need the model or the batch in `rules.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, init_distributed
-from automodel.recipes.availability import has_api, require_api
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import instantiate
 
 STRATEGIES = ("fsdp2", "megatron_fsdp", "ddp")
 SIZE_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "pp_size", "cp_size", "ep_size")
 COMMON_KEYS = ("strategy", *SIZE_KEYS, "pipeline", "moe")
-
-# Strategy flags per seed 02 (used when the strategy package is not installed yet; otherwise the
-# fields of its config dataclass are the source of truth).
-_FSDP2_FLAGS = (
-    "sequence_parallel", "tp_plan", "patch_is_packed_sequence", "mp_policy", "offload_policy",
-    "autocast_dtype", "activation_checkpointing", "defer_fsdp_grad_sync", "backend",
-    "enable_async_tensor_parallel", "enable_compile", "enable_fsdp2_prefetch",
-    "fsdp2_backward_prefetch_depth", "fsdp2_forward_prefetch_depth",
-)  # fmt: skip
-_MEGATRON_FLAGS = (
-    "sequence_parallel", "tp_plan", "megatron_fsdp_unit_modules", "zero_dp_strategy",
-    "init_fsdp_with_meta_device", "grad_reduce_in_fp32", "preserve_fp32_weights", "overlap_grad_reduce",
-    "overlap_param_gather", "check_for_nan_in_grad", "average_in_collective", "disable_bucketing",
-    "calculate_per_token_loss", "keep_fp8_transpose_cache", "nccl_ub", "fsdp_double_buffer",
-    "activation_checkpointing", "backend",
-)  # fmt: skip
-_DDP_FLAGS = ("activation_checkpointing", "backend")
-_BOOL_FLAGS = ("sequence_parallel", "activation_checkpointing", "defer_fsdp_grad_sync", "enable_compile")
-
-_STRATEGY_API = {
-    "fsdp2": ("automodel.fsdp2", "FSDP2Config", _FSDP2_FLAGS),
-    "megatron_fsdp": ("automodel.megatron_fsdp", "MegatronFSDPConfig", _MEGATRON_FLAGS),
-    "ddp": ("automodel.fsdp2", "DDPConfig", _DDP_FLAGS),
+#: FSDP2 options automodel.moe's expert-parallel sharding does not apply: refused with ep_size > 1.
+_NOT_WITH_EP = {
+    "enable_compile": "per-layer torch.compile",
+    "offload_policy": "CPU offload",
+    "enable_fsdp2_prefetch": "explicit FSDP2 prefetch chains",
+    "autocast_dtype": "autocast (use mp_policy: the expert shards honour its dtypes)",
 }
 
 
+def _strategy_config_class(strategy: str) -> type:
+    if strategy == "megatron_fsdp":
+        from automodel.megatron_fsdp import MegatronFSDPConfig
+
+        return MegatronFSDPConfig
+    from automodel.fsdp2 import DDPConfig, FSDP2Config
+
+    return FSDP2Config if strategy == "fsdp2" else DDPConfig
+
+
 def strategy_flags(strategy: str) -> tuple[str, ...]:
-    """Keys the strategy accepts besides the sizes: its config dataclass's fields when installed."""
-    module, cls_name, fallback = _STRATEGY_API[strategy]
-    if has_api(module, cls_name):
-        (cls,) = require_api(module, cls_name, key="distributed.strategy", value=strategy)
-        if dataclasses.is_dataclass(cls):
-            return tuple(f.name for f in dataclasses.fields(cls) if f.init)
-    return fallback
+    """Keys the strategy accepts besides the sizes: its config class's constructor arguments."""
+    return tuple(inspect.signature(_strategy_config_class(strategy)).parameters)
+
+
+def config_error(prefix: str, options: dict[str, Any], error: Exception) -> ConfigError:
+    """A package config's ValueError/TypeError as a `ConfigError` naming the YAML key it is about."""
+    msg = str(error)
+    key = next(
+        (k for k in options if msg.startswith(k) or f"{k} " in msg or f"{k}." in msg or f"{k}=" in msg), None
+    )
+    return ConfigError(f"{prefix}.{key}" if key else prefix, options.get(key, options), msg)
+
+
+def build_strategy_config(strategy: str, options: dict[str, Any]) -> Any:
+    """The strategy's config dataclass from the section's flags (YAML names, errors name the key).
+
+    Defaults that depend on the machine: mixed precision bf16 on CUDA and full precision on CPU
+    (FSDP2), and the nccl backend with CUDA, else gloo.
+    """
+    import torch
+
+    options = dict(options)
+    if strategy == "fsdp2" and options.get("mp_policy") is None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from automodel.fsdp2 import default_mp_policy
+
+        options["mp_policy"] = default_mp_policy() if torch.cuda.is_available() else MixedPrecisionPolicy()
+    options.setdefault("backend", "nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        return _strategy_config_class(strategy)(**options)
+    except (ValueError, TypeError) as e:
+        raise config_error("distributed", options, e) from None
+
+
+def build_moe_config(moe: dict[str, Any] | None) -> Any:
+    """`MoEParallelizerConfig` from ``distributed.moe`` (errors name the key)."""
+    from automodel.moe import MoEParallelizerConfig
+
+    options = dict(moe or {})
+    try:
+        return MoEParallelizerConfig(**options)
+    except (ValueError, TypeError) as e:
+        raise config_error("distributed.moe", options, e) from None
+
+
+def build_pipeline_config(pipeline: dict[str, Any] | None, *, local_batch_size: int) -> Any:
+    """`PipelineConfig` from ``distributed.pipeline``; one pipeline step takes one local batch."""
+    from automodel.pipeline import PipelineConfig
+
+    options = dict(pipeline or {})
+    if "pp_batch_size" in options and options["pp_batch_size"] != local_batch_size:
+        raise ConfigError(
+            "distributed.pipeline.pp_batch_size",
+            options["pp_batch_size"],
+            f"must equal step_scheduler.local_batch_size={local_batch_size} (or be left out)",
+        )
+    options["pp_batch_size"] = local_batch_size
+    try:
+        return PipelineConfig(**options)
+    except (ValueError, TypeError) as e:
+        raise config_error("distributed.pipeline", options, e) from None
 
 
 @dataclass
 class DistributedSection:
-    """The parsed ``distributed:`` section: sizes, strategy, its flags, and the sub-sections."""
+    """The parsed ``distributed:`` section: sizes, the strategy and its built config, the sub-sections.
+
+    `options` are the strategy flags as the YAML gave them (instantiated), `strategy_config` the
+    strategy package's config built from them, `moe_config` automodel.moe's (ep_size > 1).
+    """
 
     strategy: str
     sizes: ParallelismSizes
     options: dict[str, Any] = field(default_factory=dict)
     pipeline: dict[str, Any] | None = None
     moe: dict[str, Any] | None = None
+    strategy_config: Any = None
+    moe_config: Any = None
+    pipeline_config: Any = None  # built by parse_recipe_config: it needs step_scheduler.local_batch_size
 
     @property
     def sequence_parallel(self) -> bool:
-        return bool(self.options.get("sequence_parallel", False))
+        return bool(getattr(self.strategy_config, "sequence_parallel", False))
 
     @property
-    def activation_checkpointing(self) -> bool:
-        return bool(self.options.get("activation_checkpointing", False))
-
-    @property
-    def defer_fsdp_grad_sync(self) -> bool:
-        return bool(self.options.get("defer_fsdp_grad_sync", True)) and self.strategy == "fsdp2"
+    def tp_plan(self) -> Any:
+        """The YAML's custom TP plan (None: the model's own HF plan, else the Llama default)."""
+        return self.options.get("tp_plan")
 
 
 def _size(data: dict, key: str) -> int | None:
@@ -98,7 +153,7 @@ def _size(data: dict, key: str) -> int | None:
 
 
 def parse_distributed_section(data: Any) -> DistributedSection:
-    """Validate the section against seed 01's schema and rules; `ConfigError` names the key."""
+    """Validate the section (keys, flags, strategy-vs-sizes rules); `ConfigError` names the key."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -107,17 +162,16 @@ def parse_distributed_section(data: Any) -> DistributedSection:
     if strategy not in STRATEGIES:
         raise ConfigError("distributed.strategy", strategy, f"must be one of {', '.join(STRATEGIES)}")
     flags = strategy_flags(strategy)
-    known = set(COMMON_KEYS) | set(flags) | set(_FSDP2_FLAGS) | set(_MEGATRON_FLAGS)
-    reject_unknown("distributed", data, known)
+    every_flag = {flag for name in STRATEGIES for flag in strategy_flags(name)}
+    reject_unknown("distributed", data, set(COMMON_KEYS) | every_flag)
     for key in data:
         if key not in COMMON_KEYS and key not in flags:
             raise ConfigError(f"distributed.{key}", data[key], f"is not an option of strategy {strategy!r}")
-    for key in _BOOL_FLAGS:
-        if key in data and not isinstance(data[key], bool):
-            raise ConfigError(f"distributed.{key}", data[key], "must be true or false")
+    options = {k: instantiate(v, key=f"distributed.{k}") for k, v in data.items() if k not in COMMON_KEYS}
+    strategy_config = build_strategy_config(strategy, options)
     sizes = {k: _size(data, k) for k in SIZE_KEYS}
     tp, pp, cp, ep = sizes["tp_size"], sizes["pp_size"], sizes["cp_size"], sizes["ep_size"]
-    sp = data.get("sequence_parallel", False)
+    sp = bool(getattr(strategy_config, "sequence_parallel", False))
 
     if sizes["dp_replicate_size"] is not None and strategy != "fsdp2":
         raise ConfigError(
@@ -131,10 +185,13 @@ def parse_distributed_section(data: Any) -> DistributedSection:
                 raise ConfigError(
                     f"distributed.{key}", value, "megatron_fsdp does not support it (must be 1)"
                 )
-        if sp:
-            raise ConfigError(
-                "distributed.sequence_parallel", sp, "megatron_fsdp does not support sequence_parallel"
-            )
+    if strategy == "megatron_fsdp" and strategy_config.init_fsdp_with_meta_device:
+        raise ConfigError(
+            "distributed.init_fsdp_with_meta_device",
+            True,
+            "is not supported by the recipes: they initialise (or load) the TP-sharded weights "
+            "before megatron-fsdp wraps the model, identically to fsdp2; set it to false",
+        )
     if strategy == "ddp":
         for key, value in (("tp_size", tp), ("pp_size", pp), ("cp_size", cp), ("ep_size", ep)):
             if value > 1:
@@ -143,8 +200,12 @@ def parse_distributed_section(data: Any) -> DistributedSection:
         raise ConfigError(
             "distributed.sequence_parallel", sp, "needs tp_size > 1 (sequence parallelism splits TP regions)"
         )
-    if "defer_fsdp_grad_sync" in data and strategy != "fsdp2":
-        raise ConfigError("distributed.defer_fsdp_grad_sync", data["defer_fsdp_grad_sync"], "is FSDP2-only")
+    if ep > 1:
+        for key, what in _NOT_WITH_EP.items():
+            if data.get(key) not in (None, False):
+                raise ConfigError(
+                    f"distributed.{key}", data[key], f"is not applied with ep_size > 1 ({what}); remove it"
+                )
 
     pipeline = data.get("pipeline")
     if pipeline is not None and not isinstance(pipeline, dict):
@@ -166,8 +227,15 @@ def parse_distributed_section(data: Any) -> DistributedSection:
         psizes = ParallelismSizes(**sizes)
     except ValueError as e:  # pragma: no cover - every size was checked above
         raise ConfigError("distributed", sizes, str(e)) from None
-    options = {k: instantiate(v, key=f"distributed.{k}") for k, v in data.items() if k not in COMMON_KEYS}
-    return DistributedSection(strategy=strategy, sizes=psizes, options=options, pipeline=pipeline, moe=moe)
+    return DistributedSection(
+        strategy=strategy,
+        sizes=psizes,
+        options=options,
+        pipeline=pipeline,
+        moe=moe,
+        strategy_config=strategy_config,
+        moe_config=build_moe_config(moe) if ep > 1 else None,
+    )
 
 
 def resolve_layout(section: DistributedSection, world_size: int) -> ResolvedLayout:

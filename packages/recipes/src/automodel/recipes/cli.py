@@ -119,10 +119,9 @@ def _split_overrides(command: str, extra: list[str]) -> list[str]:
 
 def load_and_parse(config: str, overrides: list[str]):
     """Config file + overrides -> validated `RecipeConfig` (the path shared by train and validate)."""
-    from automodel.recipes.loader import load_config
-    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes.api import load_config
 
-    return parse_recipe_config(load_config(config, overrides))
+    return load_config(config, overrides=overrides)
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -156,15 +155,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from automodel.recipes.plan import plan_layout
 
         plan_layout(cfg, world_size=1)
-    from automodel.mesh import destroy_distributed, detect_launch_env
-    from automodel.recipes.train import run_training
+    from automodel.mesh import detect_launch_env
+    from automodel.recipes.api import train
 
-    try:
-        result = run_training(cfg)
-    except BaseException:
-        destroy_distributed(barrier=False)  # peers may be stuck in a collective: fail, don't hang
-        raise
-    destroy_distributed()
+    result = train(cfg)
     if detect_launch_env().rank == 0:
         print(f"trained {result.steps} steps; metrics in {result.output_dir}/metrics.jsonl", file=sys.stderr)
     return 0

@@ -7,28 +7,19 @@ from typing import Any
 
 import torch
 
+from automodel.mesh import DTYPE_NAMES, parse_dtype
 from automodel.recipes.errors import ConfigError
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 
 
 def resolve_dtype(key: str, value: Any) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        name = value.removeprefix("torch.")
-        if name in _DTYPES:
-            return _DTYPES[name]
-    raise ConfigError(key, value, f"must be a dtype name ({', '.join(sorted(_DTYPES))})")
+    """`parse_dtype` with the failure as a `ConfigError` naming the YAML key."""
+    try:
+        dtype = parse_dtype(value, key=key)
+    except ValueError:
+        raise ConfigError(key, value, f"must be a dtype name ({', '.join(DTYPE_NAMES)})") from None
+    if dtype is None:
+        raise ConfigError(key, value, f"must be a dtype name ({', '.join(DTYPE_NAMES)})")
+    return dtype
 
 
 def locate(key: str, dotted: Any) -> Any:

@@ -11,6 +11,7 @@ the parity tests) can check that a strategy did what its name says.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,52 @@ def write_rank_report(report: dict[str, Any], *, output_dir: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def _sharded_on(info: dict[str, Any], axis: str) -> bool:
+    mesh = info.get("mesh") or []
+    return axis in mesh and info["placements"][mesh.index(axis)].startswith("Shard")
+
+
+def summary_lines(report: dict[str, Any], *, axis_sizes: dict[str, int]) -> list[str]:
+    """One line per parallelism this rank really holds, read off its report (not off the config).
+
+    Mesh axes count parameters whose placement shards on them; pipeline stages, FSDP units, the
+    DDP reducer, checkpointed modules and megatron-fsdp buffers come from the parts themselves.
+    """
+    rank = report["rank"]
+    parts = report["parts"]
+    params = [info for part in parts for info in part["parameters"].values()]
+    local = sum(math.prod(info["local_shape"]) for info in params)
+    lines = [f"[rank {rank}] {report['strategy']}: {len(params)} parameter tensors, {local:,} local elements"]
+    if any("stage_ids" in part for part in parts):
+        stages = [s for part in parts for s in part.get("stage_ids", [])]
+        layers = [i for part in parts for i in part["layers"]]
+        span = f"layers {min(layers)}-{max(layers)}" if layers else "no decoder layers"
+        lines.append(f"[rank {rank}] pp ({axis_sizes.get('pp', 1)} ranks): stages {stages}, {span}")
+    for axis in ("tp", "ep", "ep_shard", "dp_shard_cp", "dp_shard", "dp_replicate", "cp"):
+        size = axis_sizes.get(axis, 1)
+        sharded = [info for info in params if _sharded_on(info, axis)]
+        if size > 1 and sharded:
+            lines.append(
+                f"[rank {rank}] {axis} ({size} ranks): {len(sharded)}/{len(params)} parameters sharded"
+            )
+    if report.get("cp_backend", "none") != "none":
+        lines.append(
+            f"[rank {rank}] cp ({axis_sizes.get('cp', 1)} ranks): attention backend {report['cp_backend']}"
+        )
+    units = sum(len(part["fsdp_units"]) for part in parts)
+    if units:
+        lines.append(f"[rank {rank}] fsdp2: {units} units")
+    for part in parts:
+        if "ddp" in part:
+            lines.append(
+                f"[rank {rank}] ddp ({part['ddp']['group_size']} ranks): reducer {part['ddp']['reducer']}"
+            )
+        if "megatron_fsdp" in part:
+            groups = part["megatron_fsdp"]["parameter_groups"]
+            lines.append(f"[rank {rank}] megatron_fsdp: {len(groups)} parameter groups")
+    checkpointed = sum(len(part["checkpointed"]) for part in parts)
+    if checkpointed:
+        lines.append(f"[rank {rank}] activation checkpointing: {checkpointed} modules")
+    return lines

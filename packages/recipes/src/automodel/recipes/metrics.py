@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-#: Keys every metrics.jsonl record carries (DESIGN §3).
+#: Keys every metrics.jsonl record carries (the output interface: see the README).
 REQUIRED_KEYS = (
     "step",
     "loss",

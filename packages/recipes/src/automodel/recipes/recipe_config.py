@@ -6,7 +6,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.recipes._dist_setup import DistributedSection, parse_distributed_section
+from automodel.recipes._dist_setup import DistributedSection, build_pipeline_config, parse_distributed_section
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import locate
 from automodel.recipes.peft.config import PeftSection
@@ -66,23 +66,15 @@ def _checkpoint_section(data: Any) -> dict:
         return {"enabled": False}
     if not isinstance(data, dict):
         raise ConfigError("checkpoint", data, "must be a mapping")
-    from automodel.recipes.availability import has_api
+    from automodel.recipes.checkpoint import CheckpointConfig
 
-    if has_api("automodel.recipes.checkpoint", "CheckpointConfig"):
-        from automodel.recipes.checkpoint import CheckpointConfig
-
-        known = set(CheckpointConfig.__dataclass_fields__)
-        reject_unknown("checkpoint", data, known)
-        try:
-            CheckpointConfig(**data)
-        except ValueError as e:
-            msg = str(e)
-            key = next((f"checkpoint.{k}" for k in data if f"checkpoint.{k}" in msg), "checkpoint")
-            raise ConfigError(key, data.get(key.split(".")[-1], data), msg.split(", got")[0]) from None
-    elif data.get("enabled", True):
-        raise ConfigError(
-            "checkpoint.enabled", True, "checkpointing (automodel.recipes.checkpoint) is not available yet"
-        )
+    reject_unknown("checkpoint", data, set(CheckpointConfig.__dataclass_fields__))
+    try:
+        CheckpointConfig(**data)
+    except ValueError as e:
+        msg = str(e)
+        key = next((f"checkpoint.{k}" for k in data if f"checkpoint.{k}" in msg), "checkpoint")
+        raise ConfigError(key, data.get(key.split(".")[-1], data), msg.split(", got")[0]) from None
     return dict(data)
 
 
@@ -181,6 +173,10 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     )
     _resolve_pretrained(cfg)
     ss = cfg.step_scheduler
+    if cfg.distributed.pipeline is not None:
+        cfg.distributed.pipeline_config = build_pipeline_config(
+            cfg.distributed.pipeline, local_batch_size=ss.local_batch_size
+        )
     if cfg.packed_sequence.packed_sequence_size > 0 and ss.local_batch_size != 1:
         raise ConfigError(
             "step_scheduler.local_batch_size",

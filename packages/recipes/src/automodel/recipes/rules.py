@@ -7,17 +7,13 @@ from typing import Any
 from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_meta_model, num_experts
-from automodel.recipes.parallelize import pipeline_config
 
 
 def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
     """Total pipeline stages for the configured schedule (validates the ``pipeline`` section)."""
-    from automodel.recipes.availability import require_api
+    from automodel.pipeline import num_stages_for
 
-    (num_stages_for,) = require_api(
-        "automodel.pipeline", "num_stages_for", key="distributed.pp_size", value=layout.pp
-    )
-    pcfg = pipeline_config(cfg.distributed, local_batch_size=cfg.step_scheduler.local_batch_size)
+    pcfg = cfg.distributed.pipeline_config
     if pcfg.module_fqns_per_model_part is not None:
         return len(pcfg.module_fqns_per_model_part)
     try:
@@ -105,7 +101,7 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None
     if pp > 1:
         layers = hf_config.num_hidden_layers
         stages = pipeline_stages(cfg, layout, hf_config)
-        pcfg = pipeline_config(d, local_batch_size=cfg.step_scheduler.local_batch_size)
+        pcfg = d.pipeline_config
         if pcfg.schedule_spec.v_shape and cfg.validation_dataset is not None:
             raise ConfigError(
                 "distributed.pipeline.pp_schedule",

@@ -1,0 +1,30 @@
+"""How an FSDP2 unit reduces gradients across data-parallel ranks, on every backend.
+
+A custom gradient divide factor becomes NCCL's PREMUL_SUM; backends without it (gloo) must reduce
+with a plain SUM and scale afterwards, or the reduction fails. Every package that shards with FSDP2
+(automodel.fsdp2, automodel.moe) sets the factor through this one function.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+
+def set_unit_gradient_divide_factor(unit: FSDPModule, *, factor: float) -> None:
+    """Divide `unit`'s reduced gradients by `factor` instead of its data-parallel size (1.0 = sum)."""
+    if factor <= 0:
+        raise ValueError(f"gradient divide factor must be > 0, got {factor}")
+    unit.set_gradient_divide_factor(factor)
+    if _reduces_outside_nccl(unit) and hasattr(unit, "set_force_sum_reduction_for_comms"):
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def _reduces_outside_nccl(unit: FSDPModule) -> bool:
+    try:
+        groups = [
+            g for pg in unit._get_fsdp_state()._fsdp_param_groups for g in pg.mesh_info.mesh.get_all_groups()
+        ]
+    except AttributeError:  # private layout differs across torch versions: judge by the default group
+        return dist.get_backend() != "nccl"
+    return any(dist.get_backend(g) != "nccl" for g in groups)
