@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,12 +50,66 @@ def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, end]).to(torch.int32)
 
 
+def context_parallel_inputs(
+    fields: dict[str, torch.Tensor],
+    *,
+    cp_mesh: Any,
+    backend: str,
+    pad_token_id: int,
+    packed: bool,
+) -> tuple[Callable[[], Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """This CP rank's share of one micro-batch: ``(context, fields, extra model kwargs)``.
+
+    The sequence is padded to a multiple of 2 * cp with the tokenizer's pad token (labels -100);
+    packed rows carry their document boundaries so attention stays inside each document.
+    """
+    from automodel.context_parallel import make_cp_batch_and_ctx
+
+    fields = dict(fields)
+    if packed:
+        fields["cu_seqlens"] = document_cu_seqlens(fields["position_ids"])
+    ctx, local = make_cp_batch_and_ctx(cp_mesh, fields, backend=backend, padding_token_id=pad_token_id)
+    extra = {k: local[k] for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if k in local}
+    return ctx, local, extra
+
+
 class NonFiniteError(FloatingPointError):
     """The loss or the gradient norm of a step is NaN or infinite."""
 
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective waited longer than ``dist_env.timeout_minutes``: another rank died or hangs."""
+
+
+def is_collective_timeout(error: BaseException, *, waited_s: float, timeout_s: float) -> bool:
+    """Whether `error`, raised after `waited_s` seconds of a step, is a collective time-out.
+
+    torch raises `torch.distributed.DistError` subclasses for backend failures (NCCL's watchdog);
+    gloo raises a plain RuntimeError when a collective exceeds the process group's time-out, so a
+    RuntimeError counts only when the step had already waited at least that long.
+    """
+    if isinstance(error, dist.DistError):
+        return True
+    return isinstance(error, RuntimeError) and waited_s >= timeout_s
+
+
+class StepScaledLoss:
+    """The pipeline's per-micro-batch loss: ``loss_fn(logits, labels) / divisor``.
+
+    A pipeline schedule calls its loss function itself, so the step's divisor (the global
+    label-token count) is set here by the loop before each step (`set_divisor`), and reset to 1
+    for evaluation.
+    """
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.divisor: torch.Tensor | float = 1.0
+
+    def set_divisor(self, divisor: torch.Tensor | float) -> None:
+        self.divisor = divisor
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, labels) / self.divisor
 
 
 @dataclass
@@ -87,6 +143,8 @@ class Trainer:
 
     def __init__(self, cfg: RecipeConfig) -> None:
         self.cfg = cfg
+        self.step = 0  # optimizer steps done (restored from a checkpoint by `train`)
+        self.pipeline_loss = StepScaledLoss(cfg.loss_fn)
 
     # ---- construction --------------------------------------------------------------------
     def build(self) -> None:
@@ -141,15 +199,13 @@ class Trainer:
             from automodel.recipes.peft import apply_lora
 
             self.lora = apply_lora(model, section=cfg.peft)
-        self._step_tokens = torch.ones((), device=self.device)
         self.pm = parallelize_model(
             model,
             mesh=self.mesh,
             section=cfg.distributed,
             device=self.device,
             seed=cfg.seed,
-            local_batch_size=ss.local_batch_size,
-            pipeline_loss_fn=self._pipeline_loss,
+            pipeline_loss_fn=self.pipeline_loss,
             pretrained_path=cfg.model.pretrained_path,
             allow_pickle_weights=cfg.model.allow_pickle_weights,
             peft=cfg.peft,
@@ -170,14 +226,12 @@ class Trainer:
         # The optimizers' parameters: the ones whose gradients are clipped and stepped (megatron-fsdp
         # swaps module parameters between forward and step; the optimizer holds the stepped ones).
         self.params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
-        self._write_layout_report()
+        self._report_layout()
 
-    def _write_layout_report(self) -> None:
-        """``<output_dir>/layout/rank_<N>.json``: what this rank holds (``logging.layout_report``)."""
-        which = self.cfg.logging.layout_report
-        if which == "none" or (which == "rank0" and self.rank != 0):
-            return
-        from automodel.recipes.layout_report import describe_rank, write_rank_report
+    def _report_layout(self) -> None:
+        """Print what this rank holds, one line per parallelism (every rank), and write
+        ``<output_dir>/layout/rank_<N>.json`` for the ranks ``logging.layout_report`` names."""
+        from automodel.recipes.layout_report import describe_rank, summary_lines, write_rank_report
 
         report = describe_rank(
             parts=self.pm.parts,
@@ -186,13 +240,17 @@ class Trainer:
             cp_backend=self.pm.cp_backend,
             pipeline=self.pm.pipeline,
         )
-        write_rank_report(report, output_dir=Path(self.cfg.output_dir))
+        layout = self.mesh.layout
+        sizes = {
+            axis: layout.axis_size(axis)
+            for axis in ("pp", "tp", "cp", "ep", "ep_shard", "dp_shard_cp", "dp_shard", "dp_replicate")
+        }
+        print("\n".join(summary_lines(report, axis_sizes=sizes)), file=sys.stderr, flush=True)
+        which = self.cfg.logging.layout_report
+        if which == "all" or (which == "rank0" and self.rank == 0):
+            write_rank_report(report, output_dir=Path(self.cfg.output_dir))
 
     # ---- one step ------------------------------------------------------------------------
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-micro-batch loss on the last pipeline stage, already divided by the step's tokens."""
-        return self.cfg.loss_fn(logits, labels) / self._step_tokens
-
     def _micro_batch_loss(
         self, batch: Batch, *, divisor: torch.Tensor | None, backward: bool
     ) -> torch.Tensor:
@@ -208,17 +266,16 @@ class Trainer:
             "labels": batch.labels.to(self.device),
             "position_ids": batch.position_ids.to(self.device),
         }
-        ctx = contextlib.nullcontext
+        ctx: Callable[[], Any] = contextlib.nullcontext
         extra: dict[str, Any] = {}
         if self.pm.cp_backend != "none":
-            from automodel.context_parallel import make_cp_batch_and_ctx
-
-            if self.cfg.packed_sequence.packed_sequence_size > 0:
-                fields["cu_seqlens"] = document_cu_seqlens(fields["position_ids"])
-            ctx, fields = make_cp_batch_and_ctx(
-                self.mesh.get_mesh("cp"), fields, backend=self.pm.cp_backend, padding_token_id=0
+            ctx, fields, extra = context_parallel_inputs(
+                fields,
+                cp_mesh=self.mesh.get_mesh("cp"),
+                backend=self.pm.cp_backend,
+                pad_token_id=self.tokenizer.pad_token_id,
+                packed=self.cfg.packed_sequence.packed_sequence_size > 0,
             )
-            extra = {k: fields[k] for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if k in fields}
         with ctx():
             logits = model(
                 input_ids=fields["input_ids"], position_ids=fields["position_ids"], use_cache=False, **extra
@@ -248,7 +305,7 @@ class Trainer:
             torch.tensor(float(local_tokens), device=self.device), _group(self.mesh, "dp")
         )
         loss_sum = torch.zeros((), device=self.device)
-        self._step_tokens = tokens
+        self.pipeline_loss.set_divisor(tokens)
         for i, batch in enumerate(batches):
             if self.pm.pipeline is not None:
                 loss_sum += self._pipeline_loss_sum(batch, train=True)
@@ -303,7 +360,7 @@ class Trainer:
         per_rank, rank = gbs // dp, dp_rank_of(self.mesh)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
-        self._step_tokens = torch.ones((), device=self.device)
+        self.pipeline_loss.set_divisor(1.0)
         for b in range(n_batches):
             start = b * gbs + rank * per_rank
             for mb in range(start, start + per_rank, ss.local_batch_size):
@@ -328,7 +385,6 @@ class Trainer:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
         ckpt, state = self._checkpointer(out)
-        self.step = 0
         if ckpt is not None:
             ckpt.restore(state)
             self.step = state.step
@@ -349,7 +405,9 @@ class Trainer:
                 try:
                     loss, norm, tokens = self.train_step(self.loader.next_step())
                 except RuntimeError as e:
-                    if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                    timeout_s = cfg.dist_env.timeout_minutes * 60
+                    waited_s = time.perf_counter() - started
+                    if not is_collective_timeout(e, waited_s=waited_s, timeout_s=timeout_s):
                         raise
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}, step {self.step + 1}: a collective timed out after "
