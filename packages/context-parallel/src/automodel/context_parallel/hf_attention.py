@@ -9,6 +9,7 @@ attention needs arrives as model kwargs (``cu_seqlens_padded`` etc. from
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class CPAttentionSpec:
     cp_size: int
     cp_rank: int
     te_modules: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    calls: int = 0  # context_parallel_attention calls through this module (see `_require_ring_call`)
 
 
 def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -119,6 +121,7 @@ def context_parallel_attention(
             f"{type(module).__name__} uses attn_implementation={ATTN_IMPLEMENTATION!r} but "
             "apply_context_parallel() was not applied to the model"
         )
+    spec.calls += 1
     if dropout:
         raise ValueError(
             f"attention dropout is not supported under context parallelism, got dropout={dropout}"
@@ -184,9 +187,21 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 _UNSUPPORTED_ATTENTION_KWARGS = ("s_aux", "sinks", "softcap")
 
 
+def _computes_attention_itself(cls: type) -> bool:
+    """True when `cls.forward` never calls transformers' attention functions (its own matmuls),
+    so the registered CP attention would not run. Unknown source counts as dispatching; the
+    runtime guard (`_require_ring_call`) still catches it."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return not any(marker in source for marker in ("ALL_ATTENTION_FUNCTIONS", "attention_interface"))
+
+
 def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -> None:
     """ValueError (naming the model_type and why) for a model the CP attention cannot run exactly:
-    no ``*self_attn`` modules to hook, layers mixing the sequence otherwise (convolution, linear
+    no ``*self_attn`` modules to hook, attention computed by the module itself instead of through
+    transformers' attention functions, layers mixing the sequence otherwise (convolution, linear
     attention), a sliding window shorter than `seq_length` (the ring has no window mask), attention
     sinks, attention logit soft-capping, or positions derived from the input length."""
     config = getattr(model, "config", None)
@@ -194,7 +209,15 @@ def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"model_type {model_type!r} has no '*self_attn' modules to make context-parallel")
-    import inspect
+    own = sorted({type(m).__name__ for m in modules if _computes_attention_itself(type(m))})
+    if own:
+        # The ring attention is reached only through transformers' attention interface; a module
+        # doing its own matmuls would attend within each rank's chunk of the sequence only.
+        raise ValueError(
+            f"model_type {model_type!r} computes attention inside {', '.join(own)} (it does not call "
+            "transformers' attention functions), so context parallelism cannot run its attention over "
+            "the whole sequence"
+        )
 
     if "position_ids" not in inspect.signature(type(model).forward).parameters:
         # Each rank holds a chunk of the sequence: positions must come from the batch, not the length.
@@ -236,16 +259,33 @@ def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -
 def attach_context_parallel_hooks(model: torch.nn.Module) -> None:
     """Make every ``self_attn`` causal and drop its dense mask (it has the local shape, not the global)."""
 
-    def _pre_hook(_module, args, kwargs):
+    def _pre_hook(module, args, kwargs):
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None
         kwargs["is_causal"] = True
+        spec = getattr(module, _SPEC_ATTR, None)
+        if spec is not None:
+            module._automodel_cp_calls_before = spec.calls
         return args, kwargs
 
     for module in _attention_modules(model):
         if not getattr(module, _HOOK_ATTR, False):
             module.register_forward_pre_hook(_pre_hook, with_kwargs=True, prepend=True)
+            module.register_forward_hook(_require_ring_call)
             setattr(module, _HOOK_ATTR, True)
+
+
+def _require_ring_call(module: torch.nn.Module, _args: tuple, output: Any) -> Any:
+    """RuntimeError when an attention module ran without calling the CP attention (it would have
+    attended within this rank's chunk only): a loud failure, never a silently different result."""
+    spec = getattr(module, _SPEC_ATTR, None)
+    before = getattr(module, "_automodel_cp_calls_before", None)
+    if spec is not None and before is not None and spec.calls == before:
+        raise RuntimeError(
+            f"{type(module).__name__} computed attention without transformers' attention functions, so "
+            "context parallelism could not run it over the whole sequence"
+        )
+    return output
 
 
 def _register_with_transformers() -> None:
@@ -277,7 +317,7 @@ def apply_context_parallel(
 ) -> str:
     """Make `model`'s attention context-parallel over `cp_mesh`; return the resolved backend.
 
-    Runs after TP and before FSDP (DESIGN §2). With no CP (`cp_mesh` None or of size 1) it
+    Runs after TP and before FSDP (the composition order of docs/architecture.md). With no CP (`cp_mesh` None or of size 1) it
     changes nothing and returns ``"none"``. Pass the returned backend to
     `make_cp_batch_and_ctx` each step.
     """

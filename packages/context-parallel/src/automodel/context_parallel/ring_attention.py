@@ -185,8 +185,10 @@ def ring_attention(
     if dist.get_world_size(cp_group) == 1:
         kv_rotation = "allgather"  # nothing to rotate (and gloo cannot send to itself)
     layout = _Layout(token_index, doc_ids, cp_group, causal)
-    q = query.float().reshape(b, hkv, hq // hkv, s, d)
-    k = key.float().unsqueeze(2)
-    v = value.float().unsqueeze(2)
+    # Half precisions accumulate in float32; float64 stays float64 (never a silent downcast).
+    compute = torch.promote_types(query.dtype, torch.float32)
+    q = query.to(compute).reshape(b, hkv, hq // hkv, s, d)
+    k = key.to(compute).unsqueeze(2)
+    v = value.to(compute).unsqueeze(2)
     out = _RingAttention.apply(q, k, v, layout, cp_group, scale, kv_rotation)
     return out.reshape(b, hq, s, d).to(query.dtype)
