@@ -52,6 +52,9 @@ class StepSetup:
     optimizer_states: int = 2
     optimizer_impl: str = "foreach"  # foreach | fused | loop (per parameter)
     defer_grad_sync: bool = True
+    # FSDP2 units free their unsharded weights after forward: None = the recipes' default (all
+    # layers but the last, none under PP); the MoE parallelizer takes distributed.moe's flag
+    reshard_after_forward: bool | None = None
     trainable_params: int | None = None  # LoRA: only these have gradients and optimizer state
     megatron_zero: int = 3
     megatron_grad_fp32: bool = False
@@ -236,15 +239,18 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     g_layer_s = layer_shard * e_s * trainable_frac
     w_root_u = root_mp * e_c
     head_grad_u = (shape.head_params / tp if last else 0.0) * e_c * trainable_frac
+    keep_all = s.pp > 1 or s.reshard_after_forward is False
     if s.strategy == "fsdp2":
-        # layers reshard after forward except the last; nothing reshards under PP; root never
-        held_fwd = (layers if s.pp > 1 else 1) * w_layer_u + w_root_u
+        # layers reshard after forward except the last (none when keep_all); the root never
+        held_fwd = (layers if keep_all else 1) * w_layer_u + w_root_u
         prefetch = w_layer_u
     elif s.strategy == "megatron_fsdp":
         held_fwd, prefetch = 2 * w_layer_u, w_layer_u
     else:
         held_fwd = prefetch = 0.0
         w_layer_u = 0.0
+    # the previous layer's reduce-scatter input is still in flight while this layer's grads appear
+    rs_in_flight = layer_mp * s.reduce_bytes * trainable_frac if s.strategy == "fsdp2" and s.dp_shard_cp > 1 else 0.0
     p2p = 2 * e_c * shape.hidden * tokens * v if s.pp > 1 else 0.0
 
     # ---- gradients held from earlier micro-batches of the step ----------------------------
@@ -282,11 +288,15 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
             current = a_peak_layer  # saved (or recomputed under AC) activations of this layer
             moment(
                 f"layer {i} backward ({tag})",
-                gradients=held_g + done * new_g + head_grad_u + g_layer_u,
+                gradients=held_g + done * new_g + head_grad_u + g_layer_u + (rs_in_flight if done else 0.0),
                 activations=i * a_save + current + rope + transient,
                 pipeline=pipe_extra,
                 logits=logits_live,
-                buffers=(held_fwd if s.pp > 1 else w_root_u) + w_layer_u + (prefetch if i else 0.0) + p2p,
+                buffers=w_root_u + p2p + (
+                    held_fwd - w_root_u if s.pp > 1
+                    else (i + 1) * w_layer_u if keep_all  # each layer reshards after its backward
+                    else w_layer_u + (prefetch if i else 0.0)
+                ),
             )
     if s.optimizer_impl == "fused":
         opt_tmp = 0.0
