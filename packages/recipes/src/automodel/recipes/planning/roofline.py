@@ -1,0 +1,109 @@
+"""Step time from a roofline: matmul FLOPs at a sustained fraction of peak, the pipeline bubble,
+and the bytes each mesh axis moves over NVLink (inside a node) or InfiniBand (across nodes).
+
+FSDP's gathers and reduce-scatters overlap compute (the step takes the longer of the two); TP,
+CP and EP collectives sit on the critical path and add; HSDP's all-reduce adds what compute
+cannot hide. These are the rules the table ranks by; docs/planning.md lists the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from automodel.recipes.planning.memory import StepSetup
+from automodel.recipes.planning.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its links (defaults: H100 SXM, NVLink 4, one 400 Gb/s NDR port per GPU)."""
+
+    memory_bytes: float = 80 * 2**30
+    peak_flops: float = 989e12  # dense bf16
+    efficiency: float = 0.5  # sustained fraction of peak for a transformer step
+    nvlink_bytes_s: float = 450e9  # per direction, per GPU
+    ib_bytes_s: float = 50e9  # per direction, per GPU
+    gpus_per_node: int = 8
+    memory_headroom: float = 0.9  # usable fraction: CUDA context, allocator fragmentation
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    compute_s: float
+    bubble_s: float
+    fsdp_s: float
+    exposed_comm_s: float
+    tokens: float
+    mfu: float
+
+
+def _inside_node(axis_and_inner: int, hw: Hardware) -> bool:
+    return axis_and_inner <= hw.gpus_per_node
+
+
+def _bw(group_span: int, hw: Hardware) -> float:
+    return hw.nvlink_bytes_s if _inside_node(group_span, hw) else hw.ib_bytes_s
+
+
+def training_flops_per_token(shape: ModelShape, seq_len: int, *, recompute: bool) -> float:
+    """6 x active matmul parameters + causal attention scores, x 4/3 with layer recompute (AC)."""
+    layer = shape.layer_dense_params
+    if shape.is_moe:
+        layer += shape.layer_expert_params * shape.top_k / shape.experts
+    attn = 6 * seq_len * shape.heads * shape.head_dim  # QK^T and AV, causal half, fwd + bwd
+    head = 6 * shape.vocab * shape.hidden
+    per_layer = 6 * layer + attn
+    if recompute:
+        per_layer *= 4 / 3
+    return shape.layers * per_layer + head
+
+
+def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: int) -> StepTime:
+    """Seconds of one optimizer step of `s` on `world` GPUs."""
+    dp = s.dp_shard * s.dp_replicate
+    rows = s.local_batch * s.grad_accum * dp
+    tokens = rows * s.seq_len
+    flops = tokens * training_flops_per_token(shape, s.seq_len, recompute=s.activation_checkpointing)
+    compute = flops / world / (hw.peak_flops * hw.efficiency)
+    n_mb = max(1, s.local_batch // s.pp_microbatch)
+    bubble = compute * (s.pp - 1) / (s.stages_per_rank * n_mb) if s.pp > 1 else 0.0
+    e = s.compute_bytes
+    layers_rank = shape.layers / s.pp
+    mb_tokens = (s.pp_microbatch if s.pp > 1 else s.local_batch) * s.seq_len / s.cp
+    micro_batches = s.grad_accum * (n_mb if s.pp > 1 else 1)
+    # FSDP over dp_shard*cp: gather bf16 weights for forward and backward of every micro-batch,
+    # reduce-scatter the gradients once per step (reduce dtype)
+    fs = s.dp_shard * s.cp
+    dense_rank = (shape.layer_dense_params / s.tp * layers_rank) + (shape.embed_params + shape.head_params) / s.tp / s.pp
+    expert_rank = shape.layer_expert_params / (s.ep if s.ep > 1 else s.tp) * layers_rank
+    fsdp = 0.0
+    if s.strategy != "ddp" and fs > 1:
+        bw = _bw(fs * s.tp, hw)
+        gathers = 2 * micro_batches if s.pp == 1 else 2 * s.grad_accum
+        fsdp += (fs - 1) / fs * dense_rank * (gathers * e + s.reduce_bytes) / bw
+    efs = s.ep_shard if s.ep > 1 else fs
+    if s.strategy != "ddp" and efs > 1 and expert_rank:
+        fsdp += (efs - 1) / efs * expert_rank * (2 * micro_batches * e + s.reduce_bytes) / _bw(world, hw)
+    exposed = 0.0
+    if s.dp_replicate > 1 or s.strategy == "ddp":
+        r = s.dp_replicate if s.strategy != "ddp" else dp
+        grads = (dense_rank / (fs if s.strategy != "ddp" else 1) + expert_rank / max(efs, 1)) * s.reduce_bytes
+        exposed += 2 * (r - 1) / r * grads / _bw(world, hw) * 0.5  # half hidden behind backward
+    if s.tp > 1:  # 2 collectives forward, 2 backward per layer (+2 for the recompute)
+        n = (6 if s.activation_checkpointing else 4) * layers_rank * micro_batches
+        exposed += n * 2 * (s.tp - 1) / s.tp * mb_tokens * shape.hidden * e / _bw(s.tp, hw)
+    if s.cp > 1:  # every rank's k/v chunk visits the others, forward and backward
+        kv = 2 * shape.kv_heads * shape.head_dim * mb_tokens * e / s.tp
+        exposed += 2 * layers_rank * micro_batches * (s.cp - 1) * kv / _bw(s.cp * s.tp, hw)
+    if s.ep > 1 and shape.is_moe:  # dispatch + combine, forward and backward
+        moved = 4 * mb_tokens * shape.top_k * shape.hidden * e * (s.ep - 1) / s.ep
+        exposed += shape.moe_layers / s.pp * micro_batches * moved / _bw(s.ep * s.cp * s.tp, hw)
+    if s.pp > 1:  # activations and their gradients cross each stage boundary
+        exposed += 2 * micro_batches * mb_tokens * shape.hidden * e / _bw(world, hw)
+    seconds = max(compute + bubble, fsdp) + exposed
+    model_flops = tokens * training_flops_per_token(shape, s.seq_len, recompute=False)
+    mfu = model_flops / (seconds * world * hw.peak_flops)
+    return StepTime(
+        seconds=seconds, compute_s=compute, bubble_s=bubble, fsdp_s=fsdp, exposed_comm_s=exposed, tokens=tokens, mfu=mfu
+    )

@@ -1,0 +1,118 @@
+"""`recipes plan`: enumerate the layouts a model allows on N GPUs, keep those whose estimated
+peak fits, rank them by estimated throughput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.planning.memory import MemoryEstimate, StepSetup, estimate_step_memory
+from automodel.recipes.planning.roofline import Hardware, StepTime, estimate_step_time
+from automodel.recipes.planning.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class Candidate:
+    setup: StepSetup
+    memory: MemoryEstimate
+    time: StepTime
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        s = self.setup
+        world = s.tp * s.pp * s.cp * s.dp_shard * s.dp_replicate
+        return self.time.tokens / self.time.seconds / world
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_ok(shape: ModelShape, tp: int) -> bool:
+    return shape.heads % tp == 0 and shape.kv_heads % tp == 0 and shape.vocab % tp == 0
+
+
+def enumerate_layouts(
+    shape: ModelShape,
+    *,
+    gpus: int,
+    seq_len: int,
+    hardware: Hardware,
+    global_batch: int | None = None,
+    trainable_params: int | None = None,
+) -> list[Candidate]:
+    """Every layout the rules allow, with its estimates, best first (fitting ones only)."""
+    if gpus < 1:
+        raise ConfigError("--gpus", gpus, "must be >= 1")
+    if seq_len < 2:
+        raise ConfigError("--seq-len", seq_len, "must be >= 2")
+    if global_batch is not None and global_batch < 1:
+        raise ConfigError("--global-batch", global_batch, "must be >= 1")
+    g = hardware.gpus_per_node
+    capacity = hardware.memory_bytes * hardware.memory_headroom
+    out: list[Candidate] = []
+    for tp in (t for t in _divisors(min(gpus, g)) if _tp_ok(shape, t)):
+        for pp in _divisors(gpus // tp):
+            if pp > 1 and shape.layers < 2 * pp:
+                continue
+            for cp in (c for c in _divisors(gpus // (tp * pp)) if c <= 8):
+                if cp > 1 and (pp > 1 or seq_len % (2 * cp)):  # CP with PP is refused by the rules
+                    continue
+                dp = gpus // (tp * pp * cp)
+                eps = [1]
+                if shape.is_moe:
+                    eps = [e for e in _divisors(shape.experts) if e <= dp * cp and (dp * cp) % e == 0]
+                for ep in eps:
+                    reps = [1] + [r for r in _divisors(dp) if r > 1 and (dp // r) * cp * tp == g]
+                    for rep in reps:
+                        _add_batches(out, shape, hardware, capacity, gpus=gpus, seq_len=seq_len,
+                                     global_batch=global_batch, trainable=trainable_params,
+                                     tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp // rep, dp_replicate=rep)
+    out.sort(key=lambda c: (-c.tokens_per_s_per_gpu, c.memory.peak_bytes))
+    return out
+
+
+def _add_batches(out: list[Candidate], shape: ModelShape, hw: Hardware, capacity: float, **k) -> None:
+    tp, pp, cp, ep, dps, rep = k["tp"], k["pp"], k["cp"], k["ep"], k["dp_shard"], k["dp_replicate"]
+    dp = dps * rep
+    schedules = ["1f1b", "interleaved1f1b"] if pp > 1 else ["1f1b"]
+    for schedule in schedules:
+        v = 2 if schedule == "interleaved1f1b" else 1
+        if pp > 1 and shape.layers < pp * v:
+            continue
+        for ac in (False, True):
+            for lbs in ((1, 2, 4, 8) if pp == 1 else (pp, 2 * pp, 4 * pp)):
+                gb = k["global_batch"] or lbs * dp
+                if gb % (lbs * dp):
+                    continue
+                base = StepSetup(
+                    tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dps, dp_replicate=rep,
+                    sequence_parallel=tp > 1 and not shape.is_moe, activation_checkpointing=ac,
+                    seq_len=k["seq_len"], local_batch=lbs, grad_accum=gb // (lbs * dp), pp_microbatch=1,
+                    pp_schedule=schedule, stages_per_rank=v, storage_bytes=4, compute_bytes=2, reduce_bytes=4,
+                    trainable_params=k["trainable"],
+                    reshard_after_forward=False if ep > 1 else None,
+                )  # fmt: skip
+                mem = estimate_step_memory(shape, base)
+                if mem.peak_bytes > capacity:
+                    continue
+                out.append(Candidate(base, mem, estimate_step_time(shape, base, hw, world=k["gpus"])))
+
+
+
+def best_per_layout(cands: list[Candidate], *, top: int) -> list[Candidate]:
+    """The best candidate of each distinct (tp, pp, schedule, cp, ep, dp_shard, dp_replicate)."""
+    seen: set[tuple] = set()
+    out = []
+    for c in cands:
+        s = c.setup
+        key = (s.tp, s.pp, s.pp_schedule, s.cp, s.ep, s.dp_shard, s.dp_replicate)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+        if len(out) == top:
+            break
+    return out
+
+
+__all__ = ["Candidate", "best_per_layout", "enumerate_layouts", "replace"]
