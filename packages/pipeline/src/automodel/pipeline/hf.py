@@ -100,12 +100,16 @@ def make_causal_lm_stage(
 ) -> CausalLMStage:
     """Wrap a pruned copy of `model` (see `split_module`) as the `CausalLMStage` `stage_index`.
 
-    Later stages get shape-only stand-ins (meta copies) of the modules that run before the layers.
+    Later stages get shape-only stand-ins (meta copies) of the modules that run before the layers;
+    the placeholders of the layers a stage does not hold answer attribute reads from meta copies.
     """
     ranges = split_layers_evenly(structure.num_layers, num_stages)
     meta_modules = (
         {} if stage_index == 0 else {f: meta_copy(model.get_submodule(f)) for f in structure.pre_fqns}
     )
+    layers = model.get_submodule(structure.layers_fqn)
+    held = ranges[stage_index]
+    meta_layers = {i: meta_copy(layers[i]) for i in range(structure.num_layers) if i not in held}
     return CausalLMStage(
         pruned,
         structure=structure,
@@ -113,6 +117,7 @@ def make_causal_lm_stage(
         num_stages=num_stages,
         layer_range=ranges[stage_index],
         meta_modules=meta_modules,
+        meta_layers=meta_layers,
     )
 
 

@@ -53,13 +53,40 @@ def _hidden_of(args: tuple, kwargs: dict, hidden_kwarg: str | None) -> torch.Ten
     return args[0] if args else kwargs[hidden_kwarg or "hidden_states"]
 
 
-class _SkippedLayer(nn.Module):
+class _LayerPlaceholder(nn.Module):
+    """A slot standing in for a decoder layer this stage does not hold.
+
+    The model's forward may read the layer's attributes while iterating over its layers (its block
+    type, to pick the mask): reads this placeholder cannot answer go to a meta copy of the layer.
+    """
+
+    def __init__(self, stands_for: nn.Module | None) -> None:
+        super().__init__()
+        self._stands_for = [stands_for]  # a list: not a submodule, so no parameters of this stage
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            target = self.__dict__.get("_stands_for", [None])[0]
+            if target is None:
+                raise
+            return getattr(target, name)
+
+
+class _SkippedLayer(_LayerPlaceholder):
     """A decoder layer of an earlier stage: passes hidden states on (the last one: the received ones)."""
 
     def __init__(
-        self, *, state: _RunState, output_len: int, hidden_kwarg: str | None, hand_over: bool
+        self,
+        *,
+        state: _RunState,
+        output_len: int,
+        hidden_kwarg: str | None,
+        hand_over: bool,
+        stands_for: nn.Module | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(stands_for)
         self._state, self._output_len, self._hidden_kwarg, self._hand_over = (
             state,
             output_len,
@@ -76,18 +103,18 @@ class _SkippedLayer(nn.Module):
         return hidden if self._output_len == 0 else (hidden, *([None] * (self._output_len - 1)))
 
 
-class _StageExit(nn.Module):
+class _StageExit(_LayerPlaceholder):
     """The slot after a stage's last layer: its input is the stage's output."""
 
-    def __init__(self, hidden_kwarg: str | None) -> None:
-        super().__init__()
+    def __init__(self, hidden_kwarg: str | None, stands_for: nn.Module | None = None) -> None:
+        super().__init__(stands_for)
         self._hidden_kwarg = hidden_kwarg
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise _StageOutput(_hidden_of(args, kwargs, self._hidden_kwarg))
 
 
-class _Unreached(nn.Module):
+class _Unreached(_LayerPlaceholder):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a pipeline stage ran past its exit slot")
 
@@ -140,6 +167,7 @@ class CausalLMStage(nn.Module):
         num_stages: int,
         layer_range: range,
         meta_modules: dict[str, nn.Module],
+        meta_layers: dict[int, nn.Module] | None = None,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "_modules", causal_lm._modules)
@@ -151,6 +179,7 @@ class CausalLMStage(nn.Module):
         self.structure = structure
         self.stage_index, self.num_stages, self.layer_range = stage_index, num_stages, layer_range
         self._state = _RunState()
+        meta_layers = meta_layers or {}
         slots: list[nn.Module | None] = []
         for i in range(structure.num_layers):
             if i < layer_range.start:
@@ -160,14 +189,15 @@ class CausalLMStage(nn.Module):
                         output_len=structure.layer_output_len,
                         hidden_kwarg=structure.hidden_kwarg,
                         hand_over=i == layer_range.start - 1,
+                        stands_for=meta_layers.get(i),
                     )
                 )
             elif i < layer_range.stop:
                 slots.append(None)  # this stage's layer, looked up at call time (wrappers may replace it)
             elif i == layer_range.stop:
-                slots.append(_StageExit(structure.hidden_kwarg))
+                slots.append(_StageExit(structure.hidden_kwarg, stands_for=meta_layers.get(i)))
             else:
-                slots.append(_Unreached())
+                slots.append(_Unreached(meta_layers.get(i)))
         object.__setattr__(self, "_slots", slots)
         shadows = {}
         if not self.is_first:
