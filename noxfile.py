@@ -89,6 +89,15 @@ def release_check(session: nox.Session) -> None:
 
 
 @nox.session
+def stress(session: nox.Session) -> None:
+    """Repeat the run-to-exit test of the real CLI 20 times (the CPU suite runs it 4 times)."""
+    session.env["AUTOMODEL_CLEAN_EXIT_RUNS"] = "20"
+    session.run(
+        sys.executable, "-m", "pytest", "-q", "packages/recipes/tests/test_clean_exit.py", *session.posargs
+    )
+
+
+@nox.session
 def conformance(session: nox.Session) -> None:
     """Every causal LM in transformers' registry, one process vs each layout; writes docs/models.md.
 

@@ -86,7 +86,7 @@ def make_optimizer(params, name: str) -> torch.optim.Optimizer:
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (gathered) parameters by canonical name; a collective when the model is sharded."""
-    from automodel.fsdp2 import canonical_fqn
+    from automodel.fsdp2.meta_init import canonical_fqn
 
     out = {}
     for name, p in model.named_parameters():
@@ -142,9 +142,9 @@ def train_on_rank(spec: dict[str, Any]) -> dict[str, Any]:
         FSDP2Config,
         FSDP2Manager,
         grad_sync_context,
-        local_numel_fraction,
         materialize_meta_model,
     )
+    from automodel.fsdp2.meta_init import local_numel_fraction
     from automodel.mesh import MeshContext, ParallelismSizes
 
     mesh = MeshContext.build(

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from automodel.fsdp2 import DDPConfig, FSDP2Config, import_class_from_path, import_classes_from_paths
+from automodel.fsdp2 import DDPConfig, FSDP2Config
+from automodel.fsdp2.utils import import_class_from_path, import_classes_from_paths
 
 SEED_DEFAULTS = {
     "sequence_parallel": False,

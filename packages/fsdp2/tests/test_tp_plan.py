@@ -8,12 +8,8 @@ from fsdp2_testlib import tiny_model
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from automodel.fsdp2 import (
-    get_hf_tp_shard_plan,
-    resolve_tp_plan,
-    translate_to_torch_parallel_style,
-    validate_tp_mesh,
-)
+from automodel.fsdp2 import get_hf_tp_shard_plan, resolve_tp_plan, translate_to_torch_parallel_style
+from automodel.fsdp2.tp_plan import validate_tp_mesh
 from automodel.fsdp2.tp_shared_styles import SharedTailParallel
 from automodel.mesh.testing import RankFailure, run_on_ranks
 

@@ -18,6 +18,7 @@ from automodel.mesh.testing import cuda_device_count
 from automodel.recipes.cli import run_cli
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _recipe_helpers import MOE_MODEL as _MOE  # noqa: E402
 from _recipe_helpers import tiny_config  # noqa: E402
 
 _DELETE = object()
@@ -106,6 +107,13 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("seq_vs_cp", {"distributed.cp_size": 2, "dataset.seq_length": 30}, ["--nproc-per-node=2"], "dataset.seq_length"),
     ("layers_vs_stages", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "interleaved1f1b"}}, ["--nproc-per-node=2"], "distributed.pp_size"),
     ("microbatches_vs_pp", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 2}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
+    ("local_batch_vs_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 3}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
+    ("pipeline_bad_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 0}}, ["--nproc-per-node=2"], "distributed.pipeline.pp_microbatch_size"),
+    ("ep_with_compile", {"model": _MOE, "distributed.ep_size": 2, "distributed.enable_compile": True}, ["--nproc-per-node=2"], "distributed.enable_compile"),
+    ("ep_with_offload", {"model": _MOE, "distributed.ep_size": 2, "distributed.offload_policy": {"_target_": "torch.distributed.fsdp.CPUOffloadPolicy", "pin_memory": False}}, ["--nproc-per-node=2"], "distributed.offload_policy"),
+    ("ep_with_prefetch", {"model": _MOE, "distributed.ep_size": 2, "distributed.enable_fsdp2_prefetch": True}, ["--nproc-per-node=2"], "distributed.enable_fsdp2_prefetch"),
+    ("ep_with_autocast", {"model": _MOE, "distributed.ep_size": 2, "distributed.autocast_dtype": "bfloat16"}, ["--nproc-per-node=2"], "distributed.autocast_dtype"),
+    ("megatron_meta_init", {"distributed.strategy": "megatron_fsdp", "distributed.init_fsdp_with_meta_device": True}, [], "distributed.init_fsdp_with_meta_device"),
     ("batch_vs_dp", {"step_scheduler.global_batch_size": 6}, ["--nproc-per-node=2"], "step_scheduler.global_batch_size"),
     ("layout_report", {"logging.layout_report": "rank1"}, [], "logging.layout_report"),
 ]  # fmt: skip

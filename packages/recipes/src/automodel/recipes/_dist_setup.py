@@ -105,6 +105,12 @@ def build_pipeline_config(pipeline: dict[str, Any] | None, *, local_batch_size: 
     try:
         return PipelineConfig(**options)
     except (ValueError, TypeError) as e:
+        if str(e).startswith("pp_batch_size="):  # the pipeline's batch is the local batch
+            raise ConfigError(
+                "step_scheduler.local_batch_size",
+                local_batch_size,
+                f"must be a multiple of distributed.pipeline.pp_microbatch_size={options.get('pp_microbatch_size')}",
+            ) from None
         raise config_error("distributed.pipeline", options, e) from None
 
 

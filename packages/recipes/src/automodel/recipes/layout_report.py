@@ -177,7 +177,9 @@ def summary_lines(report: dict[str, Any], *, axis_sizes: dict[str, int]) -> list
     parts = report["parts"]
     params = [info for part in parts for info in part["parameters"].values()]
     local = sum(math.prod(info["local_shape"]) for info in params)
-    lines = [f"[rank {rank}] {report['strategy']}: {len(params)} parameter tensors, {local:,} local elements"]
+    lines = [
+        f"[rank {rank}] {report['strategy']}: holds {len(params)} parameter tensors ({local:,} elements)"
+    ]
     if any("stage_ids" in part for part in parts):
         stages = [s for part in parts for s in part.get("stage_ids", [])]
         layers = [i for part in parts for i in part["layers"]]

@@ -40,7 +40,11 @@ def check_model_supports_layout(cfg: Any, layout: ResolvedLayout, hf_config: Any
         hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
     )
     if layout.tp > 1 and d.strategy != "megatron_fsdp":
-        from automodel.fsdp2 import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
+        from automodel.fsdp2.tp_plan import (
+            check_plan_matches_model,
+            check_plan_shards_every_layer,
+            resolve_tp_plan,
+        )
 
         try:
             plan = resolve_tp_plan(
@@ -115,17 +119,8 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None
                 pp,
                 f"needs at least {stages} layers for {stages} pipeline stages, model has {layers}",
             )
-        mb = d.pipeline.get("pp_microbatch_size", 1)
-        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
-            raise ConfigError("distributed.pipeline.pp_microbatch_size", mb, "must be an int >= 1")
         lb = cfg.step_scheduler.local_batch_size
-        if lb % mb:
-            raise ConfigError(
-                "step_scheduler.local_batch_size",
-                lb,
-                f"must be a multiple of distributed.pipeline.pp_microbatch_size={mb}",
-            )
-        n_mb = lb // mb
+        n_mb = lb // pcfg.pp_microbatch_size
         if n_mb < pp:
             raise ConfigError(
                 "step_scheduler.local_batch_size",

@@ -114,8 +114,9 @@ class ModelSection:
             )
         if self.config is not None and "model_type" not in self.config:
             raise ConfigError("model.config.model_type", None, "is required (e.g. llama, qwen3, mixtral)")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError("model.dtype", self.dtype, "must be float32, bfloat16 or float16")
+        from automodel.recipes.instantiate import resolve_dtype
+
+        resolve_dtype("model.dtype", self.dtype)
         if self.attn_implementation not in ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"):
             raise ConfigError(
                 "model.attn_implementation",

@@ -25,7 +25,6 @@ from automodel.recipes.errors import ConfigError
 
 DROPOUT_POSITIONS = ("pre", "post")
 LORA_A_INITS = ("kaiming", "uniform", "xavier")
-LORA_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _str_list(key: str, value: Any) -> list[str]:
@@ -89,10 +88,10 @@ class PeftSection:
             raise ConfigError(
                 f"{s}.lora_A_init", self.lora_A_init, f"must be one of {', '.join(LORA_A_INITS)}"
             )
-        if self.lora_dtype is not None and self.lora_dtype not in LORA_DTYPES:
-            raise ConfigError(
-                f"{s}.lora_dtype", self.lora_dtype, f"must be null or one of {', '.join(LORA_DTYPES)}"
-            )
+        if self.lora_dtype is not None:
+            from automodel.recipes.instantiate import resolve_dtype
+
+            resolve_dtype(f"{s}.lora_dtype", self.lora_dtype)
         if self.use_triton:
             raise ConfigError(
                 f"{s}.use_triton", True, "is not supported here (no Triton LoRA kernel); set it to false"

@@ -9,7 +9,7 @@ and ``bias`` Parameters under the same FQN, plus ``lora_A`` [dim, in] and ``lora
 
 Because it happens on the meta model, every later step composes with it unchanged: the pipeline
 split keeps the adapters inside their decoder layers, TP lays them out with their linear's plan
-key (`automodel.fsdp2.with_lora_adapters`), FSDP2 shards them in the same units as their frozen
+key (`automodel.fsdp2.tp_plan.with_lora_adapters`), FSDP2 shards them in the same units as their frozen
 base weights, and materialization initialises them (A: kaiming-uniform as peft, B: zeros, so
 step 0 equals the base model) from the same (seed, FQN) generators as every other parameter.
 
