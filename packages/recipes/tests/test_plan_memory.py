@@ -58,7 +58,13 @@ LAYOUTS: dict[str, tuple[int, dict, int, int, dict]] = {
     "tp2_sp": (2, {"tp_size": 2, "sequence_parallel": True}, 2, 2, DENSE),
     "cp2": (2, {"cp_size": 2}, 2, 2, DENSE),
     "pp2_1f1b": (2, {"pp_size": 2, "pipeline": _pipe("1f1b")}, 4, 4, DENSE),
-    "pp2_gpipe_ac": (2, {"pp_size": 2, "activation_checkpointing": True, "pipeline": _pipe("gpipe")}, 4, 4, DENSE),
+    "pp2_gpipe_ac": (
+        2,
+        {"pp_size": 2, "activation_checkpointing": True, "pipeline": _pipe("gpipe")},
+        4,
+        4,
+        DENSE,
+    ),
     "moe_1rank": (1, {}, 2, 2, MOE),
     "moe_ep2_ac": (2, {"ep_size": 2, "activation_checkpointing": True}, 2, 4, MOE),
 }
@@ -85,7 +91,9 @@ def measure_on_rank(raw: dict[str, Any]) -> int:
     from automodel.recipes.planning.measure import measure_training_peaks
     from automodel.recipes.recipe_config import parse_recipe_config
 
-    return next(s.peak_bytes for s in measure_training_peaks(parse_recipe_config(raw), steps=2) if s.step == 2)
+    return next(
+        s.peak_bytes for s in measure_training_peaks(parse_recipe_config(raw), steps=2) if s.step == 2
+    )
 
 
 def estimate(raw: dict[str, Any], world: int):

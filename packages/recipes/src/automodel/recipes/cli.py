@@ -77,6 +77,18 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="resolve config and layout for --world-size ranks; no training")
     v.add_argument("config")
     v.add_argument("--world-size", "--world_size", type=int, default=None, dest="world_size")
+    pn = sub.add_parser("plan", help="rank layouts for a model on N GPUs, with memory and step-time estimates")
+    pn.add_argument("--model", required=True, help="config.json, model dir, Hub id in the local cache, or examples/models name")
+    pn.add_argument("--gpus", type=int, required=True)
+    pn.add_argument("--gpus-per-node", "--gpus_per_node", type=int, default=8, dest="gpus_per_node")
+    pn.add_argument("--gpu-memory", "--gpu_memory", default="80GiB", dest="gpu_memory")
+    pn.add_argument("--seq-len", "--seq_len", type=int, required=True, dest="seq_len")
+    pn.add_argument("--global-batch", "--global_batch", type=int, default=None, dest="global_batch")
+    pn.add_argument("--peft", default=None, help="lora: only the adapters have gradients and optimizer state")
+    pn.add_argument("--top", type=int, default=10)
+    pn.add_argument("--nvlink-gbps", "--nvlink_gbps", type=float, default=450.0, dest="nvlink_gbps", help="GB/s per GPU per direction")
+    pn.add_argument("--ib-gbps", "--ib_gbps", type=float, default=50.0, dest="ib_gbps", help="GB/s per GPU per direction")
+    pn.add_argument("--tflops", type=float, default=989.0, help="dense bf16 peak TFLOP/s per GPU")
     g = sub.add_parser(
         "generate",
         help="continue a prompt with a consolidated checkpoint or a LoRA adapter directory (transformers generate)",
@@ -176,6 +188,31 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    from automodel.recipes.planning import parse_bytes, plan
+    from automodel.recipes.planning.roofline import Hardware
+
+    if overrides:
+        raise ConfigError(overrides[0], None, "plan takes no overrides")
+    for key, value in (("--top", args.top), ("--nvlink-gbps", args.nvlink_gbps), ("--ib-gbps", args.ib_gbps), ("--tflops", args.tflops)):
+        if value <= 0:
+            raise ConfigError(key, value, "must be > 0")
+    hw = Hardware(peak_flops=args.tflops * 1e12, nvlink_bytes_s=args.nvlink_gbps * 1e9, ib_bytes_s=args.ib_gbps * 1e9)
+    _, lines = plan(
+        model=args.model,
+        gpus=args.gpus,
+        seq_len=args.seq_len,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory=parse_bytes("--gpu-memory", args.gpu_memory),
+        global_batch=args.global_batch,
+        peft=args.peft,
+        top=args.top,
+        hardware=hw,
+    )
+    print("\n".join(lines))
+    return 0
+
+
 def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
     from automodel.recipes.plot import plot_losses
 
@@ -215,7 +252,7 @@ def run_cli(argv: Sequence[str]) -> int:
         overrides = _split_overrides(args.command, extra)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
-            return {"train": _train, "validate": _validate, "plot": _plot, "generate": _generate}[
+            return {"train": _train, "validate": _validate, "plan": _plan, "plot": _plot, "generate": _generate}[
                 args.command
             ](args, overrides)
     except ConfigError as e:

@@ -65,12 +65,16 @@ def plan(
         f"model {shape.model_type}: {shape.total_params / 1e9:.2f} B parameters "
         f"({shape.active_params / 1e9:.2f} B active per token), {shape.layers} layers; {gpus} GPUs "
         f"({hw.gpus_per_node} per node, {gpu_memory / 2**30:.0f} GiB, {hw.memory_headroom:.0%} usable); "
-        f"seq {seq_len}" + (f"; global batch {global_batch}" if global_batch else "") + (f"; {peft}" if peft else ""),
+        f"seq {seq_len}"
+        + (f"; global batch {global_batch}" if global_batch else "")
+        + (f"; {peft}" if peft else ""),
         "",
     ]
     if not cands:
         raise ConfigError(
-            "--gpus", gpus, f"no layout fits {gpu_memory / 2**30:.0f} GiB per GPU for this model and --seq-len={seq_len}"
+            "--gpus",
+            gpus,
+            f"no layout fits {gpu_memory / 2**30:.0f} GiB per GPU for this model and --seq-len={seq_len}",
         )
     best = best_per_layout(cands, top=top)
     gb = global_batch or best[0].setup.local_batch * best[0].setup.dp_shard * best[0].setup.dp_replicate

@@ -53,7 +53,9 @@ def step_peaks(prof: Any, *, device_type: str = "cpu") -> list[StepMemory]:
         if (f := _allocation_fields(node, device_type)) is not None
     )
     marks = sorted(
-        (node.start_time_ns, node.end_time_ns, node.name) for node in events if node.name.startswith(_STEP_MARK)
+        (node.start_time_ns, node.end_time_ns, node.name)
+        for node in events
+        if node.name.startswith(_STEP_MARK)
     )
     result = []
     for start, end, name in marks:

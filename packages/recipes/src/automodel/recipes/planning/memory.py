@@ -69,7 +69,17 @@ class StepSetup:
         return self.dp_replicate * self.dp_shard * self.cp // self.ep
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "seq_len", "local_batch", "grad_accum"):
+        for key in (
+            "tp",
+            "pp",
+            "cp",
+            "ep",
+            "dp_shard",
+            "dp_replicate",
+            "seq_len",
+            "local_batch",
+            "grad_accum",
+        ):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")
@@ -195,8 +205,10 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     opt_shard = layers * layer_shard + root_shard
     if s.strategy == "megatron_fsdp" and s.megatron_zero < 1:
         opt_shard = layers * layer_mp + root_mp
-    grad_shard = opt_shard if not (s.strategy == "megatron_fsdp" and s.megatron_zero < 2) else (
-        layers * layer_mp + root_mp
+    grad_shard = (
+        opt_shard
+        if not (s.strategy == "megatron_fsdp" and s.megatron_zero < 2)
+        else (layers * layer_mp + root_mp)
     )
     grad_e = 4 if (s.strategy == "megatron_fsdp" and s.megatron_grad_fp32) else e_s
     param_b = params_rank * e_s
@@ -250,7 +262,9 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
         held_fwd = prefetch = 0.0
         w_layer_u = 0.0
     # the previous layer's reduce-scatter input is still in flight while this layer's grads appear
-    rs_in_flight = layer_mp * s.reduce_bytes * trainable_frac if s.strategy == "fsdp2" and s.dp_shard_cp > 1 else 0.0
+    rs_in_flight = (
+        layer_mp * s.reduce_bytes * trainable_frac if s.strategy == "fsdp2" and s.dp_shard_cp > 1 else 0.0
+    )
     p2p = 2 * e_c * shape.hidden * tokens * v if s.pp > 1 else 0.0
 
     # ---- gradients held from earlier micro-batches of the step ----------------------------
@@ -262,7 +276,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     def moment(name: str, **parts: float) -> None:
         phases[name] = {"static": static, **parts}
 
-    for k_last in ([False, True] if accum > 1 else [True]):
+    for k_last in [False, True] if accum > 1 else [True]:
         if not k_last:
             held_g, new_g = 0.0, g_layer_s  # first micro-batch: gradients appear as layers finish
             if unsharded_accum:
@@ -292,9 +306,13 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
                 activations=i * a_save + current + rope + transient,
                 pipeline=pipe_extra,
                 logits=logits_live,
-                buffers=w_root_u + p2p + (
-                    held_fwd - w_root_u if s.pp > 1
-                    else (i + 1) * w_layer_u if keep_all  # each layer reshards after its backward
+                buffers=w_root_u
+                + p2p
+                + (
+                    held_fwd - w_root_u
+                    if s.pp > 1
+                    else (i + 1) * w_layer_u
+                    if keep_all  # each layer reshards after its backward
                     else w_layer_u + (prefetch if i else 0.0)
                 ),
             )
@@ -319,5 +337,9 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
         buffer_bytes=max(p.get("buffers", 0.0) for p in phases.values()),
         peak_bytes=sum(parts.values()),
         peak_phase=name,
-        peak_parts={"parameters": param_b, "optimizer": opt_b, **{k: v for k, v in parts.items() if k != "static"}},
+        peak_parts={
+            "parameters": param_b,
+            "optimizer": opt_b,
+            **{k: v for k, v in parts.items() if k != "static"},
+        },
     )

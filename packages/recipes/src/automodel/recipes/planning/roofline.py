@@ -75,7 +75,9 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     # FSDP over dp_shard*cp: gather bf16 weights for forward and backward of every micro-batch,
     # reduce-scatter the gradients once per step (reduce dtype)
     fs = s.dp_shard * s.cp
-    dense_rank = (shape.layer_dense_params / s.tp * layers_rank) + (shape.embed_params + shape.head_params) / s.tp / s.pp
+    dense_rank = (shape.layer_dense_params / s.tp * layers_rank) + (
+        shape.embed_params + shape.head_params
+    ) / s.tp / s.pp
     expert_rank = shape.layer_expert_params / (s.ep if s.ep > 1 else s.tp) * layers_rank
     fsdp = 0.0
     if s.strategy != "ddp" and fs > 1:
@@ -105,5 +107,11 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     model_flops = tokens * training_flops_per_token(shape, s.seq_len, recompute=False)
     mfu = model_flops / (seconds * world * hw.peak_flops)
     return StepTime(
-        seconds=seconds, compute_s=compute, bubble_s=bubble, fsdp_s=fsdp, exposed_comm_s=exposed, tokens=tokens, mfu=mfu
+        seconds=seconds,
+        compute_s=compute,
+        bubble_s=bubble,
+        fsdp_s=fsdp,
+        exposed_comm_s=exposed,
+        tokens=tokens,
+        mfu=mfu,
     )

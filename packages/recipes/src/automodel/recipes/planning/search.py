@@ -65,9 +65,22 @@ def enumerate_layouts(
                 for ep in eps:
                     reps = [1] + [r for r in _divisors(dp) if r > 1 and (dp // r) * cp * tp == g]
                     for rep in reps:
-                        _add_batches(out, shape, hardware, capacity, gpus=gpus, seq_len=seq_len,
-                                     global_batch=global_batch, trainable=trainable_params,
-                                     tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp // rep, dp_replicate=rep)
+                        _add_batches(
+                            out,
+                            shape,
+                            hardware,
+                            capacity,
+                            gpus=gpus,
+                            seq_len=seq_len,
+                            global_batch=global_batch,
+                            trainable=trainable_params,
+                            tp=tp,
+                            pp=pp,
+                            cp=cp,
+                            ep=ep,
+                            dp_shard=dp // rep,
+                            dp_replicate=rep,
+                        )
     out.sort(key=lambda c: (-c.tokens_per_s_per_gpu, c.memory.peak_bytes))
     return out
 
@@ -81,7 +94,7 @@ def _add_batches(out: list[Candidate], shape: ModelShape, hw: Hardware, capacity
         if pp > 1 and shape.layers < pp * v:
             continue
         for ac in (False, True):
-            for lbs in ((1, 2, 4, 8) if pp == 1 else (pp, 2 * pp, 4 * pp)):
+            for lbs in (1, 2, 4, 8) if pp == 1 else (pp, 2 * pp, 4 * pp):
                 gb = k["global_batch"] or lbs * dp
                 if gb % (lbs * dp):
                     continue
@@ -97,7 +110,6 @@ def _add_batches(out: list[Candidate], shape: ModelShape, hw: Hardware, capacity
                 if mem.peak_bytes > capacity:
                     continue
                 out.append(Candidate(base, mem, estimate_step_time(shape, base, hw, world=k["gpus"])))
-
 
 
 def best_per_layout(cands: list[Candidate], *, top: int) -> list[Candidate]:

@@ -78,7 +78,9 @@ def step_setup(cfg: Any, layout: ResolvedLayout, *, stages: int = 1, on_gpu: boo
         optimizer_impl=impl,
         defer_grad_sync=d.strategy == "fsdp2" and bool(_flag(d, "defer_fsdp_grad_sync", True)),
         trainable_params=None if trainable is None else None,
-        reshard_after_forward=bool((d.moe or {}).get("reshard_after_forward", False)) if layout.ep > 1 else None,
+        reshard_after_forward=bool((d.moe or {}).get("reshard_after_forward", False))
+        if layout.ep > 1
+        else None,
         megatron_zero=int(d.options.get("zero_dp_strategy", 3)),
         megatron_grad_fp32=bool(d.options.get("grad_reduce_in_fp32", False)),
         megatron_master_fp32=bool(d.options.get("preserve_fp32_weights", False)),

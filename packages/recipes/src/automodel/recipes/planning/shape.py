@@ -93,9 +93,15 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False) -> ModelShap
     experts = num_experts(hf_config) or 0
     moe_layers = 0
     if experts:
-        moe_layers = sum(
-            1 for i, layer in enumerate(model.model.layers) if any(_EXPERT in f".{n}." for n, _ in layer.named_parameters())
-        ) if hasattr(model, "model") and hasattr(model.model, "layers") else layers
+        moe_layers = (
+            sum(
+                1
+                for i, layer in enumerate(model.model.layers)
+                if any(_EXPERT in f".{n}." for n, _ in layer.named_parameters())
+            )
+            if hasattr(model, "model") and hasattr(model.model, "layers")
+            else layers
+        )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     return ModelShape(
         model_type=hf_config.model_type,
@@ -113,7 +119,9 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False) -> ModelShap
         layer_expert_params=expert / layers,
         experts=experts,
         top_k=_int(hf_config, "num_experts_per_tok", "top_k", "moe_topk") if experts else 0,
-        moe_intermediate=_int(hf_config, "moe_intermediate_size", "expert_intermediate_size") if experts else 0,
+        moe_intermediate=_int(hf_config, "moe_intermediate_size", "expert_intermediate_size")
+        if experts
+        else 0,
         moe_layers=moe_layers,
         shared_intermediate=_int(hf_config, "shared_expert_intermediate_size") if experts else 0,
     )

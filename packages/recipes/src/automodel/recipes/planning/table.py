@@ -57,7 +57,11 @@ def yaml_block(c: Candidate, *, global_batch: int) -> list[str]:
         "reduce_dtype: float32}"
     )
     if s.pp > 1:
-        lines += ["  pipeline:", f"    pp_schedule: {s.pp_schedule}", f"    pp_microbatch_size: {s.pp_microbatch}"]
+        lines += [
+            "  pipeline:",
+            f"    pp_schedule: {s.pp_schedule}",
+            f"    pp_microbatch_size: {s.pp_microbatch}",
+        ]
     if s.ep > 1:
         lines += ["  moe: {reshard_after_forward: false}"]
     lines.append(f"step_scheduler: {{global_batch_size: {global_batch}, local_batch_size: {s.local_batch}}}")
