@@ -36,7 +36,7 @@ def test_smaller_gpu_memory_drops_layouts(capsys: pytest.CaptureFixture) -> None
         (["--model", "llama3.1-8b", "--gpus", "0", "--seq-len", "4096"], "--gpus=0"),
         (
             ["--model", "llama3.1-8b", "--gpus", "8", "--seq-len", "4096", "--gpu-memory", "lots"],
-            "--gpu-memory=lots",
+            "--gpu-memory='lots'",
         ),
         (["--model", "llama3.1-8b", "--gpus", "12", "--seq-len", "4096"], "--gpus=12"),
         (["--model", "llama3.1-8b", "--gpus", "8", "--seq-len", "4096", "--peft", "qlora"], "--peft='qlora'"),
