@@ -58,11 +58,11 @@ def _current_rss() -> int:
 
 
 def measure(raw: dict, warmup: int) -> dict[str, float]:
-    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes import load_config
     from automodel.recipes.trainer import Trainer
 
     rss_start = _current_rss()
-    trainer = Trainer(parse_recipe_config(raw))
+    trainer = Trainer(load_config(raw))
     trainer.build()
     rates = []
     for step in range(trainer.total_steps):

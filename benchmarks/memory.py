@@ -40,10 +40,10 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def measure(raw: dict) -> dict[str, int]:
-    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes import load_config
     from automodel.recipes.trainer import Trainer
 
-    trainer = Trainer(parse_recipe_config(raw))
+    trainer = Trainer(load_config(raw))
     trainer.build()
     batches = trainer.loader.next_step()
     trainer.step = 0
@@ -64,10 +64,10 @@ def measure(raw: dict) -> dict[str, int]:
 
 def estimate(raw: dict, world: int) -> float:
     from automodel.mesh import fake_world  # noqa: F401  (plan_layout uses it)
+    from automodel.recipes import load_config
     from automodel.recipes.plan import plan_layout
-    from automodel.recipes.recipe_config import parse_recipe_config
 
-    _, mem, _ = plan_layout(parse_recipe_config(raw), world_size=world)
+    _, mem, _ = plan_layout(load_config(raw), world_size=world)
     return mem.total_bytes
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from _recipe_config import llama, recipe_config
 
 from automodel.mesh.testing import run_on_ranks
-from automodel.recipes.recipe_config import parse_recipe_config
+from automodel.recipes import load_config
 from automodel.recipes.trainer import Trainer
 
 CFG = recipe_config(
@@ -41,7 +41,7 @@ def _cfg(steps: int, out: str, **dist) -> dict:
 
 
 def recipe_tokens_per_s(raw: dict) -> float:
-    trainer = Trainer(parse_recipe_config(raw))
+    trainer = Trainer(load_config(raw))
     trainer.build()
     result = trainer.train()
     del result
@@ -53,7 +53,7 @@ def recipe_tokens_per_s(raw: dict) -> float:
 
 
 def plain_tokens_per_s(raw: dict) -> float:
-    trainer = Trainer(parse_recipe_config(raw))
+    trainer = Trainer(load_config(raw))
     trainer.build()
     model = trainer.pm.parts[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

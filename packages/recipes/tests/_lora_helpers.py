@@ -20,10 +20,10 @@ def lora_train_on_rank(raw: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes import load_config
     from automodel.recipes.trainer import Trainer
 
-    trainer = Trainer(parse_recipe_config(raw))
+    trainer = Trainer(load_config(raw))
     trainer.build()
     names: dict[int, str] = {}
     params: dict[str, dict[str, Any]] = {}
@@ -67,10 +67,10 @@ def lora_train_then_logits(raw: dict[str, Any], input_ids: Any) -> Any:
     part outputs whole logits: no pipeline)."""
     import torch
 
-    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes import load_config
     from automodel.recipes.trainer import Trainer
 
-    trainer = Trainer(parse_recipe_config(raw))
+    trainer = Trainer(load_config(raw))
     trainer.build()
     trainer.train()
     model = trainer.pm.parts[0]

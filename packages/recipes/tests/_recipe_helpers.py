@@ -79,10 +79,10 @@ def tiny_config(output_dir: str, **sections: Any) -> dict[str, Any]:
 def train_on_rank(raw: dict[str, Any]) -> list[float]:
     """Rank function: parse and train `raw`; every rank returns the per-step losses, then the
     validation losses (so parity covers the evaluation path too)."""
-    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes import load_config
     from automodel.recipes.trainer import run_training
 
-    result = run_training(parse_recipe_config(raw))
+    result = run_training(load_config(raw))
     return result.losses + [result.val_losses[k] for k in sorted(result.val_losses)]
 
 

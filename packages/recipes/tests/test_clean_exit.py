@@ -64,10 +64,10 @@ RANK_SCRIPT = textwrap.dedent(
     import sys, warnings, yaml
     from automodel.mesh import destroy_distributed
     from automodel.mesh.distributed import gloo_worker_threads
-    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes import load_config
     from automodel.recipes.trainer import run_training
 
-    result = run_training(parse_recipe_config(yaml.safe_load(open(sys.argv[1]))))
+    result = run_training(load_config(yaml.safe_load(open(sys.argv[1]))))
     during = gloo_worker_threads()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the count below is the check

@@ -23,7 +23,7 @@ preload()
 
 def _train_recording_context(raw: dict[str, Any]) -> dict[str, int]:
     import automodel.context_parallel as cp
-    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes import load_config
     from automodel.recipes.trainer import Trainer
 
     seen = {"contexts": 0, "grads_inside": 0, "grads_outside": 0}
@@ -46,7 +46,7 @@ def _train_recording_context(raw: dict[str, Any]) -> dict[str, int]:
         return recorded, local
 
     cp.make_cp_batch_and_ctx = recording_make
-    trainer = Trainer(parse_recipe_config(raw))
+    trainer = Trainer(load_config(raw))
     trainer.build()
 
     def on_grad(grad):

@@ -53,10 +53,10 @@ def _config(output_dir: Path, **sections: dict) -> dict[str, Any]:
 
 def _train(raw: dict[str, Any]) -> dict[str, Any]:
     """Rank body: the recipes loop on this config."""
-    from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.recipes import load_config
     from automodel.recipes.trainer import run_training
 
-    result = run_training(parse_recipe_config(raw))
+    result = run_training(load_config(raw))
     return {"losses": result.losses, "steps": result.steps}
 
 

@@ -86,11 +86,10 @@ def test_megatron_fsdp_matches_fsdp2_and_really_wraps(gpus: int, tmp_path: Path)
 
 
 def _estimate(out: Path, gpus: int):
-    from automodel.recipes.loader import load_config
+    from automodel.recipes import load_config
     from automodel.recipes.plan import plan_layout
-    from automodel.recipes.recipe_config import parse_recipe_config
 
-    _, mem, _ = plan_layout(parse_recipe_config(load_config(out.with_suffix(".yaml"))), world_size=gpus)
+    _, mem, _ = plan_layout(load_config(out.with_suffix(".yaml")), world_size=gpus)
     return mem
 
 

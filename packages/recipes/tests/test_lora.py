@@ -45,11 +45,11 @@ def _assert_grads_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tenso
     ],
 )
 def test_bad_peft_section_names_the_key(peft: dict, key: str, tmp_path: Path) -> None:
+    from automodel.recipes import load_config
     from automodel.recipes.errors import ConfigError
-    from automodel.recipes.recipe_config import parse_recipe_config
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        parse_recipe_config(tiny_config(str(tmp_path), peft=peft))
+        load_config(tiny_config(str(tmp_path), peft=peft))
 
 
 def _meta_model(config: dict):

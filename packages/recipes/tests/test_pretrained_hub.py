@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from automodel.mesh.testing import run_on_ranks
+from automodel.recipes import load_config
 from automodel.recipes.cli import run_cli
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.recipe_config import parse_recipe_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import TINY, preload, tiny_config, train_on_rank  # noqa: E402
@@ -81,7 +81,7 @@ def test_hub_id_from_cache_loads_weights_and_tokenizer(hub_cache: Path, tmp_path
         "column_mapping": {"question": "q", "answer": "a"},
         "seq_length": 16,
     }
-    cfg = parse_recipe_config(raw)
+    cfg = load_config(raw)
     assert Path(cfg.model.pretrained_path) == snap and Path(cfg.tokenizer.path) == snap
     # the tokenizer came from the model's snapshot, with its chat template
     tok = build_tokenizer(cfg.tokenizer.path)
@@ -106,18 +106,18 @@ def test_hub_id_from_cache_loads_weights_and_tokenizer(hub_cache: Path, tmp_path
 
 def test_pretrained_path_alias_and_errors(hub_cache: Path, tmp_path: Path) -> None:
     snap = hub_cache / "models--tiny-org--tiny-llama" / "snapshots" / SNAPSHOT
-    cfg = parse_recipe_config(_config(tmp_path / "a", pretrained_path="tiny-org/tiny-llama"))
+    cfg = load_config(_config(tmp_path / "a", pretrained_path="tiny-org/tiny-llama"))
     assert Path(cfg.model.pretrained_path) == snap
-    cfg = parse_recipe_config(_config(tmp_path / "b", pretrained_path=str(snap)))
+    cfg = load_config(_config(tmp_path / "b", pretrained_path=str(snap)))
     assert Path(cfg.model.pretrained_path) == snap
     # a tokenizer section naming a Hub id that is not cached is refused, naming its key
     raw = _config(tmp_path / "c", pretrained_model_name_or_path="tiny-org/tiny-llama")
     raw["tokenizer"] = {"pretrained_model_name_or_path": "tiny-org/not-cached"}
     with pytest.raises(ConfigError) as e:
-        parse_recipe_config(raw)
+        load_config(raw)
     assert e.value.key == "tokenizer.pretrained_model_name_or_path"
     with pytest.raises(ConfigError) as e:
-        parse_recipe_config(_config(tmp_path / "d", pretrained_model_name_or_path="x", pretrained_path="y"))
+        load_config(_config(tmp_path / "d", pretrained_model_name_or_path="x", pretrained_path="y"))
     assert e.value.key == "model.pretrained_path"
 
 
