@@ -46,3 +46,59 @@ def test_skipped_layer_passes_hidden_states_on() -> None:
     assert out[0] is hidden and out[1] is None
     with pytest.raises(AttributeError):
         _ = skipped.block_type  # nothing to stand for
+
+
+class _StateLayer(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.proj, self.first = mode, nn.Linear(8, 8), False
+
+    def forward(self, hidden_states, input_ids=None, prev=None):  # noqa: ANN001, ANN201
+        out = self.proj(hidden_states)
+        if self.mode == "carry":
+            return out, out.sum(-1) if self.first else prev.clone()  # later layers need `prev`
+        return out + input_ids.unsqueeze(-1)  # the layer reads the token ids
+
+
+class _StateModel(nn.Module):
+    """A toy causal LM whose layers exchange more than hidden states (as DeepSeek-V4 and HY-V4 do)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        self.config = PretrainedConfig(model_type=f"toy_{mode}")
+        self.mode = mode
+        self.embed_tokens = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(_StateLayer(mode) for _ in range(2))
+        self.layers[0].first = True
+        self.lm_head = nn.Linear(8, 16)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def forward(self, input_ids, position_ids=None, use_cache=None):  # noqa: ANN001, ANN201
+        hidden, prev = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            if self.mode == "carry":
+                hidden, prev = layer(hidden, prev=prev)
+            else:
+                hidden = layer(hidden, input_ids=input_ids)
+        return self.lm_head(hidden)
+
+
+@pytest.mark.parametrize(
+    ("mode", "match"),
+    [
+        ("carry", r"toy_carry.*cannot run without the \['prev'\] the previous layer returns"),
+        ("ids", r"toy_ids.*read the token ids \(\['input_ids'\]\)"),
+    ],
+)
+def test_layers_exchanging_more_than_hidden_states_are_refused(mode: str, match: str) -> None:
+    from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
+
+    with pytest.raises(PipelineSplitError, match=match):
+        validate_hf_model_for_pipeline_support(_StateModel(mode))

@@ -158,6 +158,7 @@ def trace_hf_structure(model: nn.Module) -> HFStructure:
 
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
             ids = torch.zeros(1, _TRACE_SEQ, dtype=torch.long, device="meta")
+            layer_io["input_ids"] = ids  # to recognize layers that read the token ids
             positions = torch.arange(_TRACE_SEQ, device="meta").unsqueeze(0)
             twin(input_ids=ids, position_ids=positions, use_cache=False)
     except Exception as err:  # any failure means: cannot be split generically
@@ -193,6 +194,15 @@ def _use_eager_attention(model: nn.Module) -> None:
 def _layer_pre_hook(index: int, events: list, layer_io: dict[str, Any]) -> Any:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         events.append(("layer", str(index)))
+        inputs = {**{f"argument {i}": a for i, a in enumerate(args[1:], 1)}, **kwargs}
+        carried = layer_io.get("carried_out", ())  # the previous layer's outputs besides hidden states
+        for name, value in inputs.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value is layer_io.get("input_ids"):
+                layer_io.setdefault("reads_ids", set()).add(name)
+            if any(value is out for out in carried) and name in kwargs and _needs(module, args, kwargs, name):
+                layer_io.setdefault("carried", set()).add(name)
         if index == 0 and "hidden_kwarg" not in layer_io:
             if args and isinstance(args[0], torch.Tensor):
                 layer_io["hidden_kwarg"], layer_io["hidden_size"] = None, args[0].shape[-1]
@@ -205,8 +215,20 @@ def _layer_pre_hook(index: int, events: list, layer_io: dict[str, Any]) -> Any:
     return hook
 
 
+def _needs(layer: nn.Module, args: tuple, kwargs: dict, name: str) -> bool:
+    """Whether `layer` fails without the value the previous layer handed it as `name` (what the
+    first layer of a later stage gets). Some layers recompute it (a full indexer layer) and run."""
+    try:
+        layer.forward(*args, **{**kwargs, name: None})
+    except Exception:
+        return True
+    return False
+
+
 def _layer_post_hook(index: int, layer_io: dict[str, Any]) -> Any:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        extra = output[1:] if isinstance(output, tuple) else ()
+        layer_io["carried_out"] = tuple(t for t in extra if isinstance(t, torch.Tensor))
         if isinstance(output, torch.Tensor):
             layer_io.setdefault("outputs", set()).add(0)
         elif isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -263,6 +285,20 @@ def _classify(
         raise PipelineSplitError(
             f"model_type {model_type!r}: its decoder layers do not take and return hidden states in one "
             "way (a tensor, or a tuple with the hidden states first), so stages cannot pass them on"
+        )
+    if layer_io.get("carried"):
+        # A stage boundary carries the hidden states only: the first layer of a later stage would
+        # get nothing for what the previous layer handed it.
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: its decoder layers pass more than hidden states to the next layer "
+            f"(some layers cannot run without the {sorted(layer_io['carried'])} the previous layer returns), "
+            "which a pipeline stage boundary does not carry"
+        )
+    if layer_io.get("reads_ids"):
+        # Later stages receive hidden states, not the token ids (e.g. hash-routed experts read them).
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: its decoder layers read the token ids ({sorted(layer_io['reads_ids'])}), "
+            "which later pipeline stages do not receive"
         )
     embed_size = _input_embedding_size(model) or layer_io["hidden_size"]
     return HFStructure(
