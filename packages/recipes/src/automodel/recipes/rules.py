@@ -28,7 +28,9 @@ def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
         raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
 
 
-def check_model_supports_layout(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None:
+def check_model_supports_layout(
+    cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None
+) -> None:
     """The checks the ranks run when they apply TP, CP and the pipeline split, run once on the
     meta-device model before launch: a model a strategy cannot be applied to exactly is refused
     here, naming the model_type and why, instead of failing (or silently differing) in the ranks."""
@@ -36,9 +38,10 @@ def check_model_supports_layout(cfg: Any, layout: ResolvedLayout, hf_config: Any
     needs_pp_split = layout.pp > 1 and (d.pipeline or {}).get("module_fqns_per_model_part") is None
     if not (layout.tp > 1 or layout.cp > 1 or layout.ep > 1 or needs_pp_split):
         return
-    model = build_meta_model(
-        hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
-    )
+    if model is None:  # callers that already hold the meta-device model pass it (built once per validate)
+        model = build_meta_model(
+            hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
+        )
     if layout.tp > 1 and d.strategy != "megatron_fsdp":
         from automodel.fsdp2.tp_plan import (
             check_plan_matches_model,
@@ -88,7 +91,7 @@ def check_model_supports_layout(cfg: Any, layout: ResolvedLayout, hf_config: Any
             raise ConfigError("distributed.pp_size", layout.pp, f"cannot be applied: {e}") from None
 
 
-def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None:
+def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None) -> None:
     """Every divisibility rule of the issue: heads vs tp, layers vs stages, experts vs ep, seq vs cp, batch."""
     d = cfg.distributed
     tp, pp, cp, ep, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.dp
@@ -165,4 +168,4 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> None
             ss.global_batch_size,
             f"must be a multiple of local_batch_size*dp = {ss.local_batch_size}*{dp} = {ss.local_batch_size * dp}",
         )
-    check_model_supports_layout(cfg, layout, hf_config)
+    check_model_supports_layout(cfg, layout, hf_config, model=model)

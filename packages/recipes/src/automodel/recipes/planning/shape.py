@@ -68,9 +68,13 @@ def _int(hf_config: Any, *keys: str, default: int = 0) -> int:
     return default
 
 
-def model_shape(hf_config: Any, *, trust_remote_code: bool = False) -> ModelShape:
-    """Sizes from `hf_config`; parameter counts by walking the meta-device model's parameters."""
-    model = build_meta_model(hf_config, dtype="float32", trust_remote_code=trust_remote_code)
+def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any = None) -> ModelShape:
+    """Sizes from `hf_config`; parameter counts by walking the meta-device model's parameters.
+
+    `model`: that meta-device model when the caller already built it (building a 70B model
+    costs a fifth of a second; counts do not depend on its dtype)."""
+    if model is None:
+        model = build_meta_model(hf_config, dtype="float32", trust_remote_code=trust_remote_code)
     embed = head = dense = expert = 0
     seen: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
