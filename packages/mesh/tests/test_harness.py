@@ -96,3 +96,38 @@ def test_ranks_survive_a_gloo_group_left_in_garbage_by_the_parent() -> None:
         if was_enabled:
             gc.enable()
         gc.collect()  # here, in the parent, where gloo's threads exist
+
+
+_AFTER_FAKE_MODE = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from automodel.mesh.testing import run_on_ranks
+
+
+def backward_on_rank():
+    x = torch.ones(3, requires_grad=True)
+    (x * 2).sum().backward()
+    return x.grad.tolist()
+
+
+if __name__ == "__main__":
+    with FakeTensorMode():  # what tracing a model or `recipes validate` does in the test process
+        torch.zeros(2) + 1
+    x = torch.ones(2, requires_grad=True)
+    (x * 3).sum().backward()  # a reference computed in the parent, as parity tests do
+    print(run_on_ranks(backward_on_rank, world_size=2, timeout_s=60))
+"""
+
+
+def test_ranks_run_backward_after_the_parent_used_fake_tensor_mode(tmp_path) -> None:
+    """Forked ranks can run autograd even when the parent entered fake-tensor mode before its first
+    backward (which would otherwise start device threads that make forked autograd fail)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "after_fake_mode.py"
+    script.write_text(_AFTER_FAKE_MODE)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]"

@@ -35,6 +35,22 @@ import torch
 import torch.distributed as dist
 
 
+def _start_autograd_engine_on_cpu() -> None:
+    """Run one tiny backward now, before anything can register device threads with autograd.
+
+    The autograd engine starts its worker threads at the process's first backward, one per
+    device it then knows of. After torch's fake-tensor mode has been entered (model tracing,
+    `recipes validate`), that includes device threads, and a child forked after such a first
+    backward cannot run backward at all ("Unable to handle autograd's threading in combination
+    with fork-based multiprocessing"). A CPU-only first backward keeps forked ranks usable.
+    """
+    probe = torch.ones(1, requires_grad=True)
+    (probe * 2).sum().backward()
+
+
+_start_autograd_engine_on_cpu()
+
+
 class RankFailure(RuntimeError):
     """A rank raised; carries the rank and its formatted traceback."""
 

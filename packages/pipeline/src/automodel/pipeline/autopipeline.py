@@ -24,6 +24,7 @@ from automodel.pipeline.hf import (
     hf_module_fqns_per_stage,
     is_hf_causal_lm,
     make_causal_lm_stage,
+    meta_stand_ins,
     tied_parameter_names,
     validate_hf_model_for_pipeline_support,
 )
@@ -130,11 +131,18 @@ class AutoPipeline:
 
         parts: list[nn.Module] = []
         stages: list[PipelineStage] = []
+        # Taken before any stage of this rank is parallelized (wrapped modules cannot be copied).
+        stand_ins = meta_stand_ins(model, structure=structure) if structure is not None else None
         for stage_index in ranks[pp_rank]:
             part = split_module(model, fqns=fqns_per_stage[stage_index], shared_fqns=shared)
             if structure is not None:
                 part = make_causal_lm_stage(
-                    part, model=model, structure=structure, stage_index=stage_index, num_stages=num_stages
+                    part,
+                    model=model,
+                    structure=structure,
+                    stage_index=stage_index,
+                    num_stages=num_stages,
+                    stand_ins=stand_ins,
                 )
             if cfg.dtype is not None:
                 part = part.to(dtype=cfg.dtype)

@@ -6,6 +6,7 @@ transformers itself is never imported here: the model's own classes and forward 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -90,6 +91,23 @@ def hf_module_fqns_per_stage(
     return parts
 
 
+@dataclass(frozen=True)
+class MetaStandIns:
+    """Meta copies of a model's pre-layer modules (by FQN) and of each decoder layer (by index)."""
+
+    pre_modules: dict[str, nn.Module]
+    layers: dict[int, nn.Module]
+
+
+def meta_stand_ins(model: nn.Module, *, structure: HFStructure) -> MetaStandIns:
+    """Meta copies of everything a stage may stand in for; take them before parallelizing."""
+    layers = model.get_submodule(structure.layers_fqn)
+    return MetaStandIns(
+        pre_modules={f: meta_copy(model.get_submodule(f)) for f in structure.pre_fqns},
+        layers={i: meta_copy(layers[i]) for i in range(structure.num_layers)},
+    )
+
+
 def make_causal_lm_stage(
     pruned: nn.Module,
     *,
@@ -97,19 +115,20 @@ def make_causal_lm_stage(
     structure: HFStructure,
     stage_index: int,
     num_stages: int,
+    stand_ins: MetaStandIns | None = None,
 ) -> CausalLMStage:
     """Wrap a pruned copy of `model` (see `split_module`) as the `CausalLMStage` `stage_index`.
 
     Later stages get shape-only stand-ins (meta copies) of the modules that run before the layers;
     the placeholders of the layers a stage does not hold answer attribute reads from meta copies.
+    A caller building several stages of one rank passes `stand_ins` made before any stage is
+    parallelized (a parallelized module, e.g. FSDP-wrapped, cannot be copied).
     """
     ranges = split_layers_evenly(structure.num_layers, num_stages)
-    meta_modules = (
-        {} if stage_index == 0 else {f: meta_copy(model.get_submodule(f)) for f in structure.pre_fqns}
-    )
-    layers = model.get_submodule(structure.layers_fqn)
+    stand_ins = stand_ins if stand_ins is not None else meta_stand_ins(model, structure=structure)
+    meta_modules = {} if stage_index == 0 else dict(stand_ins.pre_modules)
     held = ranges[stage_index]
-    meta_layers = {i: meta_copy(layers[i]) for i in range(structure.num_layers) if i not in held}
+    meta_layers = {i: layer for i, layer in stand_ins.layers.items() if i not in held}
     return CausalLMStage(
         pruned,
         structure=structure,
