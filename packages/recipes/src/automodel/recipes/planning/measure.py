@@ -1,11 +1,11 @@
 """Measured peak memory of real training steps on this rank (the oracle the estimate is tested against).
 
 The measurement reads the c10 CPU/CUDA allocator through torch's profiler (``profile_memory``):
-every allocation and free of tensor storage is an event carrying the allocator's running total of
-live bytes. Profiling starts before the model is built, so the total counts every tensor the rank
-allocates (parameters, gradients, optimizer state, activations, communication buffers, the
+every allocation and free of tensor storage is an event with its size, address and thread.
+Profiling starts before the model is built, so the running total counts every tensor the training
+thread allocates (parameters, gradients, optimizer state, activations, communication buffers, the
 dataset's token tensors) and nothing else (no Python objects, no library code, no allocator
-caching). It shares no code with `planning.memory`: the estimate never reads these numbers.
+caching, no gloo worker-thread staging copies: see `_main_thread_totals`). It shares no code with `planning.memory`: the estimate never reads these numbers.
 """
 
 from __future__ import annotations
@@ -44,23 +44,51 @@ def _allocation_fields(node: Any, device_type: str) -> Any | None:
     return fields if fields.device.type == device_type else None
 
 
-def step_peaks(prof: Any, *, device_type: str = "cpu") -> list[StepMemory]:
-    """Per marked step: live bytes when it began and the maximum while it ran (from the events)."""
-    events = _events(prof)
+def _main_thread_totals(events: list[Any], device_type: str, main_tid: int) -> list[tuple[int, int]]:
+    """(time, live bytes) of the storages the training thread allocated, whichever thread frees them.
+
+    gloo runs each collective on a worker thread that allocates its own staging copies (about 7 MB
+    a step for the test models); when they are live relative to the training thread's own peak
+    depends on thread scheduling, which made the same step's peak vary by up to ~6% between runs.
+    They are a CPU-backend artefact (NCCL stages through buffers outside the caching allocator),
+    so they are left out: the training thread's allocations happen in program order, and the
+    total is the same on every run."""
     allocs = sorted(
-        (node.start_time_ns, f.total_allocated)
+        (node.start_time_ns, node.start_tid, f.ptr, f.alloc_size)
         for node in events
         if (f := _allocation_fields(node, device_type)) is not None
     )
+    owned: dict[int, int] = {}
+    total = 0
+    out = []
+    for t, tid, ptr, size in allocs:
+        if size > 0 and tid == main_tid:
+            # An address handed out again was freed, even where the free left no event.
+            total += size - owned.get(ptr, 0)
+            owned[ptr] = size
+        elif size < 0 and ptr in owned:
+            total -= owned.pop(ptr)
+        else:
+            continue
+        out.append((t, total))
+    return out
+
+
+def step_peaks(prof: Any, *, device_type: str = "cpu") -> list[StepMemory]:
+    """Per marked step: the training thread's live bytes when it began and the maximum while it ran."""
+    events = _events(prof)
     marks = sorted(
-        (node.start_time_ns, node.end_time_ns, node.name)
+        (node.start_time_ns, node.end_time_ns, node.name, node.start_tid)
         for node in events
         if node.name.startswith(_STEP_MARK)
     )
+    if not marks:
+        return []
+    totals = _main_thread_totals(events, device_type, marks[0][3])
     result = []
-    for start, end, name in marks:
-        before = [total for t, total in allocs if t < start]
-        inside = [total for t, total in allocs if start <= t <= end]
+    for start, end, name, _ in marks:
+        before = [total for t, total in totals if t < start]
+        inside = [total for t, total in totals if start <= t <= end]
         first = before[-1] if before else 0
         result.append(
             StepMemory(step=int(name.rsplit(".", 1)[-1]), start_bytes=first, peak_bytes=max([first, *inside]))
