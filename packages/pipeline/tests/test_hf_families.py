@@ -2,12 +2,15 @@
 
 Each case switches on what a re-implemented Llama stage forward would drop (embedding scale,
 multipliers, logit scaling and soft-capping, sliding-window layers, learned positions, an
-embedding norm, projections around the layers, tuple-returning layers, tied embeddings), and
+embedding norm, projections around the layers, tuple-returning layers, tied embeddings, a tie
+inside a module with other weights), and
 compares fp32 loss and every gradient with one process over two SGD steps. The test also checks
 what each rank holds, so it fails if the split did not happen.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -56,6 +59,9 @@ CASES: dict[str, dict] = {
     },
     "gpt2_learned_positions_tied": {"model_type": "gpt2", "n_embd": 32, "n_layer": LAYERS, "n_head": 4},
     "bloom_tuple_layers_tied": {"model_type": "bloom", "n_layer": LAYERS, "n_head": 4},
+    # The head's decoder is tied to the word embeddings inside bert.embeddings (with positions and
+    # a norm), and its bias to cls.predictions.bias: ranks once disagreed on the tied set and hung.
+    "bert_tied_inside_embeddings": {"model_type": "bert", "is_decoder": True},
 }
 
 
@@ -131,7 +137,7 @@ def test_pp2_equals_one_process(case: str) -> None:
         assert rank["losses"] == pytest.approx(ref_losses, rel=1e-5), (rank["losses"], ref_losses)
     held = [set(r["held"]) for r in ranks]
     layer_names = [
-        {n.split(".layers.")[-1].split(".")[0] for n in h if ".layers." in n or ".h." in n} for h in held
+        {m.group(1) for n in h if (m := re.search(r"\.(?:layers|layer|h)\.(\d+)\.", n))} for h in held
     ]
     assert held[0] != held[1] and all(layer_names), f"each stage holds its own layers: {layer_names}"
     everything = set(ref_grads[0])

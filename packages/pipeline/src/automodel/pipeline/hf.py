@@ -15,10 +15,12 @@ from automodel.pipeline.hf_structure import (
     HFStructure,
     PipelineSplitError,
     find_layer_list,
+    is_within,
     meta_copy,
     trace_hf_structure,
 )
 from automodel.pipeline.layout import split_layers_evenly
+from automodel.pipeline.split import split_module
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -80,12 +82,12 @@ def hf_module_fqns_per_stage(
         if first:
             fqns += [*structure.pre_fqns, *structure.unused_fqns]
         elif last:
-            fqns += [f for f in structure.pre_fqns if f in structure.tied_fqns]
+            fqns += [f for f in structure.tied_fqns if is_within(f, structure.pre_fqns)]
         fqns += [f"{structure.layers_fqn}.{i}" for i in layer_range]
         if last:
             fqns += list(structure.post_fqns)
         elif first:
-            fqns += [f for f in structure.post_fqns if f in structure.tied_fqns]
+            fqns += [f for f in structure.tied_fqns if is_within(f, structure.post_fqns)]
         fqns += list(structure.stateless_fqns)
         parts.append(fqns)
     return parts
@@ -141,7 +143,12 @@ def make_causal_lm_stage(
 
 
 def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> dict[str, list[int]]:
-    """Parameters held by more than one stage (tied weights), by their name in `model`: stage ids."""
+    """Parameters held by more than one stage (tied weights), by their name in `model`: stage ids.
+
+    Found by identity in the whole model, so every rank gets the same answer. Each holding stage
+    must know the weight by that name (the first under which it lists it), as one process does:
+    initialization and checkpoints go by it, and the ranks pair up their copies by it.
+    """
     owners: dict[int, list[str]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for p in module.parameters(recurse=False):
@@ -155,4 +162,15 @@ def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str
         ]
         if len(stages) > 1:
             holders[name] = stages
+    for name, stages in holders.items():
+        for s in stages:
+            pruned = split_module(model, fqns=fqns_per_stage[s])  # shares modules: ids are the model's
+            held_as = {id(p): n for n, p in pruned.named_parameters()}
+            got = held_as.get(id(model.get_parameter(name)))
+            if got != name:
+                raise ValueError(
+                    f"pipeline stage {s} holds the tied weight {name} as {got}; every stage holding a tied "
+                    "weight must hold the module it has in one process (add it to that stage's module FQNs) "
+                    "or the model must be built with tie_word_embeddings=False"
+                )
     return holders

@@ -38,8 +38,9 @@ class HFStructure:
     unused_fqns: tuple[str, ...]
     #: Parameter-free modules outside the layers (rotary embeddings, dropout): on every stage.
     stateless_fqns: tuple[str, ...]
-    #: Modules holding only weights tied across the layers (input embedding = LM head): the first
-    #: and the last stage hold them all, so each sees the tie (and keeps it, e.g. under TP).
+    #: Modules holding only weights tied across the layers (input embedding = LM head), whole pre-
+    #: or post-modules or submodules of them: the first and the last stage hold them all, so each
+    #: sees the tie (and keeps it, e.g. under TP).
     tied_fqns: tuple[str, ...]
     #: 0: a layer returns the hidden states; n > 0: a tuple of n items, hidden states first.
     layer_output_len: int
@@ -154,13 +155,7 @@ def trace_hf_structure(model: nn.Module) -> HFStructure:
         )
         handles.append(layer.register_forward_hook(_layer_post_hook(i, layer_io)))
     try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            ids = torch.zeros(1, _TRACE_SEQ, dtype=torch.long, device="meta")
-            layer_io["input_ids"] = ids  # to recognize layers that read the token ids
-            positions = torch.arange(_TRACE_SEQ, device="meta").unsqueeze(0)
-            twin(input_ids=ids, position_ids=positions, use_cache=False)
+        _trace_forward(twin, events=events, layer_io=layer_io)
     except Exception as err:  # any failure means: cannot be split generically
         raise PipelineSplitError(
             f"model_type {model_type!r}: its forward could not be traced on meta tensors to find what runs "
@@ -179,6 +174,34 @@ def trace_hf_structure(model: nn.Module) -> HFStructure:
         events=events,
         layer_io=layer_io,
     )
+
+
+def _trace_forward(twin: nn.Module, *, events: list, layer_io: dict[str, Any]) -> None:
+    """One forward of the parameter-free `twin`: on plain meta tensors (cheap: a 70B model's 80
+    layers in about a second), else, for models whose forward needs values meta tensors do
+    not have (data-dependent shapes, ``.item()``), under torch's fake-tensor mode (about 50x the
+    cost per op). The hooks record into `events` / `layer_io`; a failed attempt's records are dropped.
+    """
+
+    def run(**extra: Any) -> None:
+        ids = torch.zeros(1, _TRACE_SEQ, dtype=torch.long, device="meta")
+        layer_io["input_ids"] = ids  # to recognize layers that read the token ids
+        positions = torch.arange(_TRACE_SEQ, device="meta").unsqueeze(0)
+        twin(input_ids=ids, position_ids=positions, use_cache=False, **extra)
+
+    try:
+        # An all-ones padding mask: without one, transformers inspects the position ids for packed
+        # sequences with `.item()`, which meta tensors cannot answer.
+        with torch.no_grad():
+            run(attention_mask=torch.ones(1, _TRACE_SEQ, dtype=torch.long, device="meta"))
+        return
+    except Exception:  # noqa: BLE001 - retried with fake tensors, whose failure is reported
+        events.clear()
+        layer_io.clear()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        run()
 
 
 def _use_eager_attention(model: nn.Module) -> None:
@@ -309,7 +332,7 @@ def _classify(
         post_fqns=tuple(post),
         unused_fqns=tuple(unused),
         stateless_fqns=tuple(stateless),
-        tied_fqns=tuple(_tied_modules(model, pre, post)),
+        tied_fqns=tuple(_tied_modules(model, pre, post, model_type=model_type)),
         layer_output_len=next(iter(outputs)),
         hidden_kwarg=layer_io["hidden_kwarg"],
         hidden_size=int(layer_io["hidden_size"]),
@@ -325,10 +348,58 @@ def _input_embedding_size(model: nn.Module) -> int | None:
     return int(weight.shape[-1])
 
 
-def _tied_modules(model: nn.Module, pre: list[str], post: list[str]) -> list[str]:
-    """Pre- and post-modules whose parameters are all shared between the two sides."""
+def _tied_modules(model: nn.Module, pre: list[str], post: list[str], *, model_type: str) -> list[str]:
+    """The largest modules inside the pre- and post-modules whose parameters are all shared between
+    the two sides: a whole module (Llama's embed_tokens, lm_head) or, where the module also holds
+    weights of its own, a submodule of it (BERT's word embeddings inside ``bert.embeddings``).
+
+    The last stage holds the pre-side ones next to the head, so its copy of a tied weight has the
+    name it has in one process (initialization seeds and checkpoint keys go by that name).
+    """
     params = {fqn: {id(p) for p in model.get_submodule(fqn).parameters()} for fqn in (*pre, *post)}
     pre_ids = set().union(*(params[f] for f in pre)) if pre else set()
     post_ids = set().union(*(params[f] for f in post)) if post else set()
     tied = pre_ids & post_ids
-    return [fqn for fqn in (*pre, *post) if params[fqn] and params[fqn] <= tied]
+    found: list[str] = []
+
+    def visit(fqn: str, module: nn.Module) -> None:
+        ids = {id(p) for p in module.parameters()}
+        if ids and ids <= tied:
+            found.append(fqn)
+        elif ids & tied:
+            for name, child in module.named_children():
+                visit(f"{fqn}.{name}", child)
+
+    for fqn in (*pre, *post):
+        visit(fqn, model.get_submodule(fqn))
+    covered = {id(p) for f in found if is_within(f, pre) for p in model.get_submodule(f).parameters()}
+    loose = [n for n, p in model.named_parameters() if id(p) in tied and id(p) not in covered]
+    if loose:
+        # Rule: a tied weight must sit in a module of its own on the input side, which the last
+        # stage can hold under the weight's one-process name.
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: the weights {loose} are tied between the modules run before and "
+            "after the decoder layers but held directly by a module with other weights, so the last "
+            "pipeline stage cannot hold its copy under the same name; build it with tie_word_embeddings=False"
+        )
+    named_first = {}  # the name one process gives each weight (its first)
+    for name, p in model.named_parameters():
+        named_first.setdefault(id(p), name)
+    outside = [
+        named_first[i] for i in sorted(tied) if not any(named_first[i].startswith(f + ".") for f in found)
+    ]
+    if outside:
+        # Rule: one process names a tied weight by its first place in the model; both the first
+        # and the last stage must hold the module of that place, or their copies' names differ.
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: its tied weights {outside} are named in one process after a place "
+            "(the head, registered before the embeddings) that no stage but the last can hold, so the "
+            "stages' copies would be initialized and loaded under different names; build it with "
+            "tie_word_embeddings=False"
+        )
+    return found
+
+
+def is_within(fqn: str, roots: list[str] | tuple[str, ...]) -> bool:
+    """Whether `fqn` is one of `roots` or a submodule of one."""
+    return any(fqn == r or fqn.startswith(r + ".") for r in roots)

@@ -93,11 +93,13 @@ def _retie(stage: nn.Module, model: nn.Module) -> None:
 
 
 def modules_in_several_stages(fqns_per_stage: Sequence[Sequence[str]]) -> set[str]:
-    seen: dict[str, int] = {}
-    for fqns in fqns_per_stage:
-        for fqn in set(fqns):
-            seen[fqn] = seen.get(fqn, 0) + 1
-    return {fqn for fqn, count in seen.items() if count > 1}
+    """Named modules that another stage also holds, itself or inside a module it names (the last
+    stage's word embeddings inside the first stage's ``bert.embeddings``): these are copied."""
+    found = set()
+    for stage, fqns in enumerate(fqns_per_stage):
+        others = [f for s, other in enumerate(fqns_per_stage) if s != stage for f in other]
+        found |= {fqn for fqn in fqns if any(fqn == o or fqn.startswith(o + ".") for o in others)}
+    return found
 
 
 def check_parameter_coverage(

@@ -43,12 +43,17 @@ class TiedParameters:
         stage_ids_per_rank: dict[int, list[int]],
         model_parts: list[nn.Module],
     ) -> TiedParameters:
-        """Collective over the world: every rank makes the same process groups in the same order."""
+        """Collective over the world: every rank makes the same process groups in the same order.
+
+        `holders` (tied weight name: stage ids) must be the same on every rank (taken from the
+        whole model before the split); each rank then finds its copies in its own stages by name.
+        """
         if not holders:
             return cls.none()
         layout, me = mesh.layout, mesh.rank
         pp_rank_of = {s: r for r, stages in stage_ids_per_rank.items() for s in stages}
         pp_groups = sorted({tuple(layout.group_ranks(r, "pp")) for r in range(mesh.world_size)})
+        my_pp = layout.group_ranks(me, "pp").index(me)
         groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         entries, duplicates = [], set()
         for name in sorted(holders):
@@ -61,32 +66,55 @@ class TiedParameters:
                         group = dist.new_group([pp_group[i] for i in holder_pp])
                         if me in (pp_group[i] for i in holder_pp):
                             groups[holder_pp] = group
+            if my_pp not in holder_pp:
+                continue
             copies = []
             for part in model_parts:
-                params = dict(part.named_parameters())
+                params = dict(part.named_parameters(remove_duplicate=False))
                 if name in params:
                     copies.append(params[name])
                     if getattr(part, "stage_index", min(stages)) != min(stages):
                         duplicates.add(id(params[name]))
-            if copies:
-                entries.append((name, copies, groups[holder_pp]))
+            # Kept even without copies: the check below then fails on every rank alike.
+            entries.append((name, copies, groups[holder_pp]))
         tied = cls(entries, duplicates)
-        tied._check_shapes()
+        tied._check(
+            mesh, holders, {n: tuple(sorted({pp_rank_of[s] for s in st})) for n, st in holders.items()}
+        )
         return tied
 
-    def _check_shapes(self) -> None:
-        """The copies must be laid out alike on every holder, or summing their gradients is wrong."""
-        for name, copies, group in self._entries:
-            shapes = {tuple(_local(p).shape) for p in copies}
-            if group is not None:
-                gathered: list[object] = [None] * dist.get_world_size(group)
-                dist.all_gather_object(gathered, sorted(shapes), group=group)
-                shapes = {tuple(s) for per_rank in gathered for s in per_rank}  # type: ignore[union-attr]
-            if len(shapes) > 1:
-                raise ValueError(
-                    f"the pipeline stages holding the tied weight {name} shard it differently ({sorted(shapes)} "
-                    "local shapes); keep it replicated over tp or build the model with tie_word_embeddings=False"
-                )
+    def _check(
+        self, mesh: MeshContext, holders: dict[str, list[int]], holder_pp: dict[str, tuple[int, ...]]
+    ) -> None:
+        """Every holder must have its copies, laid out alike, or summing their gradients is wrong (or,
+        worse, the ranks issue different collectives and hang). One gather over the world, so every
+        rank sees every rank's copies and all raise the same error together."""
+        mine = {name: sorted({tuple(_local(p).shape) for p in copies}) for name, copies, _ in self._entries}
+        gathered: list[object] = [None] * mesh.world_size
+        dist.all_gather_object(gathered, mine)
+        layout = mesh.layout
+        for name in sorted(holders):
+            # Copies are summed within one pp group (same dp/tp/cp coordinates): compare there.
+            shapes: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+            for rank, held in enumerate(gathered):
+                assert isinstance(held, dict)
+                pp_group = tuple(layout.group_ranks(rank, "pp"))
+                if pp_group.index(rank) not in holder_pp[name]:
+                    continue
+                if not held.get(name):
+                    raise ValueError(
+                        f"rank {rank} runs a pipeline stage holding the tied weight {name} (stages "
+                        f"{holders[name]}) but has no copy of it under that name; the stage must hold the "
+                        "module the weight has in one process"
+                    )
+                shapes.setdefault(pp_group, set()).update(tuple(s) for s in held[name])
+            for found in shapes.values():
+                if len(found) > 1:
+                    raise ValueError(
+                        f"the pipeline stages holding the tied weight {name} shard it differently "
+                        f"({sorted(found)} local shapes); keep it replicated over tp or build the model "
+                        "with tie_word_embeddings=False"
+                    )
 
     def duplicate_ids(self) -> set[int]:
         """Ids of the copies not counted in a gradient norm (all but the lowest stage's)."""
