@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from automodel.fsdp2 import get_hf_tp_shard_plan, resolve_tp_plan, translate_to_torch_parallel_style
 from automodel.fsdp2.tp_plan import validate_tp_mesh
-from automodel.fsdp2.tp_shared_styles import SharedTailParallel
+from automodel.fsdp2.tp_shared_styles import RowwiseOwnedOutput, SharedTailParallel
 from automodel.mesh.testing import RankFailure, run_on_ranks
 
 #: A plan importable by path (resolve_tp_plan accepts "module.attr" strings).
@@ -29,7 +29,7 @@ _REP = (Replicate(),)
     ("style", "cls", "inputs", "outputs"),
     [
         ("colwise", ColwiseParallel, _REP, _IN_SHARD),
-        ("rowwise", RowwiseParallel, _IN_SHARD, _REP),
+        ("rowwise", RowwiseOwnedOutput, _IN_SHARD, _REP),
         ("colwise_rep", ColwiseParallel, _REP, _REP),
         ("colwise_gather_output", ColwiseParallel, _REP, _REP),
         ("rowwise_rep", RowwiseParallel, _REP, _REP),
@@ -39,7 +39,7 @@ _REP = (Replicate(),)
         ("sequence_parallel", SequenceParallel, None, None),
         ("replicated_with_grad_allreduce", SequenceParallel, None, None),
         ("local_colwise", ColwiseParallel, _REP, _IN_SHARD),
-        ("local_rowwise", RowwiseParallel, _IN_SHARD, _REP),
+        ("local_rowwise", RowwiseOwnedOutput, _IN_SHARD, _REP),
     ],
 )
 def test_every_supported_style_translates(

@@ -29,7 +29,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from automodel.fsdp2.tp_shared_styles import SharedTailParallel, replicated_on_sharded_width
+from automodel.fsdp2.tp_shared_styles import (
+    RowwiseOwnedOutput,
+    SharedTailParallel,
+    replicated_on_sharded_width,
+)
 from automodel.fsdp2.utils import import_class_from_path
 
 logger = logging.getLogger(__name__)
@@ -39,9 +43,10 @@ TPPlan = dict[str, ParallelStyle]
 #: HF styles with a DTensor equivalent, and what they become.
 _STYLE_FACTORIES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
+    # Rowwise outputs stay ordinary tensors: some models update them in place (RowwiseOwnedOutput).
+    "rowwise": RowwiseOwnedOutput,
     "local_colwise": ColwiseParallel,
-    "local_rowwise": RowwiseParallel,
+    "local_rowwise": RowwiseOwnedOutput,
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
@@ -165,7 +170,9 @@ def _activations_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) ->
     (one value per feature would have to be sharded instead); attention blocks are left alone.
     """
     extra: TPPlan = {}
-    parents = {k.rpartition(".")[0] for k, v in plan.items() if type(v) is RowwiseParallel}
+    parents = {
+        k.rpartition(".")[0] for k, v in plan.items() if type(v) in (RowwiseParallel, RowwiseOwnedOutput)
+    }
     for parent_key in parents:
         children = {k.rpartition(".")[2]: v for k, v in plan.items() if k.rpartition(".")[0] == parent_key}
         if not any(type(v) is ColwiseParallel for v in children.values()):

@@ -11,6 +11,10 @@ gradient. Two kinds of module break that without any sharded parameter of their 
   between a colwise and a rowwise linear): its parameter gradients are partial sums.
 
 Both are summed over the tp group in backward here, so the math stays that of one process.
+
+A third style keeps a rowwise linear's local output an ordinary tensor: models may update it in
+place (Llama 4's MoE adds the routed experts into the shared expert's output with ``add_``), which
+autograd forbids on the view ``DTensor.to_local`` returns.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
 
 
 class _SumTailGradOverGroup(torch.autograd.Function):
@@ -67,6 +72,32 @@ class SharedTailParallel(ParallelStyle):
         return module
 
 
+class _LocalOwnedOutput(torch.autograd.Function):
+    """``DTensor.to_local`` whose result is not a view (so it may be modified in place); no copy."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.mesh, ctx.placements, ctx.shape, ctx.stride = x.device_mesh, x.placements, x.shape, x.stride()
+        # detach(): shares storage and the version counter (autograd still sees in-place updates of
+        # anything saved), but is no view, which autograd forbids to update in a custom Function's output.
+        return x.to_local().detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:  # noqa: ANN001
+        return DTensor.from_local(
+            grad, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape, stride=ctx.stride
+        )
+
+
+class RowwiseOwnedOutput(RowwiseParallel):
+    """RowwiseParallel whose local output may be updated in place by the model."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, mod, outputs, device_mesh)
+        return _LocalOwnedOutput.apply(outputs) if use_local_output else outputs
+
+
 def replicated_on_sharded_width() -> ParallelStyle:
     """A module with parameters applied to an activation sharded on its last dim (colwise output).
 
@@ -77,4 +108,4 @@ def replicated_on_sharded_width() -> ParallelStyle:
     return SequenceParallel(sequence_dim=-1, use_local_output=True)
 
 
-__all__ = ["SharedTailParallel", "replicated_on_sharded_width"]
+__all__ = ["RowwiseOwnedOutput", "SharedTailParallel", "replicated_on_sharded_width"]
