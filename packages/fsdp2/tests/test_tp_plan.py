@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fsdp2_testlib import tiny_model
+from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -210,3 +211,24 @@ def test_shared_tail_parallel_sums_only_the_tail_gradient() -> None:
     expected = torch.cat([x.sum(0).expand(2, 3), 3 * x.sum(0).expand(2, 3)]).flatten()
     for got in results:
         torch.testing.assert_close(torch.tensor(got), expected)
+
+
+def test_sequence_parallel_refuses_container_held_parameters() -> None:
+    """A weight a container holds itself (HRM's z_L_init) would meet sequence shards as a whole tensor."""
+
+    class Base(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList([nn.Linear(4, 4)])
+            self.z_init = nn.Parameter(torch.zeros(4))
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Base()
+
+    with pytest.raises(ValueError, match=r"sequence parallel: .*\['model.z_init'\]"):
+        from automodel.fsdp2.tp_plan import _check_sequence_parallel_applies
+
+        _check_sequence_parallel_applies(Wrapper())

@@ -457,7 +457,9 @@ def resolve_tp_plan(
         return _drop_tied(_explicit_plan(tp_plan), model, explicit=True)
     _require_declared_tp_support(model)
     if sequence_parallel:
-        return _drop_tied(default_llama_tp_plan(model, sequence_parallel=True), model, explicit=False)
+        plan = default_llama_tp_plan(model, sequence_parallel=True)
+        _check_sequence_parallel_applies(model)
+        return _drop_tied(plan, model, explicit=False)
     try:
         plan = get_hf_tp_shard_plan(model)
     except ValueError:
@@ -465,6 +467,28 @@ def resolve_tp_plan(
     if not plan:
         plan = default_llama_tp_plan(model, sequence_parallel=False)
     return _drop_tied(plan, model, explicit=False)
+
+
+def _check_sequence_parallel_applies(model: nn.Module) -> None:
+    """Rule: under SP the hidden states between the layers are sequence shards, laid out only by the
+    plan's modules. A parameter a container module holds itself (not in a submodule the plan can
+    lay out, e.g. HRM's ``z_L_init`` initial state added to the hidden states) stays a whole plain
+    tensor that the forward mixes with those shards, so the SP plan cannot apply."""
+    own = [
+        f"{name}.{p}" if name else p
+        for name, module in model.named_modules()
+        # containers outside the layers (inside a layer, the plan's own modules hold the weights)
+        if any(True for _ in module.children()) and not any(part.isdigit() for part in name.split("."))
+        for p, v in module._parameters.items()
+        if v is not None
+    ]
+    if own:
+        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ValueError(
+            f"sequence parallel: model_type {model_type!r} holds parameters {own[:3]} in container modules "
+            "(outside any module the sequence-parallel plan lays out), which its forward combines with the "
+            "sequence-sharded hidden states; use tensor parallelism without sequence_parallel"
+        )
 
 
 def plan_has_sequence_parallel(plan: Mapping[str, ParallelStyle]) -> bool:
