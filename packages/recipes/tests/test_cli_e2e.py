@@ -73,3 +73,8 @@ def test_train_4_ranks_fsdp2_x_tp(tmp_path: Path) -> None:
     proc, out = _train(tmp_path, 4, distributed={"strategy": "fsdp2", "tp_size": 2})
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_metrics(out)
+    # every rank says, read off its own parameters, what it holds: one line per parallelism
+    for rank in range(4):
+        assert f"[rank {rank}] tp (2 ranks): " in proc.stderr, proc.stderr[-3000:]
+        assert f"[rank {rank}] dp_shard_cp (2 ranks): " in proc.stderr, proc.stderr[-3000:]
+        assert f"[rank {rank}] fsdp2: 3 units" in proc.stderr, proc.stderr[-3000:]

@@ -162,9 +162,15 @@ def write_rank_report(report: dict[str, Any], *, output_dir: Path) -> Path:
     return path
 
 
+def is_shard_placement(placement: str) -> bool:
+    """Whether a placement as the report writes it shards: ``S(d)``, the strided ``_S(d, k)`` FSDP
+    puts on top of TP (older torch: ``Shard(dim=d)``), as opposed to ``R`` or ``P(...)``."""
+    return placement.startswith(("S(", "_S(", "Shard(", "_StridedShard("))
+
+
 def _sharded_on(info: dict[str, Any], axis: str) -> bool:
     mesh = info.get("mesh") or []
-    return axis in mesh and info["placements"][mesh.index(axis)].startswith("Shard")
+    return axis in mesh and is_shard_placement(info["placements"][mesh.index(axis)])
 
 
 def summary_lines(report: dict[str, Any], *, axis_sizes: dict[str, int]) -> list[str]:
