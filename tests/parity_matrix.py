@@ -1,8 +1,8 @@
-"""The parity matrix: every layout, trained through the real `recipes train` CLI (YAML, torchrun, loop),
-must reproduce the single-process per-step losses of the same tiny model, data and seed.
+"""The parity matrix: every layout, trained through the recipes (YAML config, loop), must reproduce
+the single-process per-step losses of the same tiny model, data and seed.
 
-    uv run --frozen python tests/parity_matrix.py            # runs the matrix, writes docs/parity.md
-    uv run --frozen pytest tests/test_parity_matrix.py       # the same runs as tests
+    uv run --frozen python tests/parity_matrix.py            # through the real CLI (torchrun); writes docs/parity.md
+    uv run --frozen pytest tests/test_parity_matrix.py       # the same configs as tests, on forked ranks
 """
 
 from __future__ import annotations
@@ -129,24 +129,57 @@ def recipes_executable() -> str:
     return str(candidate) if candidate.exists() else "recipes"
 
 
-def run_layout(layout: Layout, workdir: Path) -> list[float]:
-    """Train `layout` through `recipes train`; rank 0's per-step losses from metrics.jsonl.
+def preload_for_forked_ranks() -> None:
+    """Import the heavy modules once, so ranks forked from this process start warm."""
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
 
-    Every rank also writes what it holds (``layout/rank_<N>.json``), read by `read_reports`.
+    import automodel.context_parallel  # noqa: F401
+    import automodel.moe  # noqa: F401
+    import automodel.pipeline  # noqa: F401
+    import automodel.recipes.trainer  # noqa: F401
+
+
+def _train_forked_rank(raw: dict[str, Any]) -> None:
+    from automodel.recipes import load_config
+    from automodel.recipes.trainer import run_training
+
+    run_training(load_config(raw))
+
+
+def run_layout(layout: Layout, workdir: Path, *, launcher: str = "cli") -> list[float]:
+    """Train `layout`; rank 0's per-step losses from metrics.jsonl.
+
+    ``launcher="cli"``: the real `recipes train` (YAML file, torchrun, a fresh interpreter per rank).
+    ``launcher="forked"``: the same config through the Python API on ranks forked from this process
+    (`automodel.mesh.testing.run_on_ranks`; no interpreter start-up per rank, so the test suite can
+    afford every layout; the CLI path itself is tested end to end elsewhere). Every rank also writes
+    what it holds (``layout/rank_<N>.json``), read by `read_reports`.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg_path = workdir / f"{layout.name}.yaml"
-    cfg_path.write_text(yaml.safe_dump(config_for(layout), sort_keys=False))
     out_dir = workdir / layout.name
-    cmd = [recipes_executable(), "train", str(cfg_path), f"--output_dir={out_dir}"]
-    if layout.ranks > 1:
-        cmd += ["--nproc-per-node", str(layout.ranks)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env, cwd=workdir)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"{layout.name}: `{' '.join(cmd)}` exited {proc.returncode}\n{proc.stderr[-4000:]}"
+    if launcher == "forked":
+        from automodel.mesh.testing import run_on_ranks
+
+        preload_for_forked_ranks()
+        raw = {**config_for(layout), "output_dir": str(out_dir)}
+        run_on_ranks(_train_forked_rank, world_size=layout.ranks, args=(raw,), timeout_s=LAUNCH_TIMEOUT_S)
+    elif launcher == "cli":
+        cfg_path = workdir / f"{layout.name}.yaml"
+        cfg_path.write_text(yaml.safe_dump(config_for(layout), sort_keys=False))
+        cmd = [recipes_executable(), "train", str(cfg_path), f"--output_dir={out_dir}"]
+        if layout.ranks > 1:
+            cmd += ["--nproc-per-node", str(layout.ranks)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env, cwd=workdir
         )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"{layout.name}: `{' '.join(cmd)}` exited {proc.returncode}\n{proc.stderr[-4000:]}"
+            )
+    else:
+        raise ValueError(f"launcher must be cli or forked, got {launcher!r}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [float(r["loss"]) for r in rows]
 

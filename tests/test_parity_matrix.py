@@ -1,5 +1,6 @@
-"""The parity matrix as tests: each layout through `recipes train` reproduces the single-process
-losses, and every rank holds what the layout says (`placement_checks`)."""
+"""The parity matrix as tests: each layout's config, trained by the recipes on forked ranks, reproduces
+the single-process losses, and every rank holds what the layout says (`placement_checks`). The
+same configs through the real CLI (torchrun): `python tests/parity_matrix.py` (docs/parity.md)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def references(reference_dir: Path) -> dict[str, list[float]]:
-    refs = {kind: run_layout(layout, reference_dir) for kind, layout in REFERENCES.items()}
+    refs = {kind: run_layout(layout, reference_dir, launcher="forked") for kind, layout in REFERENCES.items()}
     for kind, losses in refs.items():
         assert len(losses) == STEPS, (kind, losses)
         assert losses[-1] < losses[0], f"{kind} reference does not learn: {losses}"
@@ -53,7 +54,7 @@ def test_placement_checks_reject_a_run_with_the_parallelism_off(
 def test_layout_reproduces_single_process_losses(
     layout: Layout, references: dict[str, list[float]], tmp_path: Path
 ) -> None:
-    losses = run_layout(layout, tmp_path)
+    losses = run_layout(layout, tmp_path, launcher="forked")
     ref = references[layout.model]
     diff = max_relative_difference(losses, ref)
     assert diff <= RTOL, f"{layout.name}: losses {losses} vs single process {ref} (max rel diff {diff:.2e})"
