@@ -35,7 +35,7 @@ def _flag(section: Any, name: str, default: Any) -> Any:
 
 def step_setup(cfg: Any, layout: ResolvedLayout, *, stages: int = 1, on_gpu: bool | None = None) -> StepSetup:
     """What `recipes train` would run for `cfg` on `layout` (`on_gpu`: default mixed precision
-    is bf16 on CUDA and none on CPU, as `parallelize.default_mp_policy` picks)."""
+    is bf16 on CUDA and none on CPU, as `_dist_setup.build_strategy_config` picks)."""
     d = cfg.distributed
     storage = _elem(cfg.model.dtype, 4)
     mp = d.options.get("mp_policy")  # the YAML's; the built config holds the CPU default
