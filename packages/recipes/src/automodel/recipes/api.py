@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from automodel.recipes.recipe_config import RecipeConfig
-from automodel.recipes.trainer import TrainResult
+
+if TYPE_CHECKING:  # the trainer (data, loop) is imported only by `train`, not by `load_config`
+    from automodel.recipes.trainer import TrainResult
 
 
 def load_config(source: str | Path | dict[str, Any], *, overrides: Sequence[str] = ()) -> RecipeConfig:
