@@ -158,3 +158,28 @@ def test_validate_builds_the_meta_model_once(monkeypatch: pytest.MonkeyPatch) ->
     _, mem, _ = plan_layout(parse_recipe_config(raw), world_size=2)
     assert builds == ["llama"]
     assert mem.peak_bytes > 0
+
+
+@pytest.mark.parametrize(
+    "model_config",
+    [
+        {
+            "model_type": "mamba",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "vocab_size": 256,
+            "state_size": 8,
+        },
+        {"model_type": "rwkv", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256},
+    ],
+    ids=["mamba", "rwkv"],
+)
+def test_attention_free_models_validate_and_estimate(model_config: dict, tmp_path: Path) -> None:
+    """`recipes train` validates every config before launch: models without attention heads must
+    get an estimate (no attention activations), not an AttributeError."""
+    from automodel.recipes import load_config
+    from automodel.recipes.plan import plan_layout
+
+    cfg = load_config({"model": {"config": model_config}, "output_dir": str(tmp_path)})
+    _, mem, _ = plan_layout(cfg, world_size=1)
+    assert mem.peak_bytes > 0

@@ -91,9 +91,10 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
             embed += n
         else:
             head += n
-    layers = hf_config.num_hidden_layers
-    heads = hf_config.num_attention_heads
-    hidden = hf_config.hidden_size
+    layers = _int(hf_config, "num_hidden_layers", "n_layer", "num_layers")
+    # attention-free models (Mamba, RWKV, xLSTM) have no heads: no attention activations
+    heads = _int(hf_config, "num_attention_heads", "n_head", "num_heads")
+    hidden = _int(hf_config, "hidden_size", "d_model", "n_embd", "embedding_dim")
     experts = num_experts(hf_config) or 0
     moe_layers = 0
     if experts:
@@ -114,13 +115,13 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
         layers=layers,
         heads=heads,
         kv_heads=_int(hf_config, "num_key_value_heads", default=heads),
-        head_dim=_int(hf_config, "head_dim", default=hidden // heads),
-        vocab=hf_config.vocab_size,
+        head_dim=_int(hf_config, "head_dim", default=hidden // heads if heads else 0),
+        vocab=_int(hf_config, "vocab_size"),
         tied_embeddings=tied,
         embed_params=embed,
         head_params=head,
-        layer_dense_params=dense / layers,
-        layer_expert_params=expert / layers,
+        layer_dense_params=dense / layers if layers else 0.0,
+        layer_expert_params=expert / layers if layers else 0.0,
         experts=experts,
         top_k=_int(hf_config, "num_experts_per_tok", "top_k", "moe_topk") if experts else 0,
         moe_intermediate=_int(hf_config, "moe_intermediate_size", "expert_intermediate_size")
