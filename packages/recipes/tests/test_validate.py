@@ -46,10 +46,10 @@ def test_memory_estimate_scales_with_sharding() -> None:
 
 @pytest.mark.parametrize(
     ("zero", "sharded"),
-    [(0, ""), (1, "o"), (2, "og"), (3, "ogw")],
-    ids=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    [(0, ""), (1, "o"), (2, "og"), (3, "ogw"), ("optim_grads", "og")],
+    ids=["no_shard", "optim", "optim_grads", "optim_grads_params", "by_name"],
 )
-def test_megatron_fsdp_estimate_follows_zero_dp_strategy(zero: int, sharded: str) -> None:
+def test_megatron_fsdp_estimate_follows_zero_dp_strategy(zero: int | str, sharded: str) -> None:
     """megatron-fsdp shards optimizer state from level 1, gradients from 2, weights at 3; fp32
     main grads and fp32 master weights follow grad_reduce_in_fp32 and preserve_fp32_weights."""
     from automodel.recipes.loader import load_config

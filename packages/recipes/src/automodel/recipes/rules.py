@@ -50,9 +50,7 @@ def check_model_supports_layout(
         )
 
         try:
-            plan = resolve_tp_plan(
-                model, tp_plan=d.options.get("tp_plan"), sequence_parallel=d.sequence_parallel
-            )
+            plan = resolve_tp_plan(model, tp_plan=d.tp_plan, sequence_parallel=d.sequence_parallel)
             check_plan_matches_model(model, plan)
             check_plan_shards_every_layer(model, plan)
         except ValueError as e:
@@ -140,7 +138,7 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
             raise ConfigError(
                 "distributed.ep_size", ep, f"must divide the model's number of experts ({experts})"
             )
-    if tp > 1 and d.sequence_parallel and d.options.get("tp_plan") is None and num_experts(hf_config):
+    if tp > 1 and d.sequence_parallel and d.tp_plan is None and num_experts(hf_config):
         raise ConfigError(
             "distributed.sequence_parallel",
             True,

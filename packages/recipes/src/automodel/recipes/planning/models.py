@@ -17,17 +17,23 @@ def _example_dirs() -> list[Path]:
     return [d for d in dict.fromkeys(dirs) if d.is_dir()]
 
 
-def _from_dict(data: dict, *, source: str) -> Any:
-    from transformers import AutoConfig
+def _load(*, source: str, **model_section: Any) -> Any:
+    """The config through the recipes' one loader (`model.build_hf_config`: model_type check, a
+    directory's own code runs only with trust_remote_code), its error restated for --model."""
+    from automodel.recipes.model import build_hf_config
+    from automodel.recipes.sections import ModelSection
 
-    data = {k: v for k, v in data.items() if k != "_name_or_path"}
-    model_type = data.pop("model_type", None)
-    if model_type is None:
-        raise ConfigError("--model", source, "has no model_type (it must be a transformers config.json)")
     try:
-        return AutoConfig.for_model(model_type, **data)
-    except (ValueError, TypeError) as e:
-        raise ConfigError("--model", source, f"is not a transformers config ({e})") from None
+        return build_hf_config(ModelSection(**model_section), announce=False)
+    except ConfigError as e:
+        raise ConfigError("--model", source, f"{e.key}={e.value!r}: {e.message}") from None
+
+
+def _from_dict(data: dict, *, source: str) -> Any:
+    data = {k: v for k, v in data.items() if k != "_name_or_path"}
+    if "model_type" not in data:
+        raise ConfigError("--model", source, "has no model_type (it must be a transformers config.json)")
+    return _load(source=source, config=data)
 
 
 def known_models() -> dict[str, Path]:
@@ -44,8 +50,6 @@ def known_models() -> dict[str, Path]:
 
 def resolve_model_config(value: str) -> Any:
     """The transformers config `value` names (`ConfigError` naming --model otherwise)."""
-    from transformers import AutoConfig
-
     path = Path(value).expanduser()
     if path.is_file():
         try:
@@ -55,7 +59,7 @@ def resolve_model_config(value: str) -> Any:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError("--model", value, "is a directory without config.json")
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return _load(source=value, pretrained_model_name_or_path=str(path))
     shipped = known_models().get(value.lower())
     if shipped is not None:
         return _from_dict(json.loads(shipped.read_text()), source=str(shipped))
@@ -70,4 +74,4 @@ def resolve_model_config(value: str) -> Any:
             value,
             f"is not a config.json, a model directory, a Hub id in the local cache, or a shipped config ({names})",
         ) from None
-    return AutoConfig.from_pretrained(str(cached), local_files_only=True)
+    return _load(source=value, pretrained_model_name_or_path=str(cached))

@@ -81,7 +81,7 @@ def step_setup(cfg: Any, layout: ResolvedLayout, *, stages: int = 1, on_gpu: boo
         reshard_after_forward=bool((d.moe or {}).get("reshard_after_forward", False))
         if layout.ep > 1
         else None,
-        megatron_zero=int(d.options.get("zero_dp_strategy", 3)),
-        megatron_grad_fp32=bool(d.options.get("grad_reduce_in_fp32", False)),
-        megatron_master_fp32=bool(d.options.get("preserve_fp32_weights", False)),
+        megatron_zero=int(_flag(d, "zero_dp_strategy", 3)),
+        megatron_grad_fp32=bool(_flag(d, "grad_reduce_in_fp32", False)),
+        megatron_master_fp32=bool(_flag(d, "preserve_fp32_weights", False)),
     )
