@@ -41,9 +41,40 @@ def test_smaller_gpu_memory_drops_layouts(capsys: pytest.CaptureFixture) -> None
         (["--model", "llama3.1-8b", "--gpus", "12", "--seq-len", "4096"], "--gpus=12"),
         (["--model", "llama3.1-8b", "--gpus", "8", "--seq-len", "4096", "--peft", "qlora"], "--peft='qlora'"),
         (["--model", "llama3.1-8b", "--gpus", "1", "--seq-len", "8192", "--gpu-memory", "8GiB"], "--gpus=1"),
+        (
+            ["--model", "qwen3-30b-a3b", "--gpus", "8", "--seq-len", "4096", "--moe-load-factor", "0.5"],
+            "--moe-load-factor=0.5",
+        ),
     ],
 )
 def test_bad_input_names_the_flag(args: list[str], key: str, capsys: pytest.CaptureFixture) -> None:
     assert run_cli(["plan", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and key in err[0], err
+
+
+def test_moe_load_factor_raises_only_the_busiest_ep_ranks_share() -> None:
+    """Imbalanced routing: the busiest EP rank holds and computes `load` times its share of the
+    routed slots; without EP every rank computes all of its own tokens' slots (no change)."""
+    from dataclasses import replace
+
+    from automodel.recipes.planning.memory import StepSetup, estimate_step_memory
+    from automodel.recipes.planning.models import resolve_model_config
+    from automodel.recipes.planning.roofline import Hardware, estimate_step_time
+    from automodel.recipes.planning.shape import model_shape
+
+    shape = model_shape(resolve_model_config("qwen3-30b-a3b"))
+    hw = Hardware()
+    for ep, grows in ((1, False), (8, True)):
+        base = StepSetup(ep=ep, dp_shard=8, seq_len=4096, compute_bytes=2, reduce_bytes=4)
+        heavy = replace(base, expert_load_factor=1.5)
+        mem0, mem1 = estimate_step_memory(shape, base), estimate_step_memory(shape, heavy)
+        t0, t1 = (estimate_step_time(shape, s, hw, world=8).seconds for s in (base, heavy))
+        assert (mem1.activation_bytes > mem0.activation_bytes) is grows, ep
+        assert (t1 > t0) is grows, ep
+    # the factor is capped at ep: one rank cannot receive more than every slot
+    capped = StepSetup(ep=2, dp_shard=2, seq_len=4096, expert_load_factor=2.0)
+    over = replace(capped, expert_load_factor=7.0)
+    assert estimate_step_memory(shape, over).peak_bytes == estimate_step_memory(shape, capped).peak_bytes
+    with pytest.raises(ValueError, match="expert_load_factor must be >= 1"):
+        StepSetup(ep=2, dp_shard=2, expert_load_factor=0.9)

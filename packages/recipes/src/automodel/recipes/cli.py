@@ -60,6 +60,23 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+_LOAD_FACTOR_FLAGS = ("--moe-load-factor", "--moe_load_factor")
+_LOAD_FACTOR_OPTIONS: dict = {
+    "type": float,
+    "default": 1.0,
+    "dest": "moe_load_factor",
+    "help": "MoE with ep: the busiest ep rank's routed tokens over the mean (1: balanced; an untrained "
+    "router measured ~1.4 on 2 ranks)",
+}
+
+
+def _check_load_factor(value: float) -> None:
+    if not value >= 1.0:
+        raise ConfigError(
+            "--moe-load-factor", value, "must be >= 1 (the busiest ep rank's routed tokens over the mean)"
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="recipes", description="Train Hugging Face LMs with composable parallelism."
@@ -77,8 +94,15 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="resolve config and layout for --world-size ranks; no training")
     v.add_argument("config")
     v.add_argument("--world-size", "--world_size", type=int, default=None, dest="world_size")
-    pn = sub.add_parser("plan", help="rank layouts for a model on N GPUs, with memory and step-time estimates")
-    pn.add_argument("--model", required=True, help="config.json, model dir, Hub id in the local cache, or examples/models name")
+    v.add_argument(*_LOAD_FACTOR_FLAGS, **_LOAD_FACTOR_OPTIONS)
+    pn = sub.add_parser(
+        "plan", help="rank layouts for a model on N GPUs, with memory and step-time estimates"
+    )
+    pn.add_argument(
+        "--model",
+        required=True,
+        help="config.json, model dir, Hub id in the local cache, or examples/models name",
+    )
     pn.add_argument("--gpus", type=int, required=True)
     pn.add_argument("--gpus-per-node", "--gpus_per_node", type=int, default=8, dest="gpus_per_node")
     pn.add_argument("--gpu-memory", "--gpu_memory", default="80GiB", dest="gpu_memory")
@@ -86,9 +110,19 @@ def _parser() -> argparse.ArgumentParser:
     pn.add_argument("--global-batch", "--global_batch", type=int, default=None, dest="global_batch")
     pn.add_argument("--peft", default=None, help="lora: only the adapters have gradients and optimizer state")
     pn.add_argument("--top", type=int, default=10)
-    pn.add_argument("--nvlink-gbps", "--nvlink_gbps", type=float, default=450.0, dest="nvlink_gbps", help="GB/s per GPU per direction")
-    pn.add_argument("--ib-gbps", "--ib_gbps", type=float, default=50.0, dest="ib_gbps", help="GB/s per GPU per direction")
+    pn.add_argument(
+        "--nvlink-gbps",
+        "--nvlink_gbps",
+        type=float,
+        default=450.0,
+        dest="nvlink_gbps",
+        help="GB/s per GPU per direction",
+    )
+    pn.add_argument(
+        "--ib-gbps", "--ib_gbps", type=float, default=50.0, dest="ib_gbps", help="GB/s per GPU per direction"
+    )
     pn.add_argument("--tflops", type=float, default=989.0, help="dense bf16 peak TFLOP/s per GPU")
+    pn.add_argument(*_LOAD_FACTOR_FLAGS, **_LOAD_FACTOR_OPTIONS)
     g = sub.add_parser(
         "generate",
         help="continue a prompt with a consolidated checkpoint or a LoRA adapter directory (transformers generate)",
@@ -183,7 +217,8 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
     world = args.world_size if args.world_size is not None else 1
     if isinstance(world, int) and world < 1:
         raise ConfigError("--world-size", world, "must be >= 1")
-    _, _, lines = plan_layout(cfg, world_size=world)
+    _check_load_factor(args.moe_load_factor)
+    _, _, lines = plan_layout(cfg, world_size=world, expert_load_factor=args.moe_load_factor)
     print("\n".join(lines))
     return 0
 
@@ -194,10 +229,18 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise ConfigError(overrides[0], None, "plan takes no overrides")
-    for key, value in (("--top", args.top), ("--nvlink-gbps", args.nvlink_gbps), ("--ib-gbps", args.ib_gbps), ("--tflops", args.tflops)):
+    for key, value in (
+        ("--top", args.top),
+        ("--nvlink-gbps", args.nvlink_gbps),
+        ("--ib-gbps", args.ib_gbps),
+        ("--tflops", args.tflops),
+    ):
         if value <= 0:
             raise ConfigError(key, value, "must be > 0")
-    hw = Hardware(peak_flops=args.tflops * 1e12, nvlink_bytes_s=args.nvlink_gbps * 1e9, ib_bytes_s=args.ib_gbps * 1e9)
+    _check_load_factor(args.moe_load_factor)
+    hw = Hardware(
+        peak_flops=args.tflops * 1e12, nvlink_bytes_s=args.nvlink_gbps * 1e9, ib_bytes_s=args.ib_gbps * 1e9
+    )
     _, lines = plan(
         model=args.model,
         gpus=args.gpus,
@@ -208,6 +251,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
         peft=args.peft,
         top=args.top,
         hardware=hw,
+        expert_load_factor=args.moe_load_factor,
     )
     print("\n".join(lines))
     return 0
@@ -252,9 +296,13 @@ def run_cli(argv: Sequence[str]) -> int:
         overrides = _split_overrides(args.command, extra)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
-            return {"train": _train, "validate": _validate, "plan": _plan, "plot": _plot, "generate": _generate}[
-                args.command
-            ](args, overrides)
+            return {
+                "train": _train,
+                "validate": _validate,
+                "plan": _plan,
+                "plot": _plot,
+                "generate": _generate,
+            }[args.command](args, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

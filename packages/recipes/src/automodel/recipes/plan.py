@@ -38,6 +38,7 @@ def estimate_memory(
     stages: int = 1,
     on_gpu: bool | None = None,
     model=None,
+    expert_load_factor: float = 1.0,
 ) -> MemoryEstimate:
     """Per-rank peak bytes of one step of `cfg` under `layout` (see `planning.memory`).
 
@@ -48,7 +49,7 @@ def estimate_memory(
     if model is None:
         model = _meta_model(cfg, hf_config)
     shape = model_shape(hf_config, model=model)
-    setup = step_setup(cfg, layout, stages=stages, on_gpu=on_gpu)
+    setup = step_setup(cfg, layout, stages=stages, on_gpu=on_gpu, expert_load_factor=expert_load_factor)
     setup = dataclasses.replace(setup, trainable_params=_trainable_params(cfg, model))
     return estimate_step_memory(shape, setup)
 
@@ -62,11 +63,12 @@ def _gib(x: float) -> str:
 
 
 def plan_layout(
-    cfg: RecipeConfig, *, world_size: int, on_gpu: bool | None = None
+    cfg: RecipeConfig, *, world_size: int, on_gpu: bool | None = None, expert_load_factor: float = 1.0
 ) -> tuple[ResolvedLayout, MemoryEstimate, list[str]]:
     """Build every mesh for `world_size` fake ranks, check every rule; return the report lines.
 
-    `on_gpu` picks the default mixed precision the estimate assumes (None: this machine's)."""
+    `on_gpu` picks the default mixed precision the estimate assumes (None: this machine's);
+    `expert_load_factor` the busiest EP rank's routed slots over the mean (1: balanced routing)."""
     layout = resolve_layout(cfg.distributed, world_size)
     hf_config = build_hf_config(cfg.model, announce=False)  # the run announces remote code once
     # One meta-device model per call, shared by the rules, the parameter counts and LoRA (in that
@@ -77,7 +79,15 @@ def plan_layout(
         mesh = MeshContext.build(cfg.distributed.sizes, device_type="cpu")
         assert mesh.layout == layout
     stages = pipeline_stages(cfg, layout, hf_config) if layout.pp_enabled else 1
-    mem = estimate_memory(cfg, layout, hf_config, stages=stages, on_gpu=on_gpu, model=model)
+    mem = estimate_memory(
+        cfg,
+        layout,
+        hf_config,
+        stages=stages,
+        on_gpu=on_gpu,
+        model=model,
+        expert_load_factor=expert_load_factor,
+    )
     ss = cfg.step_scheduler
     accum = ss.global_batch_size // (ss.local_batch_size * layout.dp)
     lines = [
@@ -100,6 +110,11 @@ def plan_layout(
         lines.append(
             f"pipeline: {pipe.get('pp_schedule', '1f1b')}, {stages} stages, "
             f"micro-batch {pipe.get('pp_microbatch_size', 1)}"
+        )
+    if layout.ep_enabled:
+        lines.append(
+            f"expert load factor {min(expert_load_factor, layout.ep):g} (the busiest ep rank's routed tokens "
+            "over the mean; --moe-load-factor)"
         )
     lines += [
         "",

@@ -38,6 +38,7 @@ def plan(
     peft: str | None = None,
     top: int = 10,
     hardware: Any = None,
+    expert_load_factor: float = 1.0,
 ) -> tuple[list[Any], list[str]]:
     """Rank the layouts of `model` on `gpus` GPUs; returns the candidates and the printed lines."""
     from dataclasses import replace
@@ -59,7 +60,13 @@ def plan(
     shape = model_shape(hf_config)
     trainable = _lora_params(hf_config) if peft == "lora" else None
     cands = enumerate_layouts(
-        shape, gpus=gpus, seq_len=seq_len, hardware=hw, global_batch=global_batch, trainable_params=trainable
+        shape,
+        gpus=gpus,
+        seq_len=seq_len,
+        hardware=hw,
+        global_batch=global_batch,
+        trainable_params=trainable,
+        expert_load_factor=expert_load_factor,
     )
     lines = [
         f"model {shape.model_type}: {shape.total_params / 1e9:.2f} B parameters "
@@ -67,7 +74,8 @@ def plan(
         f"({hw.gpus_per_node} per node, {gpu_memory / 2**30:.0f} GiB, {hw.memory_headroom:.0%} usable); "
         f"seq {seq_len}"
         + (f"; global batch {global_batch}" if global_batch else "")
-        + (f"; {peft}" if peft else ""),
+        + (f"; {peft}" if peft else "")
+        + (f"; expert load factor {expert_load_factor:g}" if shape.is_moe else ""),
         "",
     ]
     if not cands:

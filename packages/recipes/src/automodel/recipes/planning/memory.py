@@ -59,6 +59,9 @@ class StepSetup:
     megatron_zero: int = 3
     megatron_grad_fp32: bool = False
     megatron_master_fp32: bool = False
+    # routed (token, expert) slots the busiest EP rank computes, over the balanced share: the
+    # router decides it at run time (an untrained router gives ~1.4 on 2 ranks, measured)
+    expert_load_factor: float = 1.0
 
     @property
     def dp_shard_cp(self) -> int:
@@ -83,6 +86,16 @@ class StepSetup:
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")
+        if not self.expert_load_factor >= 1.0:
+            raise ValueError(
+                "expert_load_factor must be >= 1 (the busiest EP rank's routed slots over the mean), "
+                f"got {self.expert_load_factor!r}"
+            )
+
+    @property
+    def expert_load(self) -> float:
+        """The busiest rank's routed slots over its balanced share: 1 without EP, at most ep."""
+        return min(self.expert_load_factor, self.ep) if self.ep > 1 else 1.0
         if self.strategy not in ("fsdp2", "ddp", "megatron_fsdp"):
             raise ValueError(f"strategy must be fsdp2, ddp or megatron_fsdp, got {self.strategy!r}")
 
@@ -145,11 +158,13 @@ def layer_activation_bytes(shape: ModelShape, setup: StepSetup, *, tokens: float
         per_token += e * 2 * kv / tp * (setup.cp - 1)
     if moe:
         k, inter = shape.top_k, shape.moe_intermediate
-        # router: fp32 logits and softmax per expert; per routed slot: the gathered input,
-        # gate|up, silu(gate), their product and the expert output
-        per_token += 2 * 4 * shape.experts + k * e * (2 * h + 4 * inter)
-        if setup.ep > 1:  # the dispatched copy of each routed slot
-            per_token += k * e * h
+        # router: fp32 logits and softmax per expert; per routed slot: the gathered input and the
+        # weighted expert output where the token lives, gate|up, silu(gate) and their product where
+        # its expert lives (with EP, the busiest owner computes `expert_load_factor` times its share)
+        load = setup.expert_load
+        per_token += 2 * 4 * shape.experts + k * e * (2 * h + 4 * inter * load)
+        if setup.ep > 1:  # the dispatched copy of each routed slot, on its expert's owner
+            per_token += k * e * h * load
         if shape.shared_intermediate:
             per_token += 4 * e * shape.shared_intermediate / tp
     else:
@@ -161,7 +176,8 @@ def _backward_transient(shape: ModelShape, setup: StepSetup, *, tokens: float, m
     """Gradients of activations alive inside one layer's backward (two MLP-wide, one hidden-wide)."""
     e = setup.compute_bytes
     if moe:
-        width = shape.top_k * (2 * shape.moe_intermediate + shape.hidden)
+        load = setup.expert_load
+        width = shape.top_k * (2 * shape.moe_intermediate + shape.hidden) * load
     else:
         width = 2 * shape.intermediate / setup.tp + shape.hidden
     return e * width * tokens

@@ -46,11 +46,14 @@ def _bw(group_span: int, hw: Hardware) -> float:
     return hw.nvlink_bytes_s if _inside_node(group_span, hw) else hw.ib_bytes_s
 
 
+def _routed_params_per_token(shape: ModelShape) -> float:
+    """Expert matmul parameters one token passes through in one layer (its top-k experts)."""
+    return shape.layer_expert_params * shape.top_k / shape.experts if shape.is_moe else 0.0
+
+
 def training_flops_per_token(shape: ModelShape, seq_len: int, *, recompute: bool) -> float:
     """6 x active matmul parameters + causal attention scores, x 4/3 with layer recompute (AC)."""
-    layer = shape.layer_dense_params
-    if shape.is_moe:
-        layer += shape.layer_expert_params * shape.top_k / shape.experts
+    layer = shape.layer_dense_params + _routed_params_per_token(shape)
     attn = 6 * seq_len * shape.heads * shape.head_dim  # QK^T and AV, causal half, fwd + bwd
     head = 6 * shape.vocab * shape.hidden
     per_layer = 6 * layer + attn
@@ -65,6 +68,9 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     rows = s.local_batch * s.grad_accum * dp
     tokens = rows * s.seq_len
     flops = tokens * training_flops_per_token(shape, s.seq_len, recompute=s.activation_checkpointing)
+    # the busiest EP rank computes expert_load times its share of the routed slots
+    routed = 6 * shape.layers * _routed_params_per_token(shape) * (4 / 3 if s.activation_checkpointing else 1)
+    flops += (s.expert_load - 1) * tokens * routed
     compute = flops / world / (hw.peak_flops * hw.efficiency)
     n_mb = max(1, s.local_batch // s.pp_microbatch)
     bubble = compute * (s.pp - 1) / (s.stages_per_rank * n_mb) if s.pp > 1 else 0.0
@@ -99,7 +105,7 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
         kv = 2 * shape.kv_heads * shape.head_dim * mb_tokens * e / s.tp
         exposed += 2 * layers_rank * micro_batches * (s.cp - 1) * kv / _bw(s.cp * s.tp, hw)
     if s.ep > 1 and shape.is_moe:  # dispatch + combine, forward and backward
-        moved = 4 * mb_tokens * shape.top_k * shape.hidden * e * (s.ep - 1) / s.ep
+        moved = 4 * mb_tokens * shape.top_k * shape.hidden * e * (s.ep - 1) / s.ep * s.expert_load
         exposed += shape.moe_layers / s.pp * micro_batches * moved / _bw(s.ep * s.cp * s.tp, hw)
     if s.pp > 1:  # activations and their gradients cross each stage boundary
         exposed += 2 * micro_batches * mb_tokens * shape.hidden * e / _bw(world, hw)

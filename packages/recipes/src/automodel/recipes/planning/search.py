@@ -40,8 +40,11 @@ def enumerate_layouts(
     hardware: Hardware,
     global_batch: int | None = None,
     trainable_params: int | None = None,
+    expert_load_factor: float = 1.0,
 ) -> list[Candidate]:
-    """Every layout the rules allow, with its estimates, best first (fitting ones only)."""
+    """Every layout the rules allow, with its estimates, best first (fitting ones only).
+
+    `expert_load_factor`: the busiest EP rank's routed slots over the mean (1: balanced)."""
     if gpus < 1:
         raise ConfigError("--gpus", gpus, "must be >= 1")
     if seq_len < 2:
@@ -74,6 +77,7 @@ def enumerate_layouts(
                             seq_len=seq_len,
                             global_batch=global_batch,
                             trainable=trainable_params,
+                            expert_load_factor=expert_load_factor,
                             tp=tp,
                             pp=pp,
                             cp=cp,
@@ -105,6 +109,7 @@ def _add_batches(out: list[Candidate], shape: ModelShape, hw: Hardware, capacity
                     pp_schedule=schedule, stages_per_rank=v, storage_bytes=4, compute_bytes=2, reduce_bytes=4,
                     trainable_params=k["trainable"],
                     reshard_after_forward=False if ep > 1 else None,
+                    expert_load_factor=k["expert_load_factor"],
                 )  # fmt: skip
                 mem = estimate_step_memory(shape, base)
                 if mem.peak_bytes > capacity:

@@ -33,9 +33,17 @@ def _flag(section: Any, name: str, default: Any) -> Any:
     return section.options.get(name, default)
 
 
-def step_setup(cfg: Any, layout: ResolvedLayout, *, stages: int = 1, on_gpu: bool | None = None) -> StepSetup:
+def step_setup(
+    cfg: Any,
+    layout: ResolvedLayout,
+    *,
+    stages: int = 1,
+    on_gpu: bool | None = None,
+    expert_load_factor: float = 1.0,
+) -> StepSetup:
     """What `recipes train` would run for `cfg` on `layout` (`on_gpu`: default mixed precision
-    is bf16 on CUDA and none on CPU, as `_dist_setup.build_strategy_config` picks)."""
+    is bf16 on CUDA and none on CPU, as `_dist_setup.build_strategy_config` picks;
+    `expert_load_factor`: the busiest EP rank's routed slots over the mean, a run-time fact)."""
     d = cfg.distributed
     storage = _elem(cfg.model.dtype, 4)
     mp = d.options.get("mp_policy")  # the YAML's; the built config holds the CPU default
@@ -84,4 +92,5 @@ def step_setup(cfg: Any, layout: ResolvedLayout, *, stages: int = 1, on_gpu: boo
         megatron_zero=int(_flag(d, "zero_dp_strategy", 3)),
         megatron_grad_fp32=bool(_flag(d, "grad_reduce_in_fp32", False)),
         megatron_master_fp32=bool(_flag(d, "preserve_fp32_weights", False)),
+        expert_load_factor=expert_load_factor,
     )
