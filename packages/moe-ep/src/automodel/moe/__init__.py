@@ -7,17 +7,25 @@ from automodel.moe.dispatch import DispatchPlan, combine_tokens, dispatch_tokens
 from automodel.moe.expert_parallel import ExpertParallelExperts, apply_ep
 from automodel.moe.fsdp import apply_fsdp
 from automodel.moe.grouped_gemm import grouped_expert_mlp, grouped_mm_supported
-from automodel.moe.model_inspect import MoEBlock, find_decoder_layers, find_moe_blocks
+from automodel.moe.model_inspect import (
+    ExpertsLayout,
+    MoEBlock,
+    check_expert_parallel_support,
+    find_decoder_layers,
+    find_moe_blocks,
+)
 from automodel.moe.parallelizer import dense_fsdp_mesh, parallelize_model, validate_moe_layout
 
 __all__ = [
     "DispatchPlan",
     "ExpertParallelExperts",
+    "ExpertsLayout",
     "MoEBlock",
     "MoEParallelizerConfig",
     "apply_ac",
     "apply_ep",
     "apply_fsdp",
+    "check_expert_parallel_support",
     "checkpoint_module",
     "combine_tokens",
     "dense_fsdp_mesh",

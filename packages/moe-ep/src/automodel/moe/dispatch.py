@@ -86,6 +86,18 @@ def dispatch_tokens(x: torch.Tensor, plan: DispatchPlan, *, group: dist.ProcessG
     return received.index_select(0, plan.regroup)
 
 
+def return_tokens(y: torch.Tensor, plan: DispatchPlan, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send expert outputs `y` (grouped by local expert) back to their senders; rows in sorted-slot order."""
+    return all_to_all(
+        y.index_select(0, plan.ungroup), out_splits=plan.send_splits, in_splits=plan.recv_splits, group=group
+    )
+
+
+def unsort_rows(rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """Rows in sorted-slot order back to the flat slot order the routing was given in."""
+    return rows.index_select(0, torch.argsort(plan.order))
+
+
 def combine_tokens(
     y: torch.Tensor,
     plan: DispatchPlan,
@@ -96,9 +108,7 @@ def combine_tokens(
     group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
     """Return expert outputs to their tokens' ranks and sum them per token, weighted by the router."""
-    back = all_to_all(
-        y.index_select(0, plan.ungroup), out_splits=plan.send_splits, in_splits=plan.recv_splits, group=group
-    )
+    back = return_tokens(y, plan, group=group)
     weights = top_k_weights.reshape(-1).index_select(0, plan.order)
     weighted = (back * weights.unsqueeze(-1)).to(out_dtype)
     out = torch.zeros((num_tokens, y.shape[-1]), dtype=out_dtype, device=y.device)

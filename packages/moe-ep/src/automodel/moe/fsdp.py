@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from automodel.mesh.reduction import set_unit_gradient_divide_factor
 
@@ -70,7 +70,8 @@ def apply_fsdp(
         dense_world = dense_mesh.size()
         expert_factor = gradient_divide_factor if gradient_divide_factor is not None else float(dense_world)
         for name, module in experts:
-            local_experts = module.gate_up_proj.to_local().shape[0]
+            sharded = [p for p in module.parameters(recurse=False) if isinstance(p, DTensor)]
+            local_experts = sharded[0].to_local().shape[0]
             dim = 1 if expert_mesh.size() > local_experts else 0
             _shard(
                 module,
@@ -78,7 +79,7 @@ def apply_fsdp(
                 reshard_after_forward=reshard_after_forward,
                 mp_policy=mp_policy,
                 divide_factor=expert_factor,
-                shard_placement_fn=lambda _param, dim=dim: Shard(dim),
+                shard_placement_fn=lambda param, dim=dim: Shard(dim if param.ndim > dim else 0),
             )
             units.add(name)
     shard = dict(

@@ -1,70 +1,232 @@
-"""Find the parts of a Hugging Face (transformers 5) MoE model that expert parallelism touches.
+"""Find the experts modules of a Hugging Face (transformers 5) MoE model and how EP can run them.
 
-transformers 5 keeps each sparse block's experts stacked: ``<block>.experts.gate_up_proj`` of shape
-[E, 2I, H] and ``<block>.experts.down_proj`` of shape [E, H, I], next to a router ``<block>.gate``
-returning ``(logits, top_k_weights, top_k_index)``. Detection is structural (shapes, not class
-names) so Mixtral, Qwen2-MoE, Qwen3-MoE and their relatives are found alike.
+This module is the one home of the rule deciding what expert parallelism supports; the
+pre-launch checks (recipes) and `apply_ep` both call `check_expert_parallel_support`.
+
+An *experts module* holds every expert of a block stacked: each of its own parameters has one
+row per expert on dim 0 (``gate_up_proj`` [E, 2I, H], ``down_proj_bias`` [E, H], ...) and at
+least one is 3-D. It is found by structure, not class name: the ``experts`` child of a block, or
+a module whose ``num_experts`` attribute equals that E (JetMoE's ``input_linear``). How EP runs it
+depends on its forward's call signature (the calling convention its block uses):
+
+- ``forward(hidden_states, top_k_index, top_k_weights)``: index-routed (Mixtral, GPT-OSS,
+  Nemotron-H...). Tokens go to their experts' owners, which run the module's own forward.
+- ``forward(rows, expert_size)``: rows sorted by expert with per-expert counts (JetMoE).
+- ``forward(rows)``: E equal blocks of rows, block e for expert e (Llama 4's dense bmm).
+
+Index-routed modules with exactly the SwiGLU layout of `grouped_gemm` (concatenated gate/up, no
+bias, ``act_fn``, the default gate) use the grouped-GEMM fast path instead of their own forward.
 """
 
 from __future__ import annotations
 
+import enum
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
+class ExpertsLayout(enum.Enum):
+    """How an experts module is called, hence how its tokens are dispatched."""
+
+    SWIGLU = "swiglu"  # index-routed, computed by the grouped-GEMM fast path
+    INDEX_ROUTED = "index_routed"  # forward(hidden_states, top_k_index, top_k_weights)
+    SORTED_ROWS = "sorted_rows"  # forward(rows sorted by expert, expert_size)
+    EXPERT_BLOCKS = "expert_blocks"  # forward(rows in E equal blocks)
+
+
+_LAYOUT_BY_ARITY = {
+    3: ExpertsLayout.INDEX_ROUTED,
+    2: ExpertsLayout.SORTED_ROWS,
+    1: ExpertsLayout.EXPERT_BLOCKS,
+}
+
+#: Flags transformers' ``use_experts_implementation`` sets, at the values the fast path implements.
+_SWIGLU_FLAGS = {
+    "has_bias": False,
+    "is_transposed": False,
+    "is_concatenated": True,
+    "has_gate": True,
+    "has_post_expert_norm": False,
+}
+
+
 @dataclass(frozen=True)
 class MoEBlock:
-    """One sparse MoE block of a model."""
+    """One experts module of a model, and the module that owns it."""
 
-    name: str
+    name: str  # FQN of the owning block
     block: nn.Module
     experts: nn.Module
     num_experts: int
+    experts_name: str = ""  # FQN of the experts module
+    layout: ExpertsLayout = ExpertsLayout.SWIGLU
+    param_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
 
 
-def _param(module: nn.Module, name: str) -> torch.Tensor | None:
-    value = module._parameters.get(name)
-    return value if isinstance(value, torch.Tensor) else None
+def _own_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in module._parameters.items() if isinstance(p, torch.Tensor)}
+
+
+def _forward_arity(module: nn.Module) -> int | None:
+    """Positional parameters of the module's forward, self excluded (decorators followed)."""
+    try:
+        signature = inspect.signature(type(module).forward)
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in signature.parameters.values() if p.kind in kinds) - 1
+
+
+def _is_default_gate(module: nn.Module) -> bool:
+    gate = getattr(type(module), "_apply_gate", None)
+    return gate is None or getattr(gate, "__name__", "") == "_default_apply_gate"
 
 
 def is_stacked_experts(module: nn.Module) -> bool:
-    """True for an experts module with stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]."""
-    gate_up, down = _param(module, "gate_up_proj"), _param(module, "down_proj")
-    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+    """True for the SwiGLU layout: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I] and nothing else."""
+    params = _own_params(module)
+    gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+    if set(params) != {"gate_up_proj", "down_proj"} or gate_up.dim() != 3 or down.dim() != 3:
         return False
     experts, two_inter, hidden = gate_up.shape
     return down.shape[0] == experts and down.shape[1] == hidden and two_inter == 2 * down.shape[2]
 
 
-def check_supported_experts(name: str, experts: nn.Module) -> None:
-    """Reject stacked-expert layouts the grouped GEMM does not implement (bias, transposed, interleaved)."""
-    unsupported = {
-        "has_bias": (getattr(experts, "has_bias", False), False),
-        "is_transposed": (getattr(experts, "is_transposed", False), False),
-        "is_concatenated": (getattr(experts, "is_concatenated", True), True),
-        "has_gate": (getattr(experts, "has_gate", True), True),
-        "has_post_expert_norm": (getattr(experts, "has_post_expert_norm", False), False),
-    }
-    for key, (value, expected) in unsupported.items():
-        if value != expected:
-            raise ValueError(
-                f"experts module {name!r} ({type(experts).__name__}) has {key}={value!r}; expert parallelism "
-                f"supports only the concatenated gate/up layout without bias ({key}={expected!r})"
+def _uses_swiglu_fast_path(module: nn.Module) -> bool:
+    flags_ok = all(getattr(module, k, v) == v for k, v in _SWIGLU_FLAGS.items())
+    return (
+        is_stacked_experts(module)
+        and flags_ok
+        and callable(getattr(module, "act_fn", None))
+        and _is_default_gate(module)
+    )
+
+
+def _is_candidate(leaf: str, module: nn.Module) -> bool:
+    """Holds stacked per-expert parameters: a 3-D own parameter, and named ``experts`` or counting them."""
+    params = _own_params(module)
+    if not any(p.dim() >= 3 for p in params.values()):
+        return False
+    count = getattr(module, "num_experts", None)
+    return leaf == "experts" or any(isinstance(count, int) and p.shape[0] == count for p in params.values())
+
+
+def _classify(name: str, module: nn.Module) -> ExpertsLayout | str:
+    """The layout EP runs `module` with, or why it cannot."""
+    params = _own_params(module)
+    rows = {n: p.shape[0] for n, p in params.items()}
+    where = f"experts module {name!r} ({type(module).__name__})"
+    if len(set(rows.values())) != 1:
+        fewest = min(rows.values())
+        longer = ", ".join(n for n, r in rows.items() if r > fewest)
+        return (
+            f"{where} has parameters with different expert counts on dim 0 ({rows}): expert parallelism "
+            "splits every expert parameter Shard(0) so that each rank holds the same experts' rows of all "
+            f"of them, which needs one row per expert in each; rows {fewest}.. of {longer} have no counterpart "
+            "in the others (e.g. parameter-free identity ('zero') experts the forward computes without them)"
+        )
+    layout = getattr(module, "_ep_layout", None)  # already expert parallel: its class says
+    if layout is not None:
+        return layout
+    arity = _forward_arity(module)
+    layout = _LAYOUT_BY_ARITY.get(arity)
+    if layout is None:
+        return (
+            f"{where} has forward with {arity} positional arguments; expert parallelism runs experts "
+            "called as (hidden_states, top_k_index, top_k_weights), (rows sorted by expert, expert_size) "
+            "or (rows in one block per expert)"
+        )
+    if layout is ExpertsLayout.INDEX_ROUTED and _uses_swiglu_fast_path(module):
+        return ExpertsLayout.SWIGLU
+    return layout
+
+
+def _experts_like_tables(model: nn.Module) -> list[str]:
+    """Why modules that keep experts as embedding rows (Doge's retrieval experts) are not split."""
+    found = []
+    for name, module in model.named_modules():
+        count = getattr(module, "num_experts", None)
+        tables = [
+            n
+            for n, child in module.named_children()
+            if isinstance(child, nn.Embedding)
+            and isinstance(count, int)
+            and child.num_embeddings == count > 1
+        ]
+        if tables:
+            found.append(
+                f"{name!r} ({type(module).__name__}) keeps its {count} experts as rows of embedding tables "
+                f"({', '.join(tables)}) looked up inside its own forward, together with its router and "
+                "shared MLP; expert parallelism would need those lookups to fetch rows from the ranks "
+                "owning them (a distributed embedding lookup), which it does not implement"
             )
-    if not callable(getattr(experts, "act_fn", None)):
-        raise ValueError(f"experts module {name!r} ({type(experts).__name__}) has no act_fn")
+    return found
+
+
+def _scan(model: nn.Module) -> tuple[list[MoEBlock], list[str]]:
+    """The splittable experts modules, and why the others are not (once per class, first one named)."""
+    blocks: list[MoEBlock] = []
+    problems: list[tuple[str, str]] = []
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if not name or not _is_candidate(leaf, module):
+            continue
+        layout = _classify(name, module)
+        if isinstance(layout, str):
+            problems.append((type(module).__name__, layout))
+            continue
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        params = _own_params(module)
+        blocks.append(
+            MoEBlock(
+                name=parent,
+                block=modules[parent],
+                experts=module,
+                num_experts=next(iter(params.values())).shape[0],
+                experts_name=name,
+                layout=layout,
+                param_names=tuple(params),
+            )
+        )
+    first: dict[str, str] = {}
+    for cls, text in problems:
+        first.setdefault(cls, text)
+    counts = {cls: sum(1 for c, _ in problems if c == cls) for cls in first}
+    return blocks, [
+        text + (f" (and {counts[c] - 1} more)" if counts[c] > 1 else "") for c, text in first.items()
+    ]
 
 
 def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
-    """Every module owning a stacked ``experts`` child, in module order."""
-    blocks = []
-    for name, module in model.named_modules():
-        experts = getattr(module, "experts", None)
-        if isinstance(experts, nn.Module) and is_stacked_experts(experts):
-            num_experts = experts.gate_up_proj.shape[0]
-            blocks.append(MoEBlock(name=name, block=module, experts=experts, num_experts=num_experts))
+    """Every experts module expert parallelism can split, in module order."""
+    return _scan(model)[0]
+
+
+def check_expert_parallel_support(model: nn.Module, *, declared_experts: int | None = None) -> list[MoEBlock]:
+    """The experts modules of `model`; ValueError naming each one expert parallelism cannot split.
+
+    Also refuses a model without any experts module (a dense model, or experts kept elsewhere);
+    `declared_experts`, the expert count the model's config declares, makes that message precise.
+    """
+    blocks, problems = _scan(model)
+    problems += _experts_like_tables(model)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if not blocks:
+        built = (
+            f"its config declares {declared_experts} experts but the built model"
+            if declared_experts
+            else "it"
+        )
+        raise ValueError(
+            f"{built} has no experts module (a module named `experts`, or with a `num_experts` attribute, "
+            "whose own parameters hold one row per expert on dim 0, one of them 3-D): a dense model has "
+            "nothing for expert parallelism to split; use ep_size=1 for dense models"
+        )
     return blocks
 
 

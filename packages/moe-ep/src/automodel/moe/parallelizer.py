@@ -10,7 +10,7 @@ from automodel.moe.checkpointing import apply_ac
 from automodel.moe.config import MoEParallelizerConfig
 from automodel.moe.expert_parallel import apply_ep
 from automodel.moe.fsdp import apply_fsdp
-from automodel.moe.model_inspect import find_decoder_layers, find_moe_blocks
+from automodel.moe.model_inspect import check_expert_parallel_support, find_decoder_layers, find_moe_blocks
 
 
 def validate_moe_layout(*, layout: ResolvedLayout, num_experts: list[int]) -> None:
@@ -72,14 +72,14 @@ def parallelize_model(
         raise ValueError(f"gradient_divide_factor must be > 0 or None, got {gradient_divide_factor!r}")
     if mp_policy is not None:
         config = MoEParallelizerConfig(**{**config.__dict__, "mp_policy": mp_policy})
-    blocks = find_moe_blocks(model)
+    # ep > 1: the same support rule as the pre-launch checks (refuses what EP cannot split)
+    blocks = check_expert_parallel_support(model) if mesh.ep_enabled else find_moe_blocks(model)
     validate_moe_layout(layout=mesh.layout, num_experts=[b.num_experts for b in blocks])
     if not blocks:
         return model
     experts = []
     if mesh.ep_enabled:
-        apply_ep(model, ep_mesh=mesh.get_mesh("ep"))
-        experts = [(f"{b.name}.experts" if b.name else "experts", b.experts) for b in blocks]
+        experts = [(b.experts_name, b.experts) for b in apply_ep(model, ep_mesh=mesh.get_mesh("ep"))]
     layers = find_decoder_layers(model)
     if activation_checkpointing:
         if not layers:

@@ -63,23 +63,18 @@ def check_model_supports_layout(
         except ValueError as e:
             raise ConfigError("distributed.cp_size", layout.cp, f"cannot be applied: {e}") from None
     if layout.ep > 1:
-        from automodel.moe import find_moe_blocks, validate_moe_layout
-        from automodel.moe.model_inspect import check_supported_experts
+        # automodel.moe's own rule (the one apply_ep enforces in the ranks), run on the meta model
+        from automodel.moe import check_expert_parallel_support, validate_moe_layout
 
-        blocks = find_moe_blocks(model)
-        if not blocks and num_experts(hf_config):
+        try:
+            blocks = check_expert_parallel_support(model, declared_experts=num_experts(hf_config))
+            validate_moe_layout(layout=layout, num_experts=[b.num_experts for b in blocks])
+        except ValueError as e:
             raise ConfigError(
                 "distributed.ep_size",
                 layout.ep,
-                f"cannot be applied: model_type {hf_config.model_type!r} keeps its experts in a layout expert "
-                "parallelism does not implement (it needs stacked gate_up_proj [E, 2I, H] and down_proj [E, H, I])",
-            )
-        try:
-            validate_moe_layout(layout=layout, num_experts=[b.num_experts for b in blocks])
-            for block in blocks:
-                check_supported_experts(f"{block.name}.experts", block.experts)
-        except ValueError as e:
-            raise ConfigError("distributed.ep_size", layout.ep, f"cannot be applied: {e}") from None
+                f"cannot be applied: model_type {hf_config.model_type!r}: {e}",
+            ) from None
     if needs_pp_split:
         from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
 
