@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from automodel.mesh.planned import own_groups_mesh
 from automodel.mesh.sizes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, ParallelismSizes, ResolvedLayout
 
 
@@ -50,12 +51,22 @@ class MeshContext:
         layout = sizes.resolve(actual)
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, layout.dense_shape, mesh_dim_names=DENSE_AXES)
+        # A fake world (planning) is one process standing for one rank: it creates only that
+        # rank's group of each axis (see `planned`), not every rank's.
+        fake = dist.get_backend() == "fake"
+        if fake:
+            mesh = own_groups_mesh(device_type, layout.dense_shape, DENSE_AXES)
+        else:
+            mesh = init_device_mesh(device_type, layout.dense_shape, mesh_dim_names=DENSE_AXES)
         flattened = {name: mesh[axes]._flatten(name) for name, axes in FLATTENED_AXES.items()}
         moe_mesh = None
         if layout.ep_enabled:
-            ranks = torch.arange(layout.world_size).reshape(layout.moe_shape)
-            moe_root = DeviceMesh(device_type, ranks, mesh_dim_names=(*MOE_AXES, "moe_tp"))
+            moe_names = (*MOE_AXES, "moe_tp")
+            if fake:
+                moe_root = own_groups_mesh(device_type, layout.moe_shape, moe_names)
+            else:
+                ranks = torch.arange(layout.world_size).reshape(layout.moe_shape)
+                moe_root = DeviceMesh(device_type, ranks, mesh_dim_names=moe_names)
             moe_mesh = moe_root[MOE_AXES]
         return cls(layout=layout, device_mesh=mesh, moe_mesh=moe_mesh, _flattened=flattened)
 
