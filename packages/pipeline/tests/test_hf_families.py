@@ -62,6 +62,9 @@ CASES: dict[str, dict] = {
     # The head's decoder is tied to the word embeddings inside bert.embeddings (with positions and
     # a norm), and its bias to cls.predictions.bias: ranks once disagreed on the tied set and hung.
     "bert_tied_inside_embeddings": {"model_type": "bert", "is_decoder": True},
+    # The sinusoidal position table (a frozen nn.Embedding run once before the layers) is read by
+    # every layer besides the hidden states: each stage runs it (a NaN stand-in made the loss NaN).
+    "roformer_positions_read_by_every_layer": {"model_type": "roformer", "is_decoder": True},
 }
 
 
@@ -74,7 +77,9 @@ def build(case: str) -> torch.nn.Module:
     for key, value in config.to_dict().items():  # dropout would make the runs differ by RNG
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
-    config._attn_implementation = "eager" if config.model_type in ("gemma3_text", "bloom") else "sdpa"
+    config._attn_implementation = (
+        "eager" if config.model_type in ("gemma3_text", "bloom", "roformer") else "sdpa"
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float()
 
@@ -101,7 +106,7 @@ def reference(case: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
         loss = loss_of(model(input_ids=ids).logits, labels, int((labels != -100).sum()))
         loss.backward()
         losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
     return losses, grads
@@ -122,7 +127,7 @@ def pipelined(case: str) -> dict:
         loss = pipe.reduce_loss(pipe.step(ids, labels=labels))
         pipe.sync_tied_gradients()
         out["losses"].append(loss.item())
-        out["grads"].append({n: p.grad.clone() for n, p in pipe.named_parameters()})
+        out["grads"].append({n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
     dist.barrier()
@@ -140,12 +145,13 @@ def test_pp2_equals_one_process(case: str) -> None:
         {m.group(1) for n in h if (m := re.search(r"\.(?:layers|layer|h)\.(\d+)\.", n))} for h in held
     ]
     assert held[0] != held[1] and all(layer_names), f"each stage holds its own layers: {layer_names}"
-    everything = set(ref_grads[0])
+    everything = {n for n, _ in build(case).named_parameters()}
     assert held[0] | held[1] == everything, everything ^ (held[0] | held[1])
     shared = held[0] & held[1]
     assert shared == set(ranks[0]["tied"]) == set(ranks[1]["tied"]), shared  # only tied weights on both
     for step in range(STEPS):
         for rank in ranks:
+            assert set(rank["grads"][step]) <= set(ref_grads[step]), "a frozen weight got a gradient"
             for name, grad in rank["grads"][step].items():
                 torch.testing.assert_close(
                     grad, ref_grads[step][name], rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}"

@@ -71,7 +71,8 @@ def hf_module_fqns_per_stage(
     model: nn.Module, *, num_stages: int, structure: HFStructure | None = None
 ) -> list[list[str]]:
     """Modules run before the layers on the first stage, those run after on the last (the first and
-    the last stage both hold an input embedding tied to the head), parameter-free ones (rotary embeddings) on
+    the last stage both hold an input embedding tied to the head), parameter-free ones (rotary embeddings)
+    and those whose outputs the layers read besides the hidden states (sinusoidal position tables) on
     every stage, decoder layers spread evenly (the remainder one each on the first stages)."""
     structure = structure or validate_hf_model_for_pipeline_support(model)
     ranges = split_layers_evenly(structure.num_layers, num_stages)
@@ -81,8 +82,14 @@ def hf_module_fqns_per_stage(
         first, last = stage == 0, stage == num_stages - 1
         if first:
             fqns += [*structure.pre_fqns, *structure.unused_fqns]
-        elif last:
-            fqns += [f for f in structure.tied_fqns if is_within(f, structure.pre_fqns)]
+        else:
+            fqns += list(structure.shared_pre_fqns)
+        if last and not first:
+            fqns += [
+                f
+                for f in structure.tied_fqns
+                if is_within(f, structure.pre_fqns) and not is_within(f, structure.shared_pre_fqns)
+            ]
         fqns += [f"{structure.layers_fqn}.{i}" for i in layer_range]
         if last:
             fqns += list(structure.post_fqns)
@@ -128,7 +135,12 @@ def make_causal_lm_stage(
     """
     ranges = split_layers_evenly(structure.num_layers, num_stages)
     stand_ins = stand_ins if stand_ins is not None else meta_stand_ins(model, structure=structure)
-    meta_modules = {} if stage_index == 0 else dict(stand_ins.pre_modules)
+    # Later stages run the shared pre-layer modules themselves; the others get shape-only stand-ins.
+    meta_modules = (
+        {}
+        if stage_index == 0
+        else {f: m for f, m in stand_ins.pre_modules.items() if f not in structure.shared_pre_fqns}
+    )
     held = ranges[stage_index]
     meta_layers = {i: layer for i, layer in stand_ins.layers.items() if i not in held}
     return CausalLMStage(
@@ -143,7 +155,8 @@ def make_causal_lm_stage(
 
 
 def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> dict[str, list[int]]:
-    """Parameters held by more than one stage (tied weights), by their name in `model`: stage ids.
+    """Parameters held by more than one stage (tied weights, the weights of pre-layer modules every
+    stage runs), by their name in `model`: stage ids.
 
     Found by identity in the whole model, so every rank gets the same answer. Each holding stage
     must know the weight by that name (the first under which it lists it), as one process does:

@@ -12,7 +12,9 @@ duration of the call where the stage holds nothing:
 - parameter-holding modules the model runs before the layers (embeddings, learned positions)
   are replaced on later stages by modules that only compute output shapes (on meta tensors)
   and return NaN: their values are discarded when the received hidden states are handed over,
-  and a NaN that leaks anywhere else makes the loss NaN instead of silently wrong.
+  and a NaN that leaks anywhere else makes the loss NaN instead of silently wrong. Those whose
+  outputs the layers read besides the hidden states (``HFStructure.shared_pre_fqns``) are held
+  and run by every stage instead.
 
 Later stages pass NaN ``inputs_embeds`` for the same reason: the model computes positions and
 attention masks from shapes, exactly as in one process.

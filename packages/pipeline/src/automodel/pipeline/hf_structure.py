@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.pipeline.hf_dataflow import SourceTracker, tensors_in
+
 #: Sequence length of the traced forward (any length the model accepts; shapes only).
 _TRACE_SEQ = 16
 
@@ -32,6 +34,9 @@ class HFStructure:
     num_layers: int
     #: Modules with parameters the forward runs before the first layer (held by the first stage).
     pre_fqns: tuple[str, ...]
+    #: Those of `pre_fqns` whose outputs the layers read besides the hidden states (RoFormer's
+    #: sinusoidal position table): every stage holds and runs them, as one process does.
+    shared_pre_fqns: tuple[str, ...]
     #: Modules with parameters the forward runs after the last layer (held by the last stage).
     post_fqns: tuple[str, ...]
     #: Modules with parameters whose ``forward`` never ran (kept on the first stage, as one process would).
@@ -57,19 +62,25 @@ def _text_config(model: nn.Module) -> Any:
 
 
 def find_layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The decoder layers: the shallowest ModuleList of ``num_hidden_layers`` modules of one class
-    (or, without that config field, the longest such list)."""
+    """The decoder layers: the shallowest ModuleList of ``num_hidden_layers`` modules of one class;
+    else the shallowest list of that length mixing classes (hybrid models build their attention and
+    linear-attention layers from two classes, OLMo-Hybrid); else, or without that config field,
+    the longest list of one class."""
     expected = getattr(_text_config(model), "num_hidden_layers", None)
-    candidates = []
+    uniform, mixed = [], []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0 or not name:
             continue
-        kinds = {type(m) for m in module}
-        if len(kinds) == 1 and any(True for _ in module.parameters()):
-            candidates.append((name.count("."), -len(module), name, module))
+        if not any(True for _ in module.parameters()):
+            continue
+        one_class = len({type(m) for m in module}) == 1
+        (uniform if one_class else mixed).append((name.count("."), -len(module), name, module))
+    candidates = uniform
     if expected is not None:
-        matching = [c for c in candidates if -c[1] == expected]
-        candidates = matching or candidates
+        # Rule: a list of exactly num_hidden_layers wins over lists of other lengths; mixed classes
+        # only when no list of one class has that length.
+        matching = [c for c in uniform if -c[1] == expected] or [c for c in mixed if -c[1] == expected]
+        candidates = matching or uniform
     if not candidates:
         return None
     _, _, name, module = min(candidates, key=lambda c: (c[0], c[1]) if expected else (c[1], c[0]))
@@ -141,21 +152,20 @@ def trace_hf_structure(model: nn.Module) -> HFStructure:
     _use_eager_attention(twin)
     events: list[tuple[str, str]] = []
     layer_io: dict[str, Any] = {}
+    tracker = SourceTracker()
     twin_layers = twin.get_submodule(layers_fqn)
     handles = []
     for fqn in with_params:
-        handles.append(
-            twin.get_submodule(fqn).register_forward_pre_hook(
-                lambda m, a, f=fqn: events.append(("outside", f))
-            )
-        )
+        module = twin.get_submodule(fqn)
+        handles.append(module.register_forward_pre_hook(lambda m, a, f=fqn: events.append(("outside", f))))
+        handles.append(module.register_forward_hook(_outside_post_hook(fqn, layer_io, tracker)))
     for i, layer in enumerate(twin_layers):
         handles.append(
             layer.register_forward_pre_hook(_layer_pre_hook(i, events, layer_io), with_kwargs=True)
         )
-        handles.append(layer.register_forward_hook(_layer_post_hook(i, layer_io)))
+        handles.append(layer.register_forward_hook(_layer_post_hook(i, layer_io, tracker)))
     try:
-        _trace_forward(twin, events=events, layer_io=layer_io)
+        _trace_forward(twin, events=events, layer_io=layer_io, tracker=tracker)
     except Exception as err:  # any failure means: cannot be split generically
         raise PipelineSplitError(
             f"model_type {model_type!r}: its forward could not be traced on meta tensors to find what runs "
@@ -176,11 +186,14 @@ def trace_hf_structure(model: nn.Module) -> HFStructure:
     )
 
 
-def _trace_forward(twin: nn.Module, *, events: list, layer_io: dict[str, Any]) -> None:
+def _trace_forward(
+    twin: nn.Module, *, events: list, layer_io: dict[str, Any], tracker: SourceTracker
+) -> None:
     """One forward of the parameter-free `twin`: on plain meta tensors (cheap: a 70B model's 80
     layers in about a second), else, for models whose forward needs values meta tensors do
     not have (data-dependent shapes, ``.item()``), under torch's fake-tensor mode (about 50x the
-    cost per op). The hooks record into `events` / `layer_io`; a failed attempt's records are dropped.
+    cost per op). The hooks record into `events` / `layer_io` (and label values in `tracker`,
+    entered innermost); a failed attempt's records are dropped.
     """
 
     def run(**extra: Any) -> None:
@@ -192,15 +205,16 @@ def _trace_forward(twin: nn.Module, *, events: list, layer_io: dict[str, Any]) -
     try:
         # An all-ones padding mask: without one, transformers inspects the position ids for packed
         # sequences with `.item()`, which meta tensors cannot answer.
-        with torch.no_grad():
+        with torch.no_grad(), tracker:
             run(attention_mask=torch.ones(1, _TRACE_SEQ, dtype=torch.long, device="meta"))
         return
     except Exception:  # noqa: BLE001 - retried with fake tensors, whose failure is reported
         events.clear()
         layer_io.clear()
+        tracker.clear()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), tracker:
         run()
 
 
@@ -212,6 +226,16 @@ def _use_eager_attention(model: nn.Module) -> None:
                 config._attn_implementation = "eager"
             except (AttributeError, ValueError):
                 pass
+
+
+def _outside_post_hook(fqn: str, layer_io: dict[str, Any], tracker: SourceTracker) -> Any:
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        out = tensors_in(output)
+        # What its output derives from (other modules'), then the module itself.
+        layer_io.setdefault("module_reads", {}).setdefault(fqn, set()).update(tracker.sources(out))
+        tracker.add(out, [fqn])
+
+    return hook
 
 
 def _layer_pre_hook(index: int, events: list, layer_io: dict[str, Any]) -> Any:
@@ -248,8 +272,15 @@ def _needs(layer: nn.Module, args: tuple, kwargs: dict, name: str) -> bool:
     return False
 
 
-def _layer_post_hook(index: int, layer_io: dict[str, Any]) -> Any:
+def _layer_post_hook(index: int, layer_io: dict[str, Any], tracker: SourceTracker) -> Any:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        out = tensors_in(output)
+        if index > 0:
+            # The previous layer's outputs carry no labels (reset below), so what this one's derive
+            # from is what it (or the model between layers) read besides the hidden states. Layer 0
+            # always runs on the first stage, which holds every pre-layer module.
+            layer_io.setdefault("layer_reads", set()).update(tracker.sources(out))
+        tracker.replace(out, ())
         extra = output[1:] if isinstance(output, tuple) else ()
         layer_io["carried_out"] = tuple(t for t in extra if isinstance(t, torch.Tensor))
         if isinstance(output, torch.Tensor):
@@ -329,6 +360,7 @@ def _classify(
         layers_fqn=layers_fqn,
         num_layers=num_layers,
         pre_fqns=tuple(pre),
+        shared_pre_fqns=tuple(_shared_pre_modules(model, pre, layer_io, model_type=model_type)),
         post_fqns=tuple(post),
         unused_fqns=tuple(unused),
         stateless_fqns=tuple(stateless),
@@ -338,6 +370,33 @@ def _classify(
         hidden_size=int(layer_io["hidden_size"]),
         embed_size=int(embed_size),
     )
+
+
+def _shared_pre_modules(
+    model: nn.Module, pre: list[str], layer_io: dict[str, Any], *, model_type: str
+) -> list[str]:
+    """The pre-layer modules every stage must run: those whose outputs the layers read besides the
+    hidden states, and the pre-layer modules those read (in the order the forward runs them)."""
+    reads = layer_io.get("module_reads", {})
+    shared = set(layer_io.get("layer_reads", set())) & set(pre)
+    grown = True
+    while grown:
+        more = {f for s in shared for f in reads.get(s, set()) if f in pre} - shared
+        shared |= more
+        grown = bool(more)
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    # Rule: later stages are called with inputs_embeds (not token ids), so the module making them
+    # never runs there; layers that read its output besides the hidden states cannot be split.
+    embeds = [f for f in shared if any(m is embedding for m in model.get_submodule(f).modules())]
+    if embeds:
+        raise PipelineSplitError(
+            f"model_type {model_type!r}: its decoder layers read the input embeddings ({embeds}) besides the "
+            "hidden states, which later pipeline stages do not compute (they receive hidden states only)"
+        )
+    return [f for f in pre if f in shared]
 
 
 def _input_embedding_size(model: nn.Module) -> int | None:

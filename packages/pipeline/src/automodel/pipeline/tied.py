@@ -3,7 +3,9 @@
 The first stage uses the weight as the embedding, the last as the head. Each holds a copy under
 the weight's name in the model, initialised or loaded identically. After backward, the copies'
 gradients are summed over the stages holding them, so every copy takes the same optimizer step
-and the tie holds exactly, as in one process. For the gradient norm, one copy counts.
+and the tie holds exactly, as in one process. For the gradient norm, one copy counts. The weights
+of a module every stage runs (a position table read by every layer) are copies of one weight alike;
+frozen ones (``requires_grad=False``) get no gradient, as in one process.
 """
 
 from __future__ import annotations
@@ -127,6 +129,8 @@ class TiedParameters:
     @torch.no_grad()
     def sync_gradients(self) -> None:
         for _, copies, group in self._entries:
+            if not any(p.requires_grad for p in copies):
+                continue  # frozen (the same on every rank, so every rank skips it alike)
             grads = []
             for p in copies:
                 if p.grad is None:

@@ -78,9 +78,13 @@ def layer_indices(names: list[str], *, layers_fqn: str | None = None) -> list[in
 
 def layer_list_fqn(part: nn.Module) -> str | None:
     """FQN (as the model names it) of the part's list of decoder layers (``model.layers``,
-    ``transformer.h``, ...), found the way the pipeline finds it."""
-    from automodel.pipeline.hf_structure import find_layer_list
+    ``transformer.h``, ...), found the way the pipeline finds it; a pipeline stage's is the one
+    its model was split by (its pruned list alone may not look like a whole model's)."""
+    from automodel.pipeline.hf_structure import HFStructure, find_layer_list
 
+    structure = getattr(part, "structure", None)
+    if isinstance(structure, HFStructure):
+        return structure.layers_fqn
     found = find_layer_list(part)
     return _canonical(found[0]) if found else None
 

@@ -1,0 +1,100 @@
+"""Which modules a traced forward's values come from (for the pipeline split's structure trace).
+
+A later pipeline stage replaces the modules run before the decoder layers by shape-only stand-ins,
+which is right only if their outputs reach the layers through the hidden states alone (those are
+handed over from the previous stage). Some models compute a value once and hand it to every layer
+besides the hidden states (RoFormer's sinusoidal position table); the stage must run that module
+itself. To tell them apart, `SourceTracker` labels tensors with the modules their values derive
+from and carries the labels through every operator of the traced forward (meta or fake tensors,
+so it costs no data). Operators that read only an input's shape (``zeros_like``, ``new_ones``, ...)
+carry nothing: a mask built from the embeddings' shape does not depend on their values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_aten = torch.ops.aten
+#: Operators whose outputs do not depend on the values of their tensor inputs (shape, dtype, device).
+_SHAPE_ONLY = {
+    _aten.empty_like,
+    _aten.zeros_like,
+    _aten.ones_like,
+    _aten.full_like,
+    _aten.rand_like,
+    _aten.randn_like,
+    _aten.randint_like,
+    _aten.new_empty,
+    _aten.new_empty_strided,
+    _aten.new_zeros,
+    _aten.new_ones,
+    _aten.new_full,
+}
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors inside nested tuples, lists and dicts (e.g. a layer's ``(cos, sin)`` argument)."""
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class SourceTracker(TorchDispatchMode):
+    """Labels tensors with the sources their values derive from, through every dispatched operator.
+
+    Enter it innermost (after a fake-tensor mode, if any) for the duration of one forward.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # id -> (the tensor, kept alive so the id stays its own; its labels)
+        self._labels: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+
+    def sources(self, tensors: Iterable[torch.Tensor]) -> set[str]:
+        found: set[str] = set()
+        for t in tensors:
+            entry = self._labels.get(id(t))
+            if entry is not None and entry[0] is t:
+                found |= entry[1]
+        return found
+
+    def add(self, tensors: Iterable[torch.Tensor], labels: Iterable[str]) -> None:
+        labels = frozenset(labels)
+        for t in tensors:
+            self._labels[id(t)] = (t, labels | frozenset(self.sources([t])))
+
+    def clear(self) -> None:
+        self._labels.clear()
+
+    def replace(self, tensors: Iterable[torch.Tensor], labels: Iterable[str]) -> None:
+        for t in tensors:
+            self._labels[id(t)] = (t, frozenset(labels))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self._labels or func.overloadpacket in _SHAPE_ONLY:
+            return out
+        labels = self.sources(_op_tensors((*args, *kwargs.values())))
+        if labels:
+            self.add(_op_tensors(out if isinstance(out, tuple | list) else (out,)), labels)
+            # In-place and out= operators write into their arguments: those now carry the labels too.
+            for arg, value in zip(func._schema.arguments, args):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    self.add(tensors_in(value), labels)
+            for arg in func._schema.arguments:
+                if arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write:
+                    self.add(tensors_in(kwargs.get(arg.name)), labels)
+        return out
+
+
+def _op_tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """The tensors among an operator's arguments or results (tensors, or lists of them: aten's types)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, tuple | list):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
