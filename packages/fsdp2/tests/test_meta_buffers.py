@@ -1,6 +1,7 @@
 """Buffers a model computes at construction come back after meta-device init, from the model's own
 code: rotary frequencies, Gemma's embedding scale, the router correction bias of DeepSeek-V3 /
-GLM-4-MoE, Apertus' activation constants; parameters keep their seeded values."""
+GLM-4-MoE / LongCat-Flash, Apertus' activation constants; parameters keep their seeded values, also
+those of submodules the model's init code re-draws."""
 
 from __future__ import annotations
 
@@ -44,6 +45,25 @@ CONFIGS = {
         "num_key_value_heads": 2,
         "head_dim": 16,
         "first_k_dense_replace": 1,
+    },
+    # The router's _init_weights (called to restore its correction bias) also re-draws its child
+    # classifier.weight from the global RNG: the seeded value must survive.
+    "longcat_flash": {
+        **DENSE,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "zero_expert_num": 4,
+        "num_experts_per_tok": 2,
+        "expert_ffn_hidden_size": 32,
+        "ffn_hidden_size": 128,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "head_dim": 8,
     },
 }
 

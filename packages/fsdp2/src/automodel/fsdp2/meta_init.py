@@ -66,9 +66,12 @@ def _init_weights_owner(model: nn.Module) -> nn.Module | None:
 def _restore_with_init_weights(owner: nn.Module | None, module: nn.Module, names: list[str]) -> str | None:
     """Let the model's own ``_init_weights`` fill `module`'s lost buffers; its parameters are kept.
 
-    The parameters are swapped for meta placeholders during the call (the model's init would
-    otherwise overwrite the seeded values). Float buffers are poisoned with NaN first, so a buffer
-    the init code does not set is detected. Returns None when every buffer was filled, else why not.
+    The parameters of `module` and of every submodule are swapped for meta placeholders during the
+    call: the model's init would otherwise overwrite the seeded values, also those of submodules
+    (LongCat-Flash's router re-draws its child ``classifier.weight`` from the global RNG, which
+    differs between one process and the ranks, and between plain and sharded tensors). Float
+    buffers are poisoned with NaN first, so a buffer the init code does not set is detected.
+    Returns None when every buffer was filled, else why not.
     """
     if owner is None:
         return "the model has no _init_weights"
@@ -76,9 +79,14 @@ def _restore_with_init_weights(owner: nn.Module | None, module: nn.Module, names
         return "a lost buffer is not floating point"
     for name in names:
         module._buffers[name].fill_(float("nan"))
-    kept = {n: p for n, p in module._parameters.items() if p is not None}
-    for name, param in kept.items():
-        module._parameters[name] = nn.Parameter(
+    kept = [
+        (holder, name, param)
+        for holder in module.modules()
+        for name, param in holder._parameters.items()
+        if param is not None
+    ]
+    for holder, name, param in kept:
+        holder._parameters[name] = nn.Parameter(
             torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad
         )
     failure = None
@@ -87,7 +95,8 @@ def _restore_with_init_weights(owner: nn.Module | None, module: nn.Module, names
     except Exception as err:  # noqa: BLE001 - reported if re-creating the module fails too
         failure = f"{type(owner).__name__}._init_weights failed: {type(err).__name__}: {err}"
     finally:
-        module._parameters.update(kept)
+        for holder, name, param in kept:
+            holder._parameters[name] = param
     if failure is None and any(torch.isnan(module._buffers[n]).any() for n in names):
         failure = f"{type(owner).__name__}._init_weights does not set them"
     return failure
