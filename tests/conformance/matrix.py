@@ -288,7 +288,11 @@ def check_applied(
         elif layout == "cp2":
             assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']}"
         elif layout == "ep2":
-            experts = {n: e for n, e in params.items() if ".experts." in f".{n}"}
+            # expert parameters: under an `experts` module, or split over ep wherever they live (JetMoE's
+            # mlp.input_linear.weight)
+            experts = {
+                n: e for n, e in params.items() if ".experts." in f".{n}" or _placement(e, "ep") is not None
+            }
             assert experts and num_experts, f"rank {report['rank']}: no expert parameters"
             for name, entry in experts.items():
                 if _placement(entry, "ep") is not None:

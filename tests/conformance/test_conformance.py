@@ -47,7 +47,8 @@ CASES = [
     ("deepseek_v3", "default", "ep2", PASS),  # latent attention, MoE router correction bias
     ("deepseek_v3", "default", "pp2", PASS),
     ("gpt_oss", "default", "pp2", PASS),  # attention sinks, MoE
-    ("gpt_oss", "default", "ep2", "keeps its experts in a layout"),  # transposed experts with biases
+    ("gpt_oss", "default", "ep2", PASS),  # transposed, interleaved experts with biases: their own forward
+    ("longcat_flash", "default", "ep2", "different expert counts on dim 0"),  # identity (zero) experts
     ("gpt_oss", "default", "cp2", "attention sinks"),
     ("gpt2", "default", "pp2", PASS),  # learned positions, another naming scheme
     ("gpt2", "default", "tp2", "declares no tensor-parallel plan"),

@@ -21,6 +21,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -126,10 +127,14 @@ class ExpertParallelExperts(nn.Module):
             return self._swiglu(params)(received, counts)
         local = len(counts)
         rows = received
-        if received.shape[0] == 0:  # no rows: one dummy row keeps the parameters in the graph (zero grad)
-            rows, counts = received.new_zeros(1, received.shape[-1]), [1] + [0] * (local - 1)
-            if self._ep_layout is ExpertsLayout.EXPERT_BLOCKS:
-                rows, counts = received.new_zeros(local, received.shape[-1]), [1] * local
+        if received.shape[0] == 0:
+            # No rows: zero dummy rows appended to the (empty) received buffer keep both the
+            # parameters and the dispatch all-to-all in the graph, so every rank runs the same
+            # collectives in backward (their gradients are zero).
+            counts = (
+                [1] * local if self._ep_layout is ExpertsLayout.EXPERT_BLOCKS else [1] + [0] * (local - 1)
+            )
+            rows = F.pad(received, (0, 0, 0, sum(counts)))
         view = local_view(self, params=params, num_experts=local)
         out = call_own_forward(
             self._ep_base_forward,

@@ -1,0 +1,288 @@
+"""Expert parallelism of experts layouts beyond plain SwiGLU: the module's own forward on the owner rank.
+
+Parity (2 gloo ranks, ep2, fp32) against one process on the same data for GPT-OSS (transposed,
+interleaved gate/up with biases, clamped gate), Nemotron-H (no gate, relu2), Llama 4 (one block
+per expert, router scores scaling the input) and JetMoE (rows sorted by expert, in the MLP and the
+attention experts); the probe's refusals; and the one support rule on meta-device models.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from automodel.mesh import MeshContext, ParallelismSizes
+from automodel.mesh.testing import run_on_ranks
+from automodel.moe import ExpertsLayout, apply_ep, check_expert_parallel_support, parallelize_model
+
+SEQ, PER_RANK, VOCAB, TOL = 16, 2, 256, 1e-5
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+FAMILIES: dict[str, dict] = {
+    "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "nemotron_h": dict(
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        layers_block_type=["moe", "full_attention"],
+    ),
+    "llama4_text": dict(
+        intermediate_size=32, intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1
+    ),
+    "jetmoe": dict(intermediate_size=32, kv_channels=16, num_local_experts=4, num_experts_per_tok=2),
+    "mixtral": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def _build(family: str, *, seed: int = 0, device: str = "cpu", **overrides: object) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**COMMON, **FAMILIES.get(family, {}), **overrides})
+    config._attn_implementation = "eager"  # GPT-OSS has no SDPA path
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config).float()
+
+
+def _preload() -> None:
+    import importlib
+
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    for module in ("gpt_oss", "nemotron_h", "llama4", "jetmoe", "mixtral", "doge", "llama"):
+        importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+
+
+_preload()
+
+
+def _loss(model: nn.Module, ids: torch.Tensor, *, global_tokens: int) -> torch.Tensor:
+    logits = model(input_ids=ids).logits
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1), reduction="sum")
+    return ce / global_tokens
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _ep_parity_rank(family: str, steps: int = 2) -> dict:
+    ctx = MeshContext.build(ParallelismSizes(ep_size=2))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _build(family)
+    ref = copy.deepcopy(model)
+    parallelize_model(model, mesh=ctx, gradient_divide_factor=1.0)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_params = dict(ref.named_parameters())
+    out: dict = {"loss_rel": [], "grad_rel": []}
+    for step in range(steps):
+        ids = torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=torch.Generator().manual_seed(step))
+        tokens = ids[:, 1:].numel()
+        loss = _loss(model, ids.chunk(world)[rank], global_tokens=tokens)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        ref_total = 0.0
+        for shard in ids.chunk(world):  # data parallelism = gradients accumulated over the shards
+            ref_loss = _loss(ref, shard, global_tokens=tokens)
+            ref_loss.backward()
+            ref_total += ref_loss.item()
+        out["loss_rel"].append(abs(total.item() - ref_total) / abs(ref_total))
+        grads = [(n, _full(p.grad), ref_params[n].grad) for n, p in model.named_parameters()]
+        missing = [n for n, got, want in grads if (got is None) != (want is None)]
+        assert not missing, f"gradients present on one side only: {missing}"
+        out["grad_rel"].append(max(_rel(got, want) for _, got, want in grads if want is not None))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    # every parameter split over ep: (local experts, all experts)
+    out["expert_rows"] = {
+        n: (p.to_local().shape[0], p.shape[0])
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+    }
+    out["fast_path"] = sorted(
+        {
+            bool(m._ep_fast_path)
+            for m in model.modules()
+            if hasattr(m, "_ep_layout") and m._ep_fast_path is not None
+        }
+    )
+    return out
+
+
+#: (family, experts parameters expected split over ep, whether the grouped-GEMM fast path runs)
+PARITY_CASES = [
+    ("gpt_oss", 2 * 4, False),  # 2 layers x gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias
+    ("nemotron_h", 1 * 2, False),  # 1 MoE layer x up_proj, down_proj
+    ("llama4_text", 2 * 2, False),
+    ("jetmoe", 2 * 4, False),  # 2 layers x (MLP + attention experts) x input_linear, output_linear
+    ("mixtral", 2 * 2, True),
+]
+
+
+@pytest.mark.parametrize(("family", "num_split", "fast_path"), PARITY_CASES, ids=[c[0] for c in PARITY_CASES])
+def test_ep2_matches_one_process(family: str, num_split: int, fast_path: bool) -> None:
+    results = run_on_ranks(_ep_parity_rank, world_size=2, args=(family,), timeout_s=300)
+    for r in results:
+        assert max(r["loss_rel"]) <= TOL, r["loss_rel"]
+        assert max(r["grad_rel"]) <= TOL, r["grad_rel"]
+        assert len(r["expert_rows"]) == num_split, r["expert_rows"]
+        assert all(local * 2 == full == 4 for local, full in r["expert_rows"].values()), r["expert_rows"]
+        assert r["fast_path"] == [fast_path]
+
+
+# ---- the probe: the own forward must be splittable ------------------------------------------
+class _WeightBeforeActivation(nn.Module):
+    """Experts whose routing weight enters before the non-linearity: not linear in the weight."""
+
+    def __init__(self, num_experts: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.up = nn.Parameter(torch.randn(num_experts, hidden, hidden))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
+        y = torch.einsum("tkoi,ti->tko", self.up[top_k_index], hidden_states)
+        return F.silu(y * top_k_weights.unsqueeze(-1)).sum(1)
+
+
+class _LinearInWeight(_WeightBeforeActivation):
+    """Correct index-routed experts: silu(up_e x), scaled by the routing weight afterwards."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
+        y = torch.einsum("tkoi,ti->tko", self.up[top_k_index], hidden_states)
+        return (F.silu(y) * top_k_weights.unsqueeze(-1)).sum(1)
+
+
+class _MixesRows(_WeightBeforeActivation):
+    """Linear in the weight, but every row depends on the mean of the call's rows."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
+        centred = hidden_states - hidden_states.mean(0, keepdim=True)
+        y = torch.einsum("tkoi,ti->tko", self.up[top_k_index], centred)
+        return (y * top_k_weights.unsqueeze(-1)).sum(1)
+
+
+class _Block(nn.Module):
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+
+def _probe_rank(kind: str) -> str:
+    ctx = MeshContext.build(ParallelismSizes(ep_size=2))
+    torch.manual_seed(0)
+    block = _Block(_WeightBeforeActivation() if kind == "weight" else _MixesRows())
+    apply_ep(block, ep_mesh=ctx.get_mesh("ep"))
+    x = torch.randn(6, 8)
+    idx = torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(dist.get_rank()))
+    try:
+        block.experts(x, idx, torch.rand(6, 2))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "reason"),
+    [
+        ("weight", "_WeightBeforeActivation", "not the expert output scaled by the routing weight"),
+        ("rows", "_MixesRows", "depends on other rows"),
+    ],
+)
+def test_probe_refuses_forward_that_cannot_be_split(kind: str, name: str, reason: str) -> None:
+    """Every rank raises (no rank is left waiting in an all-to-all), naming the class and the reason."""
+    for message in run_on_ranks(_probe_rank, world_size=2, args=(kind,), timeout_s=120):
+        assert f"cannot run {name}'s own forward" in message and reason in message, message
+
+
+def _empty_owner_rank() -> float:
+    """Every token routed to rank 0's experts: rank 1 receives nothing yet joins every collective."""
+    ctx = MeshContext.build(ParallelismSizes(ep_size=2))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    block = _Block(_LinearInWeight())
+    ref = copy.deepcopy(block.experts)
+    apply_ep(block, ep_mesh=ctx.get_mesh("ep"))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 8, generator=g, requires_grad=True)
+    idx = torch.randint(0, 2, (6, 2), generator=g)  # experts 0 and 1 live on rank 0
+    w = torch.rand(6, 2, generator=g)
+    x_ref = x.detach().clone().requires_grad_()
+    out, want = block.experts(x, idx, w), ref(x_ref, idx, w)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    ref_grad = ref.up.grad.clone()
+    dist.all_reduce(ref_grad)  # each rank's reference saw only its own tokens
+    return max(_rel(out, want), _rel(x.grad, x_ref.grad), _rel(block.experts.up.grad.full_tensor(), ref_grad))
+
+
+def test_owner_without_rows_still_runs_the_collectives() -> None:
+    assert max(run_on_ranks(_empty_owner_rank, world_size=2, timeout_s=120)) <= TOL
+
+
+# ---- the support rule, on meta-device models ------------------------------------------------
+@pytest.mark.parametrize(
+    ("family", "layout", "params"),
+    [
+        (
+            "gpt_oss",
+            ExpertsLayout.INDEX_ROUTED,
+            ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
+        ),
+        ("nemotron_h", ExpertsLayout.INDEX_ROUTED, ("up_proj", "down_proj")),
+        ("llama4_text", ExpertsLayout.EXPERT_BLOCKS, ("gate_up_proj", "down_proj")),
+        ("jetmoe", ExpertsLayout.SORTED_ROWS, ("weight",)),
+        ("mixtral", ExpertsLayout.SWIGLU, ("gate_up_proj", "down_proj")),
+    ],
+)
+def test_support_rule_classifies_layouts(family: str, layout: ExpertsLayout, params: tuple[str, ...]) -> None:
+    blocks = check_expert_parallel_support(_build(family, device="meta"))
+    assert blocks and {(b.layout, b.param_names, b.num_experts) for b in blocks} == {(layout, params, 4)}
+
+
+def test_support_rule_refusals() -> None:
+    class _ZeroExperts(nn.Module):  # like LongcatFlashExperts: rows for identity experts only in gate_up_proj
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.empty(6, 8, 4))
+            self.down_proj = nn.Parameter(torch.empty(4, 4, 4))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
+            return hidden_states
+
+    with pytest.raises(
+        ValueError, match=r"_ZeroExperts.*different expert counts on dim 0.*rows 4\.\. of gate_up_proj"
+    ):
+        check_expert_parallel_support(_Block(_ZeroExperts()))
+    doge = _build(
+        "doge", device="meta", is_moe=True, num_experts=4, num_experts_per_tok=2, intermediate_size=32
+    )
+    with pytest.raises(ValueError, match=r"DogeCDMoE.*embedding tables \(down_embed, up_embed\)"):
+        check_expert_parallel_support(doge)
+    with pytest.raises(ValueError, match="declares 4 experts but the built model has no experts module"):
+        check_expert_parallel_support(_build("llama", device="meta"), declared_experts=4)
