@@ -65,3 +65,16 @@ def test_sixteen_k_ranks_create_only_the_planned_ranks_groups() -> None:
         layout = ctx.layout
         flattening = sum(layout.world_size // layout.axis_size(name) for name in FLATTENED_AXES)
         assert created == len(DENSE_AXES) + len(MOE_AXES) + 1 + flattening
+
+
+def test_a_group_that_disagrees_with_the_layout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from automodel.mesh import planned
+
+    def wrong_tp_group(grid: torch.Tensor, rank: int) -> list[list[int]]:
+        groups = own_group_ranks(grid, rank)
+        groups[-1] = [1, 3]  # rank 1's tp partner is rank 0
+        return groups
+
+    monkeypatch.setattr(planned, "own_group_ranks", wrong_tp_group)
+    with fake_world(8, rank=1), pytest.raises(RuntimeError, match="rank 1: the tp group holds ranks"):
+        MeshContext.build(ParallelismSizes(tp_size=2, pp_size=2), device_type="cpu")

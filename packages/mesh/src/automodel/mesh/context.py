@@ -68,7 +68,27 @@ class MeshContext:
                 ranks = torch.arange(layout.world_size).reshape(layout.moe_shape)
                 moe_root = DeviceMesh(device_type, ranks, mesh_dim_names=moe_names)
             moe_mesh = moe_root[MOE_AXES]
-        return cls(layout=layout, device_mesh=mesh, moe_mesh=moe_mesh, _flattened=flattened)
+        ctx = cls(layout=layout, device_mesh=mesh, moe_mesh=moe_mesh, _flattened=flattened)
+        if fake:
+            ctx.check_groups()
+        return ctx
+
+    def check_groups(self) -> None:
+        """Every axis group of this rank holds exactly the ranks `ResolvedLayout.group_ranks` gives.
+
+        The meshes come from torch's rank grid, the layout from its own arithmetic: planning checks
+        one against the other (a fake world has no collective to check them with)."""
+        rank = dist.get_rank()
+        for axis in self.layout.axis_names():
+            if axis in ("ep", "ep_shard") and not self.ep_enabled:
+                continue
+            members = dist.get_process_group_ranks(self.get_mesh(axis).get_group())
+            expected = self.layout.group_ranks(rank, axis)
+            if members != expected:
+                raise RuntimeError(
+                    f"rank {rank}: the {axis} group holds ranks {members[:16]}, the layout expects "
+                    f"{expected[:16]} ({self.layout.describe()})"
+                )
 
     # ---- lookup --------------------------------------------------------------------------
     def get_mesh(self, name: str) -> DeviceMesh:

@@ -8,7 +8,6 @@ layout can be checked for 16k ranks without creating a single process group.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from math import prod
 
 #: Axes of the dense device mesh, outermost first (row-major rank order).
 DENSE_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -194,20 +193,20 @@ class ResolvedLayout:
             return self._moe_group_ranks(coords, axis)
         else:
             raise ValueError(f"unknown mesh axis {axis!r}; known: {', '.join(self.axis_names())}")
-        members: list[int] = []
-        for flat in range(prod(getattr(self, a) for a in spanned)):
-            c = dict(coords)
-            for a in reversed(spanned):
-                c[a] = flat % getattr(self, a)
-                flat //= getattr(self, a)
-            members.append(self._rank_of(c))
+        strides = self._dense_strides()
+        members = [rank - sum(coords[a] * strides[a] for a in spanned)]
+        for a in spanned:  # outermost first: the last spanned axis varies fastest (row-major)
+            members = [m + i * strides[a] for m in members for i in range(getattr(self, a))]
         return members
 
-    def _rank_of(self, coords: dict[str, int]) -> int:
-        rank = 0
-        for axis, size in zip(DENSE_AXES, self.dense_shape):
-            rank = rank * size + coords[axis]
-        return rank
+    def _dense_strides(self) -> dict[str, int]:
+        """Rank distance between neighbours along each dense axis (row-major)."""
+        strides: dict[str, int] = {}
+        step = 1
+        for axis, size in zip(reversed(DENSE_AXES), reversed(self.dense_shape)):
+            strides[axis] = step
+            step *= size
+        return strides
 
     def _moe_group_ranks(self, coords: dict[str, int], axis: str) -> list[int]:
         def rank_at(ep_shard: int, ep: int) -> int:
