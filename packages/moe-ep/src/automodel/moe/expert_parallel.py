@@ -13,6 +13,7 @@ Each call exchanges the rows an experts module is given with the ranks owning th
   expert ids and unit weights (`own_forward`), then the router-weighted sum.
 - rows sorted by expert (JetMoE) or in one block per expert (Llama 4): the module's own forward
   on the received rows; results return to their original positions.
+- experts as embedding rows (Doge): each lookup fetches its rows from their owners (`expert_tables`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from automodel.moe.dispatch import (
     return_tokens,
     unsort_rows,
 )
+from automodel.moe.expert_tables import ExpertParallelEmbedding
 from automodel.moe.grouped_gemm import grouped_expert_mlp
 from automodel.moe.model_inspect import ExpertsLayout, MoEBlock, check_expert_parallel_support
 from automodel.moe.own_forward import call_own_forward, local_view, verify_own_forward
@@ -194,7 +196,10 @@ def _expert_parallel_class(base: type, block: MoEBlock, cache: dict[tuple, type]
             "_ep_param_names": block.param_names,
             "_ep_base_forward": staticmethod(base.forward),
         }
-        cache[key] = type(f"ExpertParallel{base.__name__}", (ExpertParallelExperts, base), attrs)
+        mixin = (
+            ExpertParallelEmbedding if block.layout is ExpertsLayout.EXPERT_ROWS else ExpertParallelExperts
+        )
+        cache[key] = type(f"ExpertParallel{base.__name__}", (mixin, base), attrs)
     return cache[key]
 
 

@@ -14,6 +14,9 @@ depends on its forward's call signature (the calling convention its block uses):
 - ``forward(rows, expert_size)``: rows sorted by expert with per-expert counts (JetMoE).
 - ``forward(rows)``: E equal blocks of rows, block e for expert e (Llama 4's dense bmm).
 
+Experts kept as the rows of ``nn.Embedding`` tables of a block with ``num_experts`` rows (Doge's
+single-neuron retrieval experts) are split too: each lookup fetches rows from their owner rank.
+
 Index-routed modules with exactly the SwiGLU layout of `grouped_gemm` (concatenated gate/up, no
 bias, ``act_fn``, the default gate) use the grouped-GEMM fast path instead of their own forward.
 """
@@ -35,6 +38,7 @@ class ExpertsLayout(enum.Enum):
     INDEX_ROUTED = "index_routed"  # forward(hidden_states, top_k_index, top_k_weights)
     SORTED_ROWS = "sorted_rows"  # forward(rows sorted by expert, expert_size)
     EXPERT_BLOCKS = "expert_blocks"  # forward(rows in E equal blocks)
+    EXPERT_ROWS = "expert_rows"  # an nn.Embedding whose row e is expert e (Doge's retrieval experts)
 
 
 _LAYOUT_BY_ARITY = {
@@ -144,26 +148,28 @@ def _classify(name: str, module: nn.Module) -> ExpertsLayout | str:
     return layout
 
 
-def _experts_like_tables(model: nn.Module) -> list[str]:
-    """Why modules that keep experts as embedding rows (Doge's retrieval experts) are not split."""
-    found = []
-    for name, module in model.named_modules():
-        count = getattr(module, "num_experts", None)
-        tables = [
-            n
-            for n, child in module.named_children()
-            if isinstance(child, nn.Embedding)
-            and isinstance(count, int)
-            and child.num_embeddings == count > 1
-        ]
-        if tables:
-            found.append(
-                f"{name!r} ({type(module).__name__}) keeps its {count} experts as rows of embedding tables "
-                f"({', '.join(tables)}) looked up inside its own forward, together with its router and "
-                "shared MLP; expert parallelism would need those lookups to fetch rows from the ranks "
-                "owning them (a distributed embedding lookup), which it does not implement"
-            )
-    return found
+def _expert_tables(module: nn.Module) -> list[tuple[str, nn.Embedding]]:
+    """Embedding children with one row per expert of `module` (its ``num_experts``)."""
+    count = getattr(module, "num_experts", None)
+    if not isinstance(count, int) or count < 2:
+        return []
+    return [
+        (n, child)
+        for n, child in module.named_children()
+        if isinstance(child, nn.Embedding) and child.num_embeddings == count
+    ]
+
+
+def _classify_table(name: str, table: nn.Embedding) -> ExpertsLayout | str:
+    """Expert rows are fetched from their owner rank; options that act on the whole table cannot be."""
+    options = {"padding_idx": table.padding_idx, "max_norm": table.max_norm, "sparse": table.sparse or None}
+    set_options = {k: v for k, v in options.items() if v is not None}
+    if set_options or getattr(type(table), "forward", None) is not nn.Embedding.forward:
+        return (
+            f"expert table {name!r} ({type(table).__name__}) is not a plain nn.Embedding lookup "
+            f"({set_options or 'its own forward'}); expert parallelism fetches rows from the rank owning them"
+        )
+    return ExpertsLayout.EXPERT_ROWS
 
 
 def _scan(model: nn.Module) -> tuple[list[MoEBlock], list[str]]:
@@ -172,6 +178,23 @@ def _scan(model: nn.Module) -> tuple[list[MoEBlock], list[str]]:
     problems: list[tuple[str, str]] = []
     modules = dict(model.named_modules())
     for name, module in modules.items():
+        for child, table in _expert_tables(module):
+            fqn = f"{name}.{child}" if name else child
+            layout = _classify_table(fqn, table)
+            if isinstance(layout, str):
+                problems.append((type(table).__name__, layout))
+                continue
+            blocks.append(
+                MoEBlock(
+                    name=name,
+                    block=module,
+                    experts=table,
+                    num_experts=table.num_embeddings,
+                    experts_name=fqn,
+                    layout=layout,
+                    param_names=("weight",),
+                )
+            )
         leaf = name.rsplit(".", 1)[-1]
         if not name or not _is_candidate(leaf, module):
             continue
@@ -213,7 +236,6 @@ def check_expert_parallel_support(model: nn.Module, *, declared_experts: int | N
     `declared_experts`, the expert count the model's config declares, makes that message precise.
     """
     blocks, problems = _scan(model)
-    problems += _experts_like_tables(model)
     if problems:
         raise ValueError("; ".join(problems))
     if not blocks:
@@ -224,7 +246,8 @@ def check_expert_parallel_support(model: nn.Module, *, declared_experts: int | N
         )
         raise ValueError(
             f"{built} has no experts module (a module named `experts`, or with a `num_experts` attribute, "
-            "whose own parameters hold one row per expert on dim 0, one of them 3-D): a dense model has "
+            "whose own parameters hold one row per expert on dim 0, one of them 3-D; or embedding tables "
+            "with one row per expert): a dense model has "
             "nothing for expert parallelism to split; use ep_size=1 for dense models"
         )
     return blocks
