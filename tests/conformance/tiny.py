@@ -1,7 +1,9 @@
 """Tiny configs for every causal LM in transformers' registry, from the config class's own defaults.
 
 Only sizes are shrunk (layers, widths, heads, vocabulary, experts, MLA ranks, window lengths);
-every other field keeps the config class's default, so each model runs its own default math.
+every other field keeps the config class's default, so each model runs its own default math. The
+exceptions: dropout is switched off, BERT-style encoders are made decoders, and a config field a
+forward needs in place of an input training does not pass is set (X-MOD's default_language).
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ def tiny_overrides(config: Any) -> dict[str, Any]:
             out[key] = 1
         elif isinstance(current, list) and any(isinstance(t, int) and t >= 256 for t in current):
             out[key] = [1]
+    languages = getattr(config, "languages", None)
+    if hasattr(config, "default_language") and config.default_language is None and languages:
+        # X-MOD: training passes no lang_ids, so the config names the language (recipes.model_inputs)
+        out["default_language"] = languages[0]
     if hasattr(config, "add_cross_attention") and not getattr(config, "is_decoder", True):
         out["is_decoder"] = True  # BERT-style encoders are causal LMs only as decoders
     for key, value in config.to_dict().items():

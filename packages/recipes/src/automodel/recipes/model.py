@@ -10,6 +10,7 @@ from torch import nn
 
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import resolve_dtype
+from automodel.recipes.model_inputs import check_defaulted_inputs
 from automodel.recipes.trust import announce_remote_code
 
 
@@ -60,6 +61,9 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"model.config.{key}", value, "must be an int >= 1")
     cfg._attn_implementation = resolve_attn_implementation(cfg, section.attn_implementation)
+    cls = causal_lm_class(cfg)
+    if cls is not object:  # remote code: its class is known only once loaded
+        check_defaulted_inputs(cfg, model_cls=cls, section=section)
     return cfg
 
 

@@ -1,0 +1,56 @@
+"""Inputs a model's forward needs that the recipes do not pass: their defaults must come from the config.
+
+The training loop calls the model with token ids and position ids only. A model that selects
+weights by another input falls back to a config field when that input is absent; with the field
+unset its forward raises inside every rank. Each rule below names the input, the config field
+and the field listing its accepted values, so the run is refused before launch naming the key.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from automodel.recipes.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DefaultedInput:
+    """A forward input (`name`) the model replaces by ``config.<field>`` (one of ``config.<choices>``)."""
+
+    name: str
+    field: str
+    choices: str
+
+
+#: X-MOD picks its language adapters by ``lang_ids``, else by ``config.default_language``.
+RULES: tuple[DefaultedInput, ...] = (DefaultedInput("lang_ids", "default_language", "languages"),)
+
+
+def check_defaulted_inputs(hf_config: Any, *, model_cls: type, section: Any) -> None:
+    """`ConfigError` naming the config field when `model_cls.forward` takes an input the recipes do
+    not pass and the field it falls back to is unset or not one of its accepted values."""
+    try:
+        params = inspect.signature(model_cls.forward).parameters
+    except (TypeError, ValueError):
+        return
+    for rule in RULES:
+        if rule.name not in params or not hasattr(hf_config, rule.field):
+            continue
+        value = getattr(hf_config, rule.field)
+        choices = list(getattr(hf_config, rule.choices, None) or [])
+        if value is not None and (not choices or value in choices):
+            continue
+        where = (
+            f"model.config.{rule.field}"
+            if section.config is not None
+            else f"{section.pretrained_key} (config.json field {rule.field})"
+        )
+        listed = f"one of config.{rule.choices} {choices}" if choices else "a value"
+        raise ConfigError(
+            where,
+            value,
+            f"must be set to {listed}: model_type {hf_config.model_type!r} takes `{rule.name}` in its "
+            f"forward, which training does not pass, and uses {rule.field} instead",
+        )
