@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from automodel.mesh import MeshContext
-from automodel.mesh.reduction import set_unit_gradient_divide_factor
+from automodel.mesh.reduction import reduce_unused_parameters, set_unit_gradient_divide_factor
 
 
 def get_fsdp_mesh(mesh: MeshContext) -> DeviceMesh:
@@ -34,23 +34,8 @@ def _fully_shard(
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
     unit = fully_shard(module, **kwargs)
-    _reduce_unused_parameters(unit)
+    reduce_unused_parameters(unit)
     return unit
-
-
-def _reduce_unused_parameters(unit: FSDPModule) -> None:
-    """Make a trainable parameter that got no gradient on this rank join the gradient reduction (as
-    zeros), where torch offers it (``set_reduce_scatter_unused_params``, torch 2.13).
-
-    FSDP2 reduce-scatters only the parameters with a gradient, so ranks whose micro-batches route
-    around a parameter (LongCat-Flash's zero-computation experts: no token of a rank reached a real
-    expert) issue reductions of different sizes: gloo aborts, NCCL hangs or mixes the buffers. A
-    parameter no rank used then gets a zero gradient instead of none (optimizers with weight decay
-    or momentum step it). Frozen parameters are never reduced.
-    """
-    setter = getattr(unit, "set_reduce_scatter_unused_params", None)
-    if setter is not None:
-        setter(True, recurse=False)
 
 
 def _shard_children(

@@ -2,7 +2,8 @@
 
 A custom gradient divide factor becomes NCCL's PREMUL_SUM; backends without it (gloo) must reduce
 with a plain SUM and scale afterwards, or the reduction fails. Every package that shards with FSDP2
-(automodel.fsdp2, automodel.moe) sets the factor through this one function.
+(automodel.fsdp2, automodel.moe) sets the factor through this one function, and makes unused
+parameters join the reduction through `reduce_unused_parameters`.
 """
 
 from __future__ import annotations
@@ -28,3 +29,18 @@ def _reduces_outside_nccl(unit: FSDPModule) -> bool:
     except AttributeError:  # private layout differs across torch versions: judge by the default group
         return dist.get_backend() != "nccl"
     return any(dist.get_backend(g) != "nccl" for g in groups)
+
+
+def reduce_unused_parameters(unit: FSDPModule) -> None:
+    """Make a trainable parameter of `unit` that got no gradient on this rank join the gradient
+    reduction as zeros, where torch offers it (``set_reduce_scatter_unused_params``, torch 2.13).
+
+    FSDP2 reduce-scatters only the parameters with a gradient, so ranks whose micro-batches route
+    around a parameter (LongCat-Flash's zero-computation experts: no token of a rank reached a real
+    expert) issue reductions of different sizes: gloo aborts, NCCL hangs or mixes the buffers. A
+    parameter no rank used then gets a zero gradient instead of none (optimizers with weight decay
+    or momentum step it). Frozen parameters are never reduced.
+    """
+    setter = getattr(unit, "set_reduce_scatter_unused_params", None)
+    if setter is not None:
+        setter(True, recurse=False)
