@@ -136,3 +136,24 @@ def _experts_rank(pattern: str, top_k: int) -> float:
 @pytest.mark.parametrize(("pattern", "top_k"), [("random", 2), ("all_to_expert0", 1), ("two_hot_experts", 2)])
 def test_experts_module_matches_hf_under_skew(pattern: str, top_k: int) -> None:
     assert max(run_on_ranks(_experts_rank, world_size=4, args=(pattern, top_k), timeout_s=300)) < 1e-5
+
+
+def _load_rank() -> tuple[float, float, int]:
+    from automodel.moe import ExpertLoad
+
+    rank = dist.get_rank()
+    # 4 experts over 2 ranks (rank r owns experts 2r, 2r+1); rank 0 sends 6 slots to expert 0 and
+    # 2 to expert 3, rank 1 sends 4 to expert 1 and 4 to expert 2: rank 0 receives 10, rank 1 6
+    idx = torch.tensor([[0, 0], [0, 0], [0, 3], [0, 3]]) if rank == 0 else torch.tensor([[1, 2]] * 4)
+    outside = plan_dispatch(idx, num_experts=4, group=None)  # not counted: no ExpertLoad active
+    with ExpertLoad() as load:
+        plan = plan_dispatch(idx, num_experts=4, group=None)
+    balanced = ExpertLoad()
+    return load.load_factor(), balanced.load_factor(), plan.num_received + 0 * outside.num_received
+
+
+def test_expert_load_factor_is_the_busiest_ranks_received_rows_over_the_mean() -> None:
+    results = run_on_ranks(_load_rank, world_size=2)
+    assert [r[2] for r in results] == [10, 6]
+    assert all(factor == pytest.approx(10 / 8) for factor, _, _ in results)
+    assert all(idle == 1.0 for _, idle, _ in results)  # nothing dispatched: reported as balanced

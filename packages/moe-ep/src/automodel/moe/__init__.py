@@ -7,6 +7,7 @@ from automodel.moe.dispatch import DispatchPlan, combine_tokens, dispatch_tokens
 from automodel.moe.expert_parallel import ExpertParallelExperts, apply_ep
 from automodel.moe.fsdp import apply_fsdp
 from automodel.moe.grouped_gemm import grouped_expert_mlp, grouped_mm_supported
+from automodel.moe.load import ExpertLoad
 from automodel.moe.model_inspect import (
     ExpertsLayout,
     MoEBlock,
@@ -18,6 +19,7 @@ from automodel.moe.parallelizer import dense_fsdp_mesh, parallelize_model, valid
 
 __all__ = [
     "DispatchPlan",
+    "ExpertLoad",
     "ExpertParallelExperts",
     "ExpertsLayout",
     "MoEBlock",

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from automodel.moe.load import record_dispatch
+
 
 @dataclass(frozen=True)
 class DispatchPlan:
@@ -59,6 +61,7 @@ def plan_dispatch(
     chunk = torch.repeat_interleave(torch.arange(ep * local, device=flat.device), recv_counts.reshape(-1))
     source, expert = chunk // local, chunk % local
     regroup = torch.argsort(expert * ep + source, stable=True)
+    record_dispatch(sent=sum(send_splits), received=sum(recv_splits))
     return DispatchPlan(
         order=order,
         token_of_slot=order // top_k,

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from automodel.mesh.reduction import set_unit_gradient_divide_factor
+from automodel.mesh.reduction import reduce_unused_parameters, set_unit_gradient_divide_factor
 
 
 def _shard(
@@ -36,6 +36,8 @@ def _shard(
     if shard_placement_fn is not None:
         kwargs["shard_placement_fn"] = shard_placement_fn
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    # an expert no token of this rank reached has no gradient: reduce it as zeros, not skip it
+    reduce_unused_parameters(module)
     if divide_factor is not None:
         set_unit_gradient_divide_factor(module, factor=divide_factor)
 

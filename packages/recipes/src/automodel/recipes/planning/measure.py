@@ -96,23 +96,42 @@ def step_peaks(prof: Any, *, device_type: str = "cpu") -> list[StepMemory]:
     return result
 
 
-def measure_training_peaks(cfg: Any, *, steps: int = 2) -> list[StepMemory]:
+@dataclass(frozen=True)
+class TrainingMeasurement:
+    """Per-step allocator peaks and, with expert parallelism, the last step's expert load factor
+    (the busiest ep rank's received rows over the mean: the estimate's `expert_load_factor`)."""
+
+    steps: list[StepMemory]
+    expert_load_factor: float | None
+
+
+def measure_training(cfg: Any, *, steps: int = 2) -> TrainingMeasurement:
     """Build `cfg`'s model on this rank (inside an initialized process group) and run `steps` real
     training steps of `recipes train` (`Trainer.train_step`) under the allocator profiler."""
+    from contextlib import nullcontext
+
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from automodel.moe import ExpertLoad
     from automodel.recipes.trainer import Trainer
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
+    load = ExpertLoad()
     with profile(activities=activities, profile_memory=True) as prof:
         trainer = Trainer(cfg)
         trainer.build()
         trainer.step = 0
         for i in range(1, steps + 1):
             batches = trainer.loader.next_step()
-            with record_function(f"{_STEP_MARK}.{i}"):
+            with record_function(f"{_STEP_MARK}.{i}"), load if i == steps else nullcontext():
                 trainer.train_step(batches)
             trainer.step = i
-    return step_peaks(prof, device_type="cuda" if torch.cuda.is_available() else "cpu")
+    factor = None
+    if trainer.mesh.ep_enabled:
+        factor = load.load_factor(group=trainer.mesh.get_mesh("ep").get_group())
+    return TrainingMeasurement(
+        steps=step_peaks(prof, device_type="cuda" if torch.cuda.is_available() else "cpu"),
+        expert_load_factor=factor,
+    )

@@ -68,6 +68,14 @@ def _int(hf_config: Any, *keys: str, default: int = 0) -> int:
     return default
 
 
+def _expert_param_ids(model: Any) -> set[int]:
+    """The routed experts' parameters as expert parallelism finds them (by structure: also JetMoE's
+    `input_linear` and Doge's expert embedding tables, whose names do not say `experts`)."""
+    from automodel.moe import find_moe_blocks
+
+    return {id(getattr(b.experts, n)) for b in find_moe_blocks(model) for n in b.param_names}
+
+
 def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any = None) -> ModelShape:
     """Sizes from `hf_config`; parameter counts by walking the meta-device model's parameters.
 
@@ -77,13 +85,15 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
         model = build_meta_model(hf_config, dtype="float32", trust_remote_code=trust_remote_code)
     embed = head = dense = expert = 0
     seen: set[int] = set()
+    experts = num_experts(hf_config) or 0
+    routed = _expert_param_ids(model) if experts else set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:  # tied lm_head: counted once, as the embedding
             continue
         seen.add(id(p))
         n = p.numel()
         if _LAYER.search(name):
-            if _EXPERT in f".{name}":
+            if id(p) in routed or _EXPERT in f".{name}":
                 expert += n
             else:
                 dense += n
@@ -95,14 +105,13 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
     # attention-free models (Mamba, RWKV, xLSTM) have no heads: no attention activations
     heads = _int(hf_config, "num_attention_heads", "n_head", "num_heads")
     hidden = _int(hf_config, "hidden_size", "d_model", "n_embd", "embedding_dim")
-    experts = num_experts(hf_config) or 0
     moe_layers = 0
     if experts:
         moe_layers = (
             sum(
                 1
-                for i, layer in enumerate(model.model.layers)
-                if any(_EXPERT in f".{n}." for n, _ in layer.named_parameters())
+                for layer in model.model.layers
+                if any(id(p) in routed or _EXPERT in f".{n}." for n, p in layer.named_parameters())
             )
             if hasattr(model, "model") and hasattr(model.model, "layers")
             else layers
