@@ -1,0 +1,180 @@
+"""HF weights in and out over the registry: writes docs/weights.md.
+
+For each model_type, on every layout where docs/models.md says its default tiny config passes,
+`weights_check.WeightsCase` saves the tiny model with ``save_pretrained``, trains one fp32 step
+from it through the recipes (one process, then the layout), checks the first loss against
+transformers' own (weights in) and the ``from_pretrained`` reload of the consolidated checkpoint
+against the one-process reload's logits (weights out), both at relative 1e-5.
+
+    uv run --frozen python tests/conformance/weights_sweep.py                      # all, docs/weights.md
+    uv run --frozen python tests/conformance/weights_sweep.py --models llama,gpt2 --layouts pp2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from matrix import Refused, _short, prioritized  # noqa: E402
+from matrix_doc import COLUMNS, Outcome, read  # noqa: E402
+from weights_check import RTOL, STEPS, WeightsCase  # noqa: E402
+
+
+def passing_layouts(models_md: Path) -> dict[str, list[str]]:
+    """model_type -> the layouts (in column order) where its default config passes in `models_md`."""
+    outcomes, _ = read(models_md)
+    out: dict[str, list[str]] = {}
+    for o in outcomes:
+        if o.variant == "default" and o.status == "pass":
+            out.setdefault(o.model_type, []).append(o.layout)
+    return {m: [c for c in COLUMNS if c in ls] for m, ls in out.items()}
+
+
+def run_model(model_type: str, layouts: list[str], workdir: Path) -> list[Outcome]:
+    """The weights check of `model_type` on each of `layouts`."""
+    try:
+        case = WeightsCase(model_type, workdir)
+    except Exception as err:  # the reference (save, one process, reload) already fails
+        reason = f"one process: {_short(err)}"
+        return [Outcome(model_type, "default", x, "FAIL", reason) for x in layouts]
+    outcomes = []
+    for layout in layouts:
+        try:
+            case.check(layout)
+            outcomes.append(Outcome(model_type, "default", layout, "pass"))
+        except Refused as err:
+            outcomes.append(Outcome(model_type, "default", layout, "refused", str(err)[:300]))
+        except Exception as err:
+            outcomes.append(Outcome(model_type, "default", layout, "FAIL", _short(err)))
+    return outcomes
+
+
+def render(outcomes: list[Outcome], *, run: str, models_total: int) -> str:
+    rows: dict[str, dict[str, Outcome]] = {}
+    for o in outcomes:
+        rows.setdefault(o.model_type, {})[o.layout] = o
+    counts = []
+    for c in COLUMNS:
+        cells = [r[c] for r in rows.values() if c in r]
+        if cells:
+            fails = sum(o.status != "pass" for o in cells)
+            counts.append(
+                f"{c} {sum(o.status == 'pass' for o in cells)}/{len(cells)}"
+                + (f" ({fails} not pass)" if fails else "")
+            )
+    lines = [
+        "# HF weights in and out",
+        "",
+        "A tiny model of each model_type (the conformance matrix's tiny config, docs/models.md) saved with",
+        "transformers' `save_pretrained`, loaded by the recipes (`model.pretrained_path`) into one process",
+        f"and into each layout where docs/models.md says the model passes, trained {STEPS} fp32 SGD step(s)",
+        "through the recipes' code path. **pass**: the first step's loss equals transformers' own loss of",
+        f"the saved model on the same batch (weights in, relative {RTOL:g}), and the consolidated checkpoint",
+        "written after training loads back with `from_pretrained` with no missing, unexpected or mis-shaped",
+        f"keys and gives the one-process checkpoint's logits (weights out, {RTOL:g}). **FAIL**: anything else",
+        "(reason in the notes). An empty cell: the layout does not pass in docs/models.md, so is not run here.",
+        "The check is `tests/conformance/weights_check.py` (also `test_weights_in_out.py` in the CPU suite).",
+        "",
+        "## Run",
+        "",
+        f"- {run}",
+        "",
+        f"Models: {len(rows)} of {models_total} selected. Passing per layout: " + ", ".join(counts),
+        "",
+        "| model_type | " + " | ".join(COLUMNS) + " |",
+        "|---|" + "---|" * len(COLUMNS),
+    ]
+    notes: list[str] = []
+    for model_type in rows:
+        cells = []
+        for c in COLUMNS:
+            o = rows[model_type].get(c)
+            if o is None:
+                cells.append("")
+            elif o.status == "pass":
+                cells.append("pass")
+            else:
+                notes.append(f"`{model_type}` {c}: **{o.status}** — {o.detail}")
+                cells.append(f"{o.status} [{len(notes)}]")
+        lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
+    lines += ["", "## Notes", "", *[f"{i}. {n}" for i, n in enumerate(notes, 1)], ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--models", help="comma-separated model_types (default: every model passing a layout)"
+    )
+    parser.add_argument("--layouts", help="comma-separated layouts (default: every passing one)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "weights.md"))
+    parser.add_argument("--models-md", default=str(ROOT / "docs" / "models.md"))
+    parser.add_argument("--json", default=None, help="also write the outcomes as JSON here")
+    parser.add_argument(
+        "--resume", default=None, help="JSON of an earlier sweep: keep its models, run the rest"
+    )
+    args = parser.parse_args(argv)
+    import logging
+    import warnings
+
+    import torch
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    transformers.utils.logging.disable_progress_bar()
+    passing = passing_layouts(Path(args.models_md))
+    models = args.models.split(",") if args.models else prioritized(sorted(passing))
+    wanted = set(args.layouts.split(",")) if args.layouts else set(COLUMNS)
+    outcomes: list[Outcome] = []
+    if args.resume:
+        outcomes = [Outcome(**o) for o in json.loads(Path(args.resume).read_text())]
+        done = {o.model_type for o in outcomes}
+        models = [m for m in models if m not in done]
+    command = " ".join(["tests/conformance/weights_sweep.py", *(argv if argv is not None else sys.argv[1:])])
+    start = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, model_type in enumerate(models, 1):
+            layouts = [x for x in passing.get(model_type, []) if x in wanted]
+            if not layouts:
+                print(f"[{i}/{len(models)}] {model_type}: no passing layout selected", flush=True)
+                continue
+            t0 = time.time()
+            try:
+                got = run_model(model_type, layouts, Path(tmp) / model_type)
+            except Exception:
+                got = [
+                    Outcome(model_type, "default", x, "FAIL", traceback.format_exc(limit=2)[-300:])
+                    for x in layouts
+                ]
+            outcomes += got
+            summary = ", ".join(f"{o.layout}={o.status}" for o in got)
+            print(f"[{i}/{len(models)}] {model_type} ({time.time() - t0:.0f}s): {summary}", flush=True)
+            for o in got:
+                if o.status != "pass":
+                    print(f"    {o.layout}: {o.detail}", flush=True)
+            run = (
+                f"{datetime.date.today()}: `{command}`, transformers {transformers.__version__}, "
+                f"torch {torch.__version__}, CPU, {(time.time() - start) / 60:.0f} min"
+                + (f" (resumed from `{args.resume}`)" if args.resume else "")
+            )
+            Path(args.out).write_text(render(outcomes, run=run, models_total=len(passing)))
+            if args.json:
+                Path(args.json).write_text(json.dumps([o.__dict__ for o in outcomes], indent=1))
+    failed = [o for o in outcomes if o.status != "pass"]
+    print(f"{len(outcomes) - len(failed)} passed, {len(failed)} not passed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
