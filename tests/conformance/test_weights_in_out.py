@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from weights_check import WeightsCase  # noqa: E402
+from weights_check import WeightsCase, WeightsMismatch, reload_logits, save_tiny_pretrained  # noqa: E402
 
 CASES = [
     ("gemma3_text", "pp2"),  # tied, scaled embedding, sliding layers
@@ -24,3 +24,17 @@ CASES = [
 @pytest.mark.parametrize(("model_type", "layout"), CASES)
 def test_hf_weights_in_and_out(model_type: str, layout: str, tmp_path: Path) -> None:
     WeightsCase(model_type, tmp_path).check(layout)
+
+
+def test_reload_check_catches_a_dropped_weight(tmp_path: Path) -> None:
+    """A checkpoint missing a tensor fails even when transformers' fresh init could hide it."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_pretrained("llama", tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    norm = next(k for k in tensors if k.endswith("input_layernorm.weight"))  # ones when fresh
+    del tensors[norm]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(WeightsMismatch, match="missing_keys"):
+        reload_logits(tmp_path, vocab_size=256)

@@ -59,7 +59,7 @@ def run_model(model_type: str, layouts: list[str], workdir: Path) -> list[Outcom
     return outcomes
 
 
-def render(outcomes: list[Outcome], *, run: str, models_total: int) -> str:
+def render(outcomes: list[Outcome], *, runs: list[str], models_total: int) -> str:
     rows: dict[str, dict[str, Outcome]] = {}
     for o in outcomes:
         rows.setdefault(o.model_type, {})[o.layout] = o
@@ -85,9 +85,9 @@ def render(outcomes: list[Outcome], *, run: str, models_total: int) -> str:
         "(reason in the notes). An empty cell: the layout does not pass in docs/models.md, so is not run here.",
         "The check is `tests/conformance/weights_check.py` (also `test_weights_in_out.py` in the CPU suite).",
         "",
-        "## Run",
+        "## Runs",
         "",
-        f"- {run}",
+        *[f"- {run}" for run in runs],
         "",
         f"Models: {len(rows)} of {models_total} selected. Passing per layout: " + ", ".join(counts),
         "",
@@ -95,7 +95,7 @@ def render(outcomes: list[Outcome], *, run: str, models_total: int) -> str:
         "|---|" + "---|" * len(COLUMNS),
     ]
     notes: list[str] = []
-    for model_type in rows:
+    for model_type in prioritized(sorted(rows)):
         cells = []
         for c in COLUMNS:
             o = rows[model_type].get(c)
@@ -111,6 +111,14 @@ def render(outcomes: list[Outcome], *, run: str, models_total: int) -> str:
     return "\n".join(lines)
 
 
+def _load(path: Path) -> tuple[list[Outcome], list[str]]:
+    """(outcomes, run lines) of a sweep's --json (an older plain list of outcomes has no runs)."""
+    data = json.loads(path.read_text())
+    if isinstance(data, list):
+        return [Outcome(**o) for o in data], []
+    return [Outcome(**o) for o in data["outcomes"]], data["runs"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -122,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the outcomes as JSON here")
     parser.add_argument(
         "--resume", default=None, help="JSON of an earlier sweep: keep its models, run the rest"
+    )
+    parser.add_argument(
+        "--keep",
+        default=None,
+        help="JSON of an earlier sweep: keep its cells and runs, re-test only the given models/layouts",
     )
     args = parser.parse_args(argv)
     import logging
@@ -137,10 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models.split(",") if args.models else prioritized(sorted(passing))
     wanted = set(args.layouts.split(",")) if args.layouts else set(COLUMNS)
     outcomes: list[Outcome] = []
+    kept: list[Outcome] = []
+    runs: list[str] = []
     if args.resume:
-        outcomes = [Outcome(**o) for o in json.loads(Path(args.resume).read_text())]
+        outcomes, _ = _load(Path(args.resume))
         done = {o.model_type for o in outcomes}
         models = [m for m in models if m not in done]
+    if args.keep:
+        kept, runs = _load(Path(args.keep))
     command = " ".join(["tests/conformance/weights_sweep.py", *(argv if argv is not None else sys.argv[1:])])
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -168,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"torch {torch.__version__}, CPU, {(time.time() - start) / 60:.0f} min"
                 + (f" (resumed from `{args.resume}`)" if args.resume else "")
             )
-            Path(args.out).write_text(render(outcomes, run=run, models_total=len(passing)))
+            tested = {(o.model_type, o.layout) for o in outcomes}
+            cells = [o for o in kept if (o.model_type, o.layout) not in tested] + outcomes
+            Path(args.out).write_text(render(cells, runs=[*runs, run], models_total=len(passing)))
             if args.json:
-                Path(args.json).write_text(json.dumps([o.__dict__ for o in outcomes], indent=1))
+                data = {"runs": [*runs, run], "outcomes": [o.__dict__ for o in cells]}
+                Path(args.json).write_text(json.dumps(data, indent=1))
     failed = [o for o in outcomes if o.status != "pass"]
     print(f"{len(outcomes) - len(failed)} passed, {len(failed)} not passed", flush=True)
     return 1 if failed else 0
