@@ -1,11 +1,12 @@
 """HF weights in and out, the check itself (used by `test_weights_in_out.py` and `weights_sweep.py`).
 
 A tiny model of a registry model_type is saved with transformers' ``save_pretrained``; the recipes
-load it (``model.pretrained_path``) into one process and into a layout and train one fp32 step.
-Weights in: the first step's loss equals transformers' own loss of the loaded model on the same
-batch (relative 1e-5). Weights out: the consolidated checkpoint each run writes loads back with
-``from_pretrained`` with no missing or unexpected keys, and the layout's checkpoint gives the
-one-process checkpoint's logits (1e-5).
+load it (``model.pretrained_path``) into one process and into a layout and train two fp32 steps,
+writing a consolidated checkpoint after the first. Weights in: the first step's loss equals
+transformers' own loss of the saved model on the same batch (relative 1e-5). Weights out: the
+step-1 consolidated checkpoint loads back with ``from_pretrained`` with no missing, unexpected or
+mis-shaped keys, transformers' loss of the reload on the second batch equals the recipes' second
+step loss (1e-5), and the layout's reload gives the one-process reload's logits (1e-5).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch.nn.functional as F
 from matrix import LAYOUTS, recipe_config, run_case, tiny_model_config
 
 RTOL = 1e-5
-#: One step is enough: the checkpoint then holds trained (not initial) weights.
-STEPS = 1
+#: The checkpoint after step 1 holds trained (not initial) weights; step 2's loss is the recipes'
+#: own forward of exactly those weights.
+STEPS = 2
 
 
 class WeightsMismatch(AssertionError):
@@ -37,8 +39,8 @@ def save_tiny_pretrained(model_type: str, path: Path, *, seed: int = 1) -> Any:
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
-def first_batch_loss(model: torch.nn.Module, raw: dict[str, Any]) -> float:
-    """transformers' own loss on the recipes' first global batch (same data, sampler and seed)."""
+def batch_loss(model: torch.nn.Module, raw: dict[str, Any], step: int = 1) -> float:
+    """transformers' own loss on the recipes' global batch of `step` (same data, sampler and seed)."""
     from automodel.recipes.data import ByteTokenizer, StatefulGlobalBatchSampler, build_packed_dataset
     from automodel.recipes.sections import DatasetSection
 
@@ -47,7 +49,9 @@ def first_batch_loss(model: torch.nn.Module, raw: dict[str, Any]) -> float:
     sampler = StatefulGlobalBatchSampler(
         num_rows=len(ds), global_batch_size=gbs, local_batch_size=gbs, dp_rank=0, dp_size=1, seed=raw["seed"]
     )
-    ids, labels, _ = ds.batch(sampler.next_step()[0])
+    for _ in range(step):
+        rows = sampler.next_step()[0]
+    ids, labels, _ = ds.batch(rows)
     with torch.no_grad():
         return F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), labels.flatten()).item()
 
@@ -60,28 +64,30 @@ def pretrained_recipe_config(
     raw = recipe_config({"model_type": model_type}, distributed, str(output_dir))
     raw["model"] = {"pretrained_path": str(pretrained), "dtype": "float32"}
     raw["step_scheduler"]["max_steps"] = STEPS
+    raw["step_scheduler"]["ckpt_every_steps"] = 1
     raw["checkpoint"] = {"enabled": True, "save_consolidated": True}
     return raw, ranks
 
 
-def train_from_pretrained(raw: dict[str, Any], ranks: int, expected_loss: float) -> Path:
-    """Trains through the recipes' path; the consolidated checkpoint's directory.
+def _check_loss(what: str, got: float, expected: float) -> None:
+    if not abs(got - expected) <= RTOL * abs(expected):
+        rel = abs(got - expected) / abs(expected)
+        raise WeightsMismatch(f"{what}: recipes {got:.8g}, transformers {expected:.8g} (rel {rel:.2e})")
+
+
+def train_from_pretrained(raw: dict[str, Any], ranks: int, expected_loss: float) -> tuple[Path, float]:
+    """Trains through the recipes' path: (step 1's consolidated checkpoint, step 2's loss).
 
     `matrix.Refused` when the recipes refuse the layout before launch, `WeightsMismatch` when the
     first step's loss is not transformers' `expected_loss`.
     """
     metrics, _ = run_case(raw, ranks)
-    got = metrics[0]["loss"]
-    if not abs(got - expected_loss) <= RTOL * abs(expected_loss):
-        rel = abs(got - expected_loss) / abs(expected_loss)
-        raise WeightsMismatch(
-            f"weights in: first loss {got:.8g}, transformers {expected_loss:.8g} (rel {rel:.2e})"
-        )
-    return Path(raw["output_dir"]) / "checkpoints" / f"step_{STEPS}" / "consolidated"
+    _check_loss("weights in: first loss", metrics[0]["loss"], expected_loss)
+    return Path(raw["output_dir"]) / "checkpoints" / "step_1" / "consolidated", metrics[1]["loss"]
 
 
-def reload_logits(consolidated: Path, vocab_size: int) -> torch.Tensor:
-    """Logits of the ``from_pretrained`` reload of `consolidated` on a fixed probe batch.
+def reload(consolidated: Path) -> torch.nn.Module:
+    """The ``from_pretrained`` reload of `consolidated`, in eval mode.
 
     `WeightsMismatch` when transformers reports missing, unexpected or mis-shaped keys (it would
     initialise those afresh and the logits could still agree by accident, e.g. norms of ones).
@@ -94,9 +100,19 @@ def reload_logits(consolidated: Path, vocab_size: int) -> torch.Tensor:
         bad["error_msgs"] = [str(e)[:200] for e in info["error_msgs"][:2]]
     if bad:
         raise WeightsMismatch(f"weights out: from_pretrained of the consolidated checkpoint reports {bad}")
+    return model.eval()
+
+
+def probe_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
+    """`model`'s logits on a fixed probe batch."""
     probe = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        return model.eval()(input_ids=probe).logits
+        return model(input_ids=probe).logits
+
+
+def reload_logits(consolidated: Path, vocab_size: int) -> torch.Tensor:
+    """Probe logits of the checked ``from_pretrained`` reload of `consolidated`."""
+    return probe_logits(reload(consolidated), vocab_size)
 
 
 def compare_logits(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -117,14 +133,18 @@ class WeightsCase:
         hf = save_tiny_pretrained(model_type, self.pretrained)
         self.vocab_size = hf.config.get_text_config().vocab_size
         raw, ranks = pretrained_recipe_config(model_type, None, self.pretrained, workdir / "one")
-        self.expected_loss = first_batch_loss(hf, raw)
+        self.raw = raw
+        self.expected_loss = batch_loss(hf, raw)
         del hf
-        self.ref_logits = reload_logits(
-            train_from_pretrained(raw, ranks, self.expected_loss), self.vocab_size
-        )
+        self.ref_logits = self._out(*train_from_pretrained(raw, ranks, self.expected_loss))
+
+    def _out(self, consolidated: Path, second_loss: float) -> torch.Tensor:
+        model = reload(consolidated)
+        _check_loss("weights out: second loss", second_loss, batch_loss(model, self.raw, step=2))
+        return probe_logits(model, self.vocab_size)
 
     def check(self, layout: str) -> None:
         """Weights in and out under `layout` (`WeightsMismatch`, `matrix.Refused` or a rank error)."""
         raw, ranks = pretrained_recipe_config(self.model_type, layout, self.pretrained, self.workdir / layout)
-        consolidated = train_from_pretrained(raw, ranks, self.expected_loss)
-        compare_logits(reload_logits(consolidated, self.vocab_size), self.ref_logits)
+        logits = self._out(*train_from_pretrained(raw, ranks, self.expected_loss))
+        compare_logits(logits, self.ref_logits)

@@ -1,10 +1,11 @@
 """HF weights in and out over the registry: writes docs/weights.md.
 
 For each model_type, on every layout where docs/models.md says its default tiny config passes,
-`weights_check.WeightsCase` saves the tiny model with ``save_pretrained``, trains one fp32 step
+`weights_check.WeightsCase` saves the tiny model with ``save_pretrained``, trains two fp32 steps
 from it through the recipes (one process, then the layout), checks the first loss against
-transformers' own (weights in) and the ``from_pretrained`` reload of the consolidated checkpoint
-against the one-process reload's logits (weights out), both at relative 1e-5.
+transformers' own (weights in), and the ``from_pretrained`` reload of the step-1 consolidated
+checkpoint against the recipes' step-2 loss and the one-process reload's logits (weights out),
+all at relative 1e-5.
 
     uv run --frozen python tests/conformance/weights_sweep.py                      # all, docs/weights.md
     uv run --frozen python tests/conformance/weights_sweep.py --models llama,gpt2 --layouts pp2
@@ -77,12 +78,14 @@ def render(outcomes: list[Outcome], *, runs: list[str], models_total: int) -> st
         "",
         "A tiny model of each model_type (the conformance matrix's tiny config, docs/models.md) saved with",
         "transformers' `save_pretrained`, loaded by the recipes (`model.pretrained_path`) into one process",
-        f"and into each layout where docs/models.md says the model passes, trained {STEPS} fp32 SGD step(s)",
-        "through the recipes' code path. **pass**: the first step's loss equals transformers' own loss of",
-        f"the saved model on the same batch (weights in, relative {RTOL:g}), and the consolidated checkpoint",
-        "written after training loads back with `from_pretrained` with no missing, unexpected or mis-shaped",
-        f"keys and gives the one-process checkpoint's logits (weights out, {RTOL:g}). **FAIL**: anything else",
-        "(reason in the notes). An empty cell: the layout does not pass in docs/models.md, so is not run here.",
+        f"and into each layout where docs/models.md says the model passes, trained {STEPS} fp32 SGD steps through",
+        "the recipes' code path with a consolidated checkpoint after step 1. **pass**: weights in, the first",
+        f"step's loss equals transformers' own loss of the saved model on the same batch (relative {RTOL:g});",
+        "weights out, the step-1 consolidated checkpoint loads back with `from_pretrained` with no missing,",
+        "unexpected or mis-shaped keys, transformers' loss of the reload on the second batch equals the",
+        f"recipes' step-2 loss ({RTOL:g}), and the layout's reload gives the one-process reload's logits",
+        f"({RTOL:g}). **FAIL**: anything else (reason in the notes). An empty cell: the layout does not pass in",
+        "docs/models.md (or was not selected), so is not run here.",
         "The check is `tests/conformance/weights_check.py` (also `test_weights_in_out.py` in the CPU suite).",
         "",
         "## Runs",
