@@ -42,6 +42,7 @@ CASES = [
     ("granite", "options", "pp2", PASS),  # embedding/residual/attention multipliers, logit scaling
     ("cohere", "default", "tp2", PASS),  # logit scale, tied embeddings kept replicated over tp
     ("cohere", "options", "tp2", "one entry per attention head"),  # per-head qk-norm weights
+    ("glm4_moe", "options", "tp2", PASS),  # q/k norm its own plan omits: grads summed over tp (was 1.8e-5 off)
     ("apertus", "default", "tp2", PASS),  # xIELU's learned scalars on the sharded MLP width (was 3e-5 off)
     ("minicpm3", "default", "tp2", PASS),  # latent attention: shared rope key's grad summed over tp (was 3e-4 off)
     ("deepseek_v3", "default", "ep2", PASS),  # latent attention, MoE router correction bias

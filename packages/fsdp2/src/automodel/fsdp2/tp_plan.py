@@ -146,6 +146,7 @@ def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
             _mla_kv_a_style(config) if style == "mla_kv_a_proj" else translate_to_torch_parallel_style(style)
         )
     plan.update(_activations_between(model, plan))
+    plan.update(_head_norms_between(model, plan))
     return plan
 
 
@@ -187,6 +188,42 @@ def _activations_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) ->
                 params = list(module.parameters())
                 if params and all(p.dim() == 0 or p.shape[-1] == 1 for p in params):
                     extra[f"{parent_key}.{child}"] = replicated_on_sharded_width()
+    return extra
+
+
+def _head_norms_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> TPPlan:
+    """Plan entries for per-head norms an attention block's plan leaves out.
+
+    In an attention block whose projections are sharded by heads (colwise), a child whose
+    parameters are all one head_dim-wide vector shared by every head (a q/k norm the model's own
+    plan omits because its config turns it off by default: GLM-4-MoE ``use_qk_norm``) runs on this
+    rank's heads only, so its gradient is a partial sum over tp: it is laid out like Qwen3's
+    q_norm (``replicated_with_grad_allreduce``).
+    """
+    config = _text_config(model)
+    heads = getattr(config, "num_attention_heads", None) or 0
+    head_dim = getattr(config, "head_dim", None) or (
+        getattr(config, "hidden_size", 0) // heads if heads else 0
+    )
+    if not head_dim:
+        return {}
+    extra: TPPlan = {}
+    parents = {k.rpartition(".")[0] for k, v in plan.items() if type(v) is ColwiseParallel}
+    for parent_key in parents:
+        if not parent_key.rpartition(".")[2].endswith(("attn", "attention")):
+            continue
+        planned = {k.rpartition(".")[2] for k in plan if k.rpartition(".")[0] == parent_key}
+        for name, parent in model.named_modules():
+            if not _fqn_matches(parent_key, name):
+                continue
+            for child, module in parent.named_children():
+                params = list(module.parameters())
+                if child in planned or not params or isinstance(module, nn.Linear):
+                    continue
+                if all(tuple(p.shape) == (head_dim,) for p in params):
+                    extra[f"{parent_key}.{child}"] = translate_to_torch_parallel_style(
+                        "replicated_with_grad_allreduce"
+                    )
     return extra
 
 
