@@ -53,7 +53,9 @@ def batch_loss(model: torch.nn.Module, raw: dict[str, Any], step: int = 1) -> fl
         rows = sampler.next_step()[0]
     ids, labels, _ = ds.batch(rows)
     with torch.no_grad():
-        return F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), labels.flatten()).item()
+        return F.cross_entropy(
+            model(input_ids=ids, use_cache=False).logits.flatten(0, 1), labels.flatten()
+        ).item()
 
 
 def pretrained_recipe_config(
@@ -107,7 +109,7 @@ def probe_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
     """`model`'s logits on a fixed probe batch."""
     probe = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        return model(input_ids=probe).logits
+        return model(input_ids=probe, use_cache=False).logits
 
 
 def reload_logits(consolidated: Path, vocab_size: int) -> torch.Tensor:
