@@ -60,7 +60,29 @@ def run_model(model_type: str, layouts: list[str], workdir: Path) -> list[Outcom
     return outcomes
 
 
-def render(outcomes: list[Outcome], *, runs: list[str], models_total: int) -> str:
+#: Kinds of failure, told apart by their message: (label, substring).
+_KINDS = (
+    ("the recipes' loader finds no tensor under a parameter's name", "weights this model needs"),
+    ("weights in: first loss differs from transformers'", "weights in:"),
+    ("weights out: step-2 loss of the reload differs", "weights out: second loss"),
+    ("weights out: reloaded logits differ from one process", "reloaded logits differ"),
+    ("weights out: from_pretrained reports bad keys", "from_pretrained of the consolidated"),
+)
+
+
+def _kinds(outcomes: list[Outcome]) -> list[str]:
+    """One line per kind of failure: how many models, which."""
+    failed: dict[str, list[str]] = {}
+    for o in outcomes:
+        if o.status == "pass":
+            continue
+        label = next((lab for lab, sub in _KINDS if sub in o.detail), "other")
+        if o.model_type not in failed.setdefault(label, []):
+            failed[label].append(o.model_type)
+    return [f"- {label}: {len(ms)} models ({', '.join(ms)})" for label, ms in failed.items()]
+
+
+def render(outcomes: list[Outcome], *, runs: list[str], models_total: int, findings: str = "") -> str:
     rows: dict[str, dict[str, Outcome]] = {}
     for o in outcomes:
         rows.setdefault(o.model_type, {})[o.layout] = o
@@ -110,6 +132,11 @@ def render(outcomes: list[Outcome], *, runs: list[str], models_total: int) -> st
                 notes.append(f"`{model_type}` {c}: **{o.status}** — {o.detail}")
                 cells.append(f"{o.status} [{len(notes)}]")
         lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
+    kinds = _kinds(outcomes)
+    if kinds:
+        lines += ["", "## Failures by kind", "", *kinds]
+    if findings:
+        lines += ["", "## Findings", "", findings.strip()]
     lines += ["", "## Notes", "", *[f"{i}. {n}" for i, n in enumerate(notes, 1)], ""]
     return "\n".join(lines)
 
@@ -139,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="JSON of an earlier sweep: keep its cells and runs, re-test only the given models/layouts",
     )
+    parser.add_argument(
+        "--findings", default=None, help="markdown file: causes found, shown under Findings (kept by --keep)"
+    )
     args = parser.parse_args(argv)
     import logging
     import warnings
@@ -159,8 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         outcomes, _ = _load(Path(args.resume))
         done = {o.model_type for o in outcomes}
         models = [m for m in models if m not in done]
+    findings = ""
     if args.keep:
         kept, runs = _load(Path(args.keep))
+        data = json.loads(Path(args.keep).read_text())
+        findings = data.get("findings", "") if isinstance(data, dict) else ""
+    if args.findings:
+        findings = Path(args.findings).read_text()
     command = " ".join(["tests/conformance/weights_sweep.py", *(argv if argv is not None else sys.argv[1:])])
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             tested = {(o.model_type, o.layout) for o in outcomes}
             cells = [o for o in kept if (o.model_type, o.layout) not in tested] + outcomes
-            Path(args.out).write_text(render(cells, runs=[*runs, run], models_total=len(passing)))
+            Path(args.out).write_text(
+                render(cells, runs=[*runs, run], models_total=len(passing), findings=findings)
+            )
             if args.json:
-                data = {"runs": [*runs, run], "outcomes": [o.__dict__ for o in cells]}
+                data = {"runs": [*runs, run], "findings": findings, "outcomes": [o.__dict__ for o in cells]}
                 Path(args.json).write_text(json.dumps(data, indent=1))
     failed = [o for o in outcomes if o.status != "pass"]
     print(f"{len(outcomes) - len(failed)} passed, {len(failed)} not passed", flush=True)
