@@ -123,9 +123,9 @@ def main() -> None:
         )
 
     cold, warm = in_process_phases()
-    print(f"\n{'in-process phase (CPU s)':<42}{'cold':>8}{'warm':>8}")
+    print(f"\n{'in-process phase (CPU s)':<50}{'cold':>8}{'warm':>8}")
     for name in PHASES:
-        print(f"{name:<42}{cold[name]:>8.2f}{warm.get(name, 0.0):>8.2f}")
+        print(f"{name:<50}{cold[name]:>8.2f}{warm.get(name, 0.0):>8.2f}")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
