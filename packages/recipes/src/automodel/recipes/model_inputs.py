@@ -54,3 +54,25 @@ def check_defaulted_inputs(hf_config: Any, *, model_cls: type, section: Any) -> 
             f"must be set to {listed}: model_type {hf_config.model_type!r} takes `{rule.name}` in its "
             f"forward, which training does not pass, and uses {rule.field} instead",
         )
+
+
+def position_id_offset(model: Any) -> int:
+    """What the model adds to 0-based positions before its learned position table.
+
+    The recipes pass ``position_ids`` counting from 0 (from 0 again at each packed document). A
+    table declared with a ``padding_idx`` (RoBERTa and its relatives) reserves the rows up to it:
+    the model's own positions start at ``padding_idx + 1``, so the ids it is given are shifted by as
+    much; passing 0-based ids trained it on the wrong rows (6e-4..2e-3 off transformers' loss).
+    """
+    from torch import nn
+
+    offsets = {
+        module.padding_idx + 1
+        for name, module in model.named_modules()
+        if name.rpartition(".")[2] == "position_embeddings"
+        and isinstance(module, nn.Embedding)
+        and module.padding_idx is not None
+    }
+    if len(offsets) > 1:
+        raise ValueError(f"position tables with different padding rows {sorted(offsets)}: no single offset")
+    return offsets.pop() if offsets else 0

@@ -37,6 +37,7 @@ from automodel.recipes.instantiate import locate
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
 from automodel.recipes.model import build_hf_config, build_meta_model
+from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.rules import check_layout_rules
@@ -199,6 +200,7 @@ class Trainer:
             from automodel.recipes.peft import apply_lora
 
             self.lora = apply_lora(model, section=cfg.peft)
+        self.position_offset = position_id_offset(model)
         self.pm = parallelize_model(
             model,
             mesh=self.mesh,
@@ -278,7 +280,10 @@ class Trainer:
             )
         with ctx():
             logits = model(
-                input_ids=fields["input_ids"], position_ids=fields["position_ids"], use_cache=False, **extra
+                input_ids=fields["input_ids"],
+                position_ids=fields["position_ids"] + self.position_offset,
+                use_cache=False,
+                **extra,
             ).logits
             loss = self.cfg.loss_fn(logits, fields["labels"])
             if divisor is not None:
@@ -292,7 +297,7 @@ class Trainer:
         pipe = self.pm.pipeline
         args = {
             "labels": batch.labels.to(self.device),
-            "position_ids": batch.position_ids.to(self.device),
+            "position_ids": batch.position_ids.to(self.device) + self.position_offset,
         }
         ids = batch.input_ids.to(self.device)
         loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
