@@ -77,19 +77,20 @@ def render(outcomes: list[Outcome], *, head: list[str], runs: list[str]) -> str:
             cells = ["n/a"] * len(COLUMNS)
             notes.append(f"`{model_type}`: {by_layout['*'].detail}")
         else:
-            cells = []
-            for c in COLUMNS:
-                o = by_layout.get(c)
-                if o is None:
-                    cells.append("")
-                elif o.status == "pass":
-                    cells.append("pass")
-                else:
-                    notes.append(f"`{model_type}` {variant} {c}: **{o.status}** — {o.detail}")
-                    cells.append(f"{o.status} [{len(notes)}]")
+            cells = [cell(by_layout.get(c), notes, label=f"`{model_type}` {variant} {c}") for c in COLUMNS]
         lines.append(f"| {model_type} | {variant} | " + " | ".join(cells) + " |")
     lines += ["", "## Notes", "", *[f"{i}. {n}" for i, n in enumerate(notes, 1)], ""]
     return "\n".join(lines)
+
+
+def cell(outcome: Outcome | None, notes: list[str], *, label: str) -> str:
+    """One table cell: empty, ``pass``, or the status and the number of its note (added to `notes`)."""
+    if outcome is None:
+        return ""
+    if outcome.status == "pass":
+        return "pass"
+    notes.append(f"{label}: **{outcome.status}** — {outcome.detail}")
+    return f"{outcome.status} [{len(notes)}]"
 
 
 def read(path: Path) -> tuple[list[Outcome], list[str]]:

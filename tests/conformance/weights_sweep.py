@@ -27,7 +27,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from matrix import Refused, _short, prioritized  # noqa: E402
-from matrix_doc import COLUMNS, Outcome, read  # noqa: E402
+from matrix_doc import COLUMNS, Outcome, cell, read  # noqa: E402
 from weights_check import RTOL, STEPS, WeightsCase  # noqa: E402
 
 
@@ -121,16 +121,7 @@ def render(outcomes: list[Outcome], *, runs: list[str], models_total: int, findi
     ]
     notes: list[str] = []
     for model_type in prioritized(sorted(rows)):
-        cells = []
-        for c in COLUMNS:
-            o = rows[model_type].get(c)
-            if o is None:
-                cells.append("")
-            elif o.status == "pass":
-                cells.append("pass")
-            else:
-                notes.append(f"`{model_type}` {c}: **{o.status}** — {o.detail}")
-                cells.append(f"{o.status} [{len(notes)}]")
+        cells = [cell(rows[model_type].get(c), notes, label=f"`{model_type}` {c}") for c in COLUMNS]
         lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
     kinds = _kinds(outcomes)
     if kinds:

@@ -384,10 +384,7 @@ def _shared_pre_modules(
         more = {f for s in shared for f in reads.get(s, set()) if f in pre} - shared
         shared |= more
         grown = bool(more)
-    try:
-        embedding = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        embedding = None
+    embedding = _input_embeddings(model)
     # Rule: later stages are called with inputs_embeds (not token ids), so the module making them
     # never runs there; layers that read its output besides the hidden states cannot be split.
     embeds = [f for f in shared if any(m is embedding for m in model.get_submodule(f).modules())]
@@ -399,12 +396,17 @@ def _shared_pre_modules(
     return [f for f in pre if f in shared]
 
 
-def _input_embedding_size(model: nn.Module) -> int | None:
+def _input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's token embedding module; None for models that do not expose one."""
     try:
-        weight = model.get_input_embeddings().weight
+        return model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         return None
-    return int(weight.shape[-1])
+
+
+def _input_embedding_size(model: nn.Module) -> int | None:
+    weight = getattr(_input_embeddings(model), "weight", None)
+    return None if weight is None else int(weight.shape[-1])
 
 
 def _tied_modules(model: nn.Module, pre: list[str], post: list[str], *, model_type: str) -> list[str]:
