@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -23,6 +24,34 @@ def _scaled_allreduce_hook(factor: float):
     return hook
 
 
+def _sync_initial_state(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give every rank the group's first rank's parameters and buffers, broadcast in place.
+
+    DDP's own initial sync broadcasts a flattened copy of all states; the collective's worker thread
+    may drop the last reference to that copy outside the allocator profiler's view, which made the
+    profiled peak of the same run differ by the copy's size between runs. In-place broadcasts make no
+    copy. Shapes are checked first (collectively) so a mismatch raises instead of hanging in gloo."""
+    states = list(dict.fromkeys([*model.parameters(), *model.buffers()]))
+    device = states[0].device if states else torch.device("cpu")
+    signature = torch.tensor(
+        [len(states), sum(t.numel() for t in states), sum(hash(tuple(t.shape)) % 1_000_003 for t in states)],
+        dtype=torch.int64,
+        device=device,
+    )
+    low, high = signature.clone(), signature.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(low, high):
+        raise ValueError(
+            "DDP ranks hold different parameter and buffer shapes (count, elements, shape checksum: "
+            f"this rank {signature.tolist()}, group min {low.tolist()}, max {high.tolist()}); every "
+            "data-parallel rank must build the same model"
+        )
+    source = dist.get_global_rank(group, 0)
+    for tensor in states:
+        dist.broadcast(tensor.detach(), src=source, group=group)
+
+
 def apply_ddp(
     model: nn.Module, *, dp_mesh, gradient_divide_factor: float | None = None, **ddp_kwargs
 ) -> DistributedDataParallel:
@@ -36,7 +65,11 @@ def apply_ddp(
     group = dp_mesh.get_group()
     device = next(model.parameters()).device
     device_ids = [device] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, process_group=group, device_ids=device_ids, **ddp_kwargs)
+    if ddp_kwargs.pop("init_sync", True):
+        _sync_initial_state(model, group)
+    ddp = DistributedDataParallel(
+        model, process_group=group, device_ids=device_ids, init_sync=False, **ddp_kwargs
+    )
     if gradient_divide_factor is not None:
         ddp.register_comm_hook(group, _scaled_allreduce_hook(float(gradient_divide_factor)))
     return ddp
