@@ -211,6 +211,12 @@ class CausalLMStage(nn.Module):
         object.__setattr__(self, "_shadows", shadows)
 
     @property
+    def causal_lm(self) -> nn.Module:
+        """The pruned model whose forward this stage runs (its class and config are the model's:
+        checkpoint loading reads transformers' weight mapping from it)."""
+        return self._causal_lm
+
+    @property
     def is_first(self) -> bool:
         return self.stage_index == 0
 

@@ -27,19 +27,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from automodel.recipes.checkpoint.expert_weights import load_stacked_experts, per_expert_sources
+from automodel.recipes.checkpoint.converted_weights import SafetensorsReader, load_converted
+from automodel.recipes.checkpoint.key_mapping import find_hf_model, plan_keys
 
 
-def _tied_keys(part: nn.Module, keys: set[str]) -> set[str]:
-    """Keys that share storage with another key of `part` (tied embeddings): HF saves only one."""
-    seen: dict[int, str] = {}
-    tied = set()
+def _tie_groups(part: nn.Module) -> dict[str, list[str]]:
+    """Parameter name -> every name of the same (tied) parameter, in registration order. HF saves
+    one name per tie, not necessarily the first one registered (CamemBERT saves the embedding, not
+    the head that comes first)."""
+    names: dict[int, list[str]] = {}
     for name, param in part.named_parameters(remove_duplicate=False):
-        ptr = id(param)
-        if ptr in seen and name in keys:
-            tied.add(name)
-        seen.setdefault(ptr, name)
-    return tied
+        names.setdefault(id(param), []).append(name)
+    return {name: group for group in names.values() for name in group}
 
 
 PICKLE_WEIGHT_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
@@ -58,6 +57,8 @@ def load_pretrained_weights(
 ) -> None:
     """Fill every parameter and persistent buffer of `model_parts` from HF weights in `directory`.
 
+    Checkpoint keys map onto parameters as transformers' ``from_pretrained`` maps them (the model's
+    conversion mapping: renamed modules, per-expert tensors stacked, fused projections).
     Collective: every rank calls it with its own parts. Tied weights absent from the files are
     left to the tie. Reads ``*.safetensors``; a directory holding only pickled weights
     (``*.bin``, ``*.pt``, ...) is refused unless `allow_pickle_weights` (YAML
@@ -82,18 +83,17 @@ def load_pretrained_weights(
         _load_pickled_weights(model_parts, directory, pickled, optional_keys)
         return
     reader = dcp.HuggingFaceStorageReader(path=str(directory))
-    available = set(reader.read_metadata().state_dict_metadata)
     part_sds = [get_model_state_dict(part) for part in model_parts]
-    stacked = per_expert_sources([k for sd in part_sds for k in sd], available)
-    _check_missing(model_parts, part_sds, available | set(optional_keys) | set(stacked), directory)
-    to_load = {k: v for sd in part_sds for k, v in sd.items() if k in available}
-    dcp.load(to_load, storage_reader=reader)
-    if stacked:  # published MoE checkpoints: one tensor per expert, stacked here
-        load_stacked_experts(
-            {k: v for sd in part_sds for k, v in sd.items() if k in stacked}, stacked, directory
-        )
+    targets = {k: v for sd in part_sds for k, v in sd.items()}
+    hf_model = find_hf_model(model_parts)
+    plan = plan_keys(hf_model, targets, reader.read_metadata().state_dict_metadata)
+    _check_missing(model_parts, part_sds, plan.covered() | set(optional_keys), directory)
+    # Tensors stored whole under a (possibly different) name: DCP reads only this rank's slices.
+    dcp.load({source: targets[key] for key, source in plan.renamed.items()}, storage_reader=reader)
+    if plan.converted:  # stacked experts, fused or split projections: transformers' converters
+        load_converted(plan.converted, targets, read=SafetensorsReader(directory), hf_model=hf_model)
     for part, sd in zip(model_parts, part_sds):
-        set_model_state_dict(part, {k: to_load.get(k, v) for k, v in sd.items()})
+        set_model_state_dict(part, sd)
 
 
 def _load_pickled_weights(
@@ -117,29 +117,25 @@ def _load_pickled_weights(
             )
         full.update(loaded)
     part_sds = [get_model_state_dict(part) for part in model_parts]
-    _check_missing(model_parts, part_sds, set(full) | set(optional_keys), directory)
+    hf_model = find_hf_model(model_parts)
+    plan = plan_keys(hf_model, {k for sd in part_sds for k in sd}, full)
+    _check_missing(model_parts, part_sds, plan.covered() | set(optional_keys), directory)
     options = StateDictOptions(full_state_dict=True)
     for part, sd in zip(model_parts, part_sds):
         # Every key of the part, in its own order, on every rank: distributing a full tensor to a
         # DTensor is a collective over that tensor's mesh. Tied keys absent from the files keep the tie.
-        first_name = _first_names(part)
+        ties = _tie_groups(part)
         values: dict[str, Any] = {}
         for key, value in sd.items():
-            source = key if key in full else first_name.get(key, key)
-            if source in full:
+            source = next((plan.renamed[n] for n in ties.get(key, [key]) if n in plan.renamed), None)
+            if source is not None:
                 values[key] = full[source].to(value.dtype)
             else:
                 values[key] = value.full_tensor() if isinstance(value, DTensor) else value
         set_model_state_dict(part, values, options=options)
-
-
-def _first_names(part: nn.Module) -> dict[str, str]:
-    """Parameter name -> the first name of the same (tied) parameter."""
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for name, param in part.named_parameters(remove_duplicate=False):
-        out[name] = first.setdefault(id(param), name)
-    return out
+    if plan.converted:
+        targets = {k: v for sd in (get_model_state_dict(part) for part in model_parts) for k, v in sd.items()}
+        load_converted(plan.converted, targets, read=full.__getitem__, hf_model=hf_model)
 
 
 def _check_missing(
@@ -147,8 +143,8 @@ def _check_missing(
 ) -> None:
     missing: list[str] = []
     for part, sd in zip(model_parts, part_sds):
-        tied = _tied_keys(part, set(sd))
-        missing += sorted(k for k in sd if k not in available and k not in tied)
+        ties = _tie_groups(part)
+        missing += sorted(k for k in sd if not any(n in available for n in ties.get(k, [k])))
     if dist.is_initialized():
         # Every rank raises together; a lone raise would leave the others waiting in dcp.load.
         everyone: list[Any] = [None] * dist.get_world_size()
