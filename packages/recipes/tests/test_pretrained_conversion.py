@@ -77,7 +77,7 @@ def test_plan_covers_every_parameter_only_with_the_mapping(tmp_path: Path, kind:
         assert [len(keys) for keys in gate_up.sources.values()] == [EXPERTS, EXPERTS]
 
 
-def _load_on_rank(kind: str, layout: str, directory: str) -> dict[str, Any]:
+def _load_on_rank(kind: str, layout: str, directory: str, export: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -106,6 +106,10 @@ def _load_on_rank(kind: str, layout: str, directory: str) -> dict[str, Any]:
 
     with mock.patch.object(SafetensorsReader, "__call__", recording):
         load_pretrained_weights([model], directory)
+    from automodel.recipes.checkpoint.consolidated import save_consolidated
+
+    Path(export).mkdir(exist_ok=True)
+    save_consolidated(model_parts=[model], directory=Path(export), model_save_format="safetensors")
     params = {}
     for name, tensor in model.state_dict().items():
         params[name] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -118,9 +122,20 @@ def _load_on_rank(kind: str, layout: str, directory: str) -> dict[str, Any]:
 )
 def test_sharded_load_equals_from_pretrained(tmp_path: Path, kind: str, layout: str) -> None:
     expected = _save(kind, tmp_path / "hf")
+    export = tmp_path / "consolidated"
     results = run_on_ranks(
-        _load_on_rank, world_size=2, args=(kind, layout, str(tmp_path / "hf")), timeout_s=300
+        _load_on_rank, world_size=2, args=(kind, layout, str(tmp_path / "hf"), str(export)), timeout_s=300
     )
+    # the export is what save_pretrained wrote: same keys (checkpoint layout), same tensors
+    from safetensors.torch import load_file
+
+    written = {}
+    for path in sorted(export.glob("*.safetensors")):
+        written.update(load_file(str(path)))
+    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert written.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(written[key], value), key
     for rank, result in enumerate(results):
         assert result["params"].keys() == expected.keys()
         for name, value in expected.items():

@@ -2,9 +2,11 @@
 
 Each parameter is gathered to full size by the ranks that hold it (a collective over its own
 mesh, so PP stages gather independently) and written by the lowest rank holding it; one file
-per writer, plus the HF index when there is more than one. Keys are the model's FQNs, which
-are HF's own names (MoE experts stay stacked as transformers keeps them), so
-``AutoModelForCausalLM.from_pretrained`` loads the directory with no code of ours.
+per writer, plus the HF index when there is more than one. Keys and shapes are those
+transformers' ``save_pretrained`` writes: the model's FQNs passed through the reverse of its
+conversion mapping (Mixtral's stacked experts become per-expert ``w1``/``w3``/``w2``, GPT-NeoX's
+``lm_head`` becomes ``embed_out``), so ``from_pretrained``, serving engines and the model's Hub
+tooling read the directory with no code of ours.
 
 With `lora_scales` (a LoRA run with ``peft.save_merged: true``) the adapters are not written:
 each adapted linear's weight is written merged, ``W + scale * B @ A``.
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from automodel.recipes.checkpoint.key_mapping import find_hf_model, to_checkpoint_layout
 from automodel.recipes.checkpoint.part_state import full_tensor, part_model_state_dict
 
 _FILE_NAMES = {
@@ -114,6 +117,12 @@ def save_consolidated(
                 mine[f"{base}.weight"] = merged_weight(
                     mine[f"{base}.weight"], ab["lora_A"], ab["lora_B"], scale=lora_scales[base]
                 )
+    mine = _own_storage(to_checkpoint_layout(find_hf_model(model_parts), mine))
+    written: list[Any] = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(written, sorted(mine))
+    else:
+        written = [sorted(mine)]
     if rank in file_of_writer:
         _write(mine, directory / file_of_writer[rank], model_save_format)
     del mine
@@ -122,7 +131,7 @@ def save_consolidated(
         if len(writers) > 1:
             index = {
                 "metadata": {"total_size": total_size},
-                "weight_map": {k: file_of_writer[w] for k, w in sorted(writer_of.items())},
+                "weight_map": {k: file_of_writer[r] for r in writers for k in sorted(written[r])},
             }
             (directory / index_name).write_text(json.dumps(index, indent=2) + "\n")
         config = hf_config if hf_config is not None else getattr(model_parts[0], "config", None)
@@ -134,6 +143,18 @@ def save_consolidated(
     if len(writers) > 1:
         files.append(index_name)
     return files
+
+
+def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor contiguous in a storage of its own: safetensors refuses views of one storage
+    (the per-expert slices of a stacked tensor are such views)."""
+    out = {}
+    for key, t in tensors.items():
+        t = t.contiguous()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        out[key] = t
+    return out
 
 
 def _write(tensors: dict[str, torch.Tensor], path: Path, model_save_format: str) -> None:

@@ -58,23 +58,39 @@ def find_hf_model(parts: Iterable[nn.Module]) -> Any | None:
     return None
 
 
-def conversion_mapping(hf_model: Any) -> list[Any]:
-    """`hf_model`'s transformers conversion mapping, as for the unwrapped model.
+def _mapping_model(hf_model: Any) -> Any:
+    """`hf_model`, or a meta-device instance of its original classes where FSDP2 swapped them.
 
-    transformers skips classes defined outside transformers (custom code); FSDP2 swaps a sharded
-    module's class for a subclass defined in torch, so a sharded model would lose its mapping. The
-    mapping is then read from a meta-device instance of the original classes (it depends only on
-    the classes, configs and module paths)."""
+    transformers skips classes defined outside transformers (custom code) when it looks up a
+    model's conversion mapping; FSDP2 swaps a sharded module's class for a subclass defined in
+    torch, so a sharded model would lose its mapping. The mapping depends only on the classes,
+    configs and module paths, which the fresh instance has."""
     from torch.distributed.fsdp import FSDPModule
     from transformers import PreTrainedModel
-    from transformers.conversion_mapping import get_model_conversion_mapping
 
     if not any(isinstance(m, FSDPModule) and isinstance(m, PreTrainedModel) for m in hf_model.modules()):
-        return get_model_conversion_mapping(hf_model)
+        return hf_model
     original = next(c for c in type(hf_model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("meta"):
-        fresh = original._from_config(hf_model.config)
-    return get_model_conversion_mapping(fresh)
+        return original._from_config(hf_model.config)
+
+
+def conversion_mapping(hf_model: Any) -> list[Any]:
+    """`hf_model`'s transformers conversion mapping (checkpoint layout -> model layout)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return get_model_conversion_mapping(_mapping_model(hf_model))
+
+
+def to_checkpoint_layout(hf_model: Any | None, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Full tensors under model keys -> the keys and shapes ``save_pretrained`` writes (per-expert
+    tensors, original module names), which serving engines and older readers expect. Every
+    reverse conversion needs all of its model keys in `state_dict` (one module's, on one writer)."""
+    if hf_model is None:
+        return state_dict
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(_mapping_model(hf_model), state_dict)
 
 
 def plan_keys(hf_model: Any | None, model_keys: Collection[str], checkpoint_keys: Iterable[str]) -> KeyPlan:
