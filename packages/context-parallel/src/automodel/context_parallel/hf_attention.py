@@ -1,6 +1,7 @@
 """CP attention as a transformers attention implementation, and the appliers for a model.
 
-`apply_context_parallel` tags every ``self_attn`` module with its CP group and backend and
+`apply_context_parallel` tags every attention module (``*self_attn``, or any module calling
+transformers' attention functions) with its CP group and backend and
 switches the model to the registered ``"context_parallel"`` attention implementation, so an
 unchanged HF model calls `context_parallel_attention` on its local Q/K/V. Per-step data that
 attention needs arrives as model kwargs (``cu_seqlens_padded`` etc. from
@@ -175,12 +176,39 @@ def context_parallel_attention(
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    found = []
+    """The model's attention modules: those named ``*self_attn`` and, whatever their name
+    (GPT-2's ``attn``, GPT-NeoX's ``attention``, Falcon's ``self_attention``), those whose forward
+    calls transformers' attention functions; the outermost of nested ones."""
+    found: list[torch.nn.Module] = []
+    prefixes: list[str] = []
     for name, module in model.named_modules():
-        if name.endswith("self_attn"):
+        inner = getattr(module, "_checkpoint_wrapped_module", module)
+        if any(name.startswith(p) for p in prefixes) or inner in found:
+            continue
+        if name.endswith("self_attn") or _dispatches_attention(type(inner)):
             # Hook the wrapped module so activation-checkpoint recomputation sees the same state.
-            found.append(getattr(module, "_checkpoint_wrapped_module", module))
+            found.append(inner)
+            prefixes.append(f"{name}.")
     return found
+
+
+def _forward_source(cls: type) -> str | None:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+
+
+def _dispatches_attention(cls: type) -> bool:
+    """Whether `cls.forward` reaches transformers' attention functions (the CP attention's entry)."""
+    if cls.forward is torch.nn.Module.forward or cls.__module__.startswith("torch."):
+        return False
+    source = _forward_source(cls)
+    return source is not None and any(marker in source for marker in _DISPATCH_MARKERS)
+
+
+#: Names through which a transformers attention module calls the configured attention function.
+_DISPATCH_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
 
 
 #: Attention-function arguments that change the math and the ring attention does not implement.
@@ -191,16 +219,13 @@ def _computes_attention_itself(cls: type) -> bool:
     """True when `cls.forward` never calls transformers' attention functions (its own matmuls),
     so the registered CP attention would not run. Unknown source counts as dispatching; the
     runtime guard (`_require_ring_call`) still catches it."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return not any(marker in source for marker in ("ALL_ATTENTION_FUNCTIONS", "attention_interface"))
+    source = _forward_source(cls)
+    return source is not None and not any(marker in source for marker in _DISPATCH_MARKERS)
 
 
 def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -> None:
     """ValueError (naming the model_type and why) for a model the CP attention cannot run exactly:
-    no ``*self_attn`` modules to hook, attention computed by the module itself instead of through
+    no attention modules to hook, attention computed by the module itself instead of through
     transformers' attention functions, layers mixing the sequence otherwise (convolution, linear
     attention), a sliding window shorter than `seq_length` (the ring has no window mask), attention
     sinks, attention logit soft-capping, or positions derived from the input length."""
@@ -208,8 +233,16 @@ def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -
     model_type = getattr(config, "model_type", type(model).__name__)
     modules = _attention_modules(model)
     if not modules:
-        raise ValueError(f"model_type {model_type!r} has no '*self_attn' modules to make context-parallel")
-    own = sorted({type(m).__name__ for m in modules if _computes_attention_itself(type(m))})
+        # Modules named like attention that never dispatch: name them (the usual case of an
+        # architecture with its own attention code); otherwise the model has no attention.
+        own = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
+        if not own:
+            raise ValueError(
+                f"model_type {model_type!r} has no attention modules to make context-parallel (none named "
+                "'*self_attn', none calling transformers' attention functions)"
+            )
+    else:
+        own = sorted({type(m).__name__ for m in modules if _computes_attention_itself(type(m))})
     if own:
         # The ring attention is reached only through transformers' attention interface; a module
         # doing its own matmuls would attend within each rank's chunk of the sequence only.
@@ -257,12 +290,14 @@ def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -
 
 
 def attach_context_parallel_hooks(model: torch.nn.Module) -> None:
-    """Make every ``self_attn`` causal and drop its dense mask (it has the local shape, not the global)."""
+    """Make every attention module causal and drop its dense mask (it has the local shape, not the
+    global); `is_causal` goes only to forwards that take it (by name or ``**kwargs``)."""
 
     def _pre_hook(module, args, kwargs):
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None
-        kwargs["is_causal"] = True
+        if _takes_keyword(type(module).forward, "is_causal"):
+            kwargs["is_causal"] = True
         spec = getattr(module, _SPEC_ATTR, None)
         if spec is not None:
             module._automodel_cp_calls_before = spec.calls
@@ -273,6 +308,11 @@ def attach_context_parallel_hooks(model: torch.nn.Module) -> None:
             module.register_forward_pre_hook(_pre_hook, with_kwargs=True, prepend=True)
             module.register_forward_hook(_require_ring_call)
             setattr(module, _HOOK_ATTR, True)
+
+
+def _takes_keyword(function: Any, name: str) -> bool:
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _require_ring_call(module: torch.nn.Module, _args: tuple, output: Any) -> Any:
@@ -330,7 +370,10 @@ def apply_context_parallel(
         import_transformer_engine()
     modules = _attention_modules(model)
     if not modules:
-        raise ValueError(f"{type(model).__name__} has no '*self_attn' modules to make context-parallel")
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules to make context-parallel (none named "
+            "'*self_attn', none calling transformers' attention functions)"
+        )
     for module in modules:
         spec = CPAttentionSpec(
             group=cp_mesh.get_group(),
