@@ -501,3 +501,19 @@ def test_remote_tokenizer_code_is_not_run_by_default(tmp_path, modules_cache):
     with pytest.raises(ConfigError, match="tokenizer.trust_remote_code"):
         HFTokenizer(str(d))
     assert not marker.exists()
+
+
+def test_quantized_checkpoint_is_refused_naming_the_method(tmp_path):
+    """fp8 / int codes with scales read as plain weights would train on garbage: refused up front."""
+    from automodel.recipes.model import build_hf_config
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64
+    )
+    config.save_pretrained(tmp_path)
+    build_hf_config(_section(tmp_path))  # positive control: the same directory, not quantized
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="model.pretrained_path.*quantized checkpoint.*'fp8'.*dequantize"):
+        build_hf_config(_section(tmp_path))

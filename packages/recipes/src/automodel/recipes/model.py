@@ -56,6 +56,7 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
                     "Set model.trust_remote_code: true only if you trust that directory",
                 ) from None
             raise
+        _refuse_quantized(cfg, section)
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         value = getattr(cfg, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -65,6 +66,22 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
     if cls is not object:  # remote code: its class is known only once loaded
         check_defaulted_inputs(cfg, model_cls=cls, section=section)
     return cfg
+
+
+def _refuse_quantized(cfg: Any, section: Any) -> None:
+    """A quantized checkpoint (fp8 blocks with scales, GPTQ, AWQ, bitsandbytes, ...) holds integers or
+    fp8 codes plus scales; read as plain weights it would train on garbage, so it is refused."""
+    quantization = getattr(cfg, "quantization_config", None)
+    if not quantization:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    method = method or getattr(quantization, "quant_method", None) or "unknown"
+    raise ConfigError(
+        section.pretrained_key,
+        section.pretrained_source or section.pretrained_path,
+        f"holds a quantized checkpoint (config.json quantization_config, quant_method {str(method)!r}); "
+        "training reads full-precision weights: dequantize it to bf16/fp32 safetensors first",
+    )
 
 
 def pretrained_dir(section: Any) -> Path:
@@ -147,7 +164,7 @@ def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_cod
 
 
 def num_experts(hf_config: Any) -> int | None:
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+    for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
             return value
