@@ -41,7 +41,7 @@ OPTIMIZER = "torch.optim.SGD"
 LR = 0.1
 RANK_TIMEOUT_S = 150
 #: Largest tiny model (parameters) a sweep builds; configs that nest big sub-configs stay larger.
-MAX_TINY_PARAMS = 5_000_000
+MAX_TINY_PARAMS = 10_000_000
 
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "fsdp2": (2, {"strategy": "fsdp2"}),
