@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from automodel.pipeline.hf_dataflow import SourceTracker, tensors_in
+from automodel.pipeline.meta_fast_path import MetaFastPath
 
 #: Sequence length of the traced forward (any length the model accepts; shapes only).
 _TRACE_SEQ = 16
@@ -190,7 +191,7 @@ def _trace_forward(
     twin: nn.Module, *, events: list, layer_io: dict[str, Any], tracker: SourceTracker
 ) -> None:
     """One forward of the parameter-free `twin`: on plain meta tensors (cheap: a 70B model's 80
-    layers in about a second), else, for models whose forward needs values meta tensors do
+    layers in about half a second), else, for models whose forward needs values meta tensors do
     not have (data-dependent shapes, ``.item()``), under torch's fake-tensor mode (about 50x the
     cost per op). The hooks record into `events` / `layer_io` (and label values in `tracker`,
     entered innermost); a failed attempt's records are dropped.
@@ -205,7 +206,9 @@ def _trace_forward(
     try:
         # An all-ones padding mask: without one, transformers inspects the position ids for packed
         # sequences with `.item()`, which meta tensors cannot answer.
-        with torch.no_grad(), tracker:
+        # The fast path answers the commonest pointwise operators (torch's Python meta kernels for
+        # them cost most of the trace); the tracker, entered inside it, still sees every operator.
+        with torch.no_grad(), MetaFastPath(), tracker:
             run(attention_mask=torch.ones(1, _TRACE_SEQ, dtype=torch.long, device="meta"))
         return
     except Exception:  # noqa: BLE001 - retried with fake tensors, whose failure is reported
