@@ -42,7 +42,7 @@ def test_every_placement_is_summed_once_over_the_dims_it_is_split_on() -> None:
 
 
 def test_large_tensor_norm_is_accumulated_in_float64() -> None:
-    """torch's float32 norm of 1e7 values drifts by ~1e-4 relative on CPU; float64 chunks do not."""
+    """torch's float32 norm of 1e7 values drifts by ~1e-4 relative on CPU; a float64 accumulator does not."""
     from automodel.recipes.grad_norm import total_grad_norm
 
     x = torch.randn(10_000_000, generator=torch.Generator().manual_seed(1))

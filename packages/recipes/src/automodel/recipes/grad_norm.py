@@ -1,6 +1,7 @@
 """Gradient-norm clipping over plain, DTensor (FSDP/TP/EP) and pipeline-split gradients.
 
-The sum of squares is accumulated in float64, chunk by chunk: torch's float32 norm of one large
+The sum of squares is accumulated in float64 (torch's multi-tensor norm with a float64
+accumulator, one kernel per group of gradients): torch's float32 norm of one large
 CPU tensor drifts (1e8 standard normals: 9,889.6 instead of 10,000, measured), and a sharded
 layout sums other partial sums than one process does, so a float32 norm differs between layouts
 by rounding alone. Each rank sums the squares of its local shards; the sums are then added over
@@ -16,18 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-#: elements converted to float64 at a time: bounds the transient copy to 32 MiB.
-_CHUNK = 1 << 22
 
-
-def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
-    """Float64 sum of squares of a plain tensor, converting at most `_CHUNK` elements at a time."""
-    flat = t.detach().reshape(-1)
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    for chunk in flat.split(_CHUNK):
-        c = chunk.double()
-        total += torch.dot(c, c)
-    return total
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Float64 sum of squares of plain tensors: each tensor's norm accumulated in float64 by one
+    multi-tensor kernel (no float64 copy of the data), then the squares summed in float64."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()
 
 
 def total_grad_norm(
@@ -44,7 +41,7 @@ def total_grad_norm(
     sq = None
     for grads in groups.values():
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        part = torch.stack([_sum_of_squares(t) for t in local]).sum()
+        part = _sum_of_squares(local)
         if isinstance(grads[0], DTensor):
             for dim, placement in enumerate(grads[0].placements):
                 if placement.is_partial():
