@@ -11,8 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from automodel.pipeline import meta_fast_path
-from automodel.pipeline.meta_fast_path import MetaFastPath, fast_meta_result
+from automodel.pipeline.meta_fast_path import fast_meta_result
 
 aten = torch.ops.aten
 
@@ -67,10 +66,11 @@ def test_floating_cases_are_answered_by_the_fast_path() -> None:
 
 
 def _structure(model_type: str, fast: bool, monkeypatch: pytest.MonkeyPatch):
-    from automodel.pipeline.hf_structure import trace_hf_structure
+    from automodel.pipeline import hf_structure
 
+    calls = []
     if not fast:
-        monkeypatch.setattr(meta_fast_path, "fast_meta_result", lambda *a: None)
+        monkeypatch.setattr(hf_structure, "fast_meta_result", lambda *a: calls.append(a) and None)
     config = AutoConfig.for_model(
         model_type,
         hidden_size=64,
@@ -82,7 +82,9 @@ def _structure(model_type: str, fast: bool, monkeypatch: pytest.MonkeyPatch):
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return trace_hf_structure(model)
+    structure = hf_structure.trace_hf_structure(model)
+    assert fast or calls  # the slow run really went without the fast path
+    return structure
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen3_moe"])
@@ -92,15 +94,13 @@ def test_traced_structure_is_the_same_without_the_fast_path(model_type, monkeypa
     assert fast == slow
 
 
-def test_the_mode_answers_inside_another_mode() -> None:
-    seen = []
-
-    class Recorder(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
+def test_the_tracker_labels_results_of_the_shortcut() -> None:
+    from automodel.pipeline.hf_dataflow import SourceTracker
 
     a, b = _m(2, 3), _m(3)
-    with MetaFastPath(), Recorder():
+    tracker = SourceTracker()
+    tracker.shortcut = fast_meta_result
+    tracker.add([a], ["embed"])
+    with tracker:
         out = a * b
-    assert out.shape == (2, 3) and seen == [aten.mul.Tensor]
+    assert out.shape == (2, 3) and tracker.sources([out]) == {"embed"}

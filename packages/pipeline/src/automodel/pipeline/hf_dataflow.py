@@ -12,7 +12,7 @@ carry nothing: a mask built from the embeddings' shape does not depend on their 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -52,6 +52,8 @@ class SourceTracker(TorchDispatchMode):
         super().__init__()
         # id -> (the tensor, kept alive so the id stays its own; its labels)
         self._labels: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}
+        #: consulted before running an operator: its result, or None to run it (a meta fast path)
+        self.shortcut: Callable[[Any, tuple, dict], Any] | None = None
 
     def sources(self, tensors: Iterable[torch.Tensor]) -> set[str]:
         found: set[str] = set()
@@ -75,7 +77,9 @@ class SourceTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self.shortcut(func, args, kwargs) if self.shortcut is not None else None
+        if out is None:
+            out = func(*args, **kwargs)
         if not self._labels or func.overloadpacket in _SHAPE_ONLY:
             return out
         labels = self.sources(_op_tensors((*args, *kwargs.values())))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from automodel.pipeline.hf_dataflow import SourceTracker, tensors_in
-from automodel.pipeline.meta_fast_path import MetaFastPath
+from automodel.pipeline.meta_fast_path import fast_meta_result
 
 #: Sequence length of the traced forward (any length the model accepts; shapes only).
 _TRACE_SEQ = 16
@@ -207,14 +207,17 @@ def _trace_forward(
         # An all-ones padding mask: without one, transformers inspects the position ids for packed
         # sequences with `.item()`, which meta tensors cannot answer.
         # The fast path answers the commonest pointwise operators (torch's Python meta kernels for
-        # them cost most of the trace); the tracker, entered inside it, still sees every operator.
-        with torch.no_grad(), MetaFastPath(), tracker:
+        # them cost most of the trace); the tracker still labels their results.
+        tracker.shortcut = fast_meta_result
+        with torch.no_grad(), tracker:
             run(attention_mask=torch.ones(1, _TRACE_SEQ, dtype=torch.long, device="meta"))
         return
     except Exception:  # noqa: BLE001 - retried with fake tensors, whose failure is reported
         events.clear()
         layer_io.clear()
         tracker.clear()
+    finally:
+        tracker.shortcut = None
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), tracker:

@@ -3,8 +3,9 @@ Python meta kernels.
 
 torch registers Python reference implementations (``torch._refs``) as the meta kernels of most
 elementwise operators; each call costs ~0.4 ms, so the pipeline split's trace of a 70B model's
-80-layer forward on meta tensors spends most of its ~1.5 s in ``mul``/``add``/``pow``/``mean``/``cat``.
-`MetaFastPath` answers those operators directly: the output is a new contiguous meta tensor of the
+80-layer forward on meta tensors spent most of its ~1.5 s in ``mul``/``add``/``pow``/``mean``/``cat``.
+`fast_meta_result` (the trace's `SourceTracker` consults it before running an operator) answers
+those operators directly: the output is a new contiguous meta tensor of the
 broadcast shape and the promoted dtype. Anything else (integer or mixed-device inputs, in-place or
 ``out=`` forms, other operators) goes to torch's own kernels. Only shapes and dtypes are faster:
 a meta tensor has no values, and the trace reads nothing else.
@@ -15,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
 #: (tensor, tensor-or-number) -> broadcast shape, promoted dtype
@@ -103,13 +103,3 @@ def fast_meta_result(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | Non
     if func is _aten.cat.default:
         return _cat(args, kwargs)
     return None
-
-
-class MetaFastPath(TorchDispatchMode):
-    """Answers `fast_meta_result`'s operators on meta tensors; enter it outside other modes (those
-    then still see every operator: they dispatch to it)."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        out = fast_meta_result(func, args, kwargs)
-        return func(*args, **kwargs) if out is None else out
