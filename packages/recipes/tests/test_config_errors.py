@@ -50,6 +50,8 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("attn_unsupported", {"model.config.model_type": "bloom", "model.config.n_head": 4, "model.attn_implementation": "sdpa"}, [], "model.attn_implementation"),
     ("pp_with_v_shape_validation", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "zbvzerobubble"}, "model.config.num_hidden_layers": 4}, ["--nproc-per-node=2"], "distributed.pipeline.pp_schedule"),
     ("vocab_too_small", {"model.config.vocab_size": 100}, [], "model.config.vocab_size"),
+    # layers with their own head counts (transformers' per_layer_config): no single value to check layouts with
+    ("heterogeneous_layers", {"model.config.per_layer_config": {1: {"num_key_value_heads": 1}}}, [], "model.config"),
     ("dataset_source", {"dataset.source": "web"}, [], "dataset.source"),
     ("dataset_path_missing", {"dataset.source": "json"}, [], "dataset.path"),
     ("dataset_file_missing", {"dataset.source": "json", "dataset.path": "/nonexistent/train.jsonl"}, ["--nproc-per-node=2"], "dataset.path"),

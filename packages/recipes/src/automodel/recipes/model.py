@@ -57,6 +57,7 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
                 ) from None
             raise
         _refuse_quantized(cfg, section)
+    _refuse_heterogeneous(cfg, section)
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         value = getattr(cfg, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -66,6 +67,23 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
     if cls is not object:  # remote code: its class is known only once loaded
         check_defaulted_inputs(cfg, model_cls=cls, section=section)
     return cfg
+
+
+def _refuse_heterogeneous(cfg: Any, section: Any) -> None:
+    """A config whose layers differ in attributes (transformers' ``per_layer_config``: head counts,
+    latent ranks, ...) has no single value of them; the layouts' rules, the tensor-parallel plan
+    checks and the planner read one per model, so such a model is refused before anything runs."""
+    attributes = getattr(cfg, "per_layer_attributes", None)
+    if not attributes:
+        return
+    key = "model.config" if section.config is not None else section.pretrained_key
+    raise ConfigError(
+        key,
+        cfg.model_type,
+        f"has attributes that vary across its layers (per_layer_config: {', '.join(sorted(attributes))}); "
+        "automodel's layout rules and planner assume one value per model, so heterogeneous configs "
+        "are not supported",
+    )
 
 
 def _refuse_quantized(cfg: Any, section: Any) -> None:
