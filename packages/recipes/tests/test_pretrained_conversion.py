@@ -177,3 +177,21 @@ def test_tied_weight_saved_under_a_later_name(tmp_path: Path) -> None:
     expected = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     for name, value in model.state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+def test_sharded_bf16_hub_layout_loads_like_from_pretrained(tmp_path: Path) -> None:
+    """A Hub-style checkpoint: bf16 tensors in several safetensors files with an index, per-expert
+    tensors spread over the files; loaded into an fp32 model as ``from_pretrained`` loads it."""
+    from automodel.recipes.checkpoint import load_pretrained_weights
+
+    source = _model("mixtral", seed=5).to(torch.bfloat16)
+    source.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (
+        len(list(tmp_path.glob("*.safetensors"))) > 2
+        and (tmp_path / "model.safetensors.index.json").is_file()
+    )
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    model = _model("mixtral", seed=100)
+    load_pretrained_weights([model], tmp_path)
+    for name, value in model.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, expected[name]), name
