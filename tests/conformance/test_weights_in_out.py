@@ -18,6 +18,8 @@ CASES = [
     ("gemma3_text", "pp2"),  # tied, scaled embedding, sliding layers
     ("gpt2", "pp2"),  # Conv1D projections, learned positions, tied
     ("qwen3_moe", "ep2"),  # stacked experts
+    ("mixtral", "ep2"),  # checkpoint keeps per-expert w1/w3/w2: transformers' conversion mapping both ways
+    ("minimax_m3_vl_text", "tp2"),  # gathered colwise q/k: its q/k norms' gradients were summed twice
 ]
 
 

@@ -6,7 +6,8 @@ writing a consolidated checkpoint after the first. Weights in: the first step's 
 transformers' own loss of the saved model on the same batch (relative 1e-5). Weights out: the
 step-1 consolidated checkpoint loads back with ``from_pretrained`` with no missing, unexpected or
 mis-shaped keys, transformers' loss of the reload on the second batch equals the recipes' second
-step loss (1e-5), and the layout's reload gives the one-process reload's logits (1e-5).
+step loss (1e-5), every tensor's step-1 update equals one process's (to 1e-4 of its largest
+update), and the layout's reload gives the one-process reload's logits (1e-5).
 """
 
 from __future__ import annotations
@@ -112,6 +113,42 @@ def probe_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
         return model(input_ids=probe, use_cache=False).logits
 
 
+#: A layout's step-1 update of each tensor must equal one process's to this fraction of the
+#: tensor's largest update (fp32 rounding of the gradients is ~1e-6 of it; a wrong gradient, e.g.
+#: summed twice, is of its order), plus this fraction of the tensor's largest weight.
+UPDATE_RTOL, WEIGHT_RTOL = 1e-4, 1e-6
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in `directory`, by checkpoint key."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def compare_updates(
+    got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]
+) -> None:
+    """`WeightsMismatch` unless every tensor's step-1 update under the layout is one process's.
+
+    Catches a wrong gradient in a parameter too small to move the loss or the gradient norm past
+    their tolerance (a per-head norm's gradient summed twice over tp moved the logits by 3e-5)."""
+    bad = []
+    for key, want in ref.items():
+        if key not in initial:  # a tied copy save_pretrained leaves out (its source is compared)
+            continue
+        diff = float((got[key].float() - want.float()).abs().max()) if want.numel() else 0.0
+        update = float((want.float() - initial[key].float()).abs().max()) if want.numel() else 0.0
+        allowed = UPDATE_RTOL * update + WEIGHT_RTOL * (float(want.abs().max()) if want.numel() else 0.0)
+        if diff > allowed:
+            bad.append(f"{key} (differs by {diff:.2e}, one-process update {update:.2e})")
+    if bad:
+        raise WeightsMismatch(f"weights out: step-1 updates differ from one process: {'; '.join(bad[:4])}")
+
+
 def reload_logits(consolidated: Path, vocab_size: int) -> torch.Tensor:
     """Probe logits of the checked ``from_pretrained`` reload of `consolidated`."""
     return probe_logits(reload(consolidated), vocab_size)
@@ -138,7 +175,10 @@ class WeightsCase:
         self.raw = raw
         self.expected_loss = batch_loss(hf, raw)
         del hf
-        self.ref_logits = self._out(*train_from_pretrained(raw, ranks, self.expected_loss))
+        consolidated, second_loss = train_from_pretrained(raw, ranks, self.expected_loss)
+        self.ref_logits = self._out(consolidated, second_loss)
+        self.ref_weights = checkpoint_tensors(consolidated)
+        self.initial_weights = checkpoint_tensors(self.pretrained)
 
     def _out(self, consolidated: Path, second_loss: float) -> torch.Tensor:
         model = reload(consolidated)
@@ -148,5 +188,7 @@ class WeightsCase:
     def check(self, layout: str) -> None:
         """Weights in and out under `layout` (`WeightsMismatch`, `matrix.Refused` or a rank error)."""
         raw, ranks = pretrained_recipe_config(self.model_type, layout, self.pretrained, self.workdir / layout)
-        logits = self._out(*train_from_pretrained(raw, ranks, self.expected_loss))
+        consolidated, second_loss = train_from_pretrained(raw, ranks, self.expected_loss)
+        logits = self._out(consolidated, second_loss)
+        compare_updates(checkpoint_tensors(consolidated), self.ref_weights, self.initial_weights)
         compare_logits(logits, self.ref_logits)

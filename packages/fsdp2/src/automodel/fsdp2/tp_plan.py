@@ -191,10 +191,15 @@ def _activations_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) ->
     return extra
 
 
+def _keeps_heads_sharded(style: ParallelStyle) -> bool:
+    """A colwise style whose output stays split over tp (not gathered back to every rank)."""
+    return type(style) is ColwiseParallel and any(isinstance(p, Shard) for p in style.output_layouts)
+
+
 def _head_norms_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> TPPlan:
     """Plan entries for per-head norms an attention block's plan leaves out.
 
-    In an attention block whose projections are sharded by heads (colwise), a child whose
+    In an attention block whose projections are sharded by heads (colwise, output kept split), a child whose
     parameters are all one head_dim-wide vector shared by every head (a q/k norm the model's own
     plan omits because its config turns it off by default: GLM-4-MoE ``use_qk_norm``) runs on this
     rank's heads only, so its gradient is a partial sum over tp: it is laid out like Qwen3's
@@ -208,10 +213,16 @@ def _head_norms_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
     if not head_dim:
         return {}
     extra: TPPlan = {}
-    parents = {k.rpartition(".")[0] for k, v in plan.items() if type(v) is ColwiseParallel}
+    parents = {k.rpartition(".")[0] for k, v in plan.items() if _keeps_heads_sharded(v)}
     for parent_key in parents:
         if not parent_key.rpartition(".")[2].endswith(("attn", "attention")):
             continue
+        if any(
+            type(v) is ColwiseParallel and not _keeps_heads_sharded(v)
+            for k, v in plan.items()
+            if k.rpartition(".")[0] == parent_key
+        ):
+            continue  # a gathered projection (MiniMax-M3's colwise_gather_output): every rank has all heads
         planned = {k.rpartition(".")[2] for k in plan if k.rpartition(".")[0] == parent_key}
         for name, parent in model.named_modules():
             if not _fqn_matches(parent_key, name):
