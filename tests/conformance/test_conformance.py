@@ -53,6 +53,7 @@ CASES = [
     ("gpt_oss", "default", "cp2", "attention sinks"),
     ("gpt2", "default", "pp2", PASS),  # learned positions, another naming scheme
     ("gpt2", "default", "tp2", "declares no tensor-parallel plan"),
+    ("cpmant", "default", "pp2", "takes no inputs_embeds"),  # its forward reads token ids only
     ("stablelm", "default", "tp2", "declares no tensor-parallel plan"),  # views with the global head count
     ("qwen3_5_text", "default", "cp2", "linear_attention layers"),  # a chunk-local recurrence: was 6e-2 off
     ("gpt2", "default", "cp2", PASS),  # attention module named `attn`, found by its dispatch to transformers

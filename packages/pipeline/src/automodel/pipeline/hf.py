@@ -5,6 +5,7 @@ transformers itself is never imported here: the model's own classes and forward 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,13 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> HFStructure:
         raise PipelineSplitError(
             f"model_type {model_type!r} ({cls}) has no LM head (get_output_embeddings()); pipelining supports "
             "causal LMs (XxxForCausalLM)"
+        )
+    if "inputs_embeds" not in inspect.signature(type(model).forward).parameters:
+        # Later stages run the model's own forward from the hidden states they receive, passed as
+        # inputs_embeds; a forward that only reads token ids cannot start mid-model.
+        raise PipelineSplitError(
+            f"model_type {model_type!r} ({cls}): its forward takes no inputs_embeds, so a later pipeline "
+            "stage cannot run it on the hidden states it receives"
         )
     return trace_hf_structure(model)
 
