@@ -15,7 +15,7 @@ from unittest import mock
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GPTNeoXConfig, MixtralConfig
+from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, MixtralConfig
 
 from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.checkpoint.converted_weights import SafetensorsReader
@@ -37,6 +37,8 @@ def _config(kind: str) -> Any:
     )
     if kind == "mixtral":
         return MixtralConfig(num_local_experts=EXPERTS, num_experts_per_tok=2, **common)
+    if kind == "llama_tied":  # save_pretrained writes the tied head once, under the embedding's name
+        return LlamaConfig(**{**common, "tie_word_embeddings": True})
     return GPTNeoXConfig(**common)
 
 
@@ -88,7 +90,7 @@ def _load_on_rank(kind: str, layout: str, directory: str, export: str) -> dict[s
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = _model(kind, seed=100 + dist.get_rank())  # every weight must come from the files
     if layout == "fsdp":  # Shard(0): a rank holds whole experts
-        for layer in model.model.layers if kind == "mixtral" else model.gpt_neox.layers:
+        for layer in model.gpt_neox.layers if kind == "gpt_neox" else model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     else:  # "columns": experts split along their rows (as tensor parallelism splits them)
@@ -118,7 +120,8 @@ def _load_on_rank(kind: str, layout: str, directory: str, export: str) -> dict[s
 
 
 @pytest.mark.parametrize(
-    ("kind", "layout"), [("mixtral", "fsdp"), ("mixtral", "columns"), ("gpt_neox", "fsdp")]
+    ("kind", "layout"),
+    [("mixtral", "fsdp"), ("mixtral", "columns"), ("gpt_neox", "fsdp"), ("llama_tied", "fsdp")],
 )
 def test_sharded_load_equals_from_pretrained(tmp_path: Path, kind: str, layout: str) -> None:
     expected = _save(kind, tmp_path / "hf")
@@ -141,8 +144,9 @@ def test_sharded_load_equals_from_pretrained(tmp_path: Path, kind: str, layout: 
         for name, value in expected.items():
             assert torch.equal(result["params"][name], value), (rank, name)
         sharded = result["placements"]
-        if kind == "gpt_neox":
-            assert "lm_head.weight" in sharded and not result["read"]  # renamed: read by DCP
+        if kind != "mixtral":  # renamed (GPT-NeoX's embed_out) or tied to the embedding: read by DCP
+            assert "model.embed_tokens.weight" in sharded or "lm_head.weight" in sharded
+            assert not result["read"]
             continue
         gate_up = sharded["model.layers.0.mlp.experts.gate_up_proj"]
         assert gate_up == ((torch.distributed.tensor.Shard(0 if layout == "fsdp" else 1),))

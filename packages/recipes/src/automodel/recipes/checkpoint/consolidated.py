@@ -73,8 +73,12 @@ def save_consolidated(
     world = dist.get_world_size() if dist.is_initialized() else 1
     local: dict[str, Any] = {}
     owner: dict[str, nn.Module] = {}
+    hf_model = find_hf_model(model_parts)
+    # Tied copies (an LM head tied to the embedding) are written once, under the source's name, as
+    # save_pretrained does; from_pretrained ties them again. Every rank drops the same keys.
+    tied_copies = set(getattr(hf_model, "all_tied_weights_keys", None) or {})
     for part in model_parts:
-        part_sd = part_model_state_dict(part)
+        part_sd = {k: v for k, v in part_model_state_dict(part).items() if k not in tied_copies}
         local.update(part_sd)
         owner.update(dict.fromkeys(part_sd, part))
     sizes = {k: _nbytes(v) for k, v in local.items() if adapted(k) is None}
@@ -117,7 +121,7 @@ def save_consolidated(
                 mine[f"{base}.weight"] = merged_weight(
                     mine[f"{base}.weight"], ab["lora_A"], ab["lora_B"], scale=lora_scales[base]
                 )
-    mine = _own_storage(to_checkpoint_layout(find_hf_model(model_parts), mine))
+    mine = _own_storage(to_checkpoint_layout(hf_model, mine))
     written: list[Any] = [None] * world
     if dist.is_initialized():
         dist.all_gather_object(written, sorted(mine))
