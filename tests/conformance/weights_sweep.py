@@ -4,8 +4,8 @@ For each model_type, on every layout where docs/models.md says its default tiny 
 `weights_check.WeightsCase` saves the tiny model with ``save_pretrained``, trains two fp32 steps
 from it through the recipes (one process, then the layout), checks the first loss against
 transformers' own (weights in), and the ``from_pretrained`` reload of the step-1 consolidated
-checkpoint against the recipes' step-2 loss and the one-process reload's logits (weights out),
-all at relative 1e-5.
+checkpoint against the recipes' step-2 loss and the one-process reload's logits, and each tensor's
+step-1 update against one process's (weights out), all at relative 1e-5 (updates: 1e-4).
 
     uv run --frozen python tests/conformance/weights_sweep.py                      # all, docs/weights.md
     uv run --frozen python tests/conformance/weights_sweep.py --models llama,gpt2 --layouts pp2
@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from matrix import Refused, _short, prioritized  # noqa: E402
 from matrix_doc import COLUMNS, Outcome, cell, read  # noqa: E402
-from weights_check import RTOL, STEPS, WeightsCase  # noqa: E402
+from weights_check import RTOL, STEPS, UPDATE_RTOL, WeightsCase  # noqa: E402
 
 
 def passing_layouts(models_md: Path) -> dict[str, list[str]]:
@@ -105,8 +105,10 @@ def render(outcomes: list[Outcome], *, runs: list[str], models_total: int, findi
         f"step's loss equals transformers' own loss of the saved model on the same batch (relative {RTOL:g});",
         "weights out, the step-1 consolidated checkpoint loads back with `from_pretrained` with no missing,",
         "unexpected or mis-shaped keys, transformers' loss of the reload on the second batch equals the",
-        f"recipes' step-2 loss ({RTOL:g}), and the layout's reload gives the one-process reload's logits",
-        f"({RTOL:g}). **FAIL**: anything else (reason in the notes). An empty cell: the layout does not pass in",
+        f"recipes' step-2 loss ({RTOL:g}), every tensor's step-1 update in the layout's checkpoint equals",
+        f"one process's (to {UPDATE_RTOL:g} of its largest update; runs from 2026-11-24 on), and the layout's",
+        f"reload gives the one-process reload's logits ({RTOL:g}). **FAIL**: anything else (reason in the",
+        "notes). An empty cell: the layout does not pass in",
         "docs/models.md (or was not selected), so is not run here.",
         "The check is `tests/conformance/weights_check.py` (also `test_weights_in_out.py` in the CPU suite).",
         "",
