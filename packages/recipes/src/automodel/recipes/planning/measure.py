@@ -6,6 +6,11 @@ Profiling starts before the model is built, so the running total counts every te
 thread allocates (parameters, gradients, optimizer state, activations, communication buffers, the
 dataset's token tensors) and nothing else (no Python objects, no library code, no allocator
 caching, no gloo worker-thread staging copies: see `_main_thread_totals`). It shares no code with `planning.memory`: the estimate never reads these numbers.
+
+A storage whose last reference a collective's worker thread drops is freed outside the profiler's
+thread state, so its free is never reported and it would stay "live" here; the measured code must
+not hand such copies to the collectives (DDP's flattened initial broadcast did, by chance, until
+`automodel.fsdp2.ddp` broadcast in place).
 """
 
 from __future__ import annotations
