@@ -59,6 +59,7 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> HFStructure:
             f"model_type {model_type!r} ({cls}) has no LM head (get_output_embeddings()); pipelining supports "
             "causal LMs (XxxForCausalLM)"
         )
+    structure = trace_hf_structure(model)  # its refusals name the structural cause first
     if "inputs_embeds" not in inspect.signature(type(model).forward).parameters:
         # Later stages run the model's own forward from the hidden states they receive, passed as
         # inputs_embeds; a forward that only reads token ids cannot start mid-model.
@@ -66,7 +67,7 @@ def validate_hf_model_for_pipeline_support(model: nn.Module) -> HFStructure:
             f"model_type {model_type!r} ({cls}): its forward takes no inputs_embeds, so a later pipeline "
             "stage cannot run it on the hidden states it receives"
         )
-    return trace_hf_structure(model)
+    return structure
 
 
 def hf_num_layers(model: nn.Module) -> int:
