@@ -29,7 +29,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from matrix_doc import Outcome, header, merge, read, render  # noqa: E402
-from tiny import tiny_overrides  # noqa: E402
+from tiny import settable, tiny_overrides  # noqa: E402
 
 STEPS = 3
 RTOL = 1e-5
@@ -158,19 +158,14 @@ def prioritized(model_types: list[str]) -> list[str]:
     return first + [m for m in model_types if m not in first]
 
 
-def _settable(config: Any, key: str) -> bool:
-    attr = getattr(type(config), key, None)
-    return not (isinstance(attr, property) and attr.fset is None)
-
-
 def tiny_model_config(model_type: str, variant: str = "default") -> dict[str, Any]:
     """The YAML ``model.config`` of the tiny `model_type` (`variant`: default, options, tie_flipped)."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    out = {k: v for k, v in tiny_overrides(config).items() if _settable(config, k)}
+    out = tiny_overrides(config)
     if variant == "options":
-        changed = {k: v for k, v in _MATH_OPTIONS if hasattr(config, k) and _settable(config, k)}
+        changed = {k: v for k, v in _MATH_OPTIONS if hasattr(config, k) and settable(config, k, v)}
         if not changed:
             raise LookupError(f"{model_type} has none of the math options")
         out.update(changed)
@@ -234,6 +229,37 @@ def max_relative_difference(got: list[dict[str, float]], ref: list[dict[str, flo
     return max(
         abs(g[k] - r[k]) / max(abs(r[k]), 1e-12) for g, r in zip(got, ref) for k in ("loss", "grad_norm")
     )
+
+
+#: A model whose own training amplifies rounding (Gemma 4's tiny default: one process with eager
+#: attention instead of sdpa, both exact, differs by 8e-5 at step 3) cannot be held to RTOL after
+#: rounding has compounded. Its later steps may differ by NOISE_FACTOR times that measured noise;
+#: the first step, where no rounding has compounded yet, is always held to RTOL.
+NOISE_FACTOR = 4
+
+
+def reference_noise(model_config: dict[str, Any], output_dir: Path, ref: list[dict[str, float]]) -> float:
+    """How far one process's own metrics move when attention is computed another exact way (eager
+    instead of the default): the rounding noise of this model's training (0 where eager is default)."""
+    raw = recipe_config(model_config, {"strategy": "fsdp2"}, str(output_dir))
+    raw["model"]["attn_implementation"] = "eager"
+    try:
+        again, _ = run_case(raw, 1)
+    except Refused:
+        return 0.0
+    return max_relative_difference(again, ref)
+
+
+def within_tolerance(
+    got: list[dict[str, float]], ref: list[dict[str, float]], noise: float
+) -> tuple[bool, float]:
+    """(every step agrees, the largest relative difference): step 1 to RTOL, later steps to
+    max(RTOL, NOISE_FACTOR * noise)."""
+    rel = max_relative_difference(got, ref)
+    if len(got) != len(ref):
+        return False, rel
+    first = max_relative_difference(got[:1], ref[:1])
+    return first <= RTOL and rel <= max(RTOL, NOISE_FACTOR * noise), rel
 
 
 # ---- what each rank holds ----------------------------------------------------------------------
@@ -361,19 +387,29 @@ def run_model(
                 for x in variant_layouts
             ]
             continue
+        noise: float | None = None  # measured only when a layout needs more than RTOL
         for layout in variant_layouts:
             ranks, distributed = LAYOUTS[layout]
             raw = recipe_config(model_config, distributed, str(case_dir / layout))
             try:
                 got, reports = run_case(raw, ranks)
                 rel = max_relative_difference(got, ref)
-                if not rel <= RTOL:
-                    outcomes.append(
-                        Outcome(model_type, variant, layout, "FAIL", f"max rel diff {rel:.2e}", rel)
+                if rel > RTOL and noise is None:
+                    noise = reference_noise(model_config, case_dir / "ref_eager", ref)
+                ok, rel = within_tolerance(got, ref, noise or 0.0)
+                if not ok:
+                    detail = f"max rel diff {rel:.2e}" + (
+                        f" (own rounding noise {noise:.1e})" if noise else ""
                     )
+                    outcomes.append(Outcome(model_type, variant, layout, "FAIL", detail, rel))
                     continue
                 check_applied(layout, reports, num_layers=num_layers, num_experts=experts)
-                outcomes.append(Outcome(model_type, variant, layout, "pass", "", rel))
+                rounding = (
+                    f"{rel:.1e} off, within {NOISE_FACTOR}x the model's own rounding noise ({noise:.1e})"
+                    if rel > RTOL
+                    else ""
+                )
+                outcomes.append(Outcome(model_type, variant, layout, "pass", rounding, rel))
             except Refused as err:
                 outcomes.append(Outcome(model_type, variant, layout, "refused", str(err)))
             except AssertionError as err:
@@ -393,7 +429,9 @@ def _short(err: BaseException) -> str:
 # ---- the matrix ---------------------------------------------------------------------------------
 def write_matrix(outcomes: list[Outcome], path: Path, *, runs: list[str]) -> None:
     """docs/models.md from `outcomes` (see `matrix_doc`), listing the `runs` that produced it."""
-    path.write_text(render(outcomes, head=header(steps=STEPS, lr=LR, rtol=RTOL), runs=runs))
+    path.write_text(
+        render(outcomes, head=header(steps=STEPS, lr=LR, rtol=RTOL, noise_factor=NOISE_FACTOR), runs=runs)
+    )
 
 
 def _run_line(argv: list[str], *, seconds: float, partial: str = "") -> str:

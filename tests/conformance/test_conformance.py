@@ -42,9 +42,19 @@ CASES = [
     ("granite", "options", "pp2", PASS),  # embedding/residual/attention multipliers, logit scaling
     ("cohere", "default", "tp2", PASS),  # logit scale, tied embeddings kept replicated over tp
     ("cohere", "options", "tp2", "one entry per attention head"),  # per-head qk-norm weights
-    ("glm4_moe", "options", "tp2", PASS),  # q/k norm its own plan omits: grads summed over tp (was 1.8e-5 off)
+    (
+        "glm4_moe",
+        "options",
+        "tp2",
+        PASS,
+    ),  # q/k norm its own plan omits: grads summed over tp (was 1.8e-5 off)
     ("apertus", "default", "tp2", PASS),  # xIELU's learned scalars on the sharded MLP width (was 3e-5 off)
-    ("minicpm3", "default", "tp2", PASS),  # latent attention: shared rope key's grad summed over tp (was 3e-4 off)
+    (
+        "minicpm3",
+        "default",
+        "tp2",
+        PASS,
+    ),  # latent attention: shared rope key's grad summed over tp (was 3e-4 off)
     ("deepseek_v3", "default", "ep2", PASS),  # latent attention, MoE router correction bias
     ("deepseek_v3", "default", "pp2", PASS),
     ("gpt_oss", "default", "pp2", PASS),  # attention sinks, MoE
@@ -58,6 +68,14 @@ CASES = [
     ("qwen3_5_text", "default", "cp2", "linear_attention layers"),  # a chunk-local recurrence: was 6e-2 off
     ("gpt2", "default", "cp2", PASS),  # attention module named `attn`, found by its dispatch to transformers
     ("bloom", "default", "cp2", "computes attention inside BloomAttention"),  # ALiBi in its own code
+    ("gemma4_text", "default", "fsdp2", PASS),  # heterogeneous config: wider heads in full-attention layers
+    (
+        "gemma4_text",
+        "default",
+        "tp2_sp",
+        "modules with weights besides self_attn and mlp",
+    ),  # per-layer inputs
+    ("reformer", "default", "fsdp2", "reversible residual layers"),  # recomputes layers inside its backward
 ]
 
 

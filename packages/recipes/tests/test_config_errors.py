@@ -50,8 +50,10 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("attn_unsupported", {"model.config.model_type": "bloom", "model.config.n_head": 4, "model.attn_implementation": "sdpa"}, [], "model.attn_implementation"),
     ("pp_with_v_shape_validation", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "zbvzerobubble"}, "model.config.num_hidden_layers": 4}, ["--nproc-per-node=2"], "distributed.pipeline.pp_schedule"),
     ("vocab_too_small", {"model.config.vocab_size": 100}, [], "model.config.vocab_size"),
-    # layers with their own head counts (transformers' per_layer_config): no single value to check layouts with
-    ("heterogeneous_layers", {"model.config.per_layer_config": {1: {"num_key_value_heads": 1}}}, [], "model.config"),
+    # per-layer head counts (transformers' per_layer_config) on a model whose code reads one value
+    ("per_layer_unsupported", {"model.config.per_layer_config": {1: {"num_key_value_heads": 1}}}, [], "model.config.per_layer_config"),
+    # every layer's count is checked against tp (Gemma 4's full-attention layers have their own KV heads)
+    ("per_layer_heads_vs_tp", {"model.config": {"model_type": "gemma4_text", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True, "layer_types": ["sliding_attention", "full_attention"], "vocab_size": 256, "vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16}, "distributed.tp_size": 2}, ["--nproc-per-node=2"], "distributed.tp_size"),
     ("dataset_source", {"dataset.source": "web"}, [], "dataset.source"),
     ("dataset_path_missing", {"dataset.source": "json"}, [], "dataset.path"),
     ("dataset_file_missing", {"dataset.source": "json", "dataset.path": "/nonexistent/train.jsonl"}, ["--nproc-per-node=2"], "dataset.path"),

@@ -51,15 +51,15 @@ def _shard_children(
     for child in module.children():
         if isinstance(child, nn.ModuleList):
             layers = [m for m in child if m is not None]
-            for i, layer in enumerate(layers):
+            for group in _groups_sharing_parameters(layers):
                 # The last layer's parameters are needed again at once by backward; under PP each
                 # micro-batch would re-gather, so nothing is resharded there.
                 reshard = reshard_after_forward
                 if reshard is None:
-                    reshard = not pp_enabled and i < len(layers) - 1
+                    reshard = not pp_enabled and layers.index(group[-1]) < len(layers) - 1
                 units.append(
                     _fully_shard(
-                        layer,
+                        group[0] if len(group) == 1 else group,
                         mesh=mesh,
                         mp_policy=mp_policy,
                         offload_policy=offload_policy,
@@ -76,6 +76,29 @@ def _shard_children(
                 reshard_after_forward=reshard_after_forward,
                 units=units,
             )
+
+
+def _groups_sharing_parameters(layers: list[nn.Module]) -> list[list[nn.Module]]:
+    """`layers` in order, grouped so that layers holding the same parameter object share one FSDP
+    unit (a parameter can belong to one unit only: Zamba ties one attention block into several
+    layers); a group sits at its first layer's place."""
+    owner: dict[int, int] = {}  # parameter id -> index of the group holding it
+    groups: list[list[nn.Module]] = []
+    for layer in layers:
+        ids = [id(p) for p in layer.parameters()]
+        hit = sorted({owner[i] for i in ids if i in owner})
+        if not hit:
+            groups.append([layer])
+            target = len(groups) - 1
+        else:
+            target = hit[0]
+            for other in hit[1:]:  # this layer joins groups that were separate so far
+                groups[target] += groups[other]
+                groups[other] = []
+                owner.update({i: target for i, g in owner.items() if g == other})
+            groups[target].append(layer)
+        owner.update({i: target for i in ids})
+    return [g for g in groups if g]
 
 
 def apply_fsdp2_sharding_recursively(

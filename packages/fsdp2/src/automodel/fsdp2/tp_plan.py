@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from automodel.fsdp2.hf_config import head_dims, positive_ints
 from automodel.fsdp2.tp_shared_styles import (
     RowwiseOwnedOutput,
     SharedTailParallel,
@@ -205,12 +206,8 @@ def _head_norms_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
     rank's heads only, so its gradient is a partial sum over tp: it is laid out like Qwen3's
     q_norm (``replicated_with_grad_allreduce``).
     """
-    config = _text_config(model)
-    heads = getattr(config, "num_attention_heads", None) or 0
-    head_dim = getattr(config, "head_dim", None) or (
-        getattr(config, "hidden_size", 0) // heads if heads else 0
-    )
-    if not head_dim:
+    widths = {(hd,) for hd in head_dims(_text_config(model))}
+    if not widths:
         return {}
     extra: TPPlan = {}
     parents = {k.rpartition(".")[0] for k, v in plan.items() if _keeps_heads_sharded(v)}
@@ -231,7 +228,7 @@ def _head_norms_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
                 params = list(module.parameters())
                 if child in planned or not params or isinstance(module, nn.Linear):
                     continue
-                if all(tuple(p.shape) == (head_dim,) for p in params):
+                if all(tuple(p.shape) in widths for p in params):
                     extra[f"{parent_key}.{child}"] = translate_to_torch_parallel_style(
                         "replicated_with_grad_allreduce"
                     )
@@ -277,7 +274,9 @@ def check_plan_shards_every_layer(model: nn.Module, plan: Mapping[str, Any]) -> 
     sharding = [k for k, style in plan.items() if not isinstance(style, _LAYOUT_ONLY_STYLES)]
     names = [n for n, _ in model.named_modules()]
     config = _text_config(model)
-    heads = {getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads")} - {None, 1}
+    heads = {v for k in ("num_attention_heads", "num_key_value_heads") for v in positive_ints(config, k)} - {
+        1
+    }
 
     def covered(fqn: str) -> bool:
         atoms = fqn.split(".")
@@ -311,11 +310,11 @@ def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh | int) -> None:
         return
     config = _text_config(model)
     for key in ("num_attention_heads", "num_key_value_heads"):
-        value = getattr(config, key, None)
-        if value is not None and value % tp != 0:
-            raise ValueError(
-                f"{key}={value} is not divisible by tp_size={tp}; pick a tp_size that divides it"
-            )
+        for value in positive_ints(config, key):
+            if value % tp != 0:
+                raise ValueError(
+                    f"{key}={value} is not divisible by tp_size={tp}; pick a tp_size that divides it"
+                )
 
 
 def _layers_prefix(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -377,9 +376,7 @@ def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) 
     for proj in ("q_proj", "k_proj", "v_proj"):
         plan[f"{lp}self_attn.{proj}"] = ColwiseParallel()
     plan[f"{lp}self_attn.o_proj"] = RowwiseParallel(**row_out)
-    config = _text_config(model)
-    heads = getattr(config, "num_attention_heads", None) or 1
-    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    head_dim = max(head_dims(_text_config(model)), default=0)
     for qk_norm in ("q_norm", "k_norm"):
         if f"self_attn.{qk_norm}" in names:
             weight = getattr(layer.get_submodule(f"self_attn.{qk_norm}"), "weight", None)
@@ -408,11 +405,23 @@ def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) 
                 f"{type(layer).__name__} has no dense mlp.gate/up/down_proj; sequence parallel needs an explicit tp_plan"
             )
         # Every norm directly in the layer (input/post-attention, and the pre-/post-feed-forward
-        # norms of Gemma 2/3 and others) acts on the sequence-sharded residual stream.
+        # norms of Gemma 2/3 and others) acts on the sequence-sharded residual stream. Any other
+        # module with weights there (Gemma 4's per-layer-input gate and projection) would read
+        # those shards with whole weights, which this plan does not lay out.
+        unplanned = []
         for child_name, child in layer.named_children():
             params = list(child.parameters())
-            if child_name not in ("self_attn", "mlp") and params and all(p.dim() == 1 for p in params):
+            if child_name in ("self_attn", "mlp") or not params:
+                continue
+            if all(p.dim() == 1 for p in params):
                 plan[f"{lp}{child_name}"] = SequenceParallel()
+            else:
+                unplanned.append(child_name)
+        if unplanned:
+            raise ValueError(
+                f"{type(layer).__name__} has modules with weights besides self_attn and mlp ({unplanned}) that "
+                "read the residual stream, which sequence parallel shards; sequence parallel needs an explicit tp_plan"
+            )
         plan[f"{lp}self_attn"] = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": seq},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},

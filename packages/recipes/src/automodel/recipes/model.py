@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.fsdp2.hf_config import layer_values
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import resolve_dtype
 from automodel.recipes.model_inputs import check_defaulted_inputs
@@ -57,33 +58,15 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
                 ) from None
             raise
         _refuse_quantized(cfg, section)
-    _refuse_heterogeneous(cfg, section)
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
-        value = getattr(cfg, key, None)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"model.config.{key}", value, "must be an int >= 1")
+        for value in layer_values(cfg, key):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"model.config.{key}", value, "must be an int >= 1")
     cfg._attn_implementation = resolve_attn_implementation(cfg, section.attn_implementation)
     cls = causal_lm_class(cfg)
     if cls is not object:  # remote code: its class is known only once loaded
         check_defaulted_inputs(cfg, model_cls=cls, section=section)
     return cfg
-
-
-def _refuse_heterogeneous(cfg: Any, section: Any) -> None:
-    """A config whose layers differ in attributes (transformers' ``per_layer_config``: head counts,
-    latent ranks, ...) has no single value of them; the layouts' rules, the tensor-parallel plan
-    checks and the planner read one per model, so such a model is refused before anything runs."""
-    attributes = getattr(cfg, "per_layer_attributes", None)
-    if not attributes:
-        return
-    key = "model.config" if section.config is not None else section.pretrained_key
-    raise ConfigError(
-        key,
-        cfg.model_type,
-        f"has attributes that vary across its layers (per_layer_config: {', '.join(sorted(attributes))}); "
-        "automodel's layout rules and planner assume one value per model, so heterogeneous configs "
-        "are not supported",
-    )
 
 
 def _refuse_quantized(cfg: Any, section: Any) -> None:
@@ -178,12 +161,29 @@ def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_cod
             raise ConfigError(
                 "model.config", hf_config.model_type, f"cannot be built by transformers: {e}"
             ) from None
+        except RuntimeError as e:
+            if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+                raise
+            # per_layer_config on a model whose code reads the attribute once for every layer
+            raise ConfigError(
+                "model.config.per_layer_config",
+                sorted(getattr(hf_config, "per_layer_attributes", ())),
+                f"model_type {hf_config.model_type!r} reads these once for all its layers (its code does "
+                "not support per-layer values of them)",
+            ) from None
     return model.to(resolve_dtype("model.dtype", dtype))
 
 
 def num_experts(hf_config: Any) -> int | None:
+    """Routed experts per MoE layer, from the config's own field or a part config holding it (DBRX's
+    ffn_config); None for a dense model."""
+    from transformers import PretrainedConfig
+
     for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
+            return value
+    for part in vars(hf_config).values():
+        if isinstance(part, PretrainedConfig) and (value := num_experts(part)):
             return value
     return None

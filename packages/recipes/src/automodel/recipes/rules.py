@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from automodel.fsdp2.hf_config import positive_ints
 from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_meta_model, num_experts
@@ -88,13 +89,12 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
     """Every divisibility rule of the issue: heads vs tp, layers vs stages, experts vs ep, seq vs cp, batch."""
     d = cfg.distributed
     tp, pp, cp, ep, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.dp
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if tp > 1:
-        if heads is not None and heads % tp:
-            raise ConfigError("distributed.tp_size", tp, f"must divide model num_attention_heads={heads}")
-        if kv is not None and kv % tp:
-            raise ConfigError("distributed.tp_size", tp, f"must divide model num_key_value_heads={kv}")
+        # every layer's count (a heterogeneous config's layers may differ)
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            for count in positive_ints(hf_config, key):
+                if count % tp:
+                    raise ConfigError("distributed.tp_size", tp, f"must divide model {key}={count}")
         vocab = getattr(hf_config, "vocab_size", None)
         if vocab is not None and vocab % tp:
             raise ConfigError("distributed.tp_size", tp, f"must divide model vocab_size={vocab}")
@@ -161,4 +161,24 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
             ss.global_batch_size,
             f"must be a multiple of local_batch_size*dp = {ss.local_batch_size}*{dp} = {ss.local_batch_size * dp}",
         )
+    if model is not None:
+        _check_no_backward_recompute(model, hf_config, strategy=d.strategy)
     check_model_supports_layout(cfg, layout, hf_config, model=model)
+
+
+def _check_no_backward_recompute(model: Any, hf_config: Any, *, strategy: str) -> None:
+    """Rule: FSDP gathers a layer's parameters when the layer's forward runs, and DDP reduces each
+    gradient when autograd produces it. Layers that rerun their sub-modules from inside a custom
+    autograd backward (reversible residual layers, a ``backward_pass`` method: Reformer) meet
+    sharded parameters there under FSDP and break DDP's reduction (measured: both fail)."""
+    reversible = sorted(
+        {type(m).__name__ for m in model.modules() if callable(getattr(m, "backward_pass", None))}
+    )
+    if reversible:
+        raise ConfigError(
+            "distributed.strategy",
+            strategy,
+            f"cannot train model_type {hf_config.model_type!r}: its layers {reversible} recompute their "
+            "attention and feed-forward inside a custom autograd backward (reversible residual layers), "
+            "where FSDP does not gather sharded parameters and DDP's gradient reduction does not run",
+        )

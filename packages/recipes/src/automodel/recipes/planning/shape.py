@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from automodel.fsdp2.hf_config import layer_values
 from automodel.recipes.model import build_meta_model, num_experts
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -61,10 +62,12 @@ class ModelShape:
 
 
 def _int(hf_config: Any, *keys: str, default: int = 0) -> int:
+    """The first of `keys` the config sets; for one that varies across layers (a heterogeneous
+    config), its mean over the layers, which is what per-layer sums of the estimates need."""
     for key in keys:
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+        values = [v for v in layer_values(hf_config, key) if isinstance(v, int) and not isinstance(v, bool)]
+        if values and all(v > 0 for v in values):
+            return round(sum(values) / len(values))
     return default
 
 
