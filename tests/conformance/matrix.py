@@ -29,7 +29,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 from matrix_doc import Outcome, header, merge, read, render  # noqa: E402
-from tiny import settable, tiny_overrides  # noqa: E402
+from tiny import NOT_STANDALONE, settable, tiny_overrides  # noqa: E402
 
 STEPS = 3
 RTOL = 1e-5
@@ -173,6 +173,11 @@ def tiny_model_config(model_type: str, variant: str = "default") -> dict[str, An
         if not hasattr(config, "tie_word_embeddings"):
             raise LookupError(f"{model_type} has no tie_word_embeddings")
         out["tie_word_embeddings"] = not bool(config.tie_word_embeddings)
+    if variant != "default":
+        try:
+            AutoConfig.for_model(model_type, **out)
+        except Exception as err:  # the config class rejects the option (DBRX: no tied embeddings)
+            raise LookupError(f"{model_type} rejects the {variant} variant: {err}") from None
     return {"model_type": model_type, **out}
 
 
@@ -353,6 +358,8 @@ def run_model(
     """Every case of one model_type (the default tiny config on each layout, then the variants)."""
     outcomes: list[Outcome] = []
     plan: list[tuple[str, tuple[str, ...]]] = [("default", ())]
+    if model_type in NOT_STANDALONE:
+        return [Outcome(model_type, "default", "*", "n/a", NOT_STANDALONE[model_type])]
     try:
         base = tiny_model_config(model_type)
         num_layers, experts, params = _model_facts(base)

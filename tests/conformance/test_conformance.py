@@ -76,6 +76,13 @@ CASES = [
         "modules with weights besides self_attn and mlp",
     ),  # per-layer inputs
     ("reformer", "default", "fsdp2", "reversible residual layers"),  # recomputes layers inside its backward
+    (
+        "gemma3n_text",
+        "default",
+        "tp2",
+        "activation_sparsity_pattern",
+    ),  # top-k over the MLP width: was 5e-2 off
+    ("zamba", "default", "fsdp2", PASS),  # one attention block tied into two layers: one FSDP unit
 ]
 
 

@@ -98,6 +98,19 @@ CHECKPOINT_FIELDS: dict[str, dict[str, Any]] = {
     # global_head_dim (checkpoints: 512 beside head_dim 256)
     "gemma4_text": {"global_head_dim": 32},
     "gemma4_unified_text": {"global_head_dim": 32},
+    # Qwen4-Exp: the indexed-attention layers' indexer sizes are None in the class
+    "qwen4_exp_text": {
+        "indexer_n_heads": 4,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 16,
+        "indexer_compress_ratio": 4,
+        "hc_lowrank": 16,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 4,
+    },
     # Zamba: its shared attention block is tied across the hybrid layers, so it needs two of them
     # (the default pattern's first 4 layers hold one)
     "zamba": {
@@ -119,6 +132,13 @@ CHECKPOINT_FIELDS: dict[str, dict[str, Any]] = {
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
 
 MODEL_TYPE_KEY = "model_type"
+
+#: Registry entries that are not language models one trains on text alone (shown as n/a, why).
+NOT_STANDALONE: dict[str, str] = {
+    "gemma4_assistant": "a speculative-decoding drafter: every layer reads the key/value states of a target model",
+    "gemma4_unified_assistant": "a speculative-decoding drafter: every layer reads the key/value states of a "
+    "target model",
+}
 
 
 def _shrunk_sizes(config: Any) -> dict[str, Any]:

@@ -156,3 +156,25 @@ def test_pp2_equals_one_process(case: str) -> None:
                 torch.testing.assert_close(
                     grad, ref_grads[step][name], rtol=1e-5, atol=2e-6, msg=lambda m, n=name: f"{n}: {m}"
                 )
+
+
+def test_a_layer_looping_over_the_experts_that_got_tokens_is_traced() -> None:
+    """DBRX's expert loop iterates over ``nonzero`` of the routing mask, which has no shape on fake
+    tensors; the trace takes "nothing routed" and still finds what runs around the layers."""
+    from automodel.pipeline.hf_structure import trace_hf_structure
+
+    config = AutoConfig.for_model(
+        "dbrx",
+        d_model=64,
+        n_heads=4,
+        n_layers=4,
+        vocab_size=256,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": 64},
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    structure = trace_hf_structure(model)
+    assert (structure.layers_fqn, structure.num_layers) == ("transformer.blocks", 4)
+    assert structure.pre_fqns == ("transformer.wte",)
+    assert set(structure.post_fqns) == {"transformer.norm_f", "lm_head"}

@@ -259,6 +259,22 @@ def check_plan_matches_model(model: nn.Module, plan: Mapping[str, Any]) -> None:
         )
 
 
+def _check_no_statistics_over_sharded_mlp(config: Any, sharding: list[str]) -> None:
+    """Rule: a colwise MLP projection leaves each rank a slice of the intermediate width, so an MLP
+    that computes statistics across that width (Gemma 3n's activation sparsity: a Gaussian top-k
+    from the mean and deviation of the gate activations) would compute them per slice (measured:
+    5e-2 off one process)."""
+    sparsity = getattr(config, "activation_sparsity_pattern", None) or ()
+    if any(float(s) > 0 for s in sparsity) and any(
+        k.endswith(("mlp.gate_proj", "mlp.up_proj")) for k in sharding
+    ):
+        raise ValueError(
+            f"config.activation_sparsity_pattern={list(sparsity)}: the MLP keeps the top activations by "
+            "statistics over its whole intermediate width, which the tensor-parallel plan splits over ranks; "
+            "give an explicit tp_plan that leaves the MLP whole"
+        )
+
+
 def check_plan_shards_every_layer(model: nn.Module, plan: Mapping[str, Any]) -> None:
     """ValueError unless the plan really parallelizes every decoder layer of `model`.
 
@@ -274,6 +290,7 @@ def check_plan_shards_every_layer(model: nn.Module, plan: Mapping[str, Any]) -> 
     sharding = [k for k, style in plan.items() if not isinstance(style, _LAYOUT_ONLY_STYLES)]
     names = [n for n, _ in model.named_modules()]
     config = _text_config(model)
+    _check_no_statistics_over_sharded_mlp(config, sharding)
     heads = {v for k in ("num_attention_heads", "num_key_value_heads") for v in positive_ints(config, k)} - {
         1
     }

@@ -220,8 +220,22 @@ def _trace_forward(
         tracker.shortcut = None
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), tracker:
-        run()
+    # A data-dependent shape (an MoE block's loop over the experts that got tokens, found with
+    # nonzero) has no fake answer: the trace takes "no tokens routed", which skips work inside a
+    # layer only; what runs before, between and after the layers is unchanged.
+    tracker.shortcut = _nothing_routed
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), tracker:
+            run()
+    finally:
+        tracker.shortcut = None
+
+
+def _nothing_routed(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``nonzero`` finds nothing: an empty index tensor, for the fake-tensor retry of the trace."""
+    if func is torch.ops.aten.nonzero.default:
+        return torch.empty((0, args[0].dim()), dtype=torch.long, device=args[0].device)
+    return None
 
 
 def _use_eager_attention(model: nn.Module) -> None:
