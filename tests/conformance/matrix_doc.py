@@ -38,8 +38,8 @@ def header(*, steps: int, lr: float, rtol: float, noise_factor: int) -> list[str
         f"norm within {rtol:g} relative of one process, and every rank holds what the layout asks for (FSDP",
         "dim-0 shards, TP shards in every layer, SP norms on the tp mesh, disjoint pipeline stages, the CP",
         "ring backend, experts split over ep); a model whose own training amplifies rounding (one process",
-        "with eager instead of sdpa attention, both exact, differs by more than that) is held to the first",
-        f"step's {rtol:g} and to {noise_factor}x that measured noise after it, shown as **pass [n]** with the numbers.",
+        "with eager instead of sdpa attention, both exact, differs by more than that) may differ at each step",
+        f"by up to {noise_factor}x the noise measured up to that step, shown as **pass [n]** with the numbers.",
         "**refused**: stopped before launch with the message shown.",
         "**FAIL**: anything else. *n/a*: the registry entry cannot be built as a tiny decoder (shown why).",
         "",
@@ -134,14 +134,18 @@ def _na_detail(text: str, model_type: str) -> str:
     return m[1] if m else ""
 
 
-def merge(old: list[Outcome], new: list[Outcome]) -> list[Outcome]:
-    """`old` with every cell `new` re-tested replaced (a model's n/a row goes if it was re-run)."""
+def merge(old: list[Outcome], new: list[Outcome], *, whole: bool = False) -> list[Outcome]:
+    """`old` with every cell `new` re-tested replaced (a model's n/a row goes if it was re-run).
+
+    `whole`: the models in `new` were re-run on every layout and variant, so none of their old
+    cells stays (a variant the config no longer accepts, a layout that no longer applies)."""
     retested = {(o.model_type, o.variant, o.layout) for o in new}
     rerun_models = {o.model_type for o in new}
     kept = [
         o
         for o in old
         if (o.model_type, o.variant, o.layout) not in retested
+        and not (whole and o.model_type in rerun_models)
         and not (o.layout == "*" and o.model_type in rerun_models)
         and not (any(n.layout == "*" and n.model_type == o.model_type for n in new))
     ]
