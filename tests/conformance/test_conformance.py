@@ -83,6 +83,9 @@ CASES = [
         "activation_sparsity_pattern",
     ),  # top-k over the MLP width: was 5e-2 off
     ("zamba", "default", "fsdp2", PASS),  # one attention block tied into two layers: one FSDP unit
+    ("gemma3", "default", "tp2", PASS),  # multimodal: the text decoder's layers, not the vision tower's
+    ("gemma3", "default", "cp2", PASS),  # the vision tower's own attention does not run on text
+    ("git", "default", "cp2", "computes attention inside GitAttention"),  # beside a dispatching vision tower
 ]
 
 

@@ -157,7 +157,7 @@ def _sub_configs(config: Any) -> dict[str, Any]:
     return {
         key: value
         for key, value in vars(config).items()
-        if isinstance(value, PretrainedConfig) and not key.endswith(("text_config", "vision_config"))
+        if isinstance(value, PretrainedConfig)
     }
 
 
@@ -169,8 +169,12 @@ def tiny_overrides(config: Any) -> dict[str, Any]:
         config.allow_global_per_layer_attribute_access = True
     out = _shrunk_sizes(config)
     for key, sub in _sub_configs(config).items():
-        if shrunk := _shrunk_sizes(sub):
-            out[key] = {**sub.to_diff_dict(), **shrunk}
+        # a part (DBRX's ffn_config) or a whole sub-model (a VLM's text and vision configs): the
+        # same rules, recursively
+        if shrunk := tiny_overrides(sub):
+            # per-layer overrides sized for the full layer count are rebuilt by the sub-config itself
+            kept = {k: v for k, v in sub.to_diff_dict().items() if k != "per_layer_config"}
+            out[key] = {**kept, **shrunk}
     experts = any(k in out for k in ("num_local_experts", "num_experts", "n_routed_experts"))
     if experts and hasattr(config, "num_experts_per_tok") and "num_experts_per_tok" not in out:
         out["num_experts_per_tok"] = 2  # configs that leave top-k unset (None) by default

@@ -113,6 +113,61 @@ def test_attention_computed_by_the_module_itself_is_refused_before_launch():
         check_context_parallel_support(_OwnAttentionModel(), seq_length=8)
 
 
+def _tiny_meta_model(model_type: str, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **overrides)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_own_attention_beside_a_dispatching_one_is_refused():
+    """GIT's text decoder computes its own attention while its (unused) vision tower dispatches to
+    transformers: hooking the vision tower alone left the text attention per-chunk (8.5e-4 off)."""
+    from automodel.context_parallel import check_context_parallel_support
+
+    model = _tiny_meta_model(
+        "git",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=256,
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+    )
+    with pytest.raises(ValueError, match="computes attention inside GitAttention, GitSelfAttention"):
+        check_context_parallel_support(model, seq_length=32)
+
+
+def test_attention_flagged_non_causal_is_refused():
+    """Gemma 4 with bidirectional attention: the module passes is_causal=False itself and the mask
+    alone says what it attends to; the causal ring would change the model."""
+    from automodel.context_parallel import check_context_parallel_support
+
+    model = _tiny_meta_model(
+        "gemma4_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=16,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size=256,
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=16,
+        use_bidirectional_attention="all",
+    )
+    with pytest.raises(ValueError, match="Gemma4TextAttention declares is_causal=False"):
+        check_context_parallel_support(model, seq_length=32)
+
+
 def _own_attention_under_cp() -> None:
     mesh = MeshContext.build(ParallelismSizes(cp_size=dist.get_world_size()))
     model = _OwnAttentionModel()

@@ -28,6 +28,7 @@ from automodel.context_parallel.backends import (
 from automodel.context_parallel.layout import load_balanced_indices
 from automodel.context_parallel.ring_attention import ring_attention
 from automodel.context_parallel.thd import document_ids, thd_partitioned_indices
+from automodel.mesh.model_parts import in_other_submodel, other_submodel_prefixes
 
 ATTN_IMPLEMENTATION = "context_parallel"
 _SPEC_ATTR = "_automodel_cp_spec"
@@ -232,17 +233,27 @@ def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", type(model).__name__)
     modules = _attention_modules(model)
-    if not modules:
-        # Modules named like attention that never dispatch: name them (the usual case of an
-        # architecture with its own attention code); otherwise the model has no attention.
-        own = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")})
-        if not own:
-            raise ValueError(
-                f"model_type {model_type!r} has no attention modules to make context-parallel (none named "
-                "'*self_attn', none calling transformers' attention functions)"
-            )
-    else:
-        own = sorted({type(m).__name__ for m in modules if _computes_attention_itself(type(m))})
+    hooked = {id(m) for m in modules}
+    # Text-decoder modules named like attention that hold no hooked module and never dispatch compute attention
+    # in their own code (the usual case of an older architecture; GIT's text decoder beside its
+    # dispatching vision tower): the ring would not run there, each rank attending to its chunk.
+    towers = other_submodel_prefixes(model)  # a vision tower does not run in text training
+    own = sorted(
+        {
+            type(m).__name__
+            for name, m in model.named_modules()
+            if type(m).__name__.endswith("Attention")
+            and not in_other_submodel(name, towers)
+            and not any(id(x) in hooked for x in m.modules())
+            and _computes_attention_itself(type(m))
+        }
+        | {type(m).__name__ for m in modules if _computes_attention_itself(type(m))}
+    )
+    if not modules and not own:
+        raise ValueError(
+            f"model_type {model_type!r} has no attention modules to make context-parallel (none named "
+            "'*self_attn', none calling transformers' attention functions)"
+        )
     if own:
         # The ring attention is reached only through transformers' attention interface; a module
         # doing its own matmuls would attend within each rank's chunk of the sequence only.
@@ -252,6 +263,25 @@ def check_context_parallel_support(model: torch.nn.Module, *, seq_length: int) -
             "the whole sequence"
         )
 
+    names = {id(m): n for n, m in model.named_modules()}
+    mask_decides = sorted(
+        {
+            type(m).__name__
+            for m in modules
+            if not in_other_submodel(names.get(id(m), ""), towers)
+            and getattr(m, "is_causal", True) is False
+            and "is_causal" not in inspect.signature(type(m).forward).parameters
+        }
+    )
+    if mask_decides:
+        # The ring replaces the dense mask by causal attention; a module flagged non-causal that
+        # does not take the flag as an argument passes its own False to the attention function and
+        # gets its causality (or lack of it) from that mask alone (GIT's text decoder; measured:
+        # 8.5e-4 off one process), so it would attend bidirectionally over the ring.
+        raise ValueError(
+            f"model_type {model_type!r}: {', '.join(mask_decides)} declares is_causal=False and takes what it "
+            "attends to from its attention mask, which context parallelism replaces by causal ring attention"
+        )
     if "position_ids" not in inspect.signature(type(model).forward).parameters:
         # Each rank holds a chunk of the sequence: positions must come from the batch, not the length.
         raise ValueError(

@@ -1,4 +1,4 @@
-"""Per-layer sizes of a transformers config.
+"""Sizes of a transformers config: the text decoder's, per layer.
 
 A heterogeneous config (transformers' ``per_layer_config``: Gemma 4's wider full-attention heads,
 per-layer head counts) has no single value of the attributes that vary across its layers, and
@@ -8,6 +8,13 @@ transformers raises when one is read globally. Layout rules read them here, one 
 from __future__ import annotations
 
 from typing import Any
+
+
+def decoder_config(config: Any) -> Any:
+    """The config of the text decoder: a multimodal model's ``text_config`` (its layers, heads and
+    vocabulary), else `config` itself."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
 
 
 def layer_values(config: Any, key: str) -> list[Any]:

@@ -29,13 +29,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from automodel.fsdp2.hf_config import head_dims, positive_ints
+from automodel.fsdp2.hf_config import decoder_config, head_dims, positive_ints
 from automodel.fsdp2.tp_shared_styles import (
     RowwiseOwnedOutput,
     SharedTailParallel,
     replicated_on_sharded_width,
 )
 from automodel.fsdp2.utils import import_class_from_path
+from automodel.mesh.model_parts import in_other_submodel, other_submodel_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,7 @@ def translate_to_torch_parallel_style(style: str) -> ParallelStyle:
 
 
 def _text_config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    return getattr(config, "text_config", None) or config
+    return decoder_config(getattr(model, "config", None))
 
 
 def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
@@ -335,10 +335,13 @@ def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh | int) -> None:
 
 
 def _layers_prefix(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """FQN and first element of the decoder-layer ModuleList (``model.layers`` for HF LMs)."""
+    """FQN and first element of the decoder-layer ModuleList (``model.layers`` for HF LMs; a
+    multimodal model's vision or audio tower is not searched)."""
+    towers = other_submodel_prefixes(model)
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0 and name.endswith("layers"):
-            return name, next(iter(module))  # a pipeline stage may hold layers "2", "3" only
+            if not in_other_submodel(name, towers):
+                return name, next(iter(module))  # a pipeline stage may hold layers "2", "3" only
     return None
 
 
@@ -548,11 +551,14 @@ def _check_sequence_parallel_applies(model: nn.Module) -> None:
     plan's modules. A parameter a container module holds itself (not in a submodule the plan can
     lay out, e.g. HRM's ``z_L_init`` initial state added to the hidden states) stays a whole plain
     tensor that the forward mixes with those shards, so the SP plan cannot apply."""
+    towers = other_submodel_prefixes(model)  # a vision tower does not run in text training
     own = [
         f"{name}.{p}" if name else p
         for name, module in model.named_modules()
         # containers outside the layers (inside a layer, the plan's own modules hold the weights)
-        if any(True for _ in module.children()) and not any(part.isdigit() for part in name.split("."))
+        if any(True for _ in module.children())
+        and not any(part.isdigit() for part in name.split("."))
+        and not in_other_submodel(name, towers)
         for p, v in module._parameters.items()
         if v is not None
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from automodel.fsdp2.hf_config import positive_ints
+from automodel.fsdp2.hf_config import decoder_config, positive_ints
 from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_meta_model, num_experts
@@ -19,7 +19,7 @@ def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
         return len(pcfg.module_fqns_per_model_part)
     try:
         return num_stages_for(
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=decoder_config(hf_config).num_hidden_layers,
             pp_size=layout.pp,
             multi_stage=pcfg.schedule_spec.multi_stage,
             layers_per_stage=pcfg.layers_per_stage,
@@ -89,17 +89,18 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
     """Every divisibility rule of the issue: heads vs tp, layers vs stages, experts vs ep, seq vs cp, batch."""
     d = cfg.distributed
     tp, pp, cp, ep, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.dp
+    text = decoder_config(hf_config)  # a multimodal model's text decoder
     if tp > 1:
         # every layer's count (a heterogeneous config's layers may differ)
         for key in ("num_attention_heads", "num_key_value_heads"):
-            for count in positive_ints(hf_config, key):
+            for count in positive_ints(text, key):
                 if count % tp:
                     raise ConfigError("distributed.tp_size", tp, f"must divide model {key}={count}")
-        vocab = getattr(hf_config, "vocab_size", None)
+        vocab = getattr(text, "vocab_size", None)
         if vocab is not None and vocab % tp:
             raise ConfigError("distributed.tp_size", tp, f"must divide model vocab_size={vocab}")
     if pp > 1:
-        layers = hf_config.num_hidden_layers
+        layers = text.num_hidden_layers
         stages = pipeline_stages(cfg, layout, hf_config)
         pcfg = d.pipeline_config
         if pcfg.schedule_spec.v_shape and cfg.validation_dataset is not None:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from automodel.fsdp2.hf_config import decoder_config
 from automodel.mesh import MeshContext
 from automodel.recipes._dist_setup import setup_distributed
 from automodel.recipes.data import (
@@ -161,10 +162,13 @@ class Trainer:
         self.tokenizer = build_tokenizer(
             cfg.tokenizer.path, trust_remote_code=cfg.tokenizer.trust_remote_code
         )
-        if self.tokenizer.vocab_size > self.hf_config.vocab_size:
+        text = decoder_config(self.hf_config)  # a multimodal model's text decoder
+        if self.tokenizer.vocab_size > text.vocab_size:
             raise ConfigError(
-                "model.config.vocab_size",
-                self.hf_config.vocab_size,
+                "model.config.vocab_size"
+                if text is self.hf_config
+                else "model.config.text_config.vocab_size",
+                text.vocab_size,
                 f"is smaller than the tokenizer's vocabulary ({self.tokenizer.vocab_size})",
             )
         ss = cfg.step_scheduler

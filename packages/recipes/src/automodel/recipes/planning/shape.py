@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.fsdp2.hf_config import layer_values
+from automodel.fsdp2.hf_config import decoder_config, layer_values
 from automodel.recipes.model import build_meta_model, num_experts
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -86,6 +86,7 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
     costs a fifth of a second; counts do not depend on its dtype)."""
     if model is None:
         model = build_meta_model(hf_config, dtype="float32", trust_remote_code=trust_remote_code)
+    text = decoder_config(hf_config)  # a multimodal model's text decoder holds the sizes
     embed = head = dense = expert = 0
     seen: set[int] = set()
     experts = num_experts(hf_config) or 0
@@ -104,10 +105,10 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
             embed += n
         else:
             head += n
-    layers = _int(hf_config, "num_hidden_layers", "n_layer", "num_layers")
+    layers = _int(text, "num_hidden_layers", "n_layer", "num_layers")
     # attention-free models (Mamba, RWKV, xLSTM) have no heads: no attention activations
-    heads = _int(hf_config, "num_attention_heads", "n_head", "num_heads")
-    hidden = _int(hf_config, "hidden_size", "d_model", "n_embd", "embedding_dim")
+    heads = _int(text, "num_attention_heads", "n_head", "num_heads")
+    hidden = _int(text, "hidden_size", "d_model", "n_embd", "embedding_dim")
     moe_layers = 0
     if experts:
         moe_layers = (
@@ -123,22 +124,20 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
     return ModelShape(
         model_type=hf_config.model_type,
         hidden=hidden,
-        intermediate=_int(hf_config, "intermediate_size", "ffn_dim", default=4 * hidden),
+        intermediate=_int(text, "intermediate_size", "ffn_dim", default=4 * hidden),
         layers=layers,
         heads=heads,
-        kv_heads=_int(hf_config, "num_key_value_heads", default=heads),
-        head_dim=_int(hf_config, "head_dim", default=hidden // heads if heads else 0),
-        vocab=_int(hf_config, "vocab_size"),
+        kv_heads=_int(text, "num_key_value_heads", default=heads),
+        head_dim=_int(text, "head_dim", default=hidden // heads if heads else 0),
+        vocab=_int(text, "vocab_size"),
         tied_embeddings=tied,
         embed_params=embed,
         head_params=head,
         layer_dense_params=dense / layers if layers else 0.0,
         layer_expert_params=expert / layers if layers else 0.0,
         experts=experts,
-        top_k=_int(hf_config, "num_experts_per_tok", "top_k", "moe_topk") if experts else 0,
-        moe_intermediate=_int(hf_config, "moe_intermediate_size", "expert_intermediate_size")
-        if experts
-        else 0,
+        top_k=_int(text, "num_experts_per_tok", "top_k", "moe_topk") if experts else 0,
+        moe_intermediate=_int(text, "moe_intermediate_size", "expert_intermediate_size") if experts else 0,
         moe_layers=moe_layers,
-        shared_intermediate=_int(hf_config, "shared_expert_intermediate_size") if experts else 0,
+        shared_intermediate=_int(text, "shared_expert_intermediate_size") if experts else 0,
     )
