@@ -86,6 +86,7 @@ CASES = [
     ("gemma3", "default", "tp2", PASS),  # multimodal: the text decoder's layers, not the vision tower's
     ("gemma3", "default", "cp2", PASS),  # the vision tower's own attention does not run on text
     ("git", "default", "cp2", "computes attention inside GitAttention"),  # beside a dispatching vision tower
+    ("gemma4", "tie_flipped", "tp2", "reads embed_tokens.weight directly"),  # a vocab shard would crash
 ]
 
 

@@ -154,11 +154,7 @@ def _sub_configs(config: Any) -> dict[str, Any]:
     """Nested configs that are parts of one model (DBRX's attn_config), not separate models."""
     from transformers import PretrainedConfig
 
-    return {
-        key: value
-        for key, value in vars(config).items()
-        if isinstance(value, PretrainedConfig)
-    }
+    return {key: value for key, value in vars(config).items() if isinstance(value, PretrainedConfig)}
 
 
 def tiny_overrides(config: Any) -> dict[str, Any]:

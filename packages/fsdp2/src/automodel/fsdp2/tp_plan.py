@@ -13,7 +13,9 @@ from __future__ import annotations
 import copy
 import fnmatch
 import functools
+import inspect
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -259,6 +261,45 @@ def check_plan_matches_model(model: nn.Module, plan: Mapping[str, Any]) -> None:
         )
 
 
+def _check_sharded_embeddings_read_only_by_lookup(model: nn.Module, plan: Mapping[str, Any]) -> None:
+    """Rule: a vocab-sharded embedding (rowwise) is correct through its own lookup only. Model code
+    that reads its weight directly (Gemma 4's multimodal forward takes the pad token's row,
+    ``embed_tokens.weight[pad_id]``) would get a shard of the table (crashed mixing Tensor and
+    DTensor). Found by reading the forwards' source for ``<embedding name>.weight``."""
+    names = dict(model.named_modules())
+    for key, style in plan.items():
+        if type(style) is not RowwiseParallel:
+            continue
+        for fqn, module in names.items():
+            if not isinstance(module, nn.Embedding) or not _fqn_matches(key, fqn):
+                continue
+            attribute = fqn.rpartition(".")[2]
+            # its values, not its device, dtype or (global) shape, which a DTensor reports alike
+            reads = re.compile(rf"\b{re.escape(attribute)}\.weight\b(?!\.(device|dtype|shape)\b)")
+            readers = sorted(
+                {
+                    type(m).__name__
+                    for m in names.values()
+                    if type(m) is not type(module) and reads.search(_forward_source(type(m)) or "")
+                }
+            )
+            if readers:
+                raise ValueError(
+                    f"{fqn} would be split over tp by vocabulary rows, but {', '.join(readers)} reads "
+                    f"{attribute}.weight directly (not through the lookup) and would get a shard of it; "
+                    "give an explicit tp_plan that keeps the embedding whole"
+                )
+
+
+def _forward_source(cls: type) -> str | None:
+    if cls.forward is nn.Module.forward or cls.__module__.startswith("torch."):
+        return None
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+
+
 def _check_no_statistics_over_sharded_mlp(config: Any, sharding: list[str]) -> None:
     """Rule: a colwise MLP projection leaves each rank a slice of the intermediate width, so an MLP
     that computes statistics across that width (Gemma 3n's activation sparsity: a Gaussian top-k
@@ -291,6 +332,7 @@ def check_plan_shards_every_layer(model: nn.Module, plan: Mapping[str, Any]) -> 
     names = [n for n, _ in model.named_modules()]
     config = _text_config(model)
     _check_no_statistics_over_sharded_mlp(config, sharding)
+    _check_sharded_embeddings_read_only_by_lookup(model, plan)
     heads = {v for k in ("num_attention_heads", "num_key_value_heads") for v in positive_ints(config, k)} - {
         1
     }
