@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.mesh.model_parts import in_other_submodel, other_submodel_prefixes
 from automodel.pipeline.hf_dataflow import SourceTracker, tensors_in
 from automodel.pipeline.meta_fast_path import fast_meta_result
 
@@ -66,11 +67,14 @@ def find_layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """The decoder layers: the shallowest ModuleList of ``num_hidden_layers`` modules of one class;
     else the shallowest list of that length mixing classes (hybrid models build their attention and
     linear-attention layers from two classes, OLMo-Hybrid); else, or without that config field,
-    the longest list of one class."""
+    the longest list of one class. A multimodal model's vision and audio towers are not searched."""
     expected = getattr(_text_config(model), "num_hidden_layers", None)
+    towers = other_submodel_prefixes(model)
     uniform, mixed = [], []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0 or not name:
+            continue
+        if in_other_submodel(name, towers):
             continue
         if not any(True for _ in module.parameters()):
             continue
