@@ -172,6 +172,24 @@ def _classify_table(name: str, table: nn.Embedding) -> ExpertsLayout | str:
     return ExpertsLayout.EXPERT_ROWS
 
 
+def _flat_expert_weights(name: str, module: nn.Module) -> str | None:
+    """Why an ``experts`` module whose weights sit in a child as flat [E*k, ...] rows (DBRX's
+    ``mlp.w1`` [E*F, H]) is not split: expert parallelism splits the experts module's own stacked
+    [E, ...] parameters; None if the module is not of that kind."""
+    count = getattr(module, "num_experts", None)
+    params = dict(module.named_parameters())
+    if not (isinstance(count, int) and count > 1 and params):
+        return None
+    if not all(p.dim() >= 1 and p.shape[0] % count == 0 for p in params.values()):
+        return None
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    return (
+        f"experts module {name!r} ({type(module).__name__}) keeps its {count} experts' weights in a child "
+        f"module as flat rows ({shapes}: {count} blocks of rows each); expert parallelism splits the experts "
+        "module's own parameters stacked one row per expert ([E, ...])"
+    )
+
+
 def _scan(model: nn.Module) -> tuple[list[MoEBlock], list[str]]:
     """The splittable experts modules, and why the others are not (once per class, first one named)."""
     blocks: list[MoEBlock] = []
@@ -196,6 +214,14 @@ def _scan(model: nn.Module) -> tuple[list[MoEBlock], list[str]]:
                 )
             )
         leaf = name.rsplit(".", 1)[-1]
+        if (
+            name
+            and leaf == "experts"
+            and not _own_params(module)
+            and (flat := _flat_expert_weights(name, module))
+        ):
+            problems.append((type(module).__name__, flat))
+            continue
         if not name or not _is_candidate(leaf, module):
             continue
         layout = _classify(name, module)
