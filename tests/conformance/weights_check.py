@@ -36,7 +36,12 @@ def save_tiny_pretrained(model_type: str, path: Path, *, seed: int = 1) -> Any:
     kwargs = tiny_model_config(model_type)
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    if type(model.config) is not type(config):
+        # The class keeps only its part of a composite config (Emu3ForCausalLM: Emu3TextConfig),
+        # which AutoModelForCausalLM cannot map back; released checkpoints ship the whole config.
+        config.save_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 
