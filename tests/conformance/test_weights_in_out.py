@@ -20,6 +20,8 @@ CASES = [
     ("qwen3_moe", "ep2"),  # stacked experts
     ("mixtral", "ep2"),  # checkpoint keeps per-expert w1/w3/w2: transformers' conversion mapping both ways
     ("minimax_m3_vl_text", "tp2"),  # gathered colwise q/k: its q/k norms' gradients were summed twice
+    ("gemma4_text", "tp2"),  # per-layer head widths (heterogeneous config)
+    ("gemma3", "tp2"),  # multimodal checkpoint: text decoder laid out, vision tower kept whole
 ]
 
 
