@@ -78,3 +78,34 @@ def test_moe_load_factor_raises_only_the_busiest_ep_ranks_share() -> None:
     assert estimate_step_memory(shape, over).peak_bytes == estimate_step_memory(shape, capped).peak_bytes
     with pytest.raises(ValueError, match="expert_load_factor must be >= 1"):
         StepSetup(ep=2, dp_shard=2, expert_load_factor=0.9)
+
+
+def test_ep_layouts_try_freeing_gathered_weights_after_forward(capsys: pytest.CaptureFixture) -> None:
+    """With EP the recipes keep every layer's gathered weights from forward to backward unless
+    `moe.reshard_after_forward: true`; the planner tries both (True: less memory, a second gather),
+    and the one it ranks first for Qwen3-30B-A3B on 8 H100 is expert parallel with FSDP over 8 ranks,
+    as NeMo AutoModel's published DGX-H100 layout (EP8, FSDP 8), and the YAML says which it chose."""
+    from dataclasses import replace
+
+    from automodel.recipes.planning.memory import StepSetup, estimate_step_memory
+    from automodel.recipes.planning.models import resolve_model_config
+    from automodel.recipes.planning.roofline import Hardware, estimate_step_time
+    from automodel.recipes.planning.shape import model_shape
+
+    shape = model_shape(resolve_model_config("qwen3-30b-a3b"))
+    kept = StepSetup(
+        ep=8, dp_shard=8, seq_len=4096, compute_bytes=2, reduce_bytes=4, grad_accum=64,
+        activation_checkpointing=True, reshard_after_forward=False,
+    )  # fmt: skip
+    freed = replace(kept, reshard_after_forward=True)
+    assert estimate_step_memory(shape, freed).peak_bytes < estimate_step_memory(shape, kept).peak_bytes
+    fsdp_s = [estimate_step_time(shape, s, Hardware(), world=8).fsdp_s for s in (kept, freed)]
+    assert fsdp_s[1] > fsdp_s[0]  # the second gather costs traffic
+
+    args = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "512"]
+    assert run_cli(args) == 0
+    out = capsys.readouterr().out
+    best = next(line.split() for line in out.splitlines() if line[:2].strip() == "1")
+    tp, pp, cp, ep, dp_shard = (int(v) for v in best[1:6])
+    assert (tp, pp, ep > 1, dp_shard * cp) == (1, 1, True, 8), best
+    assert "  moe: {reshard_after_forward: true}" in out

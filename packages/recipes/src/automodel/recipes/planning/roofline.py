@@ -88,11 +88,15 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     fsdp = 0.0
     if s.strategy != "ddp" and fs > 1:
         bw = _bw(fs * s.tp, hw)
-        gathers = 2 * micro_batches if s.pp == 1 else 2 * s.grad_accum
+        # without PP a layer is gathered for forward and again for backward, unless it stays
+        # gathered in between (moe.reshard_after_forward: false)
+        per_micro_batch = 1 if s.reshard_after_forward is False else 2
+        gathers = per_micro_batch * micro_batches if s.pp == 1 else 2 * s.grad_accum
         fsdp += (fs - 1) / fs * dense_rank * (gathers * e + s.reduce_bytes) / bw
     efs = s.ep_shard if s.ep > 1 else fs
     if s.strategy != "ddp" and efs > 1 and expert_rank:
-        fsdp += (efs - 1) / efs * expert_rank * (2 * micro_batches * e + s.reduce_bytes) / _bw(world, hw)
+        expert_gathers = (1 if s.reshard_after_forward is False else 2) * micro_batches
+        fsdp += (efs - 1) / efs * expert_rank * (expert_gathers * e + s.reduce_bytes) / _bw(world, hw)
     exposed = 0.0
     if s.dp_replicate > 1 or s.strategy == "ddp":
         r = s.dp_replicate if s.strategy != "ddp" else dp

@@ -3,6 +3,7 @@ peak fits, rank them by estimated throughput."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from automodel.recipes.errors import ConfigError
@@ -97,7 +98,9 @@ def _add_batches(out: list[Candidate], shape: ModelShape, hw: Hardware, capacity
         v = 2 if schedule == "interleaved1f1b" else 1
         if pp > 1 and shape.layers < pp * v:
             continue
-        for ac in (False, True):
+        # moe.reshard_after_forward (EP only): False (the default) keeps every layer's gathered
+        # weights from forward to backward, True frees them and gathers again in backward
+        for reshard, ac in itertools.product((False, True) if ep > 1 else (None,), (False, True)):
             for lbs in (1, 2, 4, 8) if pp == 1 else (pp, 2 * pp, 4 * pp):
                 gb = k["global_batch"] or lbs * dp
                 if gb % (lbs * dp):
@@ -108,7 +111,7 @@ def _add_batches(out: list[Candidate], shape: ModelShape, hw: Hardware, capacity
                     seq_len=k["seq_len"], local_batch=lbs, grad_accum=gb // (lbs * dp), pp_microbatch=1,
                     pp_schedule=schedule, stages_per_rank=v, storage_bytes=4, compute_bytes=2, reduce_bytes=4,
                     trainable_params=k["trainable"],
-                    reshard_after_forward=False if ep > 1 else None,
+                    reshard_after_forward=reshard,
                     expert_load_factor=k["expert_load_factor"],
                 )  # fmt: skip
                 mem = estimate_step_memory(shape, base)

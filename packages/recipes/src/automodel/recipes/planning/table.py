@@ -63,6 +63,6 @@ def yaml_block(c: Candidate, *, global_batch: int) -> list[str]:
             f"    pp_microbatch_size: {s.pp_microbatch}",
         ]
     if s.ep > 1:
-        lines += ["  moe: {reshard_after_forward: false}"]
+        lines += [f"  moe: {{reshard_after_forward: {'true' if s.reshard_after_forward else 'false'}}}"]
     lines.append(f"step_scheduler: {{global_batch_size: {global_batch}, local_batch_size: {s.local_batch}}}")
     return lines
