@@ -67,6 +67,14 @@ LAYOUTS: dict[str, tuple[int, dict, int, int, dict]] = {
     ),
     "moe_1rank": (1, {}, 2, 2, MOE),
     "moe_ep2_ac": (2, {"ep_size": 2, "activation_checkpointing": True}, 2, 4, MOE),
+    # layers gathered again in backward instead of kept from forward (what `recipes plan` may pick)
+    "moe_ep2_ac_reshard": (
+        2,
+        {"ep_size": 2, "activation_checkpointing": True, "moe": {"reshard_after_forward": True}},
+        2,
+        4,
+        MOE,
+    ),
     # without AC every layer keeps its expert activations: the busiest ep rank's share (the
     # measured expert load factor, ~1.4 with this untrained router) sets the peak
     "moe_ep2": (2, {"ep_size": 2}, 2, 4, MOE),
