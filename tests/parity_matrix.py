@@ -111,6 +111,9 @@ LAYOUTS: list[Layout] = [
     # TP shards attention of the MoE model; experts are replicated over tp (EP shards them).
     Layout("tp2_moe", 2, {"tp_size": 2}, model="moe"),
     Layout("ep2xtp2", 4, {"ep_size": 2, "tp_size": 2}, model="moe"),
+    # each stage's experts split over the ep ranks of its dp group (the stage's FSDP units first
+    # probe the experts on a later stage's placeholder hidden states)
+    Layout("pp2xep2", 4, {**_pp("1f1b"), "ep_size": 2}, model="moe"),
     Layout("pp2xtp2xdp2", 8, {**_pp("1f1b"), "tp_size": 2}),
 ]
 REFERENCES = {"dense": Layout("reference_dense", 1, {}), "moe": Layout("reference_moe", 1, {}, model="moe")}

@@ -109,3 +109,45 @@ def test_ep_layouts_try_freeing_gathered_weights_after_forward(capsys: pytest.Ca
     tp, pp, cp, ep, dp_shard = (int(v) for v in best[1:6])
     assert (tp, pp, ep > 1, dp_shard * cp) == (1, 1, True, 8), best
     assert "  moe: {reshard_after_forward: true}" in out
+
+
+@pytest.mark.parametrize(
+    ("model_type", "config", "moe"),
+    [
+        ("gpt2", {"n_layer": 3, "n_embd": 32, "n_head": 4, "vocab_size": 128}, False),  # transformer.h
+        (
+            "dbrx",  # transformer.blocks; experts as flat [E*F, H] rows; top-k in ffn_config
+            {
+                "n_layers": 3,
+                "d_model": 32,
+                "n_heads": 4,
+                "vocab_size": 128,
+                "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
+                "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+            },
+            True,
+        ),  # fmt: skip
+    ],
+)
+def test_model_shape_finds_layers_and_experts_by_structure(model_type: str, config: dict, moe: bool) -> None:
+    """Parameter counts per decoder layer come from the layer list the pipeline split finds (not
+    from a `layers.N.` name), so models with other names get real per-layer sizes, and routed
+    experts are those expert parallelism splits."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.recipes.planning.shape import model_shape
+
+    hf_config = AutoConfig.for_model(model_type, **config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    shape = model_shape(hf_config, model=model)
+    assert shape.layers == 3 and shape.layer_dense_params > 0
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    assert shape.embed_params == embedding
+    if moe:
+        assert (shape.experts, shape.top_k, shape.moe_layers) == (4, 2, 3)
+        assert shape.layer_expert_params == 3 * 4 * 16 * 32  # w1, v1, w2: [E*F, H] each
+    else:
+        assert shape.layer_expert_params == 0

@@ -3,6 +3,8 @@
 Parameter names stay the Hugging Face ones (``...experts.gate_up_proj``, ``..._bias``): every
 expert parameter becomes a DTensor of the full [E, ...] shape whose local shard is this rank's
 E/ep experts, so gathered state dicts and HF checkpoints line up key for key and shape for shape.
+Flat rows held by a descendant (DBRX's ``experts.mlp.w1`` [E*F, H]) are split the same way:
+Shard(0) of E blocks of F rows gives each rank its experts' blocks.
 Routers are not touched: they run on every rank (their logits still feed the auxiliary loss).
 
 Each call exchanges the rows an experts module is given with the ranks owning their experts
@@ -37,7 +39,12 @@ from automodel.moe.dispatch import (
 )
 from automodel.moe.expert_tables import ExpertParallelEmbedding
 from automodel.moe.grouped_gemm import grouped_expert_mlp
-from automodel.moe.model_inspect import ExpertsLayout, MoEBlock, check_expert_parallel_support
+from automodel.moe.model_inspect import (
+    ExpertsLayout,
+    MoEBlock,
+    check_expert_parallel_support,
+    expert_parameter,
+)
 from automodel.moe.own_forward import call_own_forward, local_view, verify_own_forward
 
 
@@ -48,11 +55,13 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 class ExpertParallelExperts(nn.Module):
     """Mixin placed in front of an HF experts class: same call, rows computed by their experts' owners.
 
-    The generated subclass sets `_ep_layout`, `_ep_param_names` and `_ep_base_forward` (the
-    HF class's forward); `apply_ep` sets `_ep_mesh`.
+    The generated subclass sets `_ep_layout`, `_ep_param_names` (dotted for a descendant's
+    parameter) and `_ep_base_forward` (the HF class's forward); `apply_ep` sets `_ep_mesh` and
+    `_ep_num_experts` (E: the expert parameters' rows may be E blocks of k rows).
     """
 
     _ep_mesh: DeviceMesh
+    _ep_num_experts: int
     _ep_layout: ExpertsLayout
     _ep_param_names: tuple[str, ...]
     _ep_base_forward: Any
@@ -72,10 +81,14 @@ class ExpertParallelExperts(nn.Module):
     # ---- helpers ------------------------------------------------------------------------------
     @property
     def _num_experts(self) -> int:
-        return getattr(self, self._ep_param_names[0]).shape[0]
+        return self._ep_num_experts
+
+    @property
+    def _num_local_experts(self) -> int:
+        return self._ep_num_experts // self._ep_mesh.size()
 
     def _local_params(self) -> dict[str, torch.Tensor]:
-        return {name: _local(getattr(self, name)) for name in self._ep_param_names}
+        return {name: _local(expert_parameter(self, name)) for name in self._ep_param_names}
 
     def _ids_of_sorted_rows(self, rows: torch.Tensor, expert_size: Any) -> torch.Tensor:
         sizes = torch.as_tensor(expert_size, device=rows.device)
@@ -109,6 +122,7 @@ class ExpertParallelExperts(nn.Module):
             self,
             layout=self._ep_layout,
             params=params,
+            local=self._num_local_experts,
             sample=sample,
             weight_dtype=weight_dtype,
             group=self._ep_mesh.get_group(),
@@ -154,18 +168,21 @@ class ExpertParallelExperts(nn.Module):
     ) -> torch.Tensor:
         group = self._ep_mesh.get_group()
         params = self._local_params()
-        self._verify_once(hidden_states, params, top_k_weights.dtype)
+        # one row per routed token (DBRX passes [B, S, H] with [B*S, K] indices); out as given
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        self._verify_once(tokens, params, top_k_weights.dtype)
         plan = plan_dispatch(top_k_index, num_experts=self._num_experts, group=group)
-        received = dispatch_tokens(hidden_states, plan, group=group)
+        received = dispatch_tokens(tokens, plan, group=group)
         outputs = self._compute(received, plan, params, top_k_weights.dtype)
-        return combine_tokens(
+        combined = combine_tokens(
             outputs,
             plan,
             top_k_weights=top_k_weights,
-            num_tokens=hidden_states.shape[0],
+            num_tokens=tokens.shape[0],
             out_dtype=hidden_states.dtype,
             group=group,
         )
+        return combined.view(hidden_states.shape)
 
     def _forward_rows(self, rows: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
         """Rows with one expert each (sorted rows, expert blocks): out row i is row i's expert output."""
@@ -179,13 +196,17 @@ class ExpertParallelExperts(nn.Module):
 
 
 def _shard_experts(experts: nn.Module, names: tuple[str, ...], ep_mesh: DeviceMesh) -> None:
+    """Each named parameter (dotted: a descendant's) becomes Shard(0) over ep; with E | ep its
+    rows split at expert boundaries, also for E blocks of k rows."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for name in names:
-        param = experts._parameters[name]
+        prefix, _, leaf = name.rpartition(".")
+        owner = experts.get_submodule(prefix)
+        param = owner._parameters[leaf]
         local = param.shape[0] // ep
         shard = param.detach()[rank * local : (rank + 1) * local].clone()
         dtensor = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)
-        experts.register_parameter(name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+        owner.register_parameter(leaf, nn.Parameter(dtensor, requires_grad=param.requires_grad))
 
 
 def _expert_parallel_class(base: type, block: MoEBlock, cache: dict[tuple, type]) -> type:
@@ -220,10 +241,11 @@ def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh) -> list[MoEBlock]:
             raise ValueError(
                 f"ep_size={ep} must divide the number of experts, but {block.experts_name} has {block.num_experts}"
             )
-        if any(isinstance(block.experts._parameters[n], DTensor) for n in block.param_names):
+        if any(isinstance(expert_parameter(block.experts, n), DTensor) for n in block.param_names):
             raise ValueError(f"{block.experts_name} is already sharded (its parameters are DTensors)")
         _shard_experts(block.experts, block.param_names, ep_mesh)
         block.experts.__class__ = _expert_parallel_class(type(block.experts), block, classes)
         block.experts._ep_mesh = ep_mesh
+        block.experts._ep_num_experts = block.num_experts
         block.experts._is_expert_parallel = True
     return blocks

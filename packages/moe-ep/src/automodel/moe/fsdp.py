@@ -1,8 +1,10 @@
 """`apply_fsdp` for MoE models: experts over ``ep_shard``, everything else over the dense dp mesh.
 
 Expert parameters are already DTensors ``Shard(0)`` over ``ep``; FSDP2 adds a second dimension
-over ``ep_shard`` (the ranks holding the same experts). When ``ep_shard`` is larger than the
-number of local experts, dim 0 is too short to shard, so FSDP shards dim 1 instead.
+over ``ep_shard`` (the ranks holding the same experts). When ``ep_shard`` is larger than a
+parameter's local rows (the local experts, or their blocks of rows for flat [E*k, ...] rows), dim 0
+is too short to shard, so FSDP shards dim 1 instead. One FSDP unit per experts module holds its
+expert parameters wherever they sit (DBRX's are in its ``mlp`` child).
 
 Gradient scale: a dense gradient is the sum over the dp_cp ranks' losses, divided by
 ``gradient_divide_factor`` (torch's default: the dp_cp size). An expert's gradient already holds
@@ -12,7 +14,7 @@ reduction over ``ep_shard`` must divide by the same total factor, not by ``ep_sh
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -40,6 +42,17 @@ def _shard(
     reduce_unused_parameters(module)
     if divide_factor is not None:
         set_unit_gradient_divide_factor(module, factor=divide_factor)
+
+
+def _expert_placement(ep_shard: int) -> Callable[[nn.Parameter], Shard]:
+    """FSDP's dim for one expert parameter: 0 unless its local rows over ep are fewer than the
+    ep_shard ranks (then 1, where it has one)."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        rows = param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0]
+        return Shard(1 if rows < ep_shard and param.ndim > 1 else 0)
+
+    return placement
 
 
 def _is_managed(name: str, units: set[str]) -> bool:
@@ -72,16 +85,13 @@ def apply_fsdp(
         dense_world = dense_mesh.size()
         expert_factor = gradient_divide_factor if gradient_divide_factor is not None else float(dense_world)
         for name, module in experts:
-            sharded = [p for p in module.parameters(recurse=False) if isinstance(p, DTensor)]
-            local_experts = sharded[0].to_local().shape[0]
-            dim = 1 if expert_mesh.size() > local_experts else 0
             _shard(
                 module,
                 mesh=expert_mesh,
                 reshard_after_forward=reshard_after_forward,
                 mp_policy=mp_policy,
                 divide_factor=expert_factor,
-                shard_placement_fn=lambda param, dim=dim: Shard(dim if param.ndim > dim else 0),
+                shard_placement_fn=_expert_placement(expert_mesh.size()),
             )
             units.add(name)
     shard = dict(
@@ -90,7 +100,7 @@ def apply_fsdp(
     for name, layer in layers:
         _shard(layer, mp_policy=mp_policy, **shard)
         units.add(name)
-    lm_head = model.get_submodule("lm_head") if hasattr(model, "lm_head") else None
+    lm_head = getattr(model, "lm_head", None)  # None on pipeline stages before the last
     if lm_head_precision is not None and isinstance(lm_head, nn.Module):
         head_policy = MixedPrecisionPolicy(
             param_dtype=lm_head_precision, reduce_dtype=torch.float32, output_dtype=lm_head_precision

@@ -6,7 +6,10 @@ pre-launch checks (recipes) and `apply_ep` both call `check_expert_parallel_supp
 An *experts module* holds every expert of a block stacked: each of its own parameters has one
 row per expert on dim 0 (``gate_up_proj`` [E, 2I, H], ``down_proj_bias`` [E, H], ...) and at
 least one is 3-D. It is found by structure, not class name: the ``experts`` child of a block, or
-a module whose ``num_experts`` attribute equals that E (JetMoE's ``input_linear``). How EP runs it
+a module whose ``num_experts`` attribute equals that E (JetMoE's ``input_linear``). An ``experts``
+module without parameters of its own may keep them in descendants as flat rows, E blocks of k
+rows on dim 0 (DBRX's ``mlp.w1`` [E*F, H], its ``num_experts`` = E): block e is expert e, so
+those are split the same way and named by their dotted path (``mlp.w1``). How EP runs it
 depends on its forward's call signature (the calling convention its block uses):
 
 - ``forward(hidden_states, top_k_index, top_k_weights)``: index-routed (Mixtral, GPT-OSS,
@@ -67,11 +70,35 @@ class MoEBlock:
     num_experts: int
     experts_name: str = ""  # FQN of the experts module
     layout: ExpertsLayout = ExpertsLayout.SWIGLU
+    #: the expert parameters, relative to `experts` (dotted where a descendant holds them: ``mlp.w1``)
     param_names: tuple[str, ...] = ("gate_up_proj", "down_proj")
+
+
+def expert_parameter(experts: nn.Module, name: str) -> torch.Tensor:
+    """The parameter `name` of `experts` (a `MoEBlock.param_names` entry, dotted for a descendant's)."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(experts.get_submodule(owner), leaf)
 
 
 def _own_params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in module._parameters.items() if isinstance(p, torch.Tensor)}
+
+
+def _flat_expert_params(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Expert parameters an ``experts`` module keeps in descendants as flat rows, `num_experts`
+    blocks of k rows on dim 0 (DBRX's ``mlp.w1`` [E*F, H]), by dotted name; None if it is not so.
+
+    A module per expert (a ModuleList of MLPs) is another layout, whose rows are not experts.
+    """
+    count = getattr(module, "num_experts", None)
+    if _own_params(module) or not (isinstance(count, int) and count > 1):
+        return None
+    if any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in module.modules()):
+        return None
+    params = dict(module.named_parameters())
+    if params and all(p.dim() >= 1 and p.shape[0] % count == 0 for p in params.values()):
+        return params
+    return None
 
 
 def _forward_arity(module: nn.Module) -> int | None:
@@ -118,20 +145,26 @@ def _is_candidate(leaf: str, module: nn.Module) -> bool:
     return leaf == "experts" or any(isinstance(count, int) and p.shape[0] == count for p in params.values())
 
 
+def _uneven_rows(name: str, module: nn.Module, params: dict[str, torch.Tensor]) -> str | None:
+    """Why stacked own parameters with different row counts cannot be split; None if all agree."""
+    rows = {n: p.shape[0] for n, p in params.items()}
+    if len(set(rows.values())) == 1:
+        return None
+    fewest = min(rows.values())
+    longer = ", ".join(n for n, r in rows.items() if r > fewest)
+    return (
+        f"experts module {name!r} ({type(module).__name__}) has parameters with different expert counts on "
+        f"dim 0 ({rows}): expert parallelism splits every expert parameter Shard(0) so that each rank holds "
+        f"the same experts' rows of all of them, which needs one row per expert in each; rows {fewest}.. of "
+        f"{longer} have no counterpart in the others (e.g. parameter-free identity ('zero') experts the "
+        "forward computes without them), and Shard(0) would cut the parameters at different rows, leaving "
+        "an expert's rows on different ranks"
+    )
+
+
 def _classify(name: str, module: nn.Module) -> ExpertsLayout | str:
     """The layout EP runs `module` with, or why it cannot."""
-    params = _own_params(module)
-    rows = {n: p.shape[0] for n, p in params.items()}
     where = f"experts module {name!r} ({type(module).__name__})"
-    if len(set(rows.values())) != 1:
-        fewest = min(rows.values())
-        longer = ", ".join(n for n, r in rows.items() if r > fewest)
-        return (
-            f"{where} has parameters with different expert counts on dim 0 ({rows}): expert parallelism "
-            "splits every expert parameter Shard(0) so that each rank holds the same experts' rows of all "
-            f"of them, which needs one row per expert in each; rows {fewest}.. of {longer} have no counterpart "
-            "in the others (e.g. parameter-free identity ('zero') experts the forward computes without them)"
-        )
     layout = getattr(module, "_ep_layout", None)  # already expert parallel: its class says
     if layout is not None:
         return layout
@@ -172,24 +205,6 @@ def _classify_table(name: str, table: nn.Embedding) -> ExpertsLayout | str:
     return ExpertsLayout.EXPERT_ROWS
 
 
-def _flat_expert_weights(name: str, module: nn.Module) -> str | None:
-    """Why an ``experts`` module whose weights sit in a child as flat [E*k, ...] rows (DBRX's
-    ``mlp.w1`` [E*F, H]) is not split: expert parallelism splits the experts module's own stacked
-    [E, ...] parameters; None if the module is not of that kind."""
-    count = getattr(module, "num_experts", None)
-    params = dict(module.named_parameters())
-    if not (isinstance(count, int) and count > 1 and params):
-        return None
-    if not all(p.dim() >= 1 and p.shape[0] % count == 0 for p in params.values()):
-        return None
-    shapes = {n: tuple(p.shape) for n, p in params.items()}
-    return (
-        f"experts module {name!r} ({type(module).__name__}) keeps its {count} experts' weights in a child "
-        f"module as flat rows ({shapes}: {count} blocks of rows each); expert parallelism splits the experts "
-        "module's own parameters stacked one row per expert ([E, ...])"
-    )
-
-
 def _scan(model: nn.Module) -> tuple[list[MoEBlock], list[str]]:
     """The splittable experts modules, and why the others are not (once per class, first one named)."""
     blocks: list[MoEBlock] = []
@@ -214,28 +229,22 @@ def _scan(model: nn.Module) -> tuple[list[MoEBlock], list[str]]:
                 )
             )
         leaf = name.rsplit(".", 1)[-1]
-        if (
-            name
-            and leaf == "experts"
-            and not _own_params(module)
-            and (flat := _flat_expert_weights(name, module))
-        ):
-            problems.append((type(module).__name__, flat))
+        flat = _flat_expert_params(module) if name and leaf == "experts" else None
+        if not name or (flat is None and not _is_candidate(leaf, module)):
             continue
-        if not name or not _is_candidate(leaf, module):
-            continue
-        layout = _classify(name, module)
+        params = flat if flat is not None else _own_params(module)
+        problem = _uneven_rows(name, module, params) if flat is None else None
+        layout = problem or _classify(name, module)
         if isinstance(layout, str):
             problems.append((type(module).__name__, layout))
             continue
         parent = name.rsplit(".", 1)[0] if "." in name else ""
-        params = _own_params(module)
         blocks.append(
             MoEBlock(
                 name=parent,
                 block=modules[parent],
                 experts=module,
-                num_experts=next(iter(params.values())).shape[0],
+                num_experts=module.num_experts if flat is not None else next(iter(params.values())).shape[0],
                 experts_name=name,
                 layout=layout,
                 param_names=tuple(params),
@@ -272,16 +281,35 @@ def check_expert_parallel_support(model: nn.Module, *, declared_experts: int | N
         )
         raise ValueError(
             f"{built} has no experts module (a module named `experts`, or with a `num_experts` attribute, "
-            "whose own parameters hold one row per expert on dim 0, one of them 3-D; or embedding tables "
+            "whose own parameters hold one row per expert on dim 0, one of them 3-D; an `experts` module "
+            "whose descendants hold num_experts blocks of rows on dim 0; or embedding tables "
             "with one row per expert): a dense model has "
             "nothing for expert parallelism to split; use ep_size=1 for dense models"
         )
     return blocks
 
 
+def _container_of_experts(model: nn.Module) -> str | None:
+    """The shallowest ModuleList/ModuleDict holding an experts module in one of its children (DBRX's
+    ``transformer.blocks``), by structure where the blocks are not called ``layers``."""
+    experts = [b.experts_name for b in find_moe_blocks(model)]
+    containers = [
+        name
+        for name, module in model.named_modules()
+        if name
+        and isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and any(e.startswith(name + ".") and "." in e[len(name) + 1 :] for e in experts)
+    ]
+    return min(containers, key=lambda n: n.count("."), default=None)
+
+
 def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The transformer blocks: children of the ``layers`` container (ModuleList or ModuleDict)."""
+    """The transformer blocks: children of the ``layers`` container (ModuleList or ModuleDict), else
+    of the container whose children hold the experts modules."""
     for name, module in model.named_modules():
         if name.split(".")[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             return [(f"{name}.{child}", layer) for child, layer in module.named_children()]
-    return []
+    name = _container_of_experts(model)
+    if name is None:
+        return []
+    return [(f"{name}.{child}", layer) for child, layer in model.get_submodule(name).named_children()]

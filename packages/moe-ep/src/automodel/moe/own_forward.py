@@ -1,11 +1,12 @@
 """Run an experts module's own forward on this rank's experts, and check once that doing so is exact.
 
-After `apply_ep` an experts module's parameters are DTensors of the full [E, ...] shape whose
-local shard holds this rank's L = E/ep experts. Its own forward (the model's code, including the
-implementation transformers' ``config._experts_implementation`` picks) indexes those parameters
-by expert id and may read ``num_experts``. `local_view` gives it a shallow copy whose parameters
-are the local [L, ...] tensors (autograd flows back to the DTensors) and whose ``num_experts`` is
-L, so local ids 0..L-1 address this rank's experts.
+After `apply_ep` an experts module's parameters are DTensors of the full [E, ...] shape (or
+[E*k, ...] flat rows held by a descendant, DBRX's ``mlp.w1``) whose local shard holds this rank's
+L = E/ep experts. Its own forward (the model's code, including the implementation transformers'
+``config._experts_implementation`` picks) indexes those parameters by expert id and may read
+``num_experts``. `local_view` gives it a shallow copy whose parameters (and those of copies of the
+descendants holding them) are the local [L, ...] / [L*k, ...] tensors (autograd flows back to the
+DTensors) and whose ``num_experts`` is L, so local ids 0..L-1 address this rank's experts.
 
 Expert parallelism splits one call into per-owner calls on regrouped rows, which is exact only
 if (a) each output row depends on its own input row and expert alone, (b) parameter row e is
@@ -16,6 +17,7 @@ first forward and raises on every rank, naming the class, instead of training on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,11 +30,46 @@ from automodel.moe.model_inspect import ExpertsLayout
 _ROWS = 2
 
 
-def local_view(module: nn.Module, *, params: dict[str, torch.Tensor], num_experts: int) -> nn.Module:
-    """A hook-free shallow copy of `module` holding `params` as its parameters and `num_experts` experts."""
+#: nn.Module's per-instance hook registries: a view starts with them empty.
+_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def _copy_without_hooks(module: nn.Module, params: dict[str, torch.Tensor]) -> nn.Module:
+    """A shallow copy of `module` with `params` (dotted names: copies of the descendants holding
+    them) as parameters; the copies are called by the forward, so none carries the original's hooks
+    (FSDP's, which already ran on the original), an instance-level ``forward`` override or a
+    compiled call: those are bound to the original and would run it on the full DTensors."""
+    own = {n: p for n, p in params.items() if "." not in n}
+    by_child: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in params.items():
+        if "." in name:
+            child, rest = name.split(".", 1)
+            by_child.setdefault(child, {})[rest] = p
     view = object.__new__(type(module))
     view.__dict__.update(module.__dict__)
-    view.__dict__["_parameters"] = {**module._parameters, **params}
+    view.__dict__.pop("forward", None)
+    view.__dict__.pop("_compiled_call_impl", None)
+    for hooks in _HOOKS:
+        if hooks in view.__dict__:
+            view.__dict__[hooks] = type(view.__dict__[hooks])()
+    view.__dict__["_parameters"] = {**module._parameters, **own}
+    children = {n: _copy_without_hooks(module._modules[n], sub) for n, sub in by_child.items()}
+    view.__dict__["_modules"] = {**module._modules, **children}
+    return view
+
+
+def local_view(module: nn.Module, *, params: dict[str, torch.Tensor], num_experts: int) -> nn.Module:
+    """A hook-free shallow copy of `module` holding `params` (names as `MoEBlock.param_names`,
+    dotted for a descendant's) as its parameters, and `num_experts` experts."""
+    view = _copy_without_hooks(module, params)
     if isinstance(module.__dict__.get("num_experts"), int):
         view.__dict__["num_experts"] = num_experts
     # transformers' own EP flag means "sentinel ids may be present"; a local view receives none.
@@ -61,11 +98,21 @@ def call_own_forward(
         ids = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), sizes).unsqueeze(-1)
         if weights is None:
             weights = torch.ones(ids.shape, dtype=weight_dtype or rows.dtype, device=rows.device)
-        return base_forward(view, rows, ids, weights.reshape(ids.shape))
-    if layout is ExpertsLayout.SORTED_ROWS:
-        return base_forward(view, rows, list(counts))
-    assert len(set(counts)) <= 1, f"expert blocks must be equal, got {counts}"
-    return base_forward(view, rows)
+        out = base_forward(view, rows, ids, weights.reshape(ids.shape))
+    elif layout is ExpertsLayout.SORTED_ROWS:
+        out = base_forward(view, rows, list(counts))
+    else:
+        assert len(set(counts)) <= 1, f"expert blocks must be equal, got {counts}"
+        out = base_forward(view, rows)
+    # One output row per input row: DBRX's forward restores its input's leading dims from the
+    # first ([B, S, H] -> [B, -1, H]), so N rows come back as [N, 1, H].
+    return out.reshape(rows.shape[0], out.shape[-1]) if out.dim() > 2 else out
+
+
+def _expert_rows(params: dict[str, torch.Tensor], expert: int, local: int) -> dict[str, torch.Tensor]:
+    """Expert `expert`'s rows of each of `local` experts' parameters: row e, or block e of k rows."""
+    blocks = {n: p.shape[0] // local for n, p in params.items()}
+    return {n: p[expert * blocks[n] : (expert + 1) * blocks[n]] for n, p in params.items()}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -80,20 +127,29 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 _ROW_MIXING, _INDEXING, _NONLINEAR_WEIGHT, _FAST_PATH_DIFFERS = 1, 2, 4, 8
 
 
+def _row_scale(sample: torch.Tensor) -> float:
+    """The spread of the finite entries of `sample`, 1 where it has none: a pipeline stage's first
+    call may carry placeholder values (NaN hidden states on a later stage's shape pass), and a
+    NaN scale would fail every check of a sound forward."""
+    finite = sample.detach().float().flatten()
+    finite = finite[torch.isfinite(finite)]
+    scale = finite.std().item() if finite.numel() > 1 else 0.0
+    return scale if scale > 0 and math.isfinite(scale) else 1.0
+
+
 def _local_verdict(
     base_forward: Callable[..., torch.Tensor],
     module: nn.Module,
     *,
     layout: ExpertsLayout,
     params: dict[str, torch.Tensor],
+    local: int,
     sample: torch.Tensor,
     weight_dtype: torch.dtype,
     fast_path: Callable[[torch.Tensor, list[int]], torch.Tensor] | None,
 ) -> int:
-    local = next(iter(params.values())).shape[0]
     g = torch.Generator().manual_seed(1234)
-    scale = sample.float().std().item() if sample.numel() > 1 else 1.0
-    x = (torch.randn(local * _ROWS, sample.shape[-1], generator=g) * (scale or 1.0)).to(sample)
+    x = (torch.randn(local * _ROWS, sample.shape[-1], generator=g) * _row_scale(sample)).to(sample)
     counts = [_ROWS] * local
 
     def run(rows: torch.Tensor, sizes: list[int], view: nn.Module, weights: torch.Tensor | None = None):
@@ -113,8 +169,8 @@ def _local_verdict(
     for i in range(_ROWS):  # (a) every row alone gives the row it gave in the batch
         if not _close(run(x[i::_ROWS], [1] * local, full), ref[i::_ROWS]):
             verdict |= _ROW_MIXING
-    for e in sorted({0, local - 1}):  # (b) parameter row e alone computes expert e
-        one = local_view(module, params={n: p[e : e + 1] for n, p in params.items()}, num_experts=1)
+    for e in sorted({0, local - 1}):  # (b) parameter row e (block e of k rows) alone computes expert e
+        one = local_view(module, params=_expert_rows(params, e, local), num_experts=1)
         rows = slice(e * _ROWS, (e + 1) * _ROWS)
         if not _close(run(x[rows], [_ROWS], one), ref[rows]):
             verdict |= _INDEXING
@@ -134,12 +190,14 @@ def verify_own_forward(
     *,
     layout: ExpertsLayout,
     params: dict[str, torch.Tensor],
+    local: int,
     sample: torch.Tensor,
     weight_dtype: torch.dtype,
     group: dist.ProcessGroup | None,
     fast_path: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
 ) -> bool:
-    """Check (a)-(c) of the module docstring on this rank's experts; returns whether `fast_path` agrees.
+    """Check (a)-(c) of the module docstring on this rank's `local` experts; returns whether
+    `fast_path` agrees.
 
     `sample` gives the rows' width, dtype, device and scale. Every rank of `group` must call
     this at the same forward (one small all-reduce), and all raise or return alike.
@@ -150,6 +208,7 @@ def verify_own_forward(
         module,
         layout=layout,
         params=params,
+        local=local,
         sample=sample.detach(),
         weight_dtype=weight_dtype,
         fast_path=fast_path,

@@ -174,16 +174,28 @@ def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_cod
     return model.to(resolve_dtype("model.dtype", dtype))
 
 
-def num_experts(hf_config: Any) -> int | None:
-    """Routed experts per MoE layer, from the config's own field or a part config holding it (DBRX's
-    ffn_config); None for a dense model."""
+def _config_int(hf_config: Any, keys: tuple[str, ...]) -> int | None:
+    """The first positive int of `keys` in the config, else in a part config holding it (DBRX's
+    ffn_config)."""
     from transformers import PretrainedConfig
 
-    for key in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
+    for key in keys:
         value = getattr(hf_config, key, None)
-        if isinstance(value, int) and value > 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     for part in vars(hf_config).values():
-        if isinstance(part, PretrainedConfig) and (value := num_experts(part)):
+        if isinstance(part, PretrainedConfig) and (value := _config_int(part, keys)):
             return value
     return None
+
+
+def num_experts(hf_config: Any) -> int | None:
+    """Routed experts per MoE layer; None for a dense model."""
+    return _config_int(hf_config, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
+
+
+def experts_per_token(hf_config: Any) -> int | None:
+    """Routed experts each token goes to (top-k); None where the config does not say."""
+    return _config_int(
+        hf_config, ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "moe_topk", "top_k")
+    )

@@ -3,17 +3,13 @@ meta-device model (exact for any architecture, nothing is allocated)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from automodel.fsdp2.hf_config import decoder_config, layer_values
-from automodel.recipes.model import build_meta_model, num_experts
+from automodel.recipes.model import build_meta_model, experts_per_token, num_experts
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EXPERT = ".experts."
-_HEAD = ("lm_head.",)
-_EMBED = ("embed_tokens.", "wte.", "word_embeddings.")
 
 
 @dataclass(frozen=True)
@@ -76,7 +72,23 @@ def _expert_param_ids(model: Any) -> set[int]:
     `input_linear` and Doge's expert embedding tables, whose names do not say `experts`)."""
     from automodel.moe import find_moe_blocks
 
-    return {id(getattr(b.experts, n)) for b in find_moe_blocks(model) for n in b.param_names}
+    return {id(b.experts.get_parameter(n)) for b in find_moe_blocks(model) for n in b.param_names}
+
+
+def _decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers, found by structure as the pipeline split finds them (``model.layers``,
+    GPT-2's ``transformer.h``, DBRX's ``transformer.blocks``, a multimodal model's text decoder)."""
+    from automodel.pipeline.hf_structure import find_layer_list
+
+    found = find_layer_list(model)
+    return list(found[1]) if found else []
+
+
+def _input_embeddings(model: Any) -> Any:
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any = None) -> ModelShape:
@@ -87,38 +99,38 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
     if model is None:
         model = build_meta_model(hf_config, dtype="float32", trust_remote_code=trust_remote_code)
     text = decoder_config(hf_config)  # a multimodal model's text decoder holds the sizes
-    embed = head = dense = expert = 0
-    seen: set[int] = set()
     experts = num_experts(hf_config) or 0
     routed = _expert_param_ids(model) if experts else set()
+    layer_list = _decoder_layers(model)
+    in_layers = {id(p) for layer in layer_list for p in layer.parameters()}
+    embedding = _input_embeddings(model)
+    in_embedding = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    embed = head = dense = expert = 0
+    seen: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:  # tied lm_head: counted once, as the embedding
             continue
         seen.add(id(p))
         n = p.numel()
-        if _LAYER.search(name):
+        if id(p) in in_layers:
             if id(p) in routed or _EXPERT in f".{name}":
                 expert += n
             else:
                 dense += n
-        elif any(k in name for k in _EMBED):
+        elif id(p) in in_embedding:
             embed += n
         else:
             head += n
-    layers = _int(text, "num_hidden_layers", "n_layer", "num_layers")
+    layers = _int(text, "num_hidden_layers", "n_layer", "num_layers") or len(layer_list)
     # attention-free models (Mamba, RWKV, xLSTM) have no heads: no attention activations
     heads = _int(text, "num_attention_heads", "n_head", "num_heads")
     hidden = _int(text, "hidden_size", "d_model", "n_embd", "embedding_dim")
     moe_layers = 0
     if experts:
-        moe_layers = (
-            sum(
-                1
-                for layer in model.model.layers
-                if any(id(p) in routed or _EXPERT in f".{n}." for n, p in layer.named_parameters())
-            )
-            if hasattr(model, "model") and hasattr(model.model, "layers")
-            else layers
+        moe_layers = sum(
+            1
+            for layer in layer_list
+            if any(id(p) in routed or _EXPERT in f".{n}." for n, p in layer.named_parameters())
         )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     return ModelShape(
@@ -136,7 +148,7 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
         layer_dense_params=dense / layers if layers else 0.0,
         layer_expert_params=expert / layers if layers else 0.0,
         experts=experts,
-        top_k=_int(text, "num_experts_per_tok", "top_k", "moe_topk") if experts else 0,
+        top_k=(experts_per_token(hf_config) or 0) if experts else 0,
         moe_intermediate=_int(text, "moe_intermediate_size", "expert_intermediate_size") if experts else 0,
         moe_layers=moe_layers,
         shared_intermediate=_int(text, "shared_expert_intermediate_size") if experts else 0,
