@@ -165,6 +165,25 @@ def test_megatron_fsdp_without_cuda_is_refused_before_any_rank_starts(
     assert run_cli(["validate", str(path), "--world-size", "8"]) == 0
 
 
+@pytest.mark.skipif(cuda_device_count() > 0, reason="checks the refusals on machines without CUDA")
+@pytest.mark.parametrize(
+    ("attn", "says"),
+    [("flex_attention", "has no backward on CPU"), ("flash_attention_2", "needs the flash-attn package")],
+)
+@pytest.mark.parametrize("extra", [[], ["--nproc-per-node=2"]], ids=["in_place", "before_launch"])
+def test_attention_this_machine_cannot_train_with_is_refused_before_any_rank_starts(
+    attn: str, says: str, extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Llama supports both; here (no CUDA, no flash-attn) each failed inside every rank's first step
+    (FlexAttention's NotImplementedError, transformers' ImportError)."""
+    path, out = _write(tmp_path, {"model.attn_implementation": attn})
+    assert run_cli(["train", str(path), *extra]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: model.attn_implementation='{attn}': {says}"), line
+    assert not out.exists()
+    assert run_cli(["validate", str(path), "--world-size", "2"]) == 0  # planning for a GPU cluster
+
+
 def test_launcher_flag_given_to_validate_names_world_size(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

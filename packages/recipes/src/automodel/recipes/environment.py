@@ -11,6 +11,7 @@ def check_environment(cfg: RecipeConfig) -> None:
 
     `recipes validate` does not call this: it plans layouts for clusters it is not running on.
     """
+    _check_attention(cfg.model.attn_implementation)
     if cfg.distributed.strategy == "megatron_fsdp":
         from automodel.megatron_fsdp import MegatronFSDPUnavailableError, import_megatron_fsdp
 
@@ -18,3 +19,27 @@ def check_environment(cfg: RecipeConfig) -> None:
             import_megatron_fsdp()
         except MegatronFSDPUnavailableError as e:
             raise ConfigError("distributed.strategy", "megatron_fsdp", str(e)) from None
+
+
+def _check_attention(requested: str) -> None:
+    """An attention implementation this machine cannot train with is refused here, not met as an
+    import error or a missing backward inside every rank."""
+    import torch
+
+    if requested == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            raise ConfigError(
+                "model.attn_implementation",
+                requested,
+                "needs the flash-attn package and a CUDA GPU, which this machine lacks; use sdpa or eager",
+            )
+    if requested == "flex_attention" and not torch.cuda.is_available():
+        # torch's FlexAttention raises NotImplementedError for a backward on CPU tensors
+        raise ConfigError(
+            "model.attn_implementation",
+            requested,
+            f"has no backward on CPU in torch {torch.__version__} and this machine has no CUDA GPU, so "
+            "training would fail in the first step; use sdpa or eager here",
+        )

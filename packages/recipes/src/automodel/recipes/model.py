@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,22 @@ def resolve_attn_implementation(hf_config: Any, requested: str) -> str:
     return requested
 
 
+def _without_unimportable_kernels(hf_config: Any) -> Any:
+    """`hf_config`, or a copy asking for sdpa where it asks for flash_attention_2 and flash-attn is
+    not importable here: transformers refuses to build such a model at all, but `recipes validate`
+    plans GPU clusters from any machine and the model's structure does not depend on the kernel
+    (`recipes train` refuses flash_attention_2 where it is missing, see environment.py)."""
+    if getattr(hf_config, "_attn_implementation", None) != "flash_attention_2":
+        return hf_config
+    from transformers.utils import is_flash_attn_2_available
+
+    if is_flash_attn_2_available():
+        return hf_config
+    planned = copy.deepcopy(hf_config)  # composite configs pass the setting on to their parts
+    planned._attn_implementation = "sdpa"
+    return planned
+
+
 def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_code: bool = False) -> nn.Module:
     """The causal-LM for `hf_config` with every parameter and buffer on the meta device.
 
@@ -147,6 +164,7 @@ def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_cod
     """
     from transformers import AutoModelForCausalLM
 
+    hf_config = _without_unimportable_kernels(hf_config)
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
