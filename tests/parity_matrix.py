@@ -106,6 +106,8 @@ LAYOUTS: list[Layout] = [
     Layout("pp2xtp2", 4, {**_pp("1f1b"), "tp_size": 2}),
     Layout("cp2", 2, {"cp_size": 2}),
     Layout("cp2xfsdp2", 4, {"cp_size": 2}),
+    # each stage's attention is context parallel; the schedule runs inside the CP context
+    Layout("pp2xcp2", 4, {**_pp("1f1b"), "cp_size": 2}),
     Layout("ep2", 2, {"ep_size": 2}, model="moe"),
     Layout("ep2xfsdp2", 4, {"ep_size": 2}, model="moe"),
     # TP shards attention of the MoE model; experts are replicated over tp (EP shards them).

@@ -141,10 +141,6 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
             f"is not supported for MoE models ({hf_config.model_type}: the expert block has no "
             "sequence-parallel plan); use tp_size > 1 without it",
         )
-    if pp > 1 and cp > 1:
-        raise ConfigError(
-            "distributed.cp_size", cp, "context parallelism together with pp_size > 1 is not supported yet"
-        )
     seq = cfg.seq_length
     if cp > 1 and seq % (2 * cp):
         key = (

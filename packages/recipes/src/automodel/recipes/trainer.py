@@ -272,16 +272,7 @@ class Trainer:
             "labels": batch.labels.to(self.device),
             "position_ids": batch.position_ids.to(self.device),
         }
-        ctx: Callable[[], Any] = contextlib.nullcontext
-        extra: dict[str, Any] = {}
-        if self.pm.cp_backend != "none":
-            ctx, fields, extra = context_parallel_inputs(
-                fields,
-                cp_mesh=self.mesh.get_mesh("cp"),
-                backend=self.pm.cp_backend,
-                pad_token_id=self.tokenizer.pad_token_id,
-                packed=self.cfg.packed_sequence.packed_sequence_size > 0,
-            )
+        ctx, fields, extra = self._cp_shard(fields)
         with ctx():
             logits = model(
                 input_ids=fields["input_ids"],
@@ -299,13 +290,35 @@ class Trainer:
     def _pipeline_loss_sum(self, batch: Batch, *, train: bool) -> torch.Tensor:
         """One local batch through the pipeline; the loss (already / tokens) summed over the pp group."""
         pipe = self.pm.pipeline
-        args = {
+        fields = {
+            "input_ids": batch.input_ids.to(self.device),
             "labels": batch.labels.to(self.device),
-            "position_ids": batch.position_ids.to(self.device) + self.position_offset,
+            "position_ids": batch.position_ids.to(self.device),
         }
-        ids = batch.input_ids.to(self.device)
-        loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
+        ctx, fields, extra = self._cp_shard(fields)
+        args = {
+            "labels": fields["labels"],
+            "position_ids": fields["position_ids"] + self.position_offset,
+            **extra,
+        }
+        ids = fields["input_ids"]
+        with ctx():  # the schedule runs every micro-batch's forward and backward inside it
+            loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
         return pipe.reduce_loss(loss)
+
+    def _cp_shard(
+        self, fields: dict[str, torch.Tensor]
+    ) -> tuple[Callable[[], Any], dict[str, torch.Tensor], dict[str, Any]]:
+        """This CP rank's share of `fields`, with the context its attention runs in (none without CP)."""
+        if self.pm.cp_backend == "none":
+            return contextlib.nullcontext, fields, {}
+        return context_parallel_inputs(
+            fields,
+            cp_mesh=self.mesh.get_mesh("cp"),
+            backend=self.pm.cp_backend,
+            pad_token_id=self.tokenizer.pad_token_id,
+            packed=self.cfg.packed_sequence.packed_sequence_size > 0,
+        )
 
     def train_step(self, batches: list[Batch]) -> tuple[float, float, int]:
         """Forward/backward every micro-batch, clip, step. Returns (loss, grad_norm, global tokens)."""

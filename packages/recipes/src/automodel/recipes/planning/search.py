@@ -60,7 +60,7 @@ def enumerate_layouts(
             if pp > 1 and shape.layers < 2 * pp:
                 continue
             for cp in (c for c in _divisors(gpus // (tp * pp)) if c <= 8):
-                if cp > 1 and (pp > 1 or seq_len % (2 * cp)):  # CP with PP is refused by the rules
+                if cp > 1 and seq_len % (2 * cp):  # CP splits the sequence into 2 * cp chunks
                     continue
                 dp = gpus // (tp * pp * cp)
                 eps = [1]
