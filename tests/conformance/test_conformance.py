@@ -88,6 +88,9 @@ CASES = [
     ("git", "default", "cp2", "computes attention inside GitAttention"),  # beside a dispatching vision tower
     ("gemma4", "tie_flipped", "tp2", "reads embed_tokens.weight directly"),  # a vocab shard would crash
     ("dbrx", "default", "ep2", PASS),  # experts' weights as flat [E*F, H] rows in a child module
+    ("gemma4_text", "default", "pp2", PASS),  # per-layer inputs: the first stage hands them over
+    ("gemma3n_text", "default", "pp2_ac", PASS),  # + keys/values shared across layers, 4 stages with AC
+    ("zamba", "default", "pp2", PASS),  # every hybrid layer reads the input embeddings
 ]
 
 

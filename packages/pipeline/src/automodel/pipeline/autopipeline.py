@@ -131,6 +131,7 @@ class AutoPipeline:
 
         parts: list[nn.Module] = []
         stages: list[PipelineStage] = []
+        needs_token_ids = False
         # Taken before any stage of this rank is parallelized (wrapped modules cannot be copied).
         stand_ins = meta_stand_ins(model, structure=structure) if structure is not None else None
         for stage_index in ranks[pp_rank]:
@@ -144,6 +145,7 @@ class AutoPipeline:
                     num_stages=num_stages,
                     stand_ins=stand_ins,
                 )
+                needs_token_ids |= part.needs_token_ids
             if cfg.dtype is not None:
                 part = part.to(dtype=cfg.dtype)
             if parallelize_fn is not None:
@@ -184,6 +186,7 @@ class AutoPipeline:
             pp_group=pp_mesh.get_group(),
             device=self.device,
             tied_parameters=tied_parameters,
+            needs_token_ids=needs_token_ids,
         )
 
 
@@ -210,8 +213,9 @@ class PipelineModel:
     """This rank's share of a pipeline: stage modules, torch stages, the schedule, step/eval.
 
     `step` and `eval` take the whole local batch (``pp_batch_size`` rows); pass the same tensors on
-    every pp rank (each rank uses what its stages need: inputs on the first stage, labels on the
-    last, position ids everywhere).
+    every pp rank (each rank uses what its stages need: inputs on the first stage, and on every
+    stage where the model's layers read values computed from the token ids before the layers;
+    labels on the last; position ids everywhere).
     """
 
     def __init__(
@@ -227,6 +231,7 @@ class PipelineModel:
         pp_group: dist.ProcessGroup,
         device: torch.device,
         tied_parameters: TiedParameters | None = None,
+        needs_token_ids: bool = False,
     ) -> None:
         self.config = config
         self.stages = stages
@@ -238,6 +243,8 @@ class PipelineModel:
         self.pp_group = pp_group
         self.device = device
         self.tied_parameters = tied_parameters or TiedParameters.none()
+        #: a stage of this rank runs the model from the token ids (`CausalLMStage.needs_token_ids`)
+        self.needs_token_ids = needs_token_ids
         self._seq_len: int | None = config.pp_seq_len
 
     # ---- layout --------------------------------------------------------------------------
@@ -349,6 +356,11 @@ class PipelineModel:
         cfg = self.config
         if self.has_first_stage and input_ids is None:
             raise ValueError("input_ids (the first stage's input) is required on the rank that holds stage 0")
+        if self.needs_token_ids and input_ids is None:
+            raise ValueError(
+                "input_ids is required on this rank too: its pipeline stages run the model from the token ids "
+                "(the model's layers read values computed from them before the layers)"
+            )
         present = [t for t in (input_ids, labels, position_ids) if t is not None]
         if not present:
             return (), dict(stage_kwargs), None
@@ -376,6 +388,8 @@ class PipelineModel:
                     step = torch.arange(1, pad + 1, device=position_ids.device, dtype=position_ids.dtype)
                     position_ids = torch.cat([position_ids, position_ids[:, -1:] + step], dim=1)
         kwargs = dict(stage_kwargs)
+        if self.needs_token_ids:
+            kwargs["token_ids"] = input_ids
         if position_ids is not None:
             kwargs["position_ids"] = (
                 position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids

@@ -18,6 +18,17 @@ duration of the call where the stage holds nothing:
 
 Later stages pass NaN ``inputs_embeds`` for the same reason: the model computes positions and
 attention masks from shapes, exactly as in one process.
+
+What later layers read besides the hidden states but later stages cannot compute crosses the
+boundary with them (see `hf_boundary`): a stage's output is then ``(hidden, *carried)``. The
+first stage sends the outputs of the pre-layer modules that make those values (Gemma's per-layer
+inputs, a copy of the embeddings); later stages run the model's forward from the token ids (the
+``token_ids`` keyword `PipelineModel` then passes) exactly as the first stage does, their
+stand-ins for those modules returning the received values, so the model's own code slices and
+combines them for every layer as in one process. Entries layers write into a mapping handed to
+every layer (a key/value cache shared across layers) are collected by the exit slot and put back
+by the hand-over slot. Gradients flow back through all of them to the first stage's modules and
+the earlier layers.
 """
 
 from __future__ import annotations
@@ -29,17 +40,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
+from automodel.pipeline.hf_boundary import EntrySpec
 from automodel.pipeline.hf_structure import HFStructure
 
 
 class _StageOutput(Exception):  # noqa: N818 - control flow, not an error
     """Raised by the slot after a stage's last layer to end the model's forward early."""
 
-    def __init__(self, hidden: torch.Tensor) -> None:
+    def __init__(self, hidden: torch.Tensor, entries: list[torch.Tensor] | None = None) -> None:
         super().__init__()
         self.hidden = hidden
+        self.entries = entries or []
 
 
 class _RunState:
@@ -49,6 +62,16 @@ class _RunState:
         self.received: torch.Tensor | None = None
         self.handed_over = False
         self.device: torch.device | None = None
+        #: carried pre-layer outputs received from the previous stage, by module FQN
+        self.carried_in: dict[str, list[torch.Tensor]] = {}
+        #: carried mapping entries received from the previous stage (put back at the hand-over)
+        self.entries_in: list[torch.Tensor] = []
+        #: the carried pre-layer modules' outputs of this forward (computed, or received), by FQN
+        self.values: dict[str, list[torch.Tensor]] = {}
+
+    def reset(self, device: torch.device) -> None:
+        self.device, self.handed_over, self.received = device, False, None
+        self.carried_in, self.entries_in, self.values = {}, [], {}
 
 
 def _hidden_of(args: tuple, kwargs: dict, hidden_kwarg: str | None) -> torch.Tensor:
@@ -87,6 +110,7 @@ class _SkippedLayer(_LayerPlaceholder):
         hidden_kwarg: str | None,
         hand_over: bool,
         stands_for: nn.Module | None = None,
+        entries: tuple[EntrySpec, ...] = (),
     ) -> None:
         super().__init__(stands_for)
         self._state, self._output_len, self._hidden_kwarg, self._hand_over = (
@@ -95,6 +119,7 @@ class _SkippedLayer(_LayerPlaceholder):
             hidden_kwarg,
             hand_over,
         )
+        self._entries = entries  # put back into the mappings the layers get (the hand-over slot)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = _hidden_of(args, kwargs, self._hidden_kwarg)
@@ -102,18 +127,36 @@ class _SkippedLayer(_LayerPlaceholder):
             assert self._state.received is not None, "a later stage always receives hidden states"
             hidden = self._state.received
             self._state.handed_over = True
+            _restore_entries(self._entries, args, kwargs, self._state.entries_in)
         return hidden if self._output_len == 0 else (hidden, *([None] * (self._output_len - 1)))
 
 
-class _StageExit(_LayerPlaceholder):
-    """The slot after a stage's last layer: its input is the stage's output."""
+def _restore_entries(
+    entries: tuple[EntrySpec, ...], args: tuple, kwargs: dict, tensors: list[torch.Tensor]
+) -> None:
+    start = 0
+    for entry in entries:
+        entry.restore(args, kwargs, tensors[start : start + entry.num_tensors])
+        start += entry.num_tensors
+    assert start == len(tensors), f"received {len(tensors)} entry tensors, put back {start}"
 
-    def __init__(self, hidden_kwarg: str | None, stands_for: nn.Module | None = None) -> None:
+
+class _StageExit(_LayerPlaceholder):
+    """The slot after a stage's last layer: its input is the stage's output (with the entries of the
+    mappings it is handed that later layers read)."""
+
+    def __init__(
+        self,
+        hidden_kwarg: str | None,
+        stands_for: nn.Module | None = None,
+        entries: tuple[EntrySpec, ...] = (),
+    ) -> None:
         super().__init__(stands_for)
-        self._hidden_kwarg = hidden_kwarg
+        self._hidden_kwarg, self._entries = hidden_kwarg, entries
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise _StageOutput(_hidden_of(args, kwargs, self._hidden_kwarg))
+        entries = [t for entry in self._entries for t in entry.collect(args, kwargs)]
+        raise _StageOutput(_hidden_of(args, kwargs, self._hidden_kwarg), entries)
 
 
 class _Unreached(_LayerPlaceholder):
@@ -122,12 +165,31 @@ class _Unreached(_LayerPlaceholder):
 
 
 class _ShapeOnly(nn.Module):
-    """Stands in for a module that runs before the layers and lives on the first stage."""
+    """Stands in for a module that runs before the layers and lives on the first stage: returns
+    NaN of its output's shape, or (`carried`) the output the first stage computed and sent.
 
-    def __init__(self, *, fqn: str, meta_module: nn.Module, state: _RunState, stage_index: int) -> None:
+    The model's forward may read the module's weights directly (Gemma 4 reads the padding row of
+    its embedding): tensors read off it are NaN of their shape (a broadcast scalar, no memory)."""
+
+    def __init__(
+        self, *, fqn: str, meta_module: nn.Module, state: _RunState, stage_index: int, carried: bool = False
+    ) -> None:
         super().__init__()
-        self._fqn, self._state, self._stage_index = fqn, state, stage_index
+        self._fqn, self._state, self._stage_index, self._carried = fqn, state, stage_index, carried
         self._meta = [meta_module]  # a list: not a submodule, so no parameters of this stage
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            meta = self.__dict__.get("_meta", [None])[0]
+            if meta is None:
+                raise
+            value = getattr(meta, name)
+            if isinstance(value, torch.Tensor):
+                nan = torch.full((), float("nan"), dtype=value.dtype, device=self._state.device)
+                return nan.expand(value.shape)
+            return value
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._state.handed_over:
@@ -138,6 +200,8 @@ class _ShapeOnly(nn.Module):
         meta_args, meta_kwargs = tree_map_only(torch.Tensor, lambda t: t.detach().to("meta"), (args, kwargs))
         with torch.no_grad():
             out = self._meta[0](*meta_args, **meta_kwargs)
+        if self._carried:
+            return self._received_like(out)
         device = self._state.device
 
         def poison(t: torch.Tensor) -> torch.Tensor:
@@ -145,6 +209,66 @@ class _ShapeOnly(nn.Module):
             return torch.full(t.shape, fill, dtype=t.dtype, device=device)
 
         return tree_map_only(torch.Tensor, poison, out)
+
+    def _received_like(self, out: Any) -> Any:
+        """`out` (meta) with its tensors replaced, in order, by the received ones."""
+        received = iter(self._state.carried_in[self._fqn])
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            got = next(received)
+            if got.shape != t.shape:
+                raise RuntimeError(
+                    f"pipeline stage {self._stage_index}: received a {tuple(got.shape)} output of {self._fqn} "
+                    f"from the previous stage, but this forward computes it as {tuple(t.shape)}"
+                )
+            return got
+
+        return tree_map_only(torch.Tensor, take, out)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the gradients of a stage's inputs are
+    sent to the previous stage as they are, and p2p sends need contiguous tensors (the gradient of
+    a carried key/value state is a transposed view)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a stage output: contiguous (p2p sends need it; keys and values are usually transposed
+    views, and so are some layers' hidden states: Inkling-2's convolutions), and not a view (torch
+    detaches stage outputs in place after their backward; a value a stage passes on unchanged is a
+    view of its input)."""
+    t = t.contiguous()
+    return t.clone() if t._is_view() else t
+
+
+def _stand_in(
+    fqn: str, meta_module: nn.Module, *, state: _RunState, stage_index: int, structure: HFStructure
+) -> nn.Module:
+    """The stand-in for a pre-layer module; for a ModuleList / ModuleDict (the model calls the
+    modules inside it, Gemma 3n's ``altup_projections``) a container of stand-ins."""
+    if isinstance(meta_module, nn.ModuleList | nn.ModuleDict):
+        container = type(meta_module)()
+        for name, child in meta_module.named_children():
+            stand_in = _stand_in(
+                f"{fqn}.{name}", child, state=state, stage_index=stage_index, structure=structure
+            )
+            container._modules[name] = stand_in
+        return container
+    return _ShapeOnly(
+        fqn=fqn,
+        meta_module=meta_module,
+        state=state,
+        stage_index=stage_index,
+        carried=fqn in structure.carried_pre_fqns,
+    )
 
 
 def _parent_and_name(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -155,6 +279,10 @@ def _parent_and_name(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 class CausalLMStage(nn.Module):
     """One pipeline stage: input token ids (first stage) or hidden states; output hidden states,
     or logits on the last stage. Parameter FQNs are those of the full model.
+
+    Where the model's layers read values a later stage cannot compute (`HFStructure.carried_pre_fqns`,
+    `HFStructure.carried_entries`), a stage's input and output are ``(hidden, *carried)`` instead,
+    and later stages take the token ids as ``token_ids`` (see the module docstring).
 
     The stage shares its children (the very dict) with `causal_lm`, a pruned shallow copy of the
     model (see `split_module`), whose own forward it calls.
@@ -181,34 +309,46 @@ class CausalLMStage(nn.Module):
         self.structure = structure
         self.stage_index, self.num_stages, self.layer_range = stage_index, num_stages, layer_range
         self._state = _RunState()
-        meta_layers = meta_layers or {}
+        object.__setattr__(self, "_slots", self._make_slots(meta_layers or {}))
+        shadows = {}
+        if not self.is_first:
+            for fqn in structure.pre_fqns:
+                if fqn in meta_modules:
+                    shadows[fqn] = _stand_in(
+                        fqn,
+                        meta_modules[fqn],
+                        state=self._state,
+                        stage_index=stage_index,
+                        structure=structure,
+                    )
+        object.__setattr__(self, "_shadows", shadows)
+
+    def _make_slots(self, meta_layers: dict[int, nn.Module]) -> list[nn.Module | None]:
+        structure, layer_range = self.structure, self.layer_range
         slots: list[nn.Module | None] = []
         for i in range(structure.num_layers):
             if i < layer_range.start:
+                hand_over = i == layer_range.start - 1
                 slots.append(
                     _SkippedLayer(
                         state=self._state,
                         output_len=structure.layer_output_len,
                         hidden_kwarg=structure.hidden_kwarg,
-                        hand_over=i == layer_range.start - 1,
+                        hand_over=hand_over,
                         stands_for=meta_layers.get(i),
+                        entries=structure.entries_at(layer_range.start) if hand_over else (),
                     )
                 )
             elif i < layer_range.stop:
                 slots.append(None)  # this stage's layer, looked up at call time (wrappers may replace it)
             elif i == layer_range.stop:
-                slots.append(_StageExit(structure.hidden_kwarg, stands_for=meta_layers.get(i)))
+                entries = structure.entries_at(layer_range.stop)
+                slots.append(
+                    _StageExit(structure.hidden_kwarg, stands_for=meta_layers.get(i), entries=entries)
+                )
             else:
                 slots.append(_Unreached(meta_layers.get(i)))
-        object.__setattr__(self, "_slots", slots)
-        shadows = {}
-        if not self.is_first:
-            for fqn in structure.pre_fqns:
-                if fqn in meta_modules:
-                    shadows[fqn] = _ShapeOnly(
-                        fqn=fqn, meta_module=meta_modules[fqn], state=self._state, stage_index=stage_index
-                    )
-        object.__setattr__(self, "_shadows", shadows)
+        return slots
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -224,6 +364,18 @@ class CausalLMStage(nn.Module):
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
 
+    @property
+    def needs_token_ids(self) -> bool:
+        """Whether this stage runs the model from the token ids (``token_ids``): a later stage of a
+        model whose layers read pre-layer values it is handed (see `HFStructure.carried_pre_fqns`)."""
+        return not self.is_first and bool(self.structure.carried_pre_fqns)
+
+    @property
+    def carries(self) -> bool:
+        """Whether this stage receives or sends more than the hidden states."""
+        start, stop = self.layer_range.start, self.layer_range.stop
+        return bool(self.structure.carried_tensors_at(start) or self.structure.carried_tensors_at(stop))
+
     def train(self, mode: bool = True) -> CausalLMStage:
         super().train(mode)
         self._causal_lm.training = mode  # the model's forward may read its own flag
@@ -231,7 +383,8 @@ class CausalLMStage(nn.Module):
 
     @contextlib.contextmanager
     def _placeholders(self) -> Iterator[None]:
-        """Install the full-length layer list and the shadows for one call; always restore."""
+        """Install the full-length layer list and the shadows for one call, and record the outputs
+        of the carried pre-layer modules; always restore."""
         parent, name = _parent_and_name(self, self.structure.layers_fqn)
         held = parent._modules[name]
         full = nn.ModuleList()
@@ -239,45 +392,120 @@ class CausalLMStage(nn.Module):
             full._modules[str(i)] = held._modules[str(i)] if slot is None else slot
         restore = [(parent, name, held)]
         parent._modules[name] = full
+        handles = []
         try:
             for fqn, shadow in self._shadows.items():
                 owner, child = _parent_and_name(self, fqn)
                 restore.append((owner, child, owner._modules.get(child)))
                 owner._modules[child] = shadow
+            if not self.is_last:
+                for fqn in self.structure.carried_pre_fqns:
+                    handles.append(self.get_submodule(fqn).register_forward_hook(self._recorder(fqn)))
             yield
         finally:
+            for handle in handles:
+                handle.remove()
             for owner, child, module in reversed(restore):
                 owner._modules[child] = module
 
+    def _recorder(self, fqn: str) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self._state.values[fqn] = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+
+        return hook
+
     def forward(
-        self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None, **kwargs: Any
-    ) -> torch.Tensor:
+        self,
+        inputs: torch.Tensor,
+        *received: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         if inputs.is_meta:  # torch < 2.13 infers stage shapes on meta tensors
-            return self._output_shape_only(inputs)
-        batch, seq = inputs.shape[:2]
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=inputs.device).unsqueeze(0).expand(batch, seq)
+            return self._output_shape_only(inputs, received, position_ids, token_ids, kwargs)
         state = self._state
-        state.device, state.handed_over = inputs.device, False
+        state.reset(inputs.device)
         if self.is_first:
             call: dict[str, Any] = {"input_ids": inputs}
+            batch, seq = inputs.shape[:2]
         else:
+            if self.carries:
+                inputs, *received = (_ContiguousGrad.apply(t) for t in (inputs, *received))
             state.received = inputs
-            size = (batch, seq, self.structure.embed_size)
-            call = {"inputs_embeds": torch.full(size, float("nan"), dtype=inputs.dtype, device=inputs.device)}
+            self._take_received(tuple(received))
+            call, (batch, seq) = self._later_stage_call(inputs, token_ids)
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=inputs.device).unsqueeze(0).expand(batch, seq)
         try:
             if self._takes_position_ids:
                 call["position_ids"] = position_ids
             with self._placeholders():
                 out = self._causal_lm(**call, use_cache=False, **kwargs)
         except _StageOutput as stop:
-            return stop.hidden
+            return self._stage_output(stop)
         finally:
             state.received = None
         assert self.is_last, f"stage {self.stage_index} ran the whole model"
         return out.logits if hasattr(out, "logits") else out[0]
 
-    def _output_shape_only(self, inputs: torch.Tensor) -> torch.Tensor:
+    def _later_stage_call(
+        self, inputs: torch.Tensor, token_ids: torch.Tensor | None
+    ) -> tuple[dict[str, Any], tuple[int, int]]:
+        """The model's inputs on a later stage: the token ids where it is handed pre-layer values
+        (its forward then takes the first stage's path), else NaN ``inputs_embeds``."""
+        if self.needs_token_ids:
+            if token_ids is None:
+                raise ValueError(
+                    f"pipeline stage {self.stage_index} of model_type {self.structure.model_type!r} runs the model "
+                    "from the token ids (its layers read values made from them before the layers): pass token_ids"
+                )
+            return {"input_ids": token_ids}, tuple(token_ids.shape[:2])
+        batch, seq = inputs.shape[:2]
+        size = (batch, seq, self.structure.embed_size)
+        embeds = torch.full(size, float("nan"), dtype=inputs.dtype, device=inputs.device)
+        return {"inputs_embeds": embeds}, (batch, seq)
+
+    def _take_received(self, received: tuple[torch.Tensor, ...]) -> None:
+        """Split what the previous stage sent besides the hidden states: carried pre-layer outputs
+        (by module), then mapping entries."""
+        expected = self.structure.carried_tensors_at(self.layer_range.start)
+        assert len(received) == expected, (
+            f"pipeline stage {self.stage_index} received {len(received)} tensors besides the hidden states, "
+            f"expected {expected}"
+        )
+        start = 0
+        for fqn, count in zip(self.structure.carried_pre_fqns, self.structure.carried_pre_tensors):
+            self._state.carried_in[fqn] = list(received[start : start + count])
+            start += count
+        self._state.entries_in = list(received[start:])
+
+    def _stage_output(self, stop: _StageOutput) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The hidden states, then (where the boundary carries more) the carried pre-layer outputs
+        and the mapping entries."""
+        hidden = _sendable(stop.hidden)
+        if not self.structure.carried_tensors_at(self.layer_range.stop):
+            return hidden
+        carried: list[torch.Tensor] = []
+        for fqn in self.structure.carried_pre_fqns:
+            if fqn not in self._state.values:
+                raise RuntimeError(
+                    f"pipeline stage {self.stage_index}: {fqn} did not run before the decoder layers, but the "
+                    "traced forward ran it and its output is handed to later stages"
+                )
+            carried += self._state.values[fqn]
+        return (hidden, *(_sendable(t) for t in (*carried, *stop.entries)))
+
+    def _output_shape_only(
+        self,
+        inputs: torch.Tensor,
+        received: tuple[torch.Tensor, ...] = (),
+        position_ids: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if self.carries:
+            return self._shapes_by_running(inputs, received, position_ids, token_ids, kwargs or {})
         batch, seq = inputs.shape[:2]
         params = [p for p in self.parameters() if p.is_floating_point()]
         dtype = inputs.dtype if inputs.is_floating_point() else (params[0].dtype if params else torch.float32)
@@ -286,3 +514,28 @@ class CausalLMStage(nn.Module):
         else:
             width = self.structure.hidden_size
         return torch.empty(batch, seq, width, dtype=dtype, device="meta")
+
+    @torch.no_grad()
+    def _shapes_by_running(
+        self,
+        inputs: torch.Tensor,
+        received: tuple[torch.Tensor, ...],
+        position_ids: torch.Tensor | None,
+        token_ids: torch.Tensor | None,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The output shapes of a stage that carries more than hidden states (its carried values'
+        shapes are the model's): one forward on placeholder data (zeros, NaN) of the given shapes."""
+        param = next(iter(self.parameters()), None)
+        device = param.device if param is not None else torch.device("cpu")
+
+        def real(t: torch.Tensor) -> torch.Tensor:
+            fill = float("nan") if t.is_floating_point() else 0
+            return torch.full(t.shape, fill, dtype=t.dtype, device=device)
+
+        args = tree_map_only(torch.Tensor, real, (inputs, *received))
+        extra = tree_map_only(
+            torch.Tensor, real, {"position_ids": position_ids, "token_ids": token_ids, **kwargs}
+        )
+        out = self.forward(*args, **extra)
+        return tree_map_only(torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), out)

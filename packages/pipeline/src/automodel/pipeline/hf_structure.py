@@ -6,7 +6,9 @@ them *before* the layers (embeddings, learned positions, embedding norms: the fi
 them) or *after* them (final norm, LM head: the last stage). Registration order cannot tell (OPT
 registers its final norm before its layers), so one forward is traced on a parameter-free copy
 of the model (meta tensors, torch's fake-tensor mode) and the call order is recorded, together
-with how the layers take and return hidden states. Nothing here is specific to one family.
+with how the layers take and return hidden states. The same forward follows values
+(`hf_dataflow.SourceTracker`) to find what later layers read besides the hidden states; what a
+stage boundary must then carry is decided in `hf_boundary.py`. Nothing here is specific to one family.
 """
 
 from __future__ import annotations
@@ -19,6 +21,19 @@ import torch
 from torch import nn
 
 from automodel.mesh.model_parts import in_other_submodel, other_submodel_prefixes
+from automodel.pipeline.hf_boundary import (
+    INSIDE,
+    OUTPUT,
+    TOKEN_IDS,
+    BoundaryError,
+    EntrySpec,
+    carried_entries,
+    carried_pre_modules,
+    check_cross_layer_reads,
+    module_reads_of,
+    record_containers,
+    record_writes,
+)
 from automodel.pipeline.hf_dataflow import SourceTracker, tensors_in
 from automodel.pipeline.meta_fast_path import fast_meta_result
 
@@ -56,6 +71,25 @@ class HFStructure:
     #: Width of the layers' hidden states and of the input embeddings (inputs_embeds).
     hidden_size: int
     embed_size: int
+    #: Modules run before the layers whose outputs later layers read besides the hidden states but
+    #: later stages cannot compute (they derive from the token ids or the input embeddings): the
+    #: first stage hands their outputs over with the hidden states (see `hf_boundary`).
+    carried_pre_fqns: tuple[str, ...] = ()
+    #: How many tensors each of `carried_pre_fqns` returns.
+    carried_pre_tensors: tuple[int, ...] = ()
+    #: Per layer b, the entries of a mapping handed to every layer (a key/value cache shared across
+    #: layers) that a stage ending before layer b hands over; empty when no layer reads another's.
+    carried_entries: tuple[tuple[EntrySpec, ...], ...] = ()
+
+    def entries_at(self, boundary: int) -> tuple[EntrySpec, ...]:
+        """The entries carried into layer `boundary` (none at 0 or past the last layer)."""
+        return self.carried_entries[boundary] if 0 < boundary < len(self.carried_entries) else ()
+
+    def carried_tensors_at(self, boundary: int) -> int:
+        """How many tensors besides the hidden states a stage boundary before layer `boundary` carries."""
+        if not 0 < boundary < self.num_layers:
+            return 0
+        return sum(self.carried_pre_tensors) + sum(e.num_tensors for e in self.entries_at(boundary))
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -111,6 +145,14 @@ def _outside_modules(model: nn.Module, layers_fqn: str) -> tuple[list[str], list
     return with_params, stateless, own_params
 
 
+def called_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules the model calls for `module`: itself, or for a ModuleList / ModuleDict (which has
+    no forward; Gemma 3n's ``altup_projections``) the modules inside it."""
+    if isinstance(module, nn.ModuleList | nn.ModuleDict):
+        return [m for child in module.children() for m in called_modules(child)]
+    return [module]
+
+
 def meta_copy(module: nn.Module) -> nn.Module:
     """A deep copy whose parameters and buffers are meta tensors (no data is copied)."""
     memo: dict[int, Any] = {}
@@ -161,12 +203,14 @@ def trace_hf_structure(model: nn.Module) -> HFStructure:
     twin_layers = twin.get_submodule(layers_fqn)
     handles = []
     for fqn in with_params:
-        module = twin.get_submodule(fqn)
-        handles.append(module.register_forward_pre_hook(lambda m, a, f=fqn: events.append(("outside", f))))
-        handles.append(module.register_forward_hook(_outside_post_hook(fqn, layer_io, tracker)))
+        for module in called_modules(twin.get_submodule(fqn)):
+            handles.append(
+                module.register_forward_pre_hook(lambda m, a, f=fqn: events.append(("outside", f)))
+            )
+            handles.append(module.register_forward_hook(_outside_post_hook(fqn, layer_io, tracker)))
     for i, layer in enumerate(twin_layers):
         handles.append(
-            layer.register_forward_pre_hook(_layer_pre_hook(i, events, layer_io), with_kwargs=True)
+            layer.register_forward_pre_hook(_layer_pre_hook(i, events, layer_io, tracker), with_kwargs=True)
         )
         handles.append(layer.register_forward_hook(_layer_post_hook(i, layer_io, tracker)))
     try:
@@ -204,6 +248,7 @@ def _trace_forward(
     def run(**extra: Any) -> None:
         ids = torch.zeros(1, _TRACE_SEQ, dtype=torch.long, device="meta")
         layer_io["input_ids"] = ids  # to recognize layers that read the token ids
+        tracker.add([ids], [TOKEN_IDS])  # and modules whose outputs derive from them
         positions = torch.arange(_TRACE_SEQ, device="meta").unsqueeze(0)
         twin(input_ids=ids, position_ids=positions, use_cache=False, **extra)
 
@@ -255,14 +300,18 @@ def _use_eager_attention(model: nn.Module) -> None:
 def _outside_post_hook(fqn: str, layer_io: dict[str, Any], tracker: SourceTracker) -> Any:
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         out = tensors_in(output)
-        # What its output derives from (other modules'), then the module itself.
-        layer_io.setdefault("module_reads", {}).setdefault(fqn, set()).update(tracker.sources(out))
-        tracker.add(out, [fqn])
+        # What its output derives from (other modules'), then the module itself; on the nearest
+        # channel, the module alone.
+        sources = tracker.sources(out)
+        layer_io.setdefault("module_reads", {}).setdefault(fqn, set()).update(sources)
+        layer_io.setdefault("module_nearest", {}).setdefault(fqn, set()).update(tracker.nearest(out))
+        layer_io.setdefault("module_tensors", {})[fqn] = len(out)
+        tracker.replace(out, sources | {fqn}, nearest=[fqn])
 
     return hook
 
 
-def _layer_pre_hook(index: int, events: list, layer_io: dict[str, Any]) -> Any:
+def _layer_pre_hook(index: int, events: list, layer_io: dict[str, Any], tracker: SourceTracker) -> Any:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         events.append(("layer", str(index)))
         inputs = {**{f"argument {i}": a for i, a in enumerate(args[1:], 1)}, **kwargs}
@@ -282,6 +331,8 @@ def _layer_pre_hook(index: int, events: list, layer_io: dict[str, Any]) -> Any:
                     "hidden_states",
                     kwargs["hidden_states"].shape[-1],
                 )
+        record_containers(index, args, kwargs, layer_io)
+        tracker.inside = f"{INSIDE}{index}"  # until its post hook: what it computes is its own
 
     return hook
 
@@ -304,7 +355,12 @@ def _layer_post_hook(index: int, layer_io: dict[str, Any], tracker: SourceTracke
             # from is what it (or the model between layers) read besides the hidden states. Layer 0
             # always runs on the first stage, which holds every pre-layer module.
             layer_io.setdefault("layer_reads", set()).update(tracker.sources(out))
-        tracker.replace(out, ())
+        # Its nearest sources: the modules before the layers, its hidden input (the previous layer's
+        # output) and anything else an earlier layer computed that it reads (see `hf_boundary`).
+        layer_io.setdefault("layer_nearest", {})[index] = tracker.nearest(out)
+        tracker.replace(out, (), nearest=[f"{OUTPUT}{index}"])
+        tracker.inside = None
+        record_writes(index, layer_io, tracker)
         extra = output[1:] if isinstance(output, tuple) else ()
         layer_io["carried_out"] = tuple(t for t in extra if isinstance(t, torch.Tensor))
         if isinstance(output, torch.Tensor):
@@ -379,12 +435,25 @@ def _classify(
             "which later pipeline stages do not receive"
         )
     embed_size = _input_embedding_size(model) or layer_io["hidden_size"]
+    calls = {fqn: len(steps) for fqn, steps in steps_of.items()}
+    try:
+        shared, carried = _pre_modules_read_by_layers(
+            model, pre, post, layer_io, num_layers=num_layers, calls=calls, model_type=model_type
+        )
+        read_entries = check_cross_layer_reads(
+            layer_io, num_layers=num_layers, post=post, model_type=model_type
+        )
+        entries = carried_entries(
+            layer_io, num_layers=num_layers, read_entries=read_entries, model_type=model_type
+        )
+    except BoundaryError as err:
+        raise PipelineSplitError(str(err)) from None
     return HFStructure(
         model_type=model_type,
         layers_fqn=layers_fqn,
         num_layers=num_layers,
         pre_fqns=tuple(pre),
-        shared_pre_fqns=tuple(_shared_pre_modules(model, pre, layer_io, model_type=model_type)),
+        shared_pre_fqns=tuple(shared),
         post_fqns=tuple(post),
         unused_fqns=tuple(unused),
         stateless_fqns=tuple(stateless),
@@ -393,31 +462,56 @@ def _classify(
         hidden_kwarg=layer_io["hidden_kwarg"],
         hidden_size=int(layer_io["hidden_size"]),
         embed_size=int(embed_size),
+        carried_pre_fqns=tuple(carried),
+        carried_pre_tensors=tuple(layer_io["module_tensors"][f] for f in carried),
+        carried_entries=entries,
     )
 
 
-def _shared_pre_modules(
-    model: nn.Module, pre: list[str], layer_io: dict[str, Any], *, model_type: str
-) -> list[str]:
-    """The pre-layer modules every stage must run: those whose outputs the layers read besides the
-    hidden states, and the pre-layer modules those read (in the order the forward runs them)."""
+def _pre_modules_read_by_layers(
+    model: nn.Module,
+    pre: list[str],
+    post: list[str],
+    layer_io: dict[str, Any],
+    *,
+    num_layers: int,
+    calls: dict[str, int],
+    model_type: str,
+) -> tuple[list[str], list[str]]:
+    """(pre-layer modules every stage runs, pre-layer modules whose outputs the first stage hands
+    over), for the pre-layer values later layers and post-layer modules read besides the hidden
+    states (in the order the forward runs them).
+
+    Those read values, and the pre-layer modules they derive from, are run again by every stage
+    when no later stage lacks their inputs (RoFormer's sinusoidal position table, made from
+    shapes). Values deriving from the token ids or the input embeddings are not computable there
+    (later stages start from the received hidden states), so the first stage hands them over instead.
+    """
     reads = layer_io.get("module_reads", {})
-    shared = set(layer_io.get("layer_reads", set())) & set(pre)
+    shared = (set(layer_io.get("layer_reads", set())) | module_reads_of(layer_io, post)) & set(pre)
     grown = True
     while grown:
         more = {f for s in shared for f in reads.get(s, set()) if f in pre} - shared
         shared |= more
         grown = bool(more)
     embedding = _input_embeddings(model)
-    # Rule: later stages are called with inputs_embeds (not token ids), so the module making them
-    # never runs there; layers that read its output besides the hidden states cannot be split.
-    embeds = [f for f in shared if any(m is embedding for m in model.get_submodule(f).modules())]
-    if embeds:
+    from_input = [
+        f
+        for f in shared
+        if TOKEN_IDS in reads.get(f, set()) or any(m is embedding for m in model.get_submodule(f).modules())
+    ]
+    if not from_input:
+        return [f for f in pre if f in shared], []
+    carried = carried_pre_modules(
+        layer_io, pre=pre, post=post, num_layers=num_layers, calls=calls, model_type=model_type
+    )
+    containers = [f for f in carried if isinstance(model.get_submodule(f), nn.ModuleList | nn.ModuleDict)]
+    if containers:
         raise PipelineSplitError(
-            f"model_type {model_type!r}: its decoder layers read the input embeddings ({embeds}) besides the "
-            "hidden states, which later pipeline stages do not compute (they receive hidden states only)"
+            f"model_type {model_type!r}: its later layers read the outputs of the modules inside {containers} "
+            "besides the hidden states; pipeline stages hand over outputs of whole modules only"
         )
-    return [f for f in pre if f in shared]
+    return [], carried
 
 
 def _input_embeddings(model: nn.Module) -> nn.Module | None:
