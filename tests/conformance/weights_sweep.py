@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 import tempfile
 import time
@@ -134,6 +135,36 @@ def render(outcomes: list[Outcome], *, runs: list[str], models_total: int, findi
     return "\n".join(lines)
 
 
+_PAGE_NOTE = re.compile(r"^(\d+)\. `([^`]+)` (\S+): \*\*(\S+)\*\* — (.*)$")
+
+
+def read_page(path: Path) -> tuple[list[Outcome], list[str], str]:
+    """(outcomes, run lines, findings) of a page `render` wrote, so a later run re-tests a few cells
+    and keeps the rest (``--keep docs/weights.md``), as matrix.py does with docs/models.md."""
+    text = path.read_text()
+    notes = {int(m[1]): (m[4], m[5]) for line in text.splitlines() if (m := _PAGE_NOTE.match(line))}
+    sections: dict[str, list[str]] = {}
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = line[3:]
+        sections.setdefault(current, []).append(line)
+    outcomes = []
+    for line in text.splitlines():
+        if not line.startswith("| ") or line.startswith(("| model_type", "|---")):
+            continue
+        model_type, *cells = (c.strip() for c in line.strip("|").split("|"))
+        for column, text_cell in zip(COLUMNS, cells, strict=True):
+            if text_cell == "pass":
+                outcomes.append(Outcome(model_type, "default", column, "pass"))
+            elif m := re.match(r"^(\S+) \[(\d+)\]$", text_cell):
+                status, detail = notes[int(m[2])]
+                outcomes.append(Outcome(model_type, "default", column, status, detail))
+    runs = [line[2:] for line in sections.get("Runs", []) if line.startswith("- ")]
+    findings = "\n".join(sections.get("Findings", [])[1:]).strip()
+    return outcomes, runs, findings
+
+
 def _load(path: Path) -> tuple[list[Outcome], list[str]]:
     """(outcomes, run lines) of a sweep's --json (an older plain list of outcomes has no runs)."""
     data = json.loads(path.read_text())
@@ -157,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep",
         default=None,
-        help="JSON of an earlier sweep: keep its cells and runs, re-test only the given models/layouts",
+        help="an earlier sweep's JSON or published page (docs/weights.md): keep its cells and runs, "
+        "re-test only the given models/layouts",
     )
     parser.add_argument(
         "--findings", default=None, help="markdown file: causes found, shown under Findings (kept by --keep)"
@@ -183,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         done = {o.model_type for o in outcomes}
         models = [m for m in models if m not in done]
     findings = ""
-    if args.keep:
+    if args.keep and args.keep.endswith(".md"):
+        kept, runs, findings = read_page(Path(args.keep))
+    elif args.keep:
         kept, runs = _load(Path(args.keep))
         data = json.loads(Path(args.keep).read_text())
         findings = data.get("findings", "") if isinstance(data, dict) else ""
