@@ -43,6 +43,7 @@ RANK_TIMEOUT_S = 150
 #: Largest tiny model (parameters) a sweep builds; configs that nest big sub-configs stay larger.
 MAX_TINY_PARAMS = 10_000_000
 
+_PIPE_1F1B = {"pp_schedule": "1f1b", "pp_microbatch_size": 1}
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "fsdp2": (2, {"strategy": "fsdp2"}),
     "tp2": (2, {"strategy": "fsdp2", "tp_size": 2}),
@@ -63,6 +64,10 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
         },
     ),
     "ep2": (2, {"strategy": "fsdp2", "ep_size": 2}),
+    # composed layouts on 4 ranks (in the CPU suite's cases, not the sweep's columns)
+    "tp2_pp2": (4, {"strategy": "fsdp2", "tp_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
+    "cp2_pp2": (4, {"strategy": "fsdp2", "cp_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
+    "ep2_pp2": (4, {"strategy": "fsdp2", "ep_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
 }
 DENSE_LAYOUTS = ("fsdp2", "tp2", "tp2_sp", "pp2", "cp2")
 MOE_LAYOUTS = ("fsdp2", "tp2", "pp2", "ep2")
@@ -296,18 +301,25 @@ def _layer_of(name: str, layers_fqn: str) -> int | None:
 def check_applied(
     layout: str, reports: list[dict[str, Any]], *, num_layers: int, num_experts: int | None
 ) -> None:
-    """AssertionError unless every rank holds what `layout` asks for (generic over architectures)."""
+    """AssertionError unless every rank holds what `layout` asks for (generic over architectures);
+    a composed layout gets the check of each of its axes."""
+    ranks, distributed = LAYOUTS[layout]
+    tp, pp, cp, ep = (int(distributed.get(k) or 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size"))
+    dp = ranks // (tp * pp * cp)
     for report in reports:
         params = _params(report)
         layers_fqn = next((p["layers_fqn"] for p in report["parts"] if p.get("layers_fqn")), None)
         assert layers_fqn, f"rank {report['rank']}: no decoder layer list found in its report"
         held = sorted({i for part in report["parts"] for i in part["layers"]})
-        if layout == "fsdp2":
+        if dp > 1 and ep == 1:
             for name, entry in params.items():
                 if "experts" not in name:
                     placement = _placement(entry, "dp_shard_cp") or ""
-                    assert placement.startswith(("S(0)", "_S(0,")), f"{name} not FSDP-sharded: {entry}"
-        elif layout.startswith("tp2"):
+                    split = entry["local_shape"][0] < entry["shape"][0] or entry["shape"][0] < 2
+                    assert placement.startswith(("S(0)", "_S(0,")) and split, (
+                        f"{name} not FSDP-sharded: {entry}"
+                    )
+        if tp > 1:
             for i in held:
                 sharded = [
                     n
@@ -318,16 +330,16 @@ def check_applied(
             norms = [
                 n for n, e in params.items() if _layer_of(n, layers_fqn) is not None and len(e["shape"]) == 1
             ]
-            if layout == "tp2_sp" and norms:  # (OLMo's norms have no weights to place)
+            if distributed.get("sequence_parallel") and norms:  # (OLMo's norms have no weights to place)
                 on_tp = [n for n in norms if _placement(params[n], "tp") == "R"]
                 assert on_tp, f"rank {report['rank']}: no norm weight on the tp mesh under SP"
-        elif layout.startswith("pp2"):
+        if pp > 1:
             assert 0 < len(held) < num_layers, f"rank {report['rank']} holds layers {held} of {num_layers}"
-            if layout == "pp2_ac":
+            if distributed.get("activation_checkpointing"):
                 assert all(part["checkpointed"] for part in report["parts"]), f"rank {report['rank']}: no AC"
-        elif layout == "cp2":
+        if cp > 1:
             assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']}"
-        elif layout == "ep2":
+        if ep > 1:
             # expert parameters: under an `experts` module, or split over ep wherever they live (JetMoE's
             # mlp.input_linear.weight)
             experts = {
@@ -337,11 +349,15 @@ def check_applied(
             for name, entry in experts.items():
                 if _placement(entry, "ep") is not None:
                     rows = entry["shape"][0]  # E rows, or E blocks of k rows (DBRX's mlp.w1 [E*F, H])
-                    assert entry["local_shape"][0] * 2 == rows and rows % num_experts == 0, (name, entry)
+                    assert entry["local_shape"][0] * ep == rows and rows % num_experts == 0, (name, entry)
             assert any(_placement(e, "ep") == "S(0)" for e in experts.values()), "no expert is split over ep"
-    if layout.startswith("pp2"):
-        per_rank = [set(i for part in r["parts"] for i in part["layers"]) for r in reports]
-        assert not per_rank[0] & per_rank[1] and per_rank[0] | per_rank[1] == set(range(num_layers)), per_rank
+    if pp > 1:  # the pp coordinates hold disjoint layers, together all of them; a stage's ranks alike
+        by_stage: dict[int, set[int]] = {}
+        for r in reports:
+            layers = {i for part in r["parts"] for i in part["layers"]}
+            assert by_stage.setdefault(r["coordinates"]["pp"], layers) == layers, (r["rank"], layers)
+        stages = list(by_stage.values())
+        assert sum(len(x) for x in stages) == len(set().union(*stages)) == num_layers, by_stage
 
 
 # ---- one model, all its cases --------------------------------------------------------------------

@@ -87,6 +87,11 @@ CASES = [
     ("gemma3", "default", "cp2", PASS),  # the vision tower's own attention does not run on text
     ("git", "default", "cp2", "computes attention inside GitAttention"),  # beside a dispatching vision tower
     ("gemma4", "tie_flipped", "tp2", "reads embed_tokens.weight directly"),  # a vocab shard would crash
+    # composed layouts on 4 ranks: every axis's check on every rank
+    ("gemma3_text", "options", "tp2_pp2", PASS),  # scaling, soft-capping, sliding window under TP x PP
+    ("llama", "tie_flipped", "cp2_pp2", PASS),  # CP inside every stage, tied embedding on both ends
+    ("gemma3n_text", "default", "cp2_pp2", PASS),  # carried per-layer inputs, sharded over cp
+    ("deepseek_v3", "default", "ep2_pp2", PASS),  # MLA, router bias; experts split on each stage
     ("dbrx", "default", "ep2", PASS),  # experts' weights as flat [E*F, H] rows in a child module
     ("gemma4_text", "default", "pp2", PASS),  # per-layer inputs: the first stage hands them over
     ("gemma3n_text", "default", "pp2_ac", PASS),  # + keys/values shared across layers, 4 stages with AC
@@ -120,3 +125,22 @@ def test_conformance_case(
     assert rel <= RTOL, f"{model_type}/{variant}/{layout}: max relative difference {rel:.2e}\n{got}\n{ref}"
     num_layers, experts, _ = _model_facts(model_config)
     check_applied(layout, reports, num_layers=num_layers, num_experts=experts)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2_sp", "pp2", "cp2", "ep2", "tp2_pp2", "cp2_pp2", "ep2_pp2"])
+def test_layout_checks_reject_a_run_with_the_parallelism_off(
+    layout: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """One process's report, standing in for every rank of `layout`, fails its check: a layout
+    whose parallelism was silently off cannot pass on parity alone."""
+    model_type = "qwen3_moe" if "ep2" in layout else "llama"
+    model_config = tiny_model_config(model_type)
+    out = tmp_path_factory.mktemp(f"off-{layout}")
+    _, (single,) = run_case(recipe_config(model_config, {"strategy": "fsdp2"}, str(out / "run")), 1)
+    ranks, _ = LAYOUTS[layout]
+    stand_ins = [
+        {**single, "rank": r, "coordinates": {**single["coordinates"], "pp": r % 2}} for r in range(ranks)
+    ]
+    num_layers, experts, _ = _model_facts(model_config)
+    with pytest.raises(AssertionError):
+        check_applied(layout, stand_ins, num_layers=num_layers, num_experts=experts)
