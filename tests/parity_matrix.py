@@ -104,6 +104,8 @@ LAYOUTS: list[Layout] = [
     Layout("pp2_dualpipev", 2, _pp("dualpipev"), extra={"step_scheduler": {"local_batch_size": 4}}),
     Layout("pp2xfsdp2", 4, _pp("1f1b")),
     Layout("pp2xtp2", 4, {**_pp("1f1b"), "tp_size": 2}),
+    # the sequence-sharded residual stream crosses the stages as local shards, rebuilt as DTensors
+    Layout("pp2xtp2_sp", 4, {**_pp("1f1b"), "tp_size": 2, "sequence_parallel": True}),
     Layout("cp2", 2, {"cp_size": 2}),
     Layout("cp2xfsdp2", 4, {"cp_size": 2}),
     # each stage's attention is context parallel; the schedule runs inside the CP context

@@ -8,6 +8,7 @@ stages and returns a `PipelineModel` with `step`/`eval`.
 from automodel.pipeline._version import __version__ as __version__
 from automodel.pipeline.autopipeline import LABEL_PAD, AutoPipeline, PipelineModel
 from automodel.pipeline.config import PipelineConfig
+from automodel.pipeline.dtensor_boundary import BoundaryLayout
 from automodel.pipeline.hf import (
     hf_module_fqns_per_stage,
     is_hf_causal_lm,
@@ -22,6 +23,7 @@ from automodel.pipeline.split import check_parameter_coverage, split_module
 __all__ = [
     "LABEL_PAD",
     "AutoPipeline",
+    "BoundaryLayout",
     "CausalLMStage",
     "HFStructure",
     "PipelineConfig",

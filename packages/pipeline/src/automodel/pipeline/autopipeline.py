@@ -2,7 +2,8 @@
 
 Order inside `build`: choose the stage FQNs -> check every parameter lands in exactly one stage
 -> cut this rank's stages -> cast (`dtype`) -> `parallelize_fn` per stage (TP, FSDP2, ... are the
-caller's; this package imports none of them) -> torch `PipelineStage`s -> the schedule.
+caller's; this package imports none of them) -> DTensor boundary hooks (`dtensor_boundary`) ->
+torch `PipelineStage`s -> the schedule.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from automodel.mesh import MeshContext
 from automodel.pipeline.config import PipelineConfig
+from automodel.pipeline.dtensor_boundary import BoundaryLayouts, attach_boundary_layouts, normalize_layouts
 from automodel.pipeline.hf import (
     hf_module_fqns_per_stage,
     is_hf_causal_lm,
@@ -110,6 +112,7 @@ class AutoPipeline:
         *,
         loss_fn: LossFn | None = None,
         parallelize_fn: ParallelizeFn | None = None,
+        boundary_layouts: BoundaryLayouts = None,
     ) -> PipelineModel:
         """Cut `model` into this rank's stages and make the schedule.
 
@@ -119,7 +122,13 @@ class AutoPipeline:
         global label-token count gives exactly the gradients of the whole batch.
         ``parallelize_fn(stage_module, *, stage_index, num_stages)`` returns the module to use (or
         None when it changed the module in place).
+
+        ``boundary_layouts`` declares the DTensors among what a stage sends (one `BoundaryLayout`:
+        the hidden states; a sequence: one per output position, None for plain tensors), such as the
+        sequence-parallel residual stream: they cross as local shards and the next stage rebuilds
+        them (see `dtensor_boundary`). A stage sending an undeclared DTensor is a ValueError.
         """
+        layouts = normalize_layouts(boundary_layouts)
         cfg, spec = self.config, self.config.schedule_spec
         fqns_per_stage, ranks, structure = self._stage_layout(model)
         tied = tied_parameter_names(model, fqns_per_stage) if structure is not None else {}
@@ -152,6 +161,7 @@ class AutoPipeline:
                 returned = parallelize_fn(part, stage_index=stage_index, num_stages=num_stages)
                 part = part if returned is None else returned
             _check_fsdp_root(part, stage_index)
+            attach_boundary_layouts(part, layouts=layouts, stage_index=stage_index, num_stages=num_stages)
             parts.append(part)
             stages.append(
                 PipelineStage(part, stage_index, num_stages, self.device, group=pp_mesh.get_group())

@@ -40,8 +40,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from automodel.pipeline.dtensor_boundary import sendable
 from automodel.pipeline.hf_boundary import EntrySpec
 from automodel.pipeline.hf_structure import HFStructure
 
@@ -238,15 +240,6 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
-
-
-def _sendable(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a stage output: contiguous (p2p sends need it; keys and values are usually transposed
-    views, and so are some layers' hidden states: Inkling-2's convolutions), and not a view (torch
-    detaches stage outputs in place after their backward; a value a stage passes on unchanged is a
-    view of its input)."""
-    t = t.contiguous()
-    return t.clone() if t._is_view() else t
 
 
 def _stand_in(
@@ -483,7 +476,9 @@ class CausalLMStage(nn.Module):
     def _stage_output(self, stop: _StageOutput) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The hidden states, then (where the boundary carries more) the carried pre-layer outputs
         and the mapping entries."""
-        hidden = _sendable(stop.hidden)
+        # Contiguous and not a view: keys and values are usually transposed views, and so are some
+        # layers' hidden states (Inkling-2's convolutions); a value passed on unchanged is a view.
+        hidden = sendable(stop.hidden)
         if not self.structure.carried_tensors_at(self.layer_range.stop):
             return hidden
         carried: list[torch.Tensor] = []
@@ -494,7 +489,7 @@ class CausalLMStage(nn.Module):
                     "traced forward ran it and its output is handed to later stages"
                 )
             carried += self._state.values[fqn]
-        return (hidden, *(_sendable(t) for t in (*carried, *stop.entries)))
+        return (hidden, *(sendable(t) for t in (*carried, *stop.entries)))
 
     def _output_shape_only(
         self,
@@ -530,6 +525,11 @@ class CausalLMStage(nn.Module):
         device = param.device if param is not None else torch.device("cpu")
 
         def real(t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, DTensor):  # a received DTensor (`dtensor_boundary`) keeps its layout
+                local = real(t.to_local())
+                return DTensor.from_local(
+                    local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+                )
             fill = float("nan") if t.is_floating_point() else 0
             return torch.full(t.shape, fill, dtype=t.dtype, device=device)
 

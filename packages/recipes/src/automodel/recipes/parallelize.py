@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from torch import nn
 from automodel.mesh import MeshContext
 from automodel.recipes._dist_setup import DistributedSection
 from automodel.recipes.errors import ConfigError
+
+if TYPE_CHECKING:
+    from automodel.pipeline import BoundaryLayout
 
 Initialize = Callable[[list[nn.Module]], None]
 
@@ -188,6 +191,23 @@ def apply_fsdp2_stack(
     return cp_backend
 
 
+def _sequence_parallel_boundary(model: nn.Module, *, mesh: MeshContext, config: Any) -> BoundaryLayout | None:
+    """The layout of the hidden states between pipeline stages when the TP plan shards the sequence
+    (its residual stream is a ``Shard(1)`` DTensor over tp): the stages send local shards and the
+    next stage rebuilds them with it. None without sequence parallelism (plain tensors cross)."""
+    if not mesh.layout.tp_enabled:
+        return None
+    from torch.distributed.tensor import Shard
+
+    from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
+    from automodel.pipeline import BoundaryLayout
+
+    plan = resolve_tp_plan(model, tp_plan=config.tp_plan, sequence_parallel=config.sequence_parallel)
+    if not plan_has_sequence_parallel(plan):
+        return None
+    return BoundaryLayout(mesh=mesh.get_mesh("tp"), placements=(Shard(1),))
+
+
 def parallelize_model(
     model: nn.Module,
     *,
@@ -233,7 +253,10 @@ def parallelize_model(
         from automodel.pipeline import AutoPipeline
 
         pipe = AutoPipeline(mesh=mesh, config=section.pipeline_config, device=device).build(
-            model, loss_fn=pipeline_loss_fn, parallelize_fn=parallelize_stage
+            model,
+            loss_fn=pipeline_loss_fn,
+            parallelize_fn=parallelize_stage,
+            boundary_layouts=_sequence_parallel_boundary(model, mesh=mesh, config=config),
         )
         parts = list(pipe.model_parts)
     else:
