@@ -89,6 +89,17 @@ def _pp(schedule: str) -> dict[str, Any]:
     return {"pp_size": 2, "pipeline": {"pp_schedule": schedule, "pp_microbatch_size": 1}}
 
 
+#: Llama's own plan written out, with the embedding split by vocabulary rows and the head gathered.
+EXPLICIT_TP_PLAN = {
+    "model.embed_tokens": "embedding_rowwise",
+    **{f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 
 LAYOUTS: list[Layout] = [
@@ -104,6 +115,8 @@ LAYOUTS: list[Layout] = [
     Layout("pp2_dualpipev", 2, _pp("dualpipev"), extra={"step_scheduler": {"local_batch_size": 4}}),
     Layout("pp2xfsdp2", 4, _pp("1f1b")),
     Layout("pp2xtp2", 4, {**_pp("1f1b"), "tp_size": 2}),
+    # a user's explicit plan naming modules only the last stage holds (lm_head, the final norm)
+    Layout("pp2xtp2_plan", 4, {**_pp("1f1b"), "tp_size": 2, "tp_plan": EXPLICIT_TP_PLAN}),
     # the sequence-sharded residual stream crosses the stages as local shards, rebuilt as DTensors
     Layout("pp2xtp2_sp", 4, {**_pp("1f1b"), "tp_size": 2, "sequence_parallel": True}),
     Layout("cp2", 2, {"cp_size": 2}),

@@ -250,15 +250,51 @@ def _fqn_matches(pattern: str, fqn: str) -> bool:
     return len(pat) == len(name) and all(fnmatch.fnmatch(n, p) for p, n in zip(pat, name))
 
 
+def _removed_by_split(model: nn.Module, pattern: str) -> bool:
+    """Whether `pattern` leads through a module slot a pipeline split emptied (set to None, as
+    the stages before the last hold ``lm_head`` and the final norm): that key names a module
+    another stage holds, not a typo."""
+    node: Any = model
+    for atom in pattern.split("."):
+        if any(c in atom for c in "*?["):
+            return False
+        if atom in getattr(node, "_modules", {}) and node._modules[atom] is None:
+            return True
+        node = getattr(node, "_modules", {}).get(atom)
+        if node is None:
+            return False
+    return False
+
+
 def check_plan_matches_model(model: nn.Module, plan: Mapping[str, Any]) -> None:
-    """Raise ValueError for plan keys that match no submodule (torch would only warn)."""
+    """Raise ValueError for plan keys that match no submodule (torch would only warn); on a
+    pipeline stage, keys of modules other stages hold are not checked here (the whole model's
+    check before launch covers them)."""
     fqns = [n for n, _ in model.named_modules() if n]
-    missing = [k for k in plan if not any(_fqn_matches(k, n) for n in fqns)]
+    missing = [
+        k for k in plan if not any(_fqn_matches(k, n) for n in fqns) and not _removed_by_split(model, k)
+    ]
     if missing:
         raise ValueError(
             f"tp_plan keys {missing} match no submodule of {type(model).__name__} "
             f"(module names look like {fqns[:4]}...)"
         )
+
+
+def _check_embedding_input_layout(model: nn.Module, plan: Mapping[str, Any]) -> None:
+    """Rule: a row-wise style on an nn.Embedding must take its token ids whole (Replicate, the
+    ``embedding_rowwise`` style); plain ``rowwise`` reads them as split on the last dim, so every
+    rank would embed a sequence tp times too long (Llama crashed in its rotary embedding)."""
+    names = dict(model.named_modules())
+    for key, style in plan.items():
+        if not isinstance(style, RowwiseParallel) or style.input_layouts == (Replicate(),):
+            continue
+        embeddings = [f for f, m in names.items() if isinstance(m, nn.Embedding) and _fqn_matches(key, f)]
+        if embeddings:
+            raise ValueError(
+                f"tp_plan[{key!r}] is a row-wise style whose input is split on its last dim, but "
+                f"{embeddings[0]} is an nn.Embedding, whose input is the token ids; use 'embedding_rowwise'"
+            )
 
 
 def _check_sharded_embeddings_read_only_by_lookup(model: nn.Module, plan: Mapping[str, Any]) -> None:
@@ -332,6 +368,7 @@ def check_plan_shards_every_layer(model: nn.Module, plan: Mapping[str, Any]) -> 
     names = [n for n, _ in model.named_modules()]
     config = _text_config(model)
     _check_no_statistics_over_sharded_mlp(config, sharding)
+    _check_embedding_input_layout(model, plan)
     _check_sharded_embeddings_read_only_by_lookup(model, plan)
     heads = {v for k in ("num_attention_heads", "num_key_value_heads") for v in positive_ints(config, k)} - {
         1
