@@ -254,6 +254,8 @@ def test_plain_rowwise_on_an_embedding_is_refused_naming_embedding_rowwise() -> 
 
     model = _meta_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     layers = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
-    check_plan_shards_every_layer(model, _explicit_plan({**layers, "model.embed_tokens": "embedding_rowwise"}))
+    check_plan_shards_every_layer(
+        model, _explicit_plan({**layers, "model.embed_tokens": "embedding_rowwise"})
+    )
     with pytest.raises(ValueError, match="model.embed_tokens is an nn.Embedding.*use 'embedding_rowwise'"):
         check_plan_shards_every_layer(model, _explicit_plan({**layers, "model.embed_tokens": "rowwise"}))
