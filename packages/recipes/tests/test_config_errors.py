@@ -109,6 +109,8 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("ep_on_dense_model", {"distributed.ep_size": 2}, ["--nproc-per-node=2"], "distributed.ep_size"),
     ("sp_on_moe_model", {"model.config": {"model_type": "qwen3_moe", "num_experts": 4, "num_attention_heads": 4, "num_key_value_heads": 2}, "distributed.tp_size": 2, "distributed.sequence_parallel": True}, ["--nproc-per-node=2"], "distributed.sequence_parallel"),
     ("seq_vs_cp", {"distributed.cp_size": 2, "dataset.seq_length": 30}, ["--nproc-per-node=2"], "dataset.seq_length"),
+    # a stage boundary carries each tp rank's equal share of the sequence-sharded hidden states
+    ("seq_vs_sp_pp", {"distributed.tp_size": 2, "distributed.sequence_parallel": True, "distributed.pp_size": 2, "distributed.pipeline": {}, "dataset.seq_length": 31}, ["--nproc-per-node=4"], "dataset.seq_length"),
     # X-MOD takes lang_ids, which training does not pass, else config.default_language (None by default)
     ("xmod_default_language", {"model.config": {"model_type": "xmod", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "is_decoder": True}}, ["--nproc-per-node=2"], "model.config.default_language"),
     ("layers_vs_stages", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "interleaved1f1b"}}, ["--nproc-per-node=2"], "distributed.pp_size"),

@@ -151,6 +151,18 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
         raise ConfigError(
             key, seq, f"must be divisible by 2*cp_size = {2 * cp} (load-balanced context parallelism)"
         )
+    if pp > 1 and tp > 1 and d.sequence_parallel and (seq // cp) % tp:
+        # a stage sends its tp rank's equal share of the sequence-sharded hidden states
+        key = (
+            "packed_sequence.packed_sequence_size"
+            if cfg.packed_sequence.packed_sequence_size
+            else "dataset.seq_length"
+        )
+        raise ConfigError(
+            key,
+            seq,
+            f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
+        )
     ss = cfg.step_scheduler
     if ss.global_batch_size % (ss.local_batch_size * dp):
         raise ConfigError(
