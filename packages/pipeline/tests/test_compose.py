@@ -7,7 +7,6 @@ tokens of both dp ranks, as the recipes do, so gradients equal the whole-batch r
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -21,19 +20,9 @@ from automodel.mesh.reduction import set_unit_gradient_divide_factor
 from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig
 
+sys.path.insert(0, str(Path(__file__).parent))
+import test_parity as H  # noqa: E402  (its tiny model, batches and one-process reference)
 
-def _load_parity_helpers():
-    """The tiny model, batches and reference of test_parity (tests are not a package)."""
-    name = "_pipeline_parity_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_parity.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-H = _load_parity_helpers()
 LAYERS = 4
 TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel(),

@@ -9,7 +9,6 @@ gather them; the LM head gathers the logits.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -30,19 +29,9 @@ from automodel.mesh.testing import RankFailure, run_on_ranks
 from automodel.pipeline import AutoPipeline, BoundaryLayout, PipelineConfig
 from automodel.pipeline.dtensor_boundary import attach_boundary_layouts
 
+sys.path.insert(0, str(Path(__file__).parent))
+import test_parity as H  # noqa: E402  (its tiny model, batches and one-process reference)
 
-def _load_parity_helpers():
-    """The tiny model, batches and reference of test_parity (tests are not a package)."""
-    name = "_pipeline_parity_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_parity.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-H = _load_parity_helpers()
 LAYERS = 4
 SEQ = Shard(1)
 

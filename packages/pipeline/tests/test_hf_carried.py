@@ -17,17 +17,22 @@ gradients already (3e-7 in the first), more than the tolerance shows of the pipe
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig, validate_hf_model_for_pipeline_support
 
-VOCAB, SEQ, BATCH, MICRO, LAYERS, PER_LAYER, LR, STEPS = 96, 12, 4, 2, 4, 8, 0.1, 2
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_testlib import BATCH, SEQ, VOCAB, batch, loss_of  # noqa: E402
+
+MICRO, LAYERS, PER_LAYER, LR, STEPS = 2, 4, 8, 0.1, 2
 
 CASES: dict[str, dict] = {
     # per-layer inputs: two pre-layer outputs carried (the token part, the projected embeddings)
@@ -62,19 +67,6 @@ def build(case: str) -> torch.nn.Module:
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float()
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    labels[0, -4:] = -100
-    return ids, labels
-
-
-def loss_of(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
 
 
 def reference(case: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:

@@ -11,18 +11,22 @@ what each rank holds, so it fails if the split did not happen.
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig
 
-VOCAB, SEQ, BATCH, MICRO, LAYERS, LR, STEPS = 96, 12, 4, 2, 4, 0.5, 2
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_testlib import BATCH, VOCAB, batch, loss_of  # noqa: E402
+
+MICRO, LAYERS, LR, STEPS = 2, 4, 0.5, 2
 SMALL = {
     "num_hidden_layers": LAYERS,
     "hidden_size": 32,
@@ -82,19 +86,6 @@ def build(case: str) -> torch.nn.Module:
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float()
-
-
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    labels[0, -4:] = -100
-    return ids, labels
-
-
-def loss_of(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
 
 
 def reference(case: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:

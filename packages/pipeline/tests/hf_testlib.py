@@ -1,0 +1,24 @@
+"""Data and loss shared by the pipeline tests of Hugging Face models (one process vs stages)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, SEQ, BATCH = 96, 12, 4
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s token ids and next-token labels; a few labels masked so the token count
+    differs from the element count."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[0, -4:] = -100
+    return ids, labels
+
+
+def loss_of(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Summed token loss over the step's `tokens` (what each micro-batch contributes)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
