@@ -68,6 +68,17 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "tp2_pp2": (4, {"strategy": "fsdp2", "tp_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
     "cp2_pp2": (4, {"strategy": "fsdp2", "cp_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
     "ep2_pp2": (4, {"strategy": "fsdp2", "ep_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
+    # one layer per stage: a stage may hold only dense layers (DeepSeek-V3's first layers)
+    "ep2_pp2_ac": (
+        4,
+        {
+            "strategy": "fsdp2",
+            "ep_size": 2,
+            "pp_size": 2,
+            "activation_checkpointing": True,
+            "pipeline": {"pp_schedule": "interleaved1f1b", "pp_microbatch_size": 1},
+        },
+    ),
 }
 DENSE_LAYOUTS = ("fsdp2", "tp2", "tp2_sp", "pp2", "cp2")
 MOE_LAYOUTS = ("fsdp2", "tp2", "pp2", "ep2")

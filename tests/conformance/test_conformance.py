@@ -92,6 +92,7 @@ CASES = [
     ("llama", "tie_flipped", "cp2_pp2", PASS),  # CP inside every stage, tied embedding on both ends
     ("gemma3n_text", "default", "cp2_pp2", PASS),  # carried per-layer inputs, sharded over cp
     ("deepseek_v3", "default", "ep2_pp2", PASS),  # MLA, router bias; experts split on each stage
+    ("deepseek_v3", "default", "ep2_pp2_ac", PASS),  # a stage holding only its dense first layer
     ("dbrx", "default", "ep2", PASS),  # experts' weights as flat [E*F, H] rows in a child module
     ("gemma4_text", "default", "pp2", PASS),  # per-layer inputs: the first stage hands them over
     ("gemma3n_text", "default", "pp2_ac", PASS),  # + keys/values shared across layers, 4 stages with AC

@@ -80,7 +80,9 @@ def _plain_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.Abs
 
 
 def checkpoint_module(module: nn.Module, *, save_router_decisions: bool) -> None:
-    """Recompute `module`'s forward in backward (non-reentrant); its parameter names do not change."""
+    """Recompute `module`'s forward in backward (non-reentrant); its parameter names do not change.
+
+    Marks `module` with ``_recomputed_in_backward`` (there is no checkpoint wrapper to see)."""
     inner = module.forward
     context_fn = _router_replay_contexts if save_router_decisions else _plain_contexts
 
@@ -89,6 +91,7 @@ def checkpoint_module(module: nn.Module, *, save_router_decisions: bool) -> None
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     module.forward = forward
+    module._recomputed_in_backward = True  # what layout reports look for (no wrapper module here)
 
 
 def apply_ac(layers: list[nn.Module], *, save_router_decisions: bool) -> None:

@@ -264,16 +264,19 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     return _scan(model)[0]
 
 
-def check_expert_parallel_support(model: nn.Module, *, declared_experts: int | None = None) -> list[MoEBlock]:
+def check_expert_parallel_support(
+    model: nn.Module, *, declared_experts: int | None = None, allow_dense: bool = False
+) -> list[MoEBlock]:
     """The experts modules of `model`; ValueError naming each one expert parallelism cannot split.
 
-    Also refuses a model without any experts module (a dense model, or experts kept elsewhere);
-    `declared_experts`, the expert count the model's config declares, makes that message precise.
+    Also refuses a model without any experts module (a dense model, or experts kept elsewhere)
+    unless `allow_dense` (a pipeline stage holding only dense layers); `declared_experts`, the
+    expert count the model's config declares, makes that message precise.
     """
     blocks, problems = _scan(model)
     if problems:
         raise ValueError("; ".join(problems))
-    if not blocks:
+    if not blocks and not allow_dense:
         built = (
             f"its config declares {declared_experts} experts but the built model"
             if declared_experts

@@ -55,6 +55,7 @@ def parallelize_model(
     activation_checkpointing: bool = False,
     mp_policy: object | None = None,
     gradient_divide_factor: float | None = None,
+    pipeline_stage: bool = False,
 ) -> nn.Module:
     """Apply expert parallelism, activation checkpointing and FSDP2 to a Hugging Face MoE model, in place.
 
@@ -64,6 +65,10 @@ def parallelize_model(
     `mp_policy` overrides ``config.mp_policy``; `gradient_divide_factor` scales every data-parallel
     gradient reduction (None: average over dp*cp ranks; 1.0: pure sum). Every rank must hold the
     same full weights (same seed, or meta tensors materialized afterwards).
+
+    `pipeline_stage`: `model` is one pipeline stage of a model whose experts were checked whole;
+    it may hold dense layers only (DeepSeek-V3's first layers are dense), which are then given
+    activation checkpointing and FSDP2 like any stage, with nothing to split over ep.
     """
     config = config if config is not None else MoEParallelizerConfig()
     if not isinstance(config, MoEParallelizerConfig):
@@ -73,12 +78,17 @@ def parallelize_model(
     if mp_policy is not None:
         config = MoEParallelizerConfig(**{**config.__dict__, "mp_policy": mp_policy})
     # ep > 1: the same support rule as the pre-launch checks (refuses what EP cannot split)
-    blocks = check_expert_parallel_support(model) if mesh.ep_enabled else find_moe_blocks(model)
-    validate_moe_layout(layout=mesh.layout, num_experts=[b.num_experts for b in blocks])
-    if not blocks:
-        return model
-    experts = []
     if mesh.ep_enabled:
+        blocks = check_expert_parallel_support(model, allow_dense=pipeline_stage)
+    else:
+        blocks = find_moe_blocks(model)
+    if not blocks and not (mesh.ep_enabled and pipeline_stage):
+        validate_moe_layout(layout=mesh.layout, num_experts=[])
+        return model
+    if blocks:
+        validate_moe_layout(layout=mesh.layout, num_experts=[b.num_experts for b in blocks])
+    experts = []
+    if mesh.ep_enabled and blocks:
         experts = [(b.experts_name, b.experts) for b in apply_ep(model, ep_mesh=mesh.get_mesh("ep"))]
     layers = find_decoder_layers(model)
     if activation_checkpointing:

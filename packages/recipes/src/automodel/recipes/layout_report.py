@@ -125,7 +125,10 @@ def describe_part(part: nn.Module, *, stage_ids: list[int] | None = None) -> dic
         ),
     }
     report["checkpointed"] = sorted(
-        _canonical(n) for n, m in part.named_modules() if hasattr(m, "_checkpoint_wrapped_module")
+        _canonical(n)
+        for n, m in part.named_modules()
+        # torch's checkpoint wrapper, or automodel.moe's in-place recomputation of a block
+        if hasattr(m, "_checkpoint_wrapped_module") or getattr(m, "_recomputed_in_backward", False)
     )
     if stage_ids is not None:
         report["stage_ids"] = stage_ids

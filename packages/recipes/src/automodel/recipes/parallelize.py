@@ -183,6 +183,7 @@ def apply_fsdp2_stack(
             activation_checkpointing=config.activation_checkpointing,
             mp_policy=config.mp_policy,
             gradient_divide_factor=gradient_divide_factor,
+            pipeline_stage=layout.pp_enabled,  # a stage may hold dense layers only
         )
         return cp_backend
     apply_sharding_from_config(
