@@ -380,3 +380,17 @@ def test_support_rule_refusals() -> None:
         check_expert_parallel_support(_Block(_PerExpertModules()))
     with pytest.raises(ValueError, match="declares 4 experts but the built model has no experts module"):
         check_expert_parallel_support(_build("llama", device="meta"), declared_experts=4)
+
+
+def test_probe_rows_keep_a_sane_scale_on_placeholder_samples() -> None:
+    """A pipeline stage's first call may carry NaN placeholders or never-written receive buffers
+    (seen at 1e18): rows scaled by those overflowed in the experts and failed every check of a
+    sound forward (flex_olmo ep2 x pp2, now and then); real hidden states keep their spread."""
+    from automodel.moe.own_forward import _row_scale
+
+    real = torch.randn(8, 16) * 0.7
+    assert abs(_row_scale(real) - real.std().item()) < 1e-6
+    assert _row_scale(torch.full((8, 16), float("nan"))) == 1.0
+    assert _row_scale(torch.zeros(8, 16)) == 1.0
+    garbage = torch.randn(8, 16) * 1e18
+    assert _row_scale(garbage) == 1e2

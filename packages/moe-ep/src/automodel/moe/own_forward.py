@@ -127,14 +127,25 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 _ROW_MIXING, _INDEXING, _NONLINEAR_WEIGHT, _FAST_PATH_DIFFERS = 1, 2, 4, 8
 
 
+#: Bounds of the probe rows' scale: the experts' inputs (normed hidden states) are of order 1.
+_SCALE_RANGE = (1e-3, 1e2)
+
+
 def _row_scale(sample: torch.Tensor) -> float:
-    """The spread of the finite entries of `sample`, 1 where it has none: a pipeline stage's first
-    call may carry placeholder values (NaN hidden states on a later stage's shape pass), and a
-    NaN scale would fail every check of a sound forward."""
+    """The spread of `sample`'s finite entries, kept within `_SCALE_RANGE` (1 where it has none).
+
+    A pipeline stage's first calls may carry placeholder values: NaN hidden states on a later
+    stage's shape pass, or never-written receive buffers (seen at 1e18). Rows scaled by those
+    overflow in the experts and would fail every check of a sound forward; every rank still runs
+    the probe at the same call, so none may skip it.
+    """
     finite = sample.detach().float().flatten()
     finite = finite[torch.isfinite(finite)]
     scale = finite.std().item() if finite.numel() > 1 else 0.0
-    return scale if scale > 0 and math.isfinite(scale) else 1.0
+    if not (scale > 0 and math.isfinite(scale)):
+        return 1.0
+    low, high = _SCALE_RANGE
+    return min(max(scale, low), high)
 
 
 def _local_verdict(
