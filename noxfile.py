@@ -1,7 +1,8 @@
 """Sessions: `tests` (CPU suite of every package and tests/), `gpu_tests` (tests marked gpu), `lint`,
 `build` (wheel + sdist per package, checked), `install_alone` (each wheel alone in a fresh venv,
 imported and smoke-run), `release_check` (versions, changelogs and release tags agree), `conformance`
-(every causal LM of the transformers registry under every layout; writes docs/models.md).
+(every causal LM of the transformers registry under every layout; writes docs/models.md), `composed`
+(composed layouts on common families; writes docs/composed.md).
 
 All sessions run in the workspace environment (`uv run --frozen nox -s ...`), so torch is never
 installed twice. `gpu_tests` runs scripts/gpu_check.sh, which also works on GPU runners that have
@@ -105,3 +106,10 @@ def conformance(session: nox.Session) -> None:
     suite runs a representative subset (tests/conformance/test_conformance.py); this is the full run.
     """
     session.run(sys.executable, str(ROOT / "tests" / "conformance" / "matrix.py"), *session.posargs)
+
+
+@nox.session
+def composed(session: nox.Session) -> None:
+    """Composed 4-rank layouts (pipeline with TP, SP, CP, EP; EP with CP) on common families, one
+    process vs each; writes docs/composed.md. Posargs go to the sweep (`-- --models llama,mixtral`)."""
+    session.run(sys.executable, str(ROOT / "tests" / "conformance" / "composed.py"), *session.posargs)

@@ -66,7 +66,12 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "ep2": (2, {"strategy": "fsdp2", "ep_size": 2}),
     # composed layouts on 4 ranks (in the CPU suite's cases, not the sweep's columns)
     "tp2_pp2": (4, {"strategy": "fsdp2", "tp_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
+    "tp2_sp_pp2": (
+        4,
+        {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True, "pp_size": 2, "pipeline": _PIPE_1F1B},
+    ),
     "cp2_pp2": (4, {"strategy": "fsdp2", "cp_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
+    "ep2_cp2": (4, {"strategy": "fsdp2", "ep_size": 2, "cp_size": 2}),
     "ep2_pp2": (4, {"strategy": "fsdp2", "ep_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
     # one layer per stage: a stage may hold only dense layers (DeepSeek-V3's first layers)
     "ep2_pp2_ac": (
@@ -357,10 +362,17 @@ def check_applied(
                 n: e for n, e in params.items() if ".experts." in f".{n}" or _placement(e, "ep") is not None
             }
             assert experts and num_experts, f"rank {report['rank']}: no expert parameters"
+            ep_shard = dp * cp // ep  # the ranks holding the same experts, which FSDP2 shards them over
             for name, entry in experts.items():
                 if _placement(entry, "ep") is not None:
                     rows = entry["shape"][0]  # E rows, or E blocks of k rows (DBRX's mlp.w1 [E*F, H])
-                    assert entry["local_shape"][0] * ep == rows and rows % num_experts == 0, (name, entry)
+                    on_dim0 = (_placement(entry, "ep_shard") or "").startswith(("S(0)", "_S(0,"))
+                    split = ep * (ep_shard if on_dim0 else 1)  # FSDP2 may shard dim 1 instead
+                    local = entry["local_shape"][0]
+                    assert rows % num_experts == 0 and local in (rows // split, -(-rows // split)), (
+                        name,
+                        entry,
+                    )
             assert any(_placement(e, "ep") == "S(0)" for e in experts.values()), "no expert is split over ep"
     if pp > 1:  # the pp coordinates hold disjoint layers, together all of them; a stage's ranks alike
         by_stage: dict[int, set[int]] = {}
@@ -418,49 +430,65 @@ def run_model(
     for variant, variant_layouts in plan:
         if not variant_layouts:
             continue
-        model_config = tiny_model_config(model_type, variant)
-        case_dir = workdir / f"{model_type}-{variant}"
+        outcomes += run_layouts(
+            model_type,
+            variant,
+            variant_layouts,
+            case_dir=workdir / f"{model_type}-{variant}",
+            num_layers=num_layers,
+            experts=experts,
+        )
+    return outcomes
+
+
+def run_layouts(
+    model_type: str,
+    variant: str,
+    layouts: tuple[str, ...],
+    *,
+    case_dir: Path,
+    num_layers: int,
+    experts: int | None,
+) -> list[Outcome]:
+    """One process of the tiny `model_type` `variant`, then each of `layouts` against it."""
+    model_config = tiny_model_config(model_type, variant)
+    try:
+        ref, _ = run_case(recipe_config(model_config, {"strategy": "fsdp2"}, str(case_dir / "ref")), 1)
+    except Refused as err:
+        return [Outcome(model_type, variant, x, "refused", str(err)) for x in layouts]
+    except Exception as err:
+        return [Outcome(model_type, variant, x, "FAIL", f"one process: {_short(err)}") for x in layouts]
+    outcomes: list[Outcome] = []
+    noise: list[float] | None = None  # measured only when a layout needs more than RTOL
+    for layout in layouts:
+        ranks, distributed = LAYOUTS[layout]
+        raw = recipe_config(model_config, distributed, str(case_dir / layout))
         try:
-            ref, _ = run_case(recipe_config(model_config, {"strategy": "fsdp2"}, str(case_dir / "ref")), 1)
-        except Refused as err:
-            outcomes += [Outcome(model_type, variant, x, "refused", str(err)) for x in variant_layouts]
-            continue
-        except Exception as err:
-            outcomes += [
-                Outcome(model_type, variant, x, "FAIL", f"one process: {_short(err)}")
-                for x in variant_layouts
-            ]
-            continue
-        noise: list[float] | None = None  # measured only when a layout needs more than RTOL
-        for layout in variant_layouts:
-            ranks, distributed = LAYOUTS[layout]
-            raw = recipe_config(model_config, distributed, str(case_dir / layout))
-            try:
-                got, reports = run_case(raw, ranks)
-                rel = max_relative_difference(got, ref)
-                if rel > RTOL and noise is None:
-                    noise = reference_noise(model_config, case_dir / "ref_eager", ref)
-                ok, rel = within_tolerance(got, ref, noise)
-                shown = ", ".join(f"{n:.1e}" for n in noise or ())
-                if not ok:
-                    detail = f"max rel diff {rel:.2e}" + (
-                        f" (own rounding noise by step: {shown})" if noise else ""
-                    )
-                    outcomes.append(Outcome(model_type, variant, layout, "FAIL", detail, rel))
-                    continue
-                check_applied(layout, reports, num_layers=num_layers, num_experts=experts)
-                rounding = (
-                    f"{rel:.1e} off, within {NOISE_FACTOR}x the model's own rounding noise (by step: {shown})"
-                    if rel > RTOL
-                    else ""
+            got, reports = run_case(raw, ranks)
+            rel = max_relative_difference(got, ref)
+            if rel > RTOL and noise is None:
+                noise = reference_noise(model_config, case_dir / "ref_eager", ref)
+            ok, rel = within_tolerance(got, ref, noise)
+            shown = ", ".join(f"{n:.1e}" for n in noise or ())
+            if not ok:
+                detail = f"max rel diff {rel:.2e}" + (
+                    f" (own rounding noise by step: {shown})" if noise else ""
                 )
-                outcomes.append(Outcome(model_type, variant, layout, "pass", rounding, rel))
-            except Refused as err:
-                outcomes.append(Outcome(model_type, variant, layout, "refused", str(err)))
-            except AssertionError as err:
-                outcomes.append(Outcome(model_type, variant, layout, "FAIL", f"not applied: {_short(err)}"))
-            except Exception as err:
-                outcomes.append(Outcome(model_type, variant, layout, "FAIL", _short(err)))
+                outcomes.append(Outcome(model_type, variant, layout, "FAIL", detail, rel))
+                continue
+            check_applied(layout, reports, num_layers=num_layers, num_experts=experts)
+            rounding = (
+                f"{rel:.1e} off, within {NOISE_FACTOR}x the model's own rounding noise (by step: {shown})"
+                if rel > RTOL
+                else ""
+            )
+            outcomes.append(Outcome(model_type, variant, layout, "pass", rounding, rel))
+        except Refused as err:
+            outcomes.append(Outcome(model_type, variant, layout, "refused", str(err)))
+        except AssertionError as err:
+            outcomes.append(Outcome(model_type, variant, layout, "FAIL", f"not applied: {_short(err)}"))
+        except Exception as err:
+            outcomes.append(Outcome(model_type, variant, layout, "FAIL", _short(err)))
     return outcomes
 
 

@@ -93,6 +93,8 @@ CASES = [
     ("gemma3n_text", "default", "cp2_pp2", PASS),  # carried per-layer inputs, sharded over cp
     ("deepseek_v3", "default", "ep2_pp2", PASS),  # MLA, router bias; experts split on each stage
     ("deepseek_v3", "default", "ep2_pp2_ac", PASS),  # a stage holding only its dense first layer
+    ("gemma3_text", "default", "tp2_sp_pp2", PASS),  # sequence-sharded hidden states cross the stages
+    ("mixtral", "default", "ep2_cp2", PASS),  # experts over ep x ep_shard inside dp_cp
     ("dbrx", "default", "ep2", PASS),  # experts' weights as flat [E*F, H] rows in a child module
     ("gemma4_text", "default", "pp2", PASS),  # per-layer inputs: the first stage hands them over
     ("gemma3n_text", "default", "pp2_ac", PASS),  # + keys/values shared across layers, 4 stages with AC
@@ -128,7 +130,10 @@ def test_conformance_case(
     check_applied(layout, reports, num_layers=num_layers, num_experts=experts)
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2_sp", "pp2", "cp2", "ep2", "tp2_pp2", "cp2_pp2", "ep2_pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    ["fsdp2", "tp2_sp", "pp2", "cp2", "ep2", "tp2_pp2", "tp2_sp_pp2", "cp2_pp2", "ep2_pp2", "ep2_cp2"],
+)
 def test_layout_checks_reject_a_run_with_the_parallelism_off(
     layout: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
