@@ -22,3 +22,24 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss_of(logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> torch.Tensor:
     """Summed token loss over the step's `tokens` (what each micro-batch contributes)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / tokens
+
+
+def one_process(
+    model: torch.nn.Module, *, lr: float, steps: int, micro: int | None = None
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """SGD `steps` of `model` in one process: each step's loss and gradients. `micro`: the batch
+    split into micro-batches of that many rows, accumulated (the pipeline's arithmetic)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for step in range(steps):
+        ids, labels = batch(step)
+        tokens, total = int((labels != -100).sum()), 0.0
+        for rows in torch.arange(BATCH).split(micro or BATCH):
+            loss = loss_of(model(input_ids=ids[rows]).logits, labels[rows], tokens)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads

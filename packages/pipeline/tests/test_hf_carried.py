@@ -30,7 +30,7 @@ from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig, validate_hf_model_for_pipeline_support
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_testlib import BATCH, SEQ, VOCAB, batch, loss_of  # noqa: E402
+from hf_testlib import BATCH, SEQ, VOCAB, batch, loss_of, one_process  # noqa: E402
 
 MICRO, LAYERS, PER_LAYER, LR, STEPS = 2, 4, 8, 0.1, 2
 
@@ -70,21 +70,7 @@ def build(case: str) -> torch.nn.Module:
 
 
 def reference(case: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    model = build(case)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for step in range(STEPS):
-        ids, labels = batch(step)
-        tokens, total = int((labels != -100).sum()), 0.0
-        for rows in torch.arange(BATCH).split(MICRO):
-            loss = loss_of(model(input_ids=ids[rows]).logits, labels[rows], tokens)
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads
+    return one_process(build(case), lr=LR, steps=STEPS, micro=MICRO)
 
 
 def pipelined(case: str) -> dict:

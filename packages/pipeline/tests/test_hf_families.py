@@ -24,7 +24,7 @@ from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_testlib import BATCH, VOCAB, batch, loss_of  # noqa: E402
+from hf_testlib import BATCH, VOCAB, batch, loss_of, one_process  # noqa: E402
 
 MICRO, LAYERS, LR, STEPS = 2, 4, 0.5, 2
 SMALL = {
@@ -89,18 +89,7 @@ def build(case: str) -> torch.nn.Module:
 
 
 def reference(case: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    model = build(case)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for step in range(STEPS):
-        ids, labels = batch(step)
-        loss = loss_of(model(input_ids=ids).logits, labels, int((labels != -100).sum()))
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads
+    return one_process(build(case), lr=LR, steps=STEPS)
 
 
 def pipelined(case: str) -> dict:
