@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -43,3 +45,21 @@ def one_process(
         opt.step()
         opt.zero_grad()
     return losses, grads
+
+
+def pipelined_steps(pipe: Any, tokens: list[int], *, lr: float, steps: int) -> dict[str, Any]:
+    """SGD `steps` through `pipe` (its loss_fn divides by ``tokens[0]``, set here per step): the
+    losses, this rank's gradients, the parameters it holds and its tied ones."""
+    opt = torch.optim.SGD(list(pipe.parameters()), lr=lr)
+    out: dict[str, Any] = {"losses": [], "grads": [], "held": sorted(n for n, _ in pipe.named_parameters())}
+    out["tied"] = pipe.tied_parameters.names
+    for step in range(steps):
+        ids, labels = batch(step)
+        tokens[0] = int((labels != -100).sum())
+        loss = pipe.reduce_loss(pipe.step(ids, labels=labels))
+        pipe.sync_tied_gradients()
+        out["losses"].append(loss.item())
+        out["grads"].append({n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+    return out

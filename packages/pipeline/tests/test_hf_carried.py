@@ -30,7 +30,7 @@ from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig, validate_hf_model_for_pipeline_support
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_testlib import BATCH, SEQ, VOCAB, batch, loss_of, one_process  # noqa: E402
+from hf_testlib import BATCH, SEQ, VOCAB, batch, loss_of, one_process, pipelined_steps  # noqa: E402
 
 MICRO, LAYERS, PER_LAYER, LR, STEPS = 2, 4, 8, 0.1, 2
 
@@ -91,19 +91,8 @@ def pipelined(case: str) -> dict:
 
     for part in pipe.model_parts:
         part.register_forward_hook(lambda m, args, output, i=part.stage_index: record(i, args, output))
-    opt = torch.optim.SGD(list(pipe.parameters()), lr=LR)
-    out: dict = {"losses": [], "grads": [], "held": sorted(n for n, _ in pipe.named_parameters())}
-    out["tied"] = pipe.tied_parameters.names
+    out = pipelined_steps(pipe, tokens, lr=LR, steps=STEPS)
     out["layers"] = {p.stage_index: list(p.layer_range) for p in pipe.model_parts}
-    for step in range(STEPS):
-        ids, labels = batch(step)
-        tokens[0] = int((labels != -100).sum())
-        loss = pipe.reduce_loss(pipe.step(ids, labels=labels))
-        pipe.sync_tied_gradients()
-        out["losses"].append(loss.item())
-        out["grads"].append({n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
     out["sent"], out["got"] = sent, got
     dist.barrier()
     return out

@@ -24,7 +24,7 @@ from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_testlib import BATCH, VOCAB, batch, loss_of, one_process  # noqa: E402
+from hf_testlib import BATCH, VOCAB, loss_of, one_process, pipelined_steps  # noqa: E402
 
 MICRO, LAYERS, LR, STEPS = 2, 4, 0.5, 2
 SMALL = {
@@ -98,18 +98,7 @@ def pipelined(case: str) -> dict:
     pipe = AutoPipeline(
         mesh=mesh, config=PipelineConfig(pp_batch_size=BATCH, pp_microbatch_size=MICRO)
     ).build(build(case), loss_fn=lambda logits, labels: loss_of(logits, labels, tokens[0]))
-    opt = torch.optim.SGD(list(pipe.parameters()), lr=LR)
-    out: dict = {"losses": [], "grads": [], "held": sorted(n for n, _ in pipe.named_parameters())}
-    out["tied"] = pipe.tied_parameters.names
-    for step in range(STEPS):
-        ids, labels = batch(step)
-        tokens[0] = int((labels != -100).sum())
-        loss = pipe.reduce_loss(pipe.step(ids, labels=labels))
-        pipe.sync_tied_gradients()
-        out["losses"].append(loss.item())
-        out["grads"].append({n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
+    out = pipelined_steps(pipe, tokens, lr=LR, steps=STEPS)
     dist.barrier()
     return out
 
