@@ -67,6 +67,14 @@ LAYOUTS: dict[str, tuple[int, dict, int, int, dict]] = {
     ),
     # every stage's attention context parallel: in-flight micro-batches of half the sequence
     "pp2_cp2": (4, {"pp_size": 2, "cp_size": 2, "pipeline": _pipe("1f1b")}, 4, 4, DENSE),
+    # sequence-sharded hidden states cross the stages as local shards
+    "pp2_tp2_sp": (
+        4,
+        {"pp_size": 2, "tp_size": 2, "sequence_parallel": True, "pipeline": _pipe("1f1b")},
+        4,
+        4,
+        DENSE,
+    ),
     "moe_1rank": (1, {}, 2, 2, MOE),
     "moe_ep2_ac": (2, {"ep_size": 2, "activation_checkpointing": True}, 2, 4, MOE),
     # layers gathered again in backward instead of kept from forward (what `recipes plan` may pick)
