@@ -30,6 +30,7 @@ from automodel.pipeline.hf_boundary import (
     carried_entries,
     carried_pre_modules,
     check_cross_layer_reads,
+    layer_inputs,
     module_reads_of,
     record_containers,
     record_writes,
@@ -314,7 +315,7 @@ def _outside_post_hook(fqn: str, layer_io: dict[str, Any], tracker: SourceTracke
 def _layer_pre_hook(index: int, events: list, layer_io: dict[str, Any], tracker: SourceTracker) -> Any:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         events.append(("layer", str(index)))
-        inputs = {**{f"argument {i}": a for i, a in enumerate(args[1:], 1)}, **kwargs}
+        inputs = layer_inputs(args, kwargs)
         carried = layer_io.get("carried_out", ())  # the previous layer's outputs besides hidden states
         for name, value in inputs.items():
             if not isinstance(value, torch.Tensor):
@@ -494,7 +495,7 @@ def _pre_modules_read_by_layers(
         more = {f for s in shared for f in reads.get(s, set()) if f in pre} - shared
         shared |= more
         grown = bool(more)
-    embedding = _input_embeddings(model)
+    embedding = input_embeddings(model)
     from_input = [
         f
         for f in shared
@@ -514,7 +515,7 @@ def _pre_modules_read_by_layers(
     return [], carried
 
 
-def _input_embeddings(model: nn.Module) -> nn.Module | None:
+def input_embeddings(model: nn.Module) -> nn.Module | None:
     """The model's token embedding module; None for models that do not expose one."""
     try:
         return model.get_input_embeddings()
@@ -523,7 +524,7 @@ def _input_embeddings(model: nn.Module) -> nn.Module | None:
 
 
 def _input_embedding_size(model: nn.Module) -> int | None:
-    weight = getattr(_input_embeddings(model), "weight", None)
+    weight = getattr(input_embeddings(model), "weight", None)
     return None if weight is None else int(weight.shape[-1])
 
 

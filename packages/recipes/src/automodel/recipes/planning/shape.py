@@ -84,13 +84,6 @@ def _decoder_layers(model: Any) -> list[Any]:
     return list(found[1]) if found else []
 
 
-def _input_embeddings(model: Any) -> Any:
-    try:
-        return model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-
-
 def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any = None) -> ModelShape:
     """Sizes from `hf_config`; parameter counts by walking the meta-device model's parameters.
 
@@ -103,7 +96,9 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
     routed = _expert_param_ids(model) if experts else set()
     layer_list = _decoder_layers(model)
     in_layers = {id(p) for layer in layer_list for p in layer.parameters()}
-    embedding = _input_embeddings(model)
+    from automodel.pipeline.hf_structure import input_embeddings
+
+    embedding = input_embeddings(model)
     in_embedding = {id(p) for p in embedding.parameters()} if embedding is not None else set()
     embed = head = dense = expert = 0
     seen: set[int] = set()
