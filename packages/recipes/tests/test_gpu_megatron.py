@@ -99,13 +99,19 @@ def test_megatron_fsdp_resume_is_exact_and_consolidated_loads(tmp_path: Path) ->
     from transformers import AutoModelForCausalLM
 
     dist = {"strategy": "megatron_fsdp"}
-    full = _losses(_train(tmp_path / "full", 1, dist))
+    # The LR decays over a fixed number of steps, so the run stopped at step 3 (max_steps 3) follows
+    # the uninterrupted run's schedule; with decay over max_steps its first 3 steps would differ.
+    sched = {"decay_steps": STEPS - 1}
+    full = _losses(_train(tmp_path / "full", 1, dist, lr_scheduler=sched))
     ckpt = {"enabled": True, "save_consolidated": True}
     first = _train(
-        tmp_path / "run", 1, dist, step_scheduler={"max_steps": 3, "ckpt_every_steps": 3}, checkpoint=ckpt
-    )
+        tmp_path / "run", 1, dist, step_scheduler={"max_steps": 3, "ckpt_every_steps": 3}, checkpoint=ckpt,
+        lr_scheduler=sched,
+    )  # fmt: skip
     assert len(first) == 3
-    resumed = _train(tmp_path / "run", 1, dist, step_scheduler={"ckpt_every_steps": 3}, checkpoint=ckpt)
+    resumed = _train(
+        tmp_path / "run", 1, dist, step_scheduler={"ckpt_every_steps": 3}, checkpoint=ckpt, lr_scheduler=sched
+    )
     assert len(resumed) == STEPS  # metrics.jsonl continues the first run's records
     _close(_losses(resumed)[3:], full[3:], rtol=1e-5)
     consolidated = tmp_path / "run" / "checkpoints" / f"step_{STEPS}" / "consolidated"

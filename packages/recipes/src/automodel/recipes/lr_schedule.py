@@ -1,11 +1,13 @@
-"""Linear warm-up then cosine / linear decay to `min_lr` (or constant), as a stateful LambdaLR."""
+"""Linear warm-up then cosine / linear decay to `min_lr` (or constant), as a stateful LambdaLR,
+and its restore on resume (this run's schedule at the saved step)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 
 def lr_multiplier(
@@ -41,3 +43,28 @@ def build_lr_scheduler(
         )
 
     return LambdaLR(optimizer, fn)
+
+
+def restore_lr_scheduler(scheduler: LRScheduler, saved: dict[str, Any]) -> None:
+    """Continue `scheduler` at the saved step count, under this run's schedule and base LR.
+
+    A LambdaLR's state holds the step count and the base LRs of the run that saved it, and the
+    optimizer's param groups hold the LR that run set last. Loaded as they are, a resumed run whose
+    schedule differs (another `max_steps`, hence other decay steps, or another `optimizer.lr`)
+    would take its first step at the old run's LR and keep the old base LR for good. Here the step
+    count comes from the checkpoint and everything else from this run: the param groups get this
+    run's LR for that step now. Other schedulers are restored as saved.
+    """
+    if not isinstance(scheduler, LambdaLR):
+        scheduler.load_state_dict(saved)
+        return
+    base_lrs = list(scheduler.base_lrs)
+    scheduler.load_state_dict(saved)
+    scheduler.base_lrs = base_lrs
+    values = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, values, strict=True):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    scheduler._last_lr = values  # what get_last_lr() reports for the next step

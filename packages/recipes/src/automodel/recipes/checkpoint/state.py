@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from automodel.recipes.checkpoint.part_state import part_model_state_dict, state_module
+from automodel.recipes.lr_schedule import restore_lr_scheduler
 
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
@@ -256,7 +257,7 @@ def apply_loaded_state(
     # Every stage's scheduler follows the same schedule: the first saved one stands for all,
     # so a checkpoint from a different PP layout (other scheduler count) still restores.
     for sched in state.lr_schedulers:
-        sched.load_state_dict(saved_scheds[0])
+        restore_lr_scheduler(sched, saved_scheds[0])
     if state.dataloader is not None and extra["dataloader"] is not None:
         state.dataloader.load_state_dict(extra["dataloader"])
     if restore_rng:
