@@ -84,5 +84,7 @@ def test_stopped_then_resumed_equals_the_uninterrupted_run(tmp_path):
     for step, (got, ref) in enumerate(zip(first + resumed, full, strict=True), start=1):
         assert abs(got - ref) <= RTOL * abs(ref), f"step {step}: {got} vs uninterrupted {ref}"
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    full_records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    full_records = [
+        json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["lr"] for r in records] == [r["lr"] for r in full_records]

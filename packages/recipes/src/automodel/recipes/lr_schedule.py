@@ -61,7 +61,9 @@ def restore_lr_scheduler(scheduler: LRScheduler, saved: dict[str, Any]) -> None:
     base_lrs = list(scheduler.base_lrs)
     scheduler.load_state_dict(saved)
     scheduler.base_lrs = base_lrs
-    values = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)]
+    values = [
+        base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
     for group, lr in zip(scheduler.optimizer.param_groups, values, strict=True):
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)
