@@ -5,7 +5,7 @@ helpers the appliers share live in their submodules (``tp_plan``, ``meta_init``,
 """
 
 from automodel.fsdp2._version import __version__ as __version__
-from automodel.fsdp2.activation_checkpointing import apply_activation_checkpointing
+from automodel.fsdp2.activation_checkpointing import apply_activation_checkpointing, get_lm_ac_layers
 from automodel.fsdp2.autocast import apply_autocast
 from automodel.fsdp2.compile import apply_compile
 from automodel.fsdp2.config import DDPConfig, FSDP2Config, default_mp_policy
@@ -25,7 +25,13 @@ from automodel.fsdp2.parallelize import (
 )
 from automodel.fsdp2.prefetch import apply_fsdp2_prefetch
 from automodel.fsdp2.tensor_parallel import apply_tp
-from automodel.fsdp2.tp_plan import get_hf_tp_shard_plan, resolve_tp_plan, translate_to_torch_parallel_style
+from automodel.fsdp2.tp_plan import (
+    get_hf_tp_shard_plan,
+    resolve_tp_plan,
+    translate_to_torch_parallel_style,
+    validate_tp_mesh,
+)
+from automodel.fsdp2.utils import import_class_from_path, import_classes_from_paths
 
 __all__ = [
     "DDPConfig",
@@ -45,11 +51,15 @@ __all__ = [
     "default_mp_policy",
     "fsdp2_strategy_parallelize",
     "get_hf_tp_shard_plan",
+    "get_lm_ac_layers",
     "grad_sync_context",
+    "import_class_from_path",
+    "import_classes_from_paths",
     "materialize_meta_model",
     "resolve_tp_plan",
     "set_gradient_divide_factor",
     "set_gradient_sync",
     "translate_to_torch_parallel_style",
     "unshard_fsdp2_model",
+    "validate_tp_mesh",
 ]
