@@ -55,6 +55,35 @@ def test_tiny_cpu_mode_reports_ratio_to_plain() -> None:
     assert "torchtitan" in report["torchtitan"]
 
 
+def _models_left_after_two_variants() -> list[bool]:
+    """Which models of a two-variant run are still alive after `main` returns (cyclic GC off)."""
+    import gc
+    import weakref
+
+    bench = _load()
+    built: list[weakref.ref] = []
+    build = bench.build_model
+
+    def recording_build(*args, **kwargs):
+        model = build(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model
+
+    bench.build_model = recording_build
+    gc.disable()  # the collector must not run by chance: the benchmark itself frees each variant
+    try:
+        bench.main([*TINY_CPU, "--steps", "1", "--warmup", "0", "--variants", "plain,base"])
+        return [ref() is not None for ref in built]
+    finally:
+        gc.enable()
+
+
+def test_each_variant_is_freed_before_the_next_is_measured() -> None:
+    """FSDP2 models sit in reference cycles; a variant left alive inflated the next one's peak."""
+    (alive,) = run_on_ranks(_models_left_after_two_variants, world_size=1, timeout_s=300)
+    assert alive == [False, False]
+
+
 #: Runs the benchmark as __main__ with every `automodel` import refused (and recorded), then asks for
 #: an automodel variant in the same process, which must stop with a clear message before running.
 _BLOCKED = """
