@@ -150,6 +150,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for variant in args.variants:
         if variant not in VARIANTS:
             parser.error(f"--variants: unknown variant {variant!r}; use {', '.join(VARIANTS)}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(
+                "no CUDA: --device cuda but torch.cuda.is_available() is False (use --tiny --device cpu)"
+            )
     if args.warmup >= args.steps:
         parser.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
     return args

@@ -3,6 +3,7 @@ benchmark says there is no CUDA, one summary block reports it, and a pytest fail
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +27,9 @@ def _run(tmp_path: Path, *pytest_args: str, bench: bool = True) -> subprocess.Co
 
 
 def _summary(proc: subprocess.CompletedProcess[str]) -> str:
-    head = "==================== gpu_check summary ===================="
-    assert proc.stdout.count(head) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout.split(head, 1)[1]
+    heads = re.findall(r"^=+ gpu_check summary \(\d+ s\) =+$", proc.stdout, flags=re.M)
+    assert len(heads) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.split(heads[0], 1)[1]
 
 
 def test_without_cuda_everything_skips_and_the_summary_says_why(tmp_path: Path) -> None:
@@ -36,8 +37,11 @@ def test_without_cuda_everything_skips_and_the_summary_says_why(tmp_path: Path) 
     summary = _summary(proc)
     assert proc.returncode == 0, summary
     assert "pytest -m gpu: 0 passed, 0 failed, 0 errors, 1 skipped (exit 0)" in summary
-    assert "skipped 1 x needs CUDA (" in summary
+    # one line per gpu test, with its outcome and reason
+    assert re.search(r"^  SKIP  test_units::\S+: needs CUDA \(", summary, flags=re.M), summary
     assert "benchmark: not run, no CUDA here (exit 2): " in summary and "no CUDA" in summary
+    assert "recipes train 1B: not run, no CUDA here (exit 2)" in summary
+    assert "NeMo AutoModel 0.7.0 peer: not run: no CUDA here" in summary
     assert "environment: torch: " in summary and "gpus: 0" in summary
     assert summary.rstrip().splitlines()[-2].startswith("logs: ")
     assert "status: OK" in summary
@@ -49,4 +53,5 @@ def test_a_pytest_failure_fails_the_script(tmp_path: Path) -> None:
     summary = _summary(proc)
     assert proc.returncode == 1, summary
     assert "benchmark: not run (--no-bench)" in summary
+    assert "recipes train 1B: not run (--no-bench)" in summary
     assert "status: FAILED (pytest failed)" in summary
