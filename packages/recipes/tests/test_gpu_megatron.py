@@ -102,7 +102,7 @@ def test_megatron_fsdp_resume_is_exact_and_consolidated_loads(tmp_path: Path) ->
     # The LR decays over a fixed number of steps, so the run stopped at step 3 (max_steps 3) follows
     # the uninterrupted run's schedule; with decay over max_steps its first 3 steps would differ.
     sched = {"decay_steps": STEPS - 1}
-    full = _losses(_train(tmp_path / "full", 1, dist, lr_scheduler=sched))
+    full_records = _train(tmp_path / "full", 1, dist, lr_scheduler=sched)
     ckpt = {"enabled": True, "save_consolidated": True}
     first = _train(
         tmp_path / "run", 1, dist, step_scheduler={"max_steps": 3, "ckpt_every_steps": 3}, checkpoint=ckpt,
@@ -113,7 +113,13 @@ def test_megatron_fsdp_resume_is_exact_and_consolidated_loads(tmp_path: Path) ->
         tmp_path / "run", 1, dist, step_scheduler={"ckpt_every_steps": 3}, checkpoint=ckpt, lr_scheduler=sched
     )
     assert len(resumed) == STEPS  # metrics.jsonl continues the first run's records
-    _close(_losses(resumed)[3:], full[3:], rtol=1e-5)
+    # lr and grad_norm tell a schedule difference (lr), different weights at the resume point (the
+    # first resumed grad_norm) and lost optimizer state (later steps only) apart
+    detail = [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in resumed[3:] + full_records[3:]]
+    assert all(
+        abs(got - ref) <= 1e-5 * abs(ref)
+        for got, ref in zip(_losses(resumed)[3:], _losses(full_records)[3:], strict=True)
+    ), f"(step, loss, lr, grad_norm) resumed then uninterrupted: {detail}"
     consolidated = tmp_path / "run" / "checkpoints" / f"step_{STEPS}" / "consolidated"
     model = AutoModelForCausalLM.from_pretrained(consolidated)
     assert all(torch.isfinite(p).all() for p in model.parameters())
