@@ -12,18 +12,14 @@ from automodel.recipes.instantiate import locate
 from automodel.recipes.peft.config import PeftSection
 from automodel.recipes.sections import (
     ClipGradNormSection,
-    DatasetSection,
     DistEnvSection,
     LoggingSection,
     LRSchedulerSection,
     ModelSection,
     OptimizerSection,
     PackedSequenceSection,
-    SFTDatasetSection,
-    SFTValidationDatasetSection,
     StepSchedulerSection,
     TokenizerSection,
-    ValidationDatasetSection,
     build_section,
 )
 
@@ -38,8 +34,8 @@ DEFAULT_LOSS_FN = "automodel.recipes.loss.masked_cross_entropy_sum"
 @dataclass
 class RecipeConfig:
     model: ModelSection
-    dataset: DatasetSection | SFTDatasetSection
-    validation_dataset: ValidationDatasetSection | SFTValidationDatasetSection | None
+    dataset: Any  # the section of a registered dataset kind (data.kinds)
+    validation_dataset: Any  # likewise, or None
     tokenizer: TokenizerSection
     step_scheduler: StepSchedulerSection
     optimizer: OptimizerSection
@@ -79,25 +75,10 @@ def _checkpoint_section(data: Any) -> dict:
 
 
 def _dataset_section(data: Any, *, validation: bool) -> Any:
-    """The pretraining-text section, or the SFT one for an SFT `source` (or a NeMo ``_target_``)."""
-    from automodel.recipes.sections import SFT_SOURCES, SFT_TARGETS
+    """The section of the dataset kind that `data` selects (``source`` or a NeMo ``_target_``)."""
+    from automodel.recipes.data.kinds import parse_section
 
-    key = "validation_dataset" if validation else "dataset"
-    if isinstance(data, dict) and "_target_" in data:
-        target = data["_target_"]
-        source = SFT_TARGETS.get(str(target).rsplit(".", 1)[-1]) if isinstance(target, str) else None
-        if source is None:
-            raise ConfigError(
-                f"{key}._target_",
-                target,
-                f"is not a dataset class read here ({', '.join(SFT_TARGETS)}); or set {key}.source",
-            )
-        if data.get("source", source) != source:
-            raise ConfigError(f"{key}.source", data["source"], f"contradicts {key}._target_={target}")
-        data = {**{k: v for k, v in data.items() if k != "_target_"}, "source": source}
-    if isinstance(data, dict) and data.get("source") in SFT_SOURCES:
-        return build_section(SFTValidationDatasetSection if validation else SFTDatasetSection, data)
-    return build_section(ValidationDatasetSection if validation else DatasetSection, data)
+    return parse_section(data, validation=validation)
 
 
 def _resolve_pretrained(cfg: RecipeConfig) -> None:
@@ -171,6 +152,9 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         output_dir=output_dir,
         raw=raw,
     )
+    from automodel.recipes.data.pretrain_sections import adopt_dataset_tokenizer
+
+    adopt_dataset_tokenizer(cfg.tokenizer, [cfg.dataset, cfg.validation_dataset])
     _resolve_pretrained(cfg)
     ss = cfg.step_scheduler
     if cfg.distributed.pipeline is not None:

@@ -26,11 +26,10 @@ from automodel.mesh import MeshContext
 from automodel.recipes._dist_setup import setup_distributed
 from automodel.recipes.data import (
     BatchLoader,
-    StatefulGlobalBatchSampler,
     build_packed_dataset,
     build_tokenizer,
 )
-from automodel.recipes.data.loader import Batch
+from automodel.recipes.data.loader import Batch, build_sampler
 from automodel.recipes.environment import check_environment
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.grad_norm import clip_grad_norm
@@ -173,10 +172,10 @@ class Trainer:
             )
         ss = cfg.step_scheduler
         seq = cfg.packed_sequence.packed_sequence_size
-        dataset = build_packed_dataset(cfg.dataset, self.tokenizer, packed_sequence_size=seq)
+        dataset = build_packed_dataset(cfg.dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed)
         try:
-            sampler = StatefulGlobalBatchSampler(
-                num_rows=len(dataset),
+            sampler = build_sampler(
+                dataset,
                 global_batch_size=ss.global_batch_size,
                 local_batch_size=ss.local_batch_size,
                 dp_rank=dp_rank_of(self.mesh),
@@ -189,7 +188,9 @@ class Trainer:
         self.val_dataset = (
             None
             if cfg.validation_dataset is None
-            else build_packed_dataset(cfg.validation_dataset, self.tokenizer, packed_sequence_size=seq)
+            else build_packed_dataset(
+                cfg.validation_dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed
+            )
         )
         steps_per_epoch = sampler.steps_per_epoch
         total = steps_per_epoch * ss.num_epochs

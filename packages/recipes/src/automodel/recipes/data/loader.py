@@ -22,20 +22,32 @@ class Batch:
 
 
 def check_data_paths(section: Any) -> None:
-    """Local data files must exist (checked before any rank starts; `validate` skips this)."""
-    if section is None or section.source in ("embedded", "stdlib_docstrings"):
-        return
-    if hasattr(section, "path_or_dataset_id"):  # SFT: local files, or a Hub id resolved when read
-        src = section.path_or_dataset_id
-        for p in src if isinstance(src, list) else []:
-            if not Path(p).expanduser().is_file():
-                raise ConfigError(
-                    f"{section.SECTION}.path_or_dataset_id", p, "does not exist (only local files are read)"
-                )
-        if isinstance(src, str) and not Path(src).expanduser().exists():
-            from automodel.recipes.hub_cache import resolve_local_or_cached
+    """The section's data files must exist and open (checked before any rank starts; `validate`
+    skips this). Each dataset kind has its own check (`kinds`)."""
+    from automodel.recipes.data.kinds import check_paths
 
-            resolve_local_or_cached(src, key=f"{section.SECTION}.path_or_dataset_id", repo_type="dataset")
+    check_paths(section)
+
+
+def check_sft_paths(section: Any) -> None:
+    """SFT: local files, or a Hub id resolved through the local cache."""
+    if section.source == "stdlib_docstrings":
+        return
+    src = section.path_or_dataset_id
+    for p in src if isinstance(src, list) else []:
+        if not Path(p).expanduser().is_file():
+            raise ConfigError(
+                f"{section.SECTION}.path_or_dataset_id", p, "does not exist (only local files are read)"
+            )
+    if isinstance(src, str) and not Path(src).expanduser().exists():
+        from automodel.recipes.hub_cache import resolve_local_or_cached
+
+        resolve_local_or_cached(src, key=f"{section.SECTION}.path_or_dataset_id", repo_type="dataset")
+
+
+def check_text_paths(section: Any) -> None:
+    """Pretraining text: local json / text / parquet files."""
+    if section.source == "embedded":
         return
     paths = section.path if isinstance(section.path, list) else [section.path]
     for p in paths:
@@ -47,7 +59,7 @@ def _local_documents(section: Any) -> list[str]:
     import datasets
 
     key = section.SECTION
-    check_data_paths(section)
+    check_text_paths(section)
     paths = section.path if isinstance(section.path, list) else [section.path]
     builder = {"json": "json", "text": "text", "parquet": "parquet"}[section.source]
     try:
@@ -71,16 +83,24 @@ def _local_documents(section: Any) -> list[str]:
     return docs
 
 
-def build_packed_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int) -> Any:
-    """Read the section's documents, tokenize, and pack into rows (document-aware when packed).
+def build_packed_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int = 0) -> Any:
+    """The section's dataset (``len`` and ``batch(indices)``), built by its kind (`kinds`)."""
+    from automodel.recipes.data.kinds import build_dataset
 
-    An SFT section (`SFTDatasetSection`) gives an `SFTDataset` (answer-only labels, one example
-    per row or whole examples packed); both have ``len`` and ``batch(indices)``.
-    """
-    if hasattr(section, "path_or_dataset_id"):
-        from automodel.recipes.data.sft import build_sft_dataset
+    return build_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed)
 
-        return build_sft_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size)
+
+def build_sft_rows(section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int) -> Any:
+    """SFT examples: answer-only labels, one per row or whole examples packed (`SFTDataset`)."""
+    from automodel.recipes.data.sft import build_sft_dataset
+
+    return build_sft_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size)
+
+
+def build_text_dataset(
+    section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int
+) -> PackedDataset:
+    """Read the section's documents, tokenize, and pack into rows (document-aware when packed)."""
     if section.source == "embedded":
         docs = embedded_documents(split=section.split, max_bytes=section.max_bytes)
     else:
@@ -96,6 +116,21 @@ def build_packed_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: 
     if section.max_rows is not None and len(ds) > section.max_rows:
         ds.rows = ds.rows[: section.max_rows]
     return ds
+
+
+def build_sampler(
+    dataset: Any, *, global_batch_size: int, local_batch_size: int, dp_rank: int, dp_size: int, seed: int
+) -> StatefulGlobalBatchSampler:
+    """The training sampler over `dataset`, in the dataset's own `sample_order` when it has one."""
+    return StatefulGlobalBatchSampler(
+        num_rows=len(dataset),
+        global_batch_size=global_batch_size,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        order=getattr(dataset, "sample_order", None),
+    )
 
 
 class BatchLoader:

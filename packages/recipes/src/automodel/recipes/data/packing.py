@@ -31,12 +31,20 @@ class PackedDataset:
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = self.rows[torch.as_tensor(indices, dtype=torch.long)]
-        input_ids, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        if self.document_boundaries:
-            position_ids = document_position_ids(input_ids, self.eos_token_id)
-        else:
-            position_ids = torch.arange(self.seq_length).expand_as(input_ids).contiguous()
-        return input_ids, labels, position_ids
+        return split_rows(rows, eos_token_id=self.eos_token_id, document_boundaries=self.document_boundaries)
+
+
+def split_rows(
+    rows: torch.Tensor, *, eos_token_id: int, document_boundaries: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``seq_length + 1`` tokens -> (input_ids, labels, position_ids), positions restarting
+    after each EOS when `document_boundaries` (the packed-row mechanism every dataset shares)."""
+    input_ids, labels = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    if document_boundaries:
+        position_ids = document_position_ids(input_ids, eos_token_id)
+    else:
+        position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous()
+    return input_ids, labels, position_ids
 
 
 def document_position_ids(input_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:

@@ -5,9 +5,14 @@ permutation of the dataset (reshuffled per epoch). The dp rank ``r`` of ``dp`` t
 contiguous slice and splits it into micro-batches of ``local_batch_size``; CP/TP/PP ranks of the
 same replica share the dp rank and so see the same rows. Because the global batch does not depend
 on dp or on accumulation, every layout trains on the same data. `state_dict()` is the position.
+
+The order is `order.indices(epoch=, start=, stop=)` when given (the orders of `sample_order`,
+computed per index for corpora too large to permute in memory), else a ``torch.randperm`` per epoch.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -24,6 +29,7 @@ class StatefulGlobalBatchSampler:
         dp_rank: int,
         dp_size: int,
         seed: int,
+        order: Any = None,
     ) -> None:
         if global_batch_size % (local_batch_size * dp_size) != 0:
             raise ValueError(
@@ -41,6 +47,7 @@ class StatefulGlobalBatchSampler:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
+        self.order = order
         self.epoch = 0
         self.batch_in_epoch = 0
 
@@ -61,10 +68,13 @@ class StatefulGlobalBatchSampler:
         if self.batch_in_epoch >= self.steps_per_epoch:
             self.epoch += 1
             self.batch_in_epoch = 0
-        perm = self._permutation(self.epoch)
         start = self.batch_in_epoch * self.global_batch_size
         per_rank = self.global_batch_size // self.dp_size
-        mine = perm[start + self.dp_rank * per_rank : start + (self.dp_rank + 1) * per_rank].tolist()
+        first = start + self.dp_rank * per_rank
+        if self.order is not None:
+            mine = self.order.indices(epoch=self.epoch, start=first, stop=first + per_rank)
+        else:
+            mine = self._permutation(self.epoch)[first : first + per_rank].tolist()
         self.batch_in_epoch += 1
         lb = self.local_batch_size
         return [mine[i : i + lb] for i in range(0, per_rank, lb)]

@@ -1,0 +1,146 @@
+"""The dataset-kind registry: what a ``dataset:`` / ``validation_dataset:`` section can be.
+
+A kind is chosen by the section's ``source:`` value, or by a NeMo AutoModel ``_target_`` (its last
+dotted name, e.g. ``...megatron_dataset.MegatronPretraining``). Each kind names:
+
+- ``section`` / ``validation_section``: the dataclasses that parse and validate its keys;
+- ``build``: ``"module:function"`` called as ``f(section, tokenizer, *, packed_sequence_size, seed)``
+  -> a dataset with ``len`` and ``batch(indices) -> (input_ids, labels, position_ids)``, and
+  optionally ``sample_order`` (see `sample_order`) for the training sampler;
+- ``check_paths``: ``"module:function"`` called as ``f(section)`` in the launching process to
+  refuse missing or unreadable files before any rank starts (``recipes validate`` skips it).
+
+Builders are named, not imported, so parsing a config imports no data library.
+
+To add a kind: write its section dataclass(es) and a builder module, then one `register(...)`
+below (or from your own module). The recipe config, the loader, the trainer and the CLI's path
+check all go through `parse_section`, `build_dataset` and `check_paths`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from automodel.recipes.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DatasetKind:
+    name: str
+    sources: tuple[str, ...]  # ``source:`` values that select this kind
+    targets: Mapping[str, str]  # NeMo AutoModel ``_target_`` class name -> the ``source`` it means
+    section: type
+    validation_section: type
+    build: str  # "module:function"
+    check_paths: str  # "module:function"
+
+
+_KINDS: list[DatasetKind] = []
+
+
+def register(kind: DatasetKind) -> DatasetKind:
+    """Add `kind`; its sources and targets must not be claimed by another kind."""
+    for other in _KINDS:
+        clash = (set(kind.sources) & set(other.sources)) | (set(kind.targets) & set(other.targets))
+        if clash:
+            raise ValueError(f"dataset kind {kind.name!r} claims {sorted(clash)}, already {other.name!r}'s")
+    _KINDS.append(kind)
+    return kind
+
+
+def kinds() -> tuple[DatasetKind, ...]:
+    return tuple(_KINDS)
+
+
+def _call(ref: str, *args: Any, **kwargs: Any) -> Any:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
+def kind_for(data: Any, *, key: str) -> tuple[DatasetKind, Any]:
+    """The kind a raw section selects, and the section with ``_target_`` replaced by its ``source``."""
+    if isinstance(data, dict) and "_target_" in data:
+        target = data["_target_"]
+        name = str(target).rsplit(".", 1)[-1] if isinstance(target, str) else None
+        kind = next((k for k in _KINDS if name in k.targets), None)
+        if kind is None:
+            known = ", ".join(t for k in _KINDS for t in k.targets)
+            raise ConfigError(
+                f"{key}._target_", target, f"is not a dataset class read here ({known}); or set {key}.source"
+            )
+        source = kind.targets[name]
+        if data.get("source", source) != source:
+            raise ConfigError(f"{key}.source", data["source"], f"contradicts {key}._target_={target}")
+        data = {**{k: v for k, v in data.items() if k != "_target_"}, "source": source}
+    source = data.get("source") if isinstance(data, dict) else None
+    for kind in _KINDS:
+        if source in kind.sources:
+            return kind, data
+    if source is None:
+        return _KINDS[0], data  # the default kind (its section's default source)
+    known = ", ".join(s for k in _KINDS for s in k.sources)
+    raise ConfigError(f"{key}.source", source, f"must be one of {known}")
+
+
+def parse_section(data: Any, *, validation: bool) -> Any:
+    """The typed section for a raw ``dataset:`` (or ``validation_dataset:``) mapping."""
+    from automodel.recipes.sections import build_section
+
+    kind, data = kind_for(data, key="validation_dataset" if validation else "dataset")
+    return build_section(kind.validation_section if validation else kind.section, data)
+
+
+def kind_of(section: Any) -> DatasetKind:
+    for kind in _KINDS:
+        if isinstance(section, kind.section | kind.validation_section):
+            return kind
+    raise TypeError(f"{type(section).__name__} is not the section of a registered dataset kind")
+
+
+def build_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int) -> Any:
+    return _call(
+        kind_of(section).build, section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed
+    )
+
+
+def check_paths(section: Any) -> None:
+    if section is not None:
+        _call(kind_of(section).check_paths, section)
+
+
+def _register_builtin() -> None:
+    from automodel.recipes.data.pretrain_sections import (
+        MegatronPretrainingSection,
+        MegatronPretrainingValidationSection,
+        NanogptSection,
+        NanogptValidationSection,
+    )
+    from automodel.recipes.sections import (
+        DATA_SOURCES,
+        SFT_SOURCES,
+        SFT_TARGETS,
+        DatasetSection,
+        SFTDatasetSection,
+        SFTValidationDatasetSection,
+        ValidationDatasetSection,
+    )
+
+    loader = "automodel.recipes.data.loader"
+    build = "automodel.recipes.data.pretrain_build"
+    register(DatasetKind("text", DATA_SOURCES, {}, DatasetSection, ValidationDatasetSection,
+                         f"{loader}:build_text_dataset", f"{loader}:check_text_paths"))  # fmt: skip
+    register(DatasetKind("sft", SFT_SOURCES, SFT_TARGETS,
+                         SFTDatasetSection, SFTValidationDatasetSection,
+                         f"{loader}:build_sft_rows", f"{loader}:check_sft_paths"))  # fmt: skip
+    register(DatasetKind("megatron", ("megatron",), dict.fromkeys(("MegatronPretraining", "MegatronPretrainingConfig"), "megatron"),
+                         MegatronPretrainingSection, MegatronPretrainingValidationSection,
+                         f"{build}:build_megatron", f"{build}:check_megatron_paths"))  # fmt: skip
+    register(DatasetKind("nanogpt", ("nanogpt",), dict.fromkeys(("NanogptDataset", "NanogptDatasetConfig"), "nanogpt"),
+                         NanogptSection, NanogptValidationSection,
+                         f"{build}:build_nanogpt", f"{build}:check_nanogpt_paths"))  # fmt: skip
+
+
+_register_builtin()
