@@ -1,4 +1,5 @@
-"""The `recipes` console script: ``train``, ``validate``, ``generate`` and ``plot`` (and ``--version``).
+"""The `recipes` console script: ``train``, ``validate``, ``plan``, ``preprocess``, ``generate`` and
+``plot`` (and ``--version``).
 
 Config mistakes exit with code 2 and one line ``error: <key>=<value>: <why>``, with no traceback,
 no process left behind and nothing written.
@@ -7,6 +8,7 @@ no process left behind and nothing written.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -141,6 +143,25 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--raw", action="store_true", help="send the prompt as is (no chat template or SFT prompt format)"
     )
+    pp = sub.add_parser(
+        "preprocess",
+        help="tokenize jsonl/json/parquet/text files, folders or a cached Hub dataset into Megatron .bin/.idx shards",
+    )
+    pp.add_argument("inputs", nargs="+", help="files, folders, or a Hub dataset id in the local cache")
+    pp.add_argument("--output", required=True, help="folder for shard_NNNNN.bin/.idx and manifest.json")
+    pp.add_argument("--text-key", "--text_key", default="text", dest="text_key")
+    pp.add_argument(
+        "--config", default=None, help="a recipe YAML: use its tokenizer (tokenizer: or the model's own)"
+    )
+    pp.add_argument(
+        "--tokenizer", default=None, help="a tokenizer directory or cached Hub id (default: bytes)"
+    )
+    pp.add_argument(
+        "--trust-remote-code", "--trust_remote_code", action="store_true", dest="trust_remote_code"
+    )
+    pp.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1))
+    pp.add_argument("--shard-size-mb", "--shard_size_mb", type=float, default=128.0, dest="shard_size_mb")
+    pp.add_argument("--no-progress", action="store_false", dest="progress")
     pl = sub.add_parser("plot", help="write <OUTPUT_DIR>/loss.png from metrics.jsonl")
     pl.add_argument("output_dir")
     pl.add_argument("--out", default=None)
@@ -266,6 +287,41 @@ def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _preprocess(args: argparse.Namespace, overrides: list[str]) -> int:
+    from automodel.recipes.data.preprocess import preprocess
+
+    if args.config is not None and args.tokenizer is not None:
+        raise ConfigError("--tokenizer", args.tokenizer, "names the tokenizer like --config; give only one")
+    tokenizer, trust = args.tokenizer, args.trust_remote_code
+    if args.config is not None:
+        cfg = load_and_parse(args.config, overrides)  # the run's tokenizer, as `train` resolves it
+        tokenizer, trust = cfg.tokenizer.path, cfg.tokenizer.trust_remote_code
+    elif overrides:
+        raise ConfigError(overrides[0], None, "overrides need --config")
+    elif tokenizer is not None and not os.path.isdir(os.path.expanduser(tokenizer)):
+        from automodel.recipes.hub_cache import resolve_local_or_cached
+
+        tokenizer = str(resolve_local_or_cached(tokenizer, key="--tokenizer"))
+    manifest = preprocess(
+        inputs=args.inputs,
+        output_dir=args.output,
+        text_key=args.text_key,
+        tokenizer_path=tokenizer,
+        trust_remote_code=trust,
+        workers=args.workers,
+        shard_bytes=int(args.shard_size_mb * (1 << 20)),
+        progress=args.progress,
+    )
+    t, run = manifest["totals"], manifest["last_run"]
+    print(
+        f"{t['shards']} shards, {t['documents']} documents, {t['tokens']} tokens ({manifest['dtype']}) in "
+        f"{args.output} ({run['shards_written']} written, {run['shards_skipped']} already done); "
+        f"train with dataset: {{source: megatron, paths: {args.output}}}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
     from automodel.recipes.generate import generate
 
@@ -300,6 +356,7 @@ def run_cli(argv: Sequence[str]) -> int:
                 "train": _train,
                 "validate": _validate,
                 "plan": _plan,
+                "preprocess": _preprocess,
                 "plot": _plot,
                 "generate": _generate,
             }[args.command](args, overrides)

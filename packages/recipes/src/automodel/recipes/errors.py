@@ -12,6 +12,9 @@ class ConfigError(ValueError):
         self.message = message
         super().__init__(f"{key}={value!r}: {message}")
 
+    def __reduce__(self) -> tuple:  # picklable: raised in worker processes, re-raised in the parent
+        return (type(self), (self.key, self.value, self.message))
+
 
 def require_type(key: str, value: object, types: type | tuple[type, ...], what: str) -> None:
     """Raise `ConfigError` unless `value` is an instance of `types` (bools are never ints)."""

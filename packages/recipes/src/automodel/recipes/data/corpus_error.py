@@ -10,3 +10,6 @@ class CorpusError(ValueError):
         super().__init__(f"{path}: {why}")
         self.path = str(path)
         self.why = why
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.path, self.why))

@@ -7,6 +7,7 @@ splitting), so ``document_indices`` is ``0, 1, ..., n``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,13 +30,17 @@ def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 
 class MegatronWriter:
-    """``add_document(ids)`` ... ``finalize()``; ids must fit `dtype` (checked per document)."""
+    """``add_document(ids)`` ... ``finalize()``; ids must fit `dtype` (checked per document).
 
-    def __init__(self, prefix: str | Path, *, dtype: np.dtype) -> None:
+    Writes go to ``<bin_path or prefix.bin>``; ``bin_sha256`` hashes what was written (for manifests).
+    """
+
+    def __init__(self, prefix: str | Path, *, dtype: np.dtype, bin_path: str | Path | None = None) -> None:
         self.prefix = str(prefix)
+        self.bin_sha256 = hashlib.sha256()
         self.dtype = np.dtype(dtype)
         self._max = np.iinfo(self.dtype).max
-        self._bin = Path(self.prefix + ".bin").open("wb")
+        self._bin = Path(bin_path or self.prefix + ".bin").open("wb")
         self._lengths: list[int] = []
         self.num_tokens = 0
 
@@ -45,7 +50,9 @@ class MegatronWriter:
             raise ValueError(
                 f"{self.prefix}.bin: token id {int(arr.max())} does not fit the shard dtype {self.dtype}"
             )
-        self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        data = arr.astype(self.dtype, copy=False).tobytes()
+        self._bin.write(data)
+        self.bin_sha256.update(data)
         self._lengths.append(int(arr.size))
         self.num_tokens += int(arr.size)
 
@@ -53,11 +60,11 @@ class MegatronWriter:
     def num_documents(self) -> int:
         return len(self._lengths)
 
-    def finalize(self) -> None:
+    def finalize(self, idx_path: str | Path | None = None) -> None:
         """Close the ``.bin`` and write the ``.idx`` (the pair is readable only after this)."""
         self._bin.close()
         write_index(
-            self.prefix + ".idx",
+            idx_path or self.prefix + ".idx",
             dtype=self.dtype,
             lengths=np.asarray(self._lengths, dtype=np.int32),
             document_indices=np.arange(len(self._lengths) + 1, dtype=np.int64),
