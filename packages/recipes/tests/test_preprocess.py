@@ -122,3 +122,29 @@ def test_cli_with_the_runs_tokenizer_adds_bos_and_eos(tmp_path: Path, capsys) ->
     assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["prepend_bos"] is True
     assert run_cli(["preprocess", str(tmp_path / "docs.jsonl"), "--output", str(tmp_path / "o2")]) == 2
     assert "--text-key='text'" in capsys.readouterr().err  # names the key and the file
+
+
+def test_readme_flow_builds_the_example_datasets(tmp_path: Path) -> None:
+    """README "Pretrain on your corpus": the shipped stdlib text -> preprocess -> the example's datasets."""
+    from automodel.recipes.data import embedded_documents
+    from automodel.recipes.data.kinds import build_dataset, check_paths
+    from automodel.recipes.data.tokenizer import ByteTokenizer
+    from automodel.recipes.loader import load_config
+    from automodel.recipes.recipe_config import parse_recipe_config
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "pretrain_shards.yaml"
+    corpus = tmp_path / "stdlib.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in embedded_documents(max_bytes=2_000_000)))
+    shards = tmp_path / "shards"
+    assert (
+        run_cli(
+            ["preprocess", str(corpus), "--output", str(shards), "--config", str(example), "--no-progress"]
+        )
+        == 0
+    )
+    over = [f"--dataset.paths={shards}", f"--validation_dataset.paths={shards}"]
+    cfg = parse_recipe_config(load_config(example, over))
+    for section in (cfg.dataset, cfg.validation_dataset):
+        check_paths(section)
+        ds = build_dataset(section, ByteTokenizer(), packed_sequence_size=0, seed=cfg.seed)
+        assert len(ds) >= cfg.step_scheduler.global_batch_size * cfg.step_scheduler.val_batches
