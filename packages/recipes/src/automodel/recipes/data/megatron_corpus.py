@@ -3,7 +3,7 @@
 Megatron's builder writes the sequences of a corpus back to back, so the ``.bin`` is one flat
 token array and a run of sequences is one contiguous slice of it. Opening checks only what is
 O(1) to check (header, sizes, the two ends agreeing with the ``.bin``), so start-up time and
-memory do not grow with the corpus; tokens are paged in when a sample is read.
+memory do not grow with the corpus; a sample's tokens are read when it is (`file_tokens`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from automodel.recipes.data.corpus_error import CorpusError
+from automodel.recipes.data.file_tokens import FileTokens
 from automodel.recipes.data.megatron_index import MegatronIndex, read_index
 
 
@@ -51,7 +52,7 @@ class MegatronCorpus:
         self.bin_path = bin_path
         self.dtype = idx.dtype
         self.num_tokens = size // itemsize
-        self._tokens = np.memmap(bin_path, mode="r", dtype=self.dtype, shape=(self.num_tokens,))
+        self._tokens = FileTokens(bin_path, dtype=self.dtype, offset=0, num_tokens=self.num_tokens)
 
     @property
     def num_sequences(self) -> int:
@@ -67,11 +68,11 @@ class MegatronCorpus:
         return start, end
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        """A read-only view of tokens ``[start, stop)`` (paged in from the file on access)."""
-        return self._tokens[start:stop]
+        """Tokens ``[start, stop)`` of the stream (read from the file now)."""
+        return self._tokens.tokens(start, stop)
 
     def sequence(self, i: int) -> np.ndarray:
         """The tokens of sequence `i` (by its pointer and length, as megatron-core reads it)."""
         itemsize = self.dtype.itemsize
         start = int(self.index.pointers[i]) // itemsize
-        return self._tokens[start : start + int(self.index.lengths[i])]
+        return self._tokens.tokens(start, start + int(self.index.lengths[i]))

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from automodel.recipes.data.corpus_error import CorpusError
+from automodel.recipes.data.file_tokens import FileTokens
 
 LEGACY_MAGIC = 20240520
 MAGIC = 278895051
@@ -22,7 +23,7 @@ HEADER_BYTES = HEADER_INTS * 4
 
 
 class NanogptShard:
-    """One memory-mapped shard: ``tokens(start, stop)``; ``header`` says which layout it has."""
+    """One shard: ``tokens(start, stop)``; ``header`` says which layout it has."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -61,10 +62,10 @@ class NanogptShard:
             offset = 0
         if self.num_tokens == 0:
             raise CorpusError(path, "holds no tokens")
-        self._tokens = np.memmap(path, mode="r", dtype=self.dtype, offset=offset, shape=(self.num_tokens,))
+        self._tokens = FileTokens(path, dtype=self.dtype, offset=offset, num_tokens=self.num_tokens)
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        return self._tokens[start:stop]
+        return self._tokens.tokens(start, stop)
 
 
 def write_nanogpt_shard(path: str | Path, tokens: np.ndarray, *, header: bool = True) -> None:

@@ -2,7 +2,7 @@
 
 `MegatronPretrainingSection` mirrors AutoModel's ``MegatronPretraining`` (Megatron ``.bin``/``.idx``
 corpora); `NanogptSection` its ``NanogptDataset`` (nanoGPT ``.bin`` shards). Both give samples of
-``seq_length + 1`` tokens read memory-mapped; with ``packed_sequence.packed_sequence_size > 0``
+``seq_length + 1`` tokens read on demand; with ``packed_sequence.packed_sequence_size > 0``
 positions restart after each EOS and attention stays inside each document (rows of that size).
 """
 
@@ -51,8 +51,9 @@ class MegatronPretrainingSection:
 
     Keys as in NeMo AutoModel's ``MegatronPretraining``. ``index_mapping_dir``,
     ``num_dataset_builder_threads`` and ``mmap_bin_files`` are accepted so its configs load: the
-    sample map here is computed per index, so there is nothing to cache or build, and ``.bin``
-    files are always memory-mapped. ``tokenizer`` (AutoModel's per-dataset tokenizer) becomes the
+    sample map here is computed per index, so there is nothing to cache or build, and samples are
+    always read from the ``.bin`` with positioned reads (a memory map's read-around would grow
+    every rank's RSS with the samples read; the ``.idx`` is memory-mapped). ``tokenizer`` (AutoModel's per-dataset tokenizer) becomes the
     run's tokenizer when the YAML has no ``tokenizer:`` section naming one (a different one is an
     error). ``num_train_samples`` / ``num_val_samples`` / ``num_test_samples`` size a weighted
     blend (default: the samples the corpora hold); ``seed`` picks a blend's samples (default: the
