@@ -134,7 +134,9 @@ def test_readme_flow_builds_the_example_datasets(tmp_path: Path) -> None:
 
     example = Path(__file__).resolve().parents[3] / "examples" / "pretrain_shards.yaml"
     corpus = tmp_path / "stdlib.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in embedded_documents(max_bytes=2_000_000)))
+    corpus.write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in embedded_documents(max_bytes=2_000_000))
+    )
     shards = tmp_path / "shards"
     assert (
         run_cli(

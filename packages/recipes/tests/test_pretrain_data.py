@@ -4,7 +4,9 @@ nanoGPT shards, windows, splits, blends, sample order and resume, and errors nam
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -380,3 +382,44 @@ def test_smallest_dtype_for_the_vocab() -> None:
         np.int32,
         np.int32,
     ]
+
+
+def test_a_new_kind_is_one_registration() -> None:
+    """The registry is the only place a kind is wired: parse, build and the path check go through it."""
+    from automodel.recipes.data import kinds
+
+    kind = kinds.DatasetKind(
+        "const", ("const",), {"ConstDataset": "const"}, ConstSection, ConstValidation,
+        f"{__name__}:_const_build", f"{__name__}:_const_check",
+    )  # fmt: skip
+    kinds.register(kind)
+    try:
+        section = kinds.parse_section({"_target_": "my.ConstDataset", "seq_length": 3}, validation=False)
+        assert isinstance(section, ConstSection) and section.seq_length == 3
+        assert kinds.build_dataset(section, Tok(), packed_sequence_size=0, seed=0) == ("built", 3)
+        with pytest.raises(ConfigError, match="checked"):
+            kinds.check_paths(section)
+        with pytest.raises(ValueError, match="already"):
+            kinds.register(kind)
+    finally:
+        kinds._KINDS.remove(kind)
+
+
+@dataclass
+class ConstSection:
+    SECTION: ClassVar[str] = "dataset"
+    source: str = "const"
+    seq_length: int = 4
+
+
+@dataclass
+class ConstValidation(ConstSection):
+    SECTION: ClassVar[str] = "validation_dataset"
+
+
+def _const_build(section, tokenizer, *, packed_sequence_size, seed):
+    return ("built", section.seq_length)
+
+
+def _const_check(section):
+    raise ConfigError("dataset", section.source, "checked")
