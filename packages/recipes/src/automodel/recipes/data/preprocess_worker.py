@@ -17,7 +17,7 @@ import numpy as np
 from automodel.recipes.data.megatron_writer import MegatronWriter
 from automodel.recipes.data.preprocess_inputs import Task, read_documents
 
-BATCH_DOCS = 256
+BATCH_DOCS = 1024
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def init_worker(spec: TokenizerSpec) -> None:
 def encode_batch(tok: Any, texts: list[str]) -> list[Any]:
     """Token ids of each text, without special tokens (a fast tokenizer encodes the batch at once)."""
     if tok.hf is not None:
-        return tok.hf(texts, add_special_tokens=False)["input_ids"]
+        return tok.hf(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     out = []
     for t in texts:
         b = np.frombuffer(t.encode("utf-8"), dtype=np.uint8)
