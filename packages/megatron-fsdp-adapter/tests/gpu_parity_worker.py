@@ -15,13 +15,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from automodel.fsdp2 import apply_tp
 from automodel.megatron_fsdp import (
+
     MegatronFSDPConfig,
     MegatronFSDPManager,
     apply_megatron_fsdp,
-    apply_tp,
     resolve_unit_modules,
 )
+
 from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,7 +53,7 @@ def train(model, optimizer, data: list[torch.Tensor], ctx: MeshContext) -> list[
 
 
 def run_megatron(ctx: MeshContext, data, bf16: bool) -> list[float]:
-    model = tiny_llama().cuda()
+    model = tiny_llama().cuda()  # pyright: ignore[reportCallIssue]  # @wraps'd HF method (typeshed)
     if bf16:
         model = model.to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -78,7 +80,7 @@ def run_megatron(ctx: MeshContext, data, bf16: bool) -> list[float]:
 
 def run_fsdp2(ctx: MeshContext, data, bf16: bool) -> list[float]:
     """Reference: torch's FSDP2 over dp (a 1-rank mesh is fine), bf16 params via its mixed precision."""
-    model = tiny_llama().cuda()
+    model = tiny_llama().cuda()  # pyright: ignore[reportCallIssue]  # @wraps'd HF method (typeshed)
     if ctx.layout.tp_enabled:
         apply_tp(model, tp_mesh=ctx.get_mesh("tp"))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
