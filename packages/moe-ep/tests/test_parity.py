@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -105,7 +107,10 @@ def _parity_rank(
         _rel(_full(p.detach()), ref_params[n].detach()) for n, p in model.named_parameters()
     )
     result["expert_local_shape"] = [
-        tuple(p.to_local().shape) for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")
+        tuple(cast(DTensor, p).to_local().shape)
+        for n, p in model.named_parameters()
+        if n.endswith("experts.gate_up_proj")
+
     ]
     return result
 

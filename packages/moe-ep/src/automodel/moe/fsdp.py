@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +36,8 @@ def _shard(
     divide_factor: float | None,
     shard_placement_fn: object | None = None,
 ) -> None:
-    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    kwargs: dict[str, Any] = {"mp_policy": mp_policy} if mp_policy is not None else {}
+
     if shard_placement_fn is not None:
         kwargs["shard_placement_fn"] = shard_placement_fn
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
