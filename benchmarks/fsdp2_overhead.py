@@ -40,7 +40,6 @@ def _model(args: argparse.Namespace) -> LlamaForCausalLM:
 
 
 def _hand_written(model: LlamaForCausalLM, mesh: MeshContext) -> torch.nn.Module:
-
     dp = mesh.get_mesh("dp_shard_cp")
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp)

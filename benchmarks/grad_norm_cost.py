@@ -42,7 +42,6 @@ def timed(fn, repeats: int, device: str) -> tuple[float, float]:
     """Median seconds of `fn` and its (last) result."""
     times: list[float] = []
     result = 0.0
-
     for _ in range(repeats + 1):
         if device == "cuda":
             torch.cuda.synchronize()

@@ -88,7 +88,6 @@ def in_process_phases() -> list[dict[str, float]]:
         for (module, attr), name in patches.items():
             setattr(module, attr, timed(totals, name, originals[(module, attr)]))
         setattr(MeshContext, "build", classmethod(timed(totals, "MeshContext.build", build.__func__)))  # noqa: B010
-
         try:
             t0 = time.process_time()
             cfg = load_config(CONFIG, overrides=OVERRIDES)

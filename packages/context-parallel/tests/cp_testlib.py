@@ -14,7 +14,6 @@ VOCAB = 256
 
 
 def tiny_llama(family: str = "llama") -> LlamaForCausalLM | Qwen3ForCausalLM:
-
     """A 2-layer Llama (or Qwen3) in fp32 with SDPA attention, seeded so every caller gets the same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -68,9 +68,10 @@ def te_packed_parity(cp_mesh) -> tuple[str, dict[str, float]]:
     docs = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (24, 40, 16)]
     per_doc = [(d, torch.cat([d[:, 1:], torch.full((1, 1), -100)], dim=1)) for d in docs]
     n_ref = sum(int((lab != -100).sum()) for _, lab in per_doc)
-    ref_loss = torch.stack([ce_sum(ref_model(input_ids=d.cuda()).logits, lab.cuda()) for d, lab in per_doc]).sum()
+    ref_loss = torch.stack(
+        [ce_sum(ref_model(input_ids=d.cuda()).logits, lab.cuda()) for d, lab in per_doc]
+    ).sum()
     ref_loss = ref_loss / n_ref
-
     ref_loss.backward()
     backend = apply_context_parallel(model, cp_mesh=cp_mesh, backend="te")
     packed = {

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-
 from automodel.context_parallel import apply_context_parallel, make_cp_batch_and_ctx
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.reduction import set_unit_gradient_divide_factor
@@ -39,7 +38,10 @@ def _reference(model, batches) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss = sum CE over all batches / all label tokens, and its gradients."""
     model.zero_grad()
     total = sum(int((b["labels"] != -100).sum()) for b in batches)
-    loss = torch.stack([ce_sum(model(input_ids=b["input_ids"]).logits, b["labels"]) for b in batches]).sum() / total
+    loss = (
+        torch.stack([ce_sum(model(input_ids=b["input_ids"]).logits, b["labels"]) for b in batches]).sum()
+        / total
+    )
     loss.backward()
     return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 

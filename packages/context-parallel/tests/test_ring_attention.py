@@ -36,7 +36,6 @@ def _ring_vs_full(seq_len: int, padded_len: int, docs: list[int] | None) -> dict
         mask &= doc[:, None] == doc[None, :]
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = _reference(full[0], full[1], full[2], mask)
-
     ref.backward(grad)
     pad = padded_len - seq_len
 

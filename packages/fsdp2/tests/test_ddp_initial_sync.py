@@ -31,7 +31,6 @@ def _sync_on_rank(width_by_rank: list[int]) -> dict[str, torch.Tensor]:
     model = _model(width_by_rank[rank])
     with torch.no_grad():
         model.get_buffer("scale").fill_(float(rank + 1))
-
     storages = {name: t.untyped_storage().data_ptr() for name, t in model.state_dict().items()}
     ddp = apply_ddp(model, dp_mesh=mesh.get_mesh("dp"))
     state = {name: t.detach().clone() for name, t in ddp.module.state_dict().items()}

@@ -36,5 +36,4 @@ def test_pinned_cpu_offload_default_on_cuda() -> None:
     from automodel.fsdp2 import FSDP2Config
 
     cfg = FSDP2Config(offload_policy=True)
-
     assert isinstance(cfg.offload_policy, CPUOffloadPolicy) and cfg.offload_policy.pin_memory is True

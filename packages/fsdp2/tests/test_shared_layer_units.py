@@ -94,7 +94,6 @@ def _train_reference() -> tuple[list[float], torch.Tensor]:
     return losses, model.get_parameter("layers.1.0.weight").detach()
 
 
-
 def test_a_shared_block_trains_as_one_unit_like_one_process() -> None:
     results = run_on_ranks(_train_on_rank, world_size=2, timeout_s=120)
     ref_losses, ref_shared = _train_reference()

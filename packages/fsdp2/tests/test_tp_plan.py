@@ -241,7 +241,6 @@ def test_plan_keys_of_modules_another_pipeline_stage_holds_are_not_typos() -> No
 
     stage = _meta_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     stage.lm_head, stage.get_submodule("model").norm = None, None
-
     plan = _explicit_plan({"model.layers.*.self_attn.q_proj": "colwise", "lm_head": "colwise_gather_output"})
     check_plan_matches_model(stage, plan)
     with pytest.raises(ValueError, match=r"\['model.nrom'\] match no submodule"):

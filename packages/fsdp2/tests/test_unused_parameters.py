@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-
 from automodel.mesh.testing import run_on_ranks
 
 WIDTH = 8
@@ -76,7 +75,6 @@ def _sharded(_: int) -> dict[str, torch.Tensor]:
     rank = dist.get_rank()
     model(_data()[2 * rank : 2 * rank + 2]).sum().backward()
     grads = {n: cast(DTensor, p.grad).full_tensor() for n, p in model.named_parameters()}
-
     dist.barrier()
     return grads
 

@@ -17,13 +17,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from automodel.fsdp2 import apply_tp
 from automodel.megatron_fsdp import (
-
     MegatronFSDPConfig,
     MegatronFSDPManager,
     apply_megatron_fsdp,
     resolve_unit_modules,
 )
-
 from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
 
 sys.path.insert(0, str(Path(__file__).parent))

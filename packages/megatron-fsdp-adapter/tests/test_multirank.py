@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-
 from automodel.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPManager, MegatronFSDPUnavailableError
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import cuda_device_count, run_on_ranks
@@ -163,7 +162,6 @@ def _tp_only(config_kwargs: dict) -> dict:
     layer = model.model.layers[0]
     assert isinstance(layer, LlamaDecoderLayer), type(layer)
     mlp = getattr(layer.mlp, "_checkpoint_wrapped_module", layer.mlp)
-
     return {
         "ref": ref_losses,
         "tp": _train(model, optimizer),

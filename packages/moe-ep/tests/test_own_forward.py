@@ -324,7 +324,6 @@ def _empty_owner_rank() -> float:
     return max(_rel(out, want), _rel(x.grad, x_ref.grad), _rel(ep_grad.full_tensor(), ref_grad))
 
 
-
 def test_owner_without_rows_still_runs_the_collectives() -> None:
     assert max(run_on_ranks(_empty_owner_rank, world_size=2, timeout_s=120)) <= TOL
 

@@ -7,10 +7,9 @@ is exactly what data parallelism computes (the auxiliary loss is per micro-batch
 from __future__ import annotations
 
 import copy
-
-import pytest
 from typing import cast
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -110,7 +109,6 @@ def _parity_rank(
         tuple(cast(DTensor, p).to_local().shape)
         for n, p in model.named_parameters()
         if n.endswith("experts.gate_up_proj")
-
     ]
     return result
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 from typing import cast
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -97,7 +97,6 @@ def _stable_router_grad(save: bool | None) -> torch.Tensor:
     assert all(torch.equal(c, captured[0]) for c in captured)
     assert router.weight.grad is not None
     return router.weight.grad
-
 
 
 @pytest.mark.parametrize("save", [True, False])

@@ -64,7 +64,7 @@ def _config(kind: str):
     return cfg
 
 
-def _model(kind: str = "dense", seed: int = 0) -> nn.Module:
+def _model(kind: str = "dense", seed: int = 0) -> LlamaForCausalLM | Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
     cls = Qwen3MoeForCausalLM if kind == "moe" else LlamaForCausalLM
     return cls(_config(kind))
@@ -123,7 +123,7 @@ def _mean_over_world(loss: torch.Tensor) -> float:
     return (out / dist.get_world_size()).item()
 
 
-def _parallelize(model: nn.Module, layout: str) -> tuple[int, int]:
+def _parallelize(model: LlamaForCausalLM | Qwen3MoeForCausalLM, layout: str) -> tuple[int, int]:
     """Apply `layout` in place; return (dp_rank, dp_size) for batch splitting."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if layout == "fsdp":
@@ -157,7 +157,7 @@ def _parallelize(model: nn.Module, layout: str) -> tuple[int, int]:
     raise AssertionError(layout)
 
 
-def _tp_only(model: nn.Module, mesh) -> None:
+def _tp_only(model: LlamaForCausalLM | Qwen3MoeForCausalLM, mesh) -> None:
     plan = {}
     for i in range(len(model.model.layers)):
         p = f"model.layers.{i}."
@@ -361,7 +361,7 @@ def test_resume_reshards_across_layouts(tmp_path, save_layout, save_world, load_
         assert _close(got[step], ref_losses[step - 1]), (step, got[step], ref_losses[step - 1])
 
 
-def _pp_stage(model: nn.Module, stage: int) -> nn.Module:
+def _pp_stage(model: LlamaForCausalLM | Qwen3MoeForCausalLM, stage: int) -> nn.Module:
     """Keep only this stage's modules, FQNs unchanged (as torch pipelining splits do)."""
     layers = model.model.layers
     model.model.layers = nn.ModuleDict({str(stage): layers[stage]})

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-
 from torch.distributed.device_mesh import DeviceMesh
 
 from automodel.context_parallel.ring_attention import KV_ROTATIONS

@@ -81,5 +81,4 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     inductor_config._micro_pipeline_tp = True
-
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)

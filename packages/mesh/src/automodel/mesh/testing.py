@@ -19,7 +19,6 @@ import functools
 import gc
 import multiprocessing as mp
 import multiprocessing.connection
-
 import os
 import pickle
 import signal
@@ -229,7 +228,6 @@ def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
             pending.discard(rank)
             try:
                 status, _, payload = conns[rank].recv()
-
             except EOFError:
                 code = procs[rank].exitcode
                 procs[rank].join(timeout=1)

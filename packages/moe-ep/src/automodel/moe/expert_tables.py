@@ -40,8 +40,7 @@ class ExpertParallelEmbedding(nn.Module):
     _ep_mesh: DeviceMesh
     weight: torch.Tensor  # nn.Embedding's, which follows this mixin
 
-    def forward(self, input
-: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Embedding's name
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Embedding's name
         weight = self.weight
         local = weight.to_local() if isinstance(weight, DTensor) else weight
         return fetch_rows(

@@ -45,7 +45,6 @@ def tiny_config(
             num_experts=num_experts,
             norm_topk_prob=True,
             head_dim=hidden // 4,  # pyright: ignore[reportCallIssue]  # configs take extra keys at run time
-
             **moe,
             **common,
         )

@@ -19,7 +19,13 @@ _API = {
     "RecipeConfig": "automodel.recipes.recipe_config",
     "TrainResult": "automodel.recipes.trainer",
 }
-__all__ = sorted(_API)
+__all__ = [
+    "ConfigError",
+    "RecipeConfig",
+    "TrainResult",
+    "load_config",
+    "train",
+]  # sorted(_API), spelled out for checkers
 
 
 def __getattr__(name: str) -> Any:
