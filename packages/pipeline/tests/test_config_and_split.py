@@ -188,9 +188,15 @@ def test_tied_embedding_is_held_by_first_and_last_stage() -> None:
 
 def test_validate_rejects_encoder_decoder_and_layerless() -> None:
     t5 = T5ForConditionalGeneration(
-        T5Config(
-            vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, tie_word_embeddings=False
-        )  # pyright: ignore[reportCallIssue]  # configs take extra keys at run time
+        T5Config(  # tie_word_embeddings: configs take extra keys at run time
+            vocab_size=64,
+            d_model=16,
+            d_kv=4,
+            d_ff=32,
+            num_layers=1,
+            num_heads=2,
+            tie_word_embeddings=False,  # pyright: ignore[reportCallIssue]
+        )
     )
     with pytest.raises(ValueError, match="encoder-decoder"):
         validate_hf_model_for_pipeline_support(t5)

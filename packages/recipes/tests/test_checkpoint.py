@@ -361,15 +361,15 @@ def test_resume_reshards_across_layouts(tmp_path, save_layout, save_world, load_
         assert _close(got[step], ref_losses[step - 1]), (step, got[step], ref_losses[step - 1])
 
 
-def _pp_stage(model: LlamaForCausalLM | Qwen3MoeForCausalLM, stage: int) -> nn.Module:
+def _pp_stage(model: nn.Module, stage: int) -> nn.Module:
     """Keep only this stage's modules, FQNs unchanged (as torch pipelining splits do)."""
-    layers = model.model.layers
-    model.model.layers = nn.ModuleDict({str(stage): layers[stage]})
+    inner = model.get_submodule("model")
+    inner.layers = nn.ModuleDict({str(stage): inner.get_submodule(f"layers.{stage}")})
     if stage == 0:
-        model.model.norm = None
+        inner.norm = None
         model.lm_head = None
     else:
-        model.model.embed_tokens = None
+        inner.embed_tokens = None
     return model
 
 

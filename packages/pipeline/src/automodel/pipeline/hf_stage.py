@@ -511,7 +511,7 @@ class CausalLMStage(nn.Module):
         params = [p for p in self.parameters() if p.is_floating_point()]
         dtype = inputs.dtype if inputs.is_floating_point() else (params[0].dtype if params else torch.float32)
         if self.is_last:
-            width = self._causal_lm.get_output_embeddings().weight.shape[0]  # pyright: ignore[reportCallIssue, reportAttributeAccessIssue]  # HF method; Module.__getattr__ is typed Tensor | Module
+            width = self._causal_lm.get_output_embeddings().weight.shape[0]  # pyright: ignore[reportCallIssue]  # HF method; Module.__getattr__ is typed Tensor | Module
         else:
             width = self.structure.hidden_size
         return torch.empty(batch, seq, width, dtype=dtype, device="meta")

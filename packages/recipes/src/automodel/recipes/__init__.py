@@ -19,13 +19,7 @@ _API = {
     "RecipeConfig": "automodel.recipes.recipe_config",
     "TrainResult": "automodel.recipes.trainer",
 }
-__all__ = [
-    "ConfigError",
-    "RecipeConfig",
-    "TrainResult",
-    "load_config",
-    "train",
-]  # sorted(_API), spelled out for checkers
+__all__ = sorted(_API)
 
 
 def __getattr__(name: str) -> Any:
