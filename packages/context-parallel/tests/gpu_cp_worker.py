@@ -85,11 +85,16 @@ def te_packed_parity(cp_mesh) -> tuple[str, dict[str, float]]:
 CASES = {"torch": torch_backend_parity, "te": te_packed_parity}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's arguments (test_gpu.py's `worker_args`; a CPU test parses those too)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=sorted(CASES), required=True)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)

@@ -89,13 +89,18 @@ def run_fsdp2(ctx: MeshContext, data, bf16: bool) -> list[float]:
     return train(model, optimizer, data, ctx)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's arguments (test_gpu.py's `worker_args`; a CPU test parses those too)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     init_distributed(backend="nccl")
