@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -257,10 +259,10 @@ class _InterleavedFlatRows(nn.Module):
         super().__init__()
         self.num_experts, self.k = num_experts, k
         self.mlp = nn.Module()
-        self.mlp.register_parameter("w", nn.Parameter(torch.randn(num_experts * k, hidden)))
+        self.mlp.w = nn.Parameter(torch.randn(num_experts * k, hidden))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
-        w = self.mlp.get_parameter("w").view(self.k, self.num_experts, -1)[:, top_k_index]  # [k, T, K, H]
+        w = cast(torch.Tensor, self.mlp.w).view(self.k, self.num_experts, -1)[:, top_k_index]  # [k, T, K, H]
         y = F.silu(torch.einsum("jtki,ti->tkj", w, hidden_states))
         return (torch.einsum("tkj,jtki->tki", y, w) * top_k_weights.unsqueeze(-1)).sum(1)
 
