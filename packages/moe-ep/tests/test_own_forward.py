@@ -10,10 +10,9 @@ the experts module); the probe's refusals; and the one support rule on meta-devi
 from __future__ import annotations
 
 import copy
-
-import pytest
 from typing import cast
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

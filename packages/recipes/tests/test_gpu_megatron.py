@@ -57,15 +57,26 @@ def parity_runs(tmp_path: Path, gpus: int) -> dict[str, CliRun]:
 
 
 def resume_runs(tmp_path: Path) -> list[CliRun]:
-    """The resume test's runs, in launch order: uninterrupted, 3 steps with a checkpoint, resumed."""
+    """The resume test's runs, in launch order: uninterrupted, 3 steps with a checkpoint, resumed.
+
+    The LR decays over a fixed number of steps, so the run stopped at step 3 (max_steps 3) follows
+    the uninterrupted run's schedule; with decay over max_steps its first 3 steps would differ.
+    """
     dist = {"strategy": "megatron_fsdp"}
+    sched = {"decay_steps": STEPS - 1}
     ckpt = {"enabled": True, "save_consolidated": True}
+    first = {"max_steps": 3, "ckpt_every_steps": 3}
     return [
-        _run(tmp_path / "full", 1, dist),
+        _run(tmp_path / "full", 1, dist, lr_scheduler=sched),
+        _run(tmp_path / "run", 1, dist, step_scheduler=first, checkpoint=ckpt, lr_scheduler=sched),
         _run(
-            tmp_path / "run", 1, dist, step_scheduler={"max_steps": 3, "ckpt_every_steps": 3}, checkpoint=ckpt
+            tmp_path / "run",
+            1,
+            dist,
+            step_scheduler={"ckpt_every_steps": 3},
+            checkpoint=ckpt,
+            lr_scheduler=sched,
         ),
-        _run(tmp_path / "run", 1, dist, step_scheduler={"ckpt_every_steps": 3}, checkpoint=ckpt),
     ]
 
 
@@ -112,28 +123,11 @@ def test_megatron_fsdp_resume_is_exact_and_consolidated_loads(tmp_path: Path) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-<<<<<<< HEAD
-    dist = {"strategy": "megatron_fsdp"}
-    # The LR decays over a fixed number of steps, so the run stopped at step 3 (max_steps 3) follows
-    # the uninterrupted run's schedule; with decay over max_steps its first 3 steps would differ.
-    sched = {"decay_steps": STEPS - 1}
-    full_records = _train(tmp_path / "full", 1, dist, lr_scheduler=sched)
-    ckpt = {"enabled": True, "save_consolidated": True}
-    first = _train(
-        tmp_path / "run", 1, dist, step_scheduler={"max_steps": 3, "ckpt_every_steps": 3}, checkpoint=ckpt,
-        lr_scheduler=sched,
-    )  # fmt: skip
-    assert len(first) == 3
-    resumed = _train(
-        tmp_path / "run", 1, dist, step_scheduler={"ckpt_every_steps": 3}, checkpoint=ckpt, lr_scheduler=sched
-    )
-=======
     full_run, first_run, resumed_run = resume_runs(tmp_path)
-    full = _losses(full_run.launch())
+    full_records = full_run.launch()
     first = first_run.launch()
     assert len(first) == 3
     resumed = resumed_run.launch()
->>>>>>> aaabcd5 (GPU test code exercised on CPU: workers imported and parse their tests' arguments, recipes GPU runs write configs that load (fixes the missing <tmp>/cpu folder); nox -s typecheck in .ci/run; checker negative tests)
     assert len(resumed) == STEPS  # metrics.jsonl continues the first run's records
     # lr and grad_norm tell a schedule difference (lr), different weights at the resume point (the
     # first resumed grad_norm) and lost optimizer state (later steps only) apart
