@@ -1,4 +1,5 @@
 """Sessions: `tests` (CPU suite of every package and tests/), `gpu_tests` (tests marked gpu), `lint`,
+`typecheck` (basedpyright over every file),
 `build` (wheel + sdist per package, checked), `install_alone` (each wheel alone in a fresh venv,
 imported and smoke-run), `release_check` (versions, changelogs and release tags agree), `conformance`
 (every causal LM of the transformers registry under every layout; writes docs/models.md), `composed`
@@ -57,6 +58,14 @@ def lint(session: nox.Session) -> None:
     """ruff lint and format check over the whole tree."""
     session.run(sys.executable, "-m", "ruff", "check", ".")
     session.run(sys.executable, "-m", "ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """basedpyright over every file (packages' src and tests, torchrun workers, tests/, benchmarks/,
+    scripts/): unresolved imports, unknown attributes and wrong calls fail here, not on the next GPU
+    run. Settings in pyproject.toml's [tool.basedpyright]. Posargs go to basedpyright (e.g. paths)."""
+    session.run(sys.executable, "-m", "basedpyright", "--threads", "2", *session.posargs)
 
 
 @nox.session

@@ -22,7 +22,7 @@ from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
 
 
-def _model(args: argparse.Namespace) -> torch.nn.Module:
+def _model(args: argparse.Namespace) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(
         hidden_size=args.hidden,
@@ -39,7 +39,7 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def _hand_written(model: torch.nn.Module, mesh: MeshContext) -> torch.nn.Module:
+def _hand_written(model: LlamaForCausalLM, mesh: MeshContext) -> torch.nn.Module:
     dp = mesh.get_mesh("dp_shard_cp")
     for layer in model.model.layers:
         fully_shard(layer, mesh=dp)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -40,9 +41,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # imported where used: `--help` and the plain variant's import stay light
+    from transformers import LlamaForCausalLM
+
 
 H100_SXM_BF16_DENSE_TFLOPS = 989.0
 
@@ -82,17 +88,17 @@ class Result:
     fsdp: str
 
 
-def flops_per_token(model: torch.nn.Module, shape: dict, seq_len: int) -> float:
+def flops_per_token(model: LlamaForCausalLM, shape: dict, seq_len: int) -> float:
     """6 * N + 12 * L * H * Dh * S (see the module docstring for N)."""
     n = sum(p.numel() for p in model.parameters())
-    embed = model.get_input_embeddings().weight
+    embed = model.model.embed_tokens.weight
     if not shape["tie_word_embeddings"]:
         n -= embed.numel()
     attention = 12 * shape["num_hidden_layers"] * shape["num_attention_heads"] * shape["head_dim"] * seq_len
     return 6 * n + attention
 
 
-def build_model(shape: dict, seq_len: int, device: torch.device) -> torch.nn.Module:
+def build_model(shape: dict, seq_len: int, device: torch.device) -> LlamaForCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**shape, max_position_embeddings=max(seq_len, 64), use_cache=False)
@@ -102,7 +108,7 @@ def build_model(shape: dict, seq_len: int, device: torch.device) -> torch.nn.Mod
         return LlamaForCausalLM(config)
 
 
-def parallelize_plain(model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: bool, ac: bool) -> str:
+def parallelize_plain(model: LlamaForCausalLM, *, dtype: torch.dtype, compile_layers: bool, ac: bool) -> str:
     """The baseline, plain torch only: `fully_shard` per decoder layer then the root, `dtype` params /
     fp32 reduce; optional checkpoint_wrapper (AC) and per-layer compile. No automodel import."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -146,7 +152,7 @@ def parallelize(model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: b
 
 
 def parallelize_megatron(
-    model: torch.nn.Module, *, dtype: torch.dtype, compile_layers: bool, ac: bool
+    model: LlamaForCausalLM, *, dtype: torch.dtype, compile_layers: bool, ac: bool
 ) -> str:
     """megatron-fsdp (ZeRO-3, one unit per decoder layer) on the same GPU: params in `dtype`,
     fp32 main weights and fp32 gradient reduction; AC on each layer's MLP (megatron-fsdp's AC scope)."""
@@ -262,9 +268,7 @@ def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: tor
 
 def torchtitan_note() -> str:
     """torchtitan is compared only when importable; say why not otherwise."""
-    try:
-        import torchtitan  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torchtitan") is None:
         return "torchtitan not importable here: no torchtitan comparison in this run"
     return (
         "torchtitan is importable, but its trainer is config-driven: run its llama3 1B toml for a comparison"

@@ -40,7 +40,8 @@ def llama_grads(hidden: int, layers: int, vocab: int, device: str) -> list[torch
 
 def timed(fn, repeats: int, device: str) -> tuple[float, float]:
     """Median seconds of `fn` and its (last) result."""
-    times, result = [], None
+    times: list[float] = []
+    result = 0.0
     for _ in range(repeats + 1):
         if device == "cuda":
             torch.cuda.synchronize()

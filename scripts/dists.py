@@ -24,6 +24,7 @@ that reports the pyproject's `__version__`, and the package's smoke script
 from __future__ import annotations
 
 import argparse
+import email.message
 import email.parser
 import hashlib
 import json

@@ -102,7 +102,7 @@ def reload(consolidated: Path) -> torch.nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(consolidated, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(consolidated, output_loading_info=True)  # pyright: ignore[reportGeneralTypeIssues]  # a (model, info) pair with output_loading_info
     bad = {k: sorted(v)[:4] for k, v in info.items() if k != "error_msgs" and v}
     if info.get("error_msgs"):
         bad["error_msgs"] = [str(e)[:200] for e in info["error_msgs"][:2]]

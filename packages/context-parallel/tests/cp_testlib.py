@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
 VOCAB = 256
 
 
-def tiny_llama(family: str = "llama") -> torch.nn.Module:
+def tiny_llama(family: str = "llama") -> LlamaForCausalLM | Qwen3ForCausalLM:
     """A 2-layer Llama (or Qwen3) in fp32 with SDPA attention, seeded so every caller gets the same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -48,7 +48,7 @@ def _cp_step_errors(model, ref_model, ref_loss, cp_mesh, batch: dict, backend: s
 
 def torch_backend_parity(cp_mesh) -> tuple[str, dict[str, float]]:
     """torch's context_parallel() SDPA path (fp32, one [2, 64] batch)."""
-    ref_model = tiny_llama().to(device="cuda", dtype=torch.float32)
+    ref_model = tiny_llama().to(device="cuda", dtype=torch.float32)  # pyright: ignore[reportCallIssue]  # @wraps'd HF method (typeshed)
     model = copy.deepcopy(ref_model)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, VOCAB, (2, 64), generator=g)
@@ -62,13 +62,16 @@ def torch_backend_parity(cp_mesh) -> tuple[str, dict[str, float]]:
 
 def te_packed_parity(cp_mesh) -> tuple[str, dict[str, float]]:
     """Transformer Engine THD path: three packed documents vs each document alone (bf16)."""
-    ref_model = tiny_llama().to(device="cuda", dtype=torch.bfloat16)
+    ref_model = tiny_llama().to(device="cuda", dtype=torch.bfloat16)  # pyright: ignore[reportCallIssue]  # @wraps'd HF method (typeshed)
     model = copy.deepcopy(ref_model)
     g = torch.Generator().manual_seed(2)
     docs = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (24, 40, 16)]
     per_doc = [(d, torch.cat([d[:, 1:], torch.full((1, 1), -100)], dim=1)) for d in docs]
     n_ref = sum(int((lab != -100).sum()) for _, lab in per_doc)
-    ref_loss = sum(ce_sum(ref_model(input_ids=d.cuda()).logits, lab.cuda()) for d, lab in per_doc) / n_ref
+    ref_loss = torch.stack(
+        [ce_sum(ref_model(input_ids=d.cuda()).logits, lab.cuda()) for d, lab in per_doc]
+    ).sum()
+    ref_loss = ref_loss / n_ref
     ref_loss.backward()
     backend = apply_context_parallel(model, cp_mesh=cp_mesh, backend="te")
     packed = {
@@ -82,11 +85,16 @@ def te_packed_parity(cp_mesh) -> tuple[str, dict[str, float]]:
 CASES = {"torch": torch_backend_parity, "te": te_packed_parity}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's arguments (test_gpu.py's `worker_args`; a CPU test parses those too)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=sorted(CASES), required=True)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)

@@ -50,7 +50,7 @@ def test_bshd_sharding_is_head_tail_and_padded():
         assert results[0]["local_input_ids"][0] == row[:chunk] + row[-chunk:]
 
 
-def _torch_layout() -> list[int]:
+def _torch_layout() -> list[list[int]]:
     """The layout torch's own context_parallel() gives a buffer (its head-tail load balancer)."""
     from torch.distributed.tensor.experimental import context_parallel
 

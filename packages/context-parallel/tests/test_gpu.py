@@ -29,9 +29,19 @@ def _need_gpus(n: int) -> None:
         pytest.skip(f"needs {n} CUDA devices (one per CP rank), found {found}")
 
 
-def _run_worker(tmp_path: Path, *, gpus: int, backend: str) -> dict:
+#: the worker backends the tests below run (a CPU test parses each one's arguments with the worker's parser)
+BACKENDS = ("torch", "te")
+
+
+def worker_args(tmp_path: Path, *, backend: str) -> tuple[list[str], Path]:
+    """The worker's command-line arguments and the report it writes."""
     out = tmp_path / "errors.json"
-    run_torchrun(WORKER, nproc_per_node=gpus, args=["--backend", backend, "--out", str(out)], timeout_s=600)
+    return ["--backend", backend, "--out", str(out)], out
+
+
+def _run_worker(tmp_path: Path, *, gpus: int, backend: str) -> dict:
+    args, out = worker_args(tmp_path, backend=backend)
+    run_torchrun(WORKER, nproc_per_node=gpus, args=args, timeout_s=600)
     return json.loads(out.read_text())
 
 

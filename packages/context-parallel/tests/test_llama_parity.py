@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from automodel.context_parallel import apply_context_parallel, make_cp_batch_and_ctx
 from automodel.mesh import MeshContext, ParallelismSizes
@@ -37,14 +38,18 @@ def _reference(model, batches) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss = sum CE over all batches / all label tokens, and its gradients."""
     model.zero_grad()
     total = sum(int((b["labels"] != -100).sum()) for b in batches)
-    loss = sum(ce_sum(model(input_ids=b["input_ids"]).logits, b["labels"]) for b in batches) / total
+    loss = (
+        torch.stack([ce_sum(model(input_ids=b["input_ids"]).logits, b["labels"]) for b in batches]).sum()
+        / total
+    )
     loss.backward()
     return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
     g = p.grad
-    return g.full_tensor() if hasattr(g, "full_tensor") else g
+    assert g is not None, "no gradient"
+    return g.full_tensor() if isinstance(g, DTensor) else g
 
 
 def _compare(loss: float, grads: dict[str, torch.Tensor], ref_loss: float, ref_grads) -> dict[str, float]:
@@ -167,7 +172,7 @@ def _run_cp_tp() -> dict[str, float]:
     loss = _cp_step(model, batch, cp_mesh, backend, cp_mesh.get_group())
     grads = {}
     for name, p in model.named_parameters():
-        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         dist.all_reduce(local, group=cp_mesh.get_group())
         grads[name] = _full_grad(p)
     return _compare(loss, grads, ref_loss, ref_grads)

@@ -35,7 +35,7 @@ def _ring_vs_full(seq_len: int, padded_len: int, docs: list[int] | None) -> dict
     if doc is not None:
         mask &= doc[:, None] == doc[None, :]
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = _reference(*full, mask)
+    ref = _reference(full[0], full[1], full[2], mask)
     ref.backward(grad)
     pad = padded_len - seq_len
 

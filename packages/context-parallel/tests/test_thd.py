@@ -65,7 +65,7 @@ def test_pad_documents_pads_each_document_to_the_multiple():
     assert out["labels"].tolist()[:8] == [101, 102, 103, -100, 104, 105, -100, -100]
 
 
-def _te_batches(num_chunks: int) -> list[dict]:
+def _te_batches(num_chunks: int) -> dict:
     mesh = MeshContext.build(ParallelismSizes(cp_size=dist.get_world_size()))
     ids = torch.arange(1, 25).reshape(2, 12)
     batch = {

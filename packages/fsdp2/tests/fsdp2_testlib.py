@@ -56,7 +56,7 @@ def tiny_config(*, layers: int = 2, family: str = "llama", heads: int = 4, kv_he
 
 def tiny_model(
     *, layers: int = 2, family: str = "llama", meta: bool = False, seed: int = 0
-) -> torch.nn.Module:
+) -> LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
     cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}[family]
     cfg = tiny_config(layers=layers, family=family)

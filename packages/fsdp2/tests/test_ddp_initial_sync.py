@@ -30,7 +30,7 @@ def _sync_on_rank(width_by_rank: list[int]) -> dict[str, torch.Tensor]:
     torch.manual_seed(rank)  # each rank starts from its own values
     model = _model(width_by_rank[rank])
     with torch.no_grad():
-        model.scale.fill_(float(rank + 1))
+        model.get_buffer("scale").fill_(float(rank + 1))
     storages = {name: t.untyped_storage().data_ptr() for name, t in model.state_dict().items()}
     ddp = apply_ddp(model, dp_mesh=mesh.get_mesh("dp"))
     state = {name: t.detach().clone() for name, t in ddp.module.state_dict().items()}

@@ -110,7 +110,7 @@ def _unshard(_: int) -> dict:
     mesh = MeshContext.build(ParallelismSizes())
     model = tiny_model()
     apply_fsdp2_sharding_recursively(model, mesh=mesh)
-    w = lambda: model.model.layers[0].mlp.gate_proj.weight  # noqa: E731
+    w = lambda: model.get_parameter("model.layers.0.mlp.gate_proj.weight")  # noqa: E731
     ids = batch(0)[:2]
     with torch.no_grad():
         before = model(input_ids=ids).logits

@@ -58,8 +58,8 @@ def _train_on_rank() -> tuple[int, list[float], torch.Tensor]:
     torch.manual_seed(0)
     model = _Stack()
     units = apply_fsdp2_sharding_recursively(model, mesh=mesh)
-    shared = model.layers[1][0].weight
-    assert model.layers[3][0].weight is shared and isinstance(shared, DTensor)
+    shared = model.get_parameter("layers.1.0.weight")
+    assert model.get_parameter("layers.3.0.weight") is shared and isinstance(shared, DTensor)
     assert shared.to_local().shape == (WIDTH // dist.get_world_size(), WIDTH)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
@@ -86,12 +86,12 @@ def _train_reference() -> tuple[list[float], torch.Tensor]:
     losses = []
     for _ in range(3):
         # the mean of the two ranks' per-half losses, as the sharded run averages gradients
-        loss = sum(model(half).pow(2).mean() for half in x.chunk(2)) / 2
+        loss = torch.stack([model(half).pow(2).mean() for half in x.chunk(2)]).sum() / 2
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    return losses, model.layers[1][0].weight.detach()
+    return losses, model.get_parameter("layers.1.0.weight").detach()
 
 
 def test_a_shared_block_trains_as_one_unit_like_one_process() -> None:

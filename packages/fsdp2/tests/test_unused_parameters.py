@@ -8,8 +8,11 @@ those of one process over both ranks' data.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from automodel.mesh.testing import run_on_ranks
 
@@ -48,6 +51,7 @@ def _model() -> _Model:
     model = _Model()
     with torch.no_grad():
         for layer in model.layers:  # the gate keeps the first feature's sign: rank 1 never routes
+            assert isinstance(layer, _Routed)
             layer.gate.weight.copy_(torch.eye(WIDTH))
             layer.gate.bias.zero_()
     return model
@@ -70,7 +74,7 @@ def _sharded(_: int) -> dict[str, torch.Tensor]:
     apply_fsdp2_sharding_recursively(model, mesh=mesh, gradient_divide_factor=1.0)
     rank = dist.get_rank()
     model(_data()[2 * rank : 2 * rank + 2]).sum().backward()
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    grads = {n: cast(DTensor, p.grad).full_tensor() for n, p in model.named_parameters()}
     dist.barrier()
     return grads
 

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from automodel.fsdp2 import apply_tp
 from automodel.megatron_fsdp import (
     MegatronFSDPConfig,
     MegatronFSDPManager,
     apply_megatron_fsdp,
-    apply_tp,
     resolve_unit_modules,
 )
 from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
@@ -51,7 +51,7 @@ def train(model, optimizer, data: list[torch.Tensor], ctx: MeshContext) -> list[
 
 
 def run_megatron(ctx: MeshContext, data, bf16: bool) -> list[float]:
-    model = tiny_llama().cuda()
+    model = tiny_llama().cuda()  # pyright: ignore[reportCallIssue]  # @wraps'd HF method (typeshed)
     if bf16:
         model = model.to(torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -78,7 +78,7 @@ def run_megatron(ctx: MeshContext, data, bf16: bool) -> list[float]:
 
 def run_fsdp2(ctx: MeshContext, data, bf16: bool) -> list[float]:
     """Reference: torch's FSDP2 over dp (a 1-rank mesh is fine), bf16 params via its mixed precision."""
-    model = tiny_llama().cuda()
+    model = tiny_llama().cuda()  # pyright: ignore[reportCallIssue]  # @wraps'd HF method (typeshed)
     if ctx.layout.tp_enabled:
         apply_tp(model, tp_mesh=ctx.get_mesh("tp"))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
@@ -89,13 +89,18 @@ def run_fsdp2(ctx: MeshContext, data, bf16: bool) -> list[float]:
     return train(model, optimizer, data, ctx)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's arguments (test_gpu.py's `worker_args`; a CPU test parses those too)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     init_distributed(backend="nccl")

@@ -29,6 +29,12 @@ CASES = [
 ]
 
 
+def worker_args(tmp_path: Path, *, tp: int, dtype: str) -> tuple[list[str], Path]:
+    """The worker's command-line arguments (5 steps) and the losses file it writes."""
+    out = tmp_path / "losses.json"
+    return ["--tp", str(tp), "--dtype", dtype, "--steps", "5", "--out", str(out)], out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpus,tp,dtype,rtol", CASES)
 def test_megatron_fsdp_matches_fsdp2(gpus: int, tp: int, dtype: str, rtol: float, tmp_path: Path) -> None:
@@ -38,8 +44,7 @@ def test_megatron_fsdp_matches_fsdp2(gpus: int, tp: int, dtype: str, rtol: float
     pytest.importorskip(
         "megatron_fsdp", reason="megatron-fsdp is not importable (pip install it, or put its wheel in .whl/)"
     )
-    out = tmp_path / "losses.json"
-    args = ["--tp", str(tp), "--dtype", dtype, "--steps", "5", "--out", str(out)]
+    args, out = worker_args(tmp_path, tp=tp, dtype=dtype)
     run_torchrun(WORKER, nproc_per_node=gpus, args=args, timeout_s=600)
     result = json.loads(out.read_text())
     assert len(result["megatron_fsdp"]) == 5

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from automodel.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPManager, MegatronFSDPUnavailableError
 from automodel.mesh import MeshContext, ParallelismSizes
@@ -159,6 +160,7 @@ def _tp_only(config_kwargs: dict) -> dict:
     manager.apply_tp_and_checkpointing(model)  # what precedes megatron-fsdp; runs without CUDA
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     layer = model.model.layers[0]
+    assert isinstance(layer, LlamaDecoderLayer), type(layer)
     mlp = getattr(layer.mlp, "_checkpoint_wrapped_module", layer.mlp)
     return {
         "ref": ref_losses,

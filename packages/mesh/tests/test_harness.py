@@ -73,6 +73,9 @@ def test_bad_world_size_is_rejected() -> None:
 class _Cycle:
     """Garbage only the cyclic collector frees."""
 
+    self: _Cycle
+    group: object
+
 
 def test_ranks_survive_a_gloo_group_left_in_garbage_by_the_parent() -> None:
     """A gloo group the parent dropped in a reference cycle must not be finalized in a rank.

@@ -112,14 +112,14 @@ def _experts_rank(pattern: str, top_k: int) -> float:
     """The EP experts module vs HF's eager loop on the same tokens and routing, forward and backward."""
     rank = dist.get_rank()
     ctx = MeshContext.build(ParallelismSizes(ep_size=dist.get_world_size()))
-    block = build_tiny_model("mixtral", num_experts=8, top_k=top_k).model.layers[0].mlp
-    ref = copy.deepcopy(block.experts)
+    block = build_tiny_model("mixtral", num_experts=8, top_k=top_k).get_submodule("model.layers.0.mlp")
+    ref = copy.deepcopy(block.get_submodule("experts"))
     apply_ep(block, ep_mesh=ctx.get_mesh("ep"))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(12, HIDDEN, generator=g)
     idx = _routing(pattern, rank=rank, num_tokens=12, num_experts=8, top_k=top_k)
     w = torch.rand(12, top_k, generator=g)
-    out = block.experts(x, idx, w)
+    out = block.get_submodule("experts")(x, idx, w)
     want = ref(x, idx, w)
     out.square().sum().backward()
     want.square().sum().backward()

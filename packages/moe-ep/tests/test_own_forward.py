@@ -10,6 +10,7 @@ the experts module); the probe's refusals; and the one support rule on meta-devi
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def _ep_parity_rank(family: str, steps: int = 2, ac: bool = False) -> dict:
     split = {
         n
         for n, p in model.named_parameters()
-        if isinstance(p, DTensor) and "ep" in p.device_mesh.mesh_dim_names
+        if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
     }
     out["own_block"] = _holds_own_block(model, ref_params, split, ep_rank=ctx.get_mesh("ep").get_local_rank())
     for step in range(steps):
@@ -162,6 +163,7 @@ def _holds_own_block(
     found: dict[str, bool | None] = {}
     for name, param in model.named_parameters():
         if name in split:
+            assert isinstance(param, DTensor), name
             local, full = param.to_local(), ref_params[name]
             rows = local.shape[0]
             whole = (
@@ -259,7 +261,7 @@ class _InterleavedFlatRows(nn.Module):
         self.mlp.w = nn.Parameter(torch.randn(num_experts * k, hidden))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
-        w = self.mlp.w.view(self.k, self.num_experts, -1)[:, top_k_index]  # [k, T, K, H]
+        w = cast(torch.Tensor, self.mlp.w).view(self.k, self.num_experts, -1)[:, top_k_index]  # [k, T, K, H]
         y = F.silu(torch.einsum("jtki,ti->tkj", w, hidden_states))
         return (torch.einsum("tkj,jtki->tki", y, w) * top_k_weights.unsqueeze(-1)).sum(1)
 
@@ -315,9 +317,12 @@ def _empty_owner_rank() -> float:
     out, want = block.experts(x, idx, w), ref(x_ref, idx, w)
     out.square().sum().backward()
     want.square().sum().backward()
-    ref_grad = ref.up.grad.clone()
+    ref_grad = ref.get_parameter("up").grad
+    ep_grad = block.experts.get_parameter("up").grad
+    assert isinstance(ref_grad, torch.Tensor) and isinstance(ep_grad, DTensor)
+    ref_grad = ref_grad.clone()
     dist.all_reduce(ref_grad)  # each rank's reference saw only its own tokens
-    return max(_rel(out, want), _rel(x.grad, x_ref.grad), _rel(block.experts.up.grad.full_tensor(), ref_grad))
+    return max(_rel(out, want), _rel(x.grad, x_ref.grad), _rel(ep_grad.full_tensor(), ref_grad))
 
 
 def test_owner_without_rows_still_runs_the_collectives() -> None:

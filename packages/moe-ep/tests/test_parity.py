@@ -7,6 +7,7 @@ is exactly what data parallelism computes (the auxiliary loss is per micro-batch
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import pytest
 import torch
@@ -105,7 +106,9 @@ def _parity_rank(
         _rel(_full(p.detach()), ref_params[n].detach()) for n, p in model.named_parameters()
     )
     result["expert_local_shape"] = [
-        tuple(p.to_local().shape) for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")
+        tuple(cast(DTensor, p).to_local().shape)
+        for n, p in model.named_parameters()
+        if n.endswith("experts.gate_up_proj")
     ]
     return result
 

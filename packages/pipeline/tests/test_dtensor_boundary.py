@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -153,7 +154,7 @@ def _round_trip_ranks() -> dict:
             self.seen.append((type(h).__name__, tuple(h.placements), tuple(h.shape)))
             position = DTensor.from_local(torch.arange(1.0, 5.0).reshape(1, 4, 1), tp_mesh, (Replicate(),))
             out = h.redistribute(tp_mesh, (Replicate(),)) @ self.weight  # Shard(2) columns
-            return (out * position).sum().full_tensor()
+            return cast(DTensor, (out * position).sum()).full_tensor()
 
     send, receive = Send(), Receive()
     attach_boundary_layouts(send, layouts=(layout,), stage_index=0, num_stages=2)

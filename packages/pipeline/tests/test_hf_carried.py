@@ -85,7 +85,7 @@ def pipelined(case: str) -> dict:
     sent: dict[int, list] = {}
     got: dict[int, list] = {}
 
-    def record(stage: int, args: tuple, output: object) -> None:
+    def record(stage: int, args: tuple, output: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         got.setdefault(stage, [tuple(a.shape) for a in args])
         sent.setdefault(stage, [tuple(t.shape) for t in (output if isinstance(output, tuple) else (output,))])
 

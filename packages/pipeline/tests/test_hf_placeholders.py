@@ -67,7 +67,7 @@ class _StateModel(nn.Module):
         super().__init__()
         from transformers import PretrainedConfig
 
-        self.config = PretrainedConfig(model_type=f"toy_{mode}")
+        self.config = PretrainedConfig(model_type=f"toy_{mode}")  # pyright: ignore[reportCallIssue]  # configs take extra keys at run time
         self.mode = mode
         self.embed_tokens = nn.Embedding(16, 8)
         self.layers = nn.ModuleList(_StateLayer(mode) for _ in range(2))

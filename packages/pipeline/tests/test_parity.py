@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.mesh import MeshContext, ParallelismSizes
@@ -76,7 +77,7 @@ def reference(
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _train_ranks(

@@ -64,7 +64,7 @@ def _config(kind: str):
     return cfg
 
 
-def _model(kind: str = "dense", seed: int = 0) -> nn.Module:
+def _model(kind: str = "dense", seed: int = 0) -> LlamaForCausalLM | Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
     cls = Qwen3MoeForCausalLM if kind == "moe" else LlamaForCausalLM
     return cls(_config(kind))
@@ -123,7 +123,7 @@ def _mean_over_world(loss: torch.Tensor) -> float:
     return (out / dist.get_world_size()).item()
 
 
-def _parallelize(model: nn.Module, layout: str) -> tuple[int, int]:
+def _parallelize(model: LlamaForCausalLM | Qwen3MoeForCausalLM, layout: str) -> tuple[int, int]:
     """Apply `layout` in place; return (dp_rank, dp_size) for batch splitting."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if layout == "fsdp":
@@ -157,7 +157,7 @@ def _parallelize(model: nn.Module, layout: str) -> tuple[int, int]:
     raise AssertionError(layout)
 
 
-def _tp_only(model: nn.Module, mesh) -> None:
+def _tp_only(model: LlamaForCausalLM | Qwen3MoeForCausalLM, mesh) -> None:
     plan = {}
     for i in range(len(model.model.layers)):
         p = f"model.layers.{i}."
@@ -363,13 +363,13 @@ def test_resume_reshards_across_layouts(tmp_path, save_layout, save_world, load_
 
 def _pp_stage(model: nn.Module, stage: int) -> nn.Module:
     """Keep only this stage's modules, FQNs unchanged (as torch pipelining splits do)."""
-    layers = model.model.layers
-    model.model.layers = nn.ModuleDict({str(stage): layers[stage]})
+    inner = model.get_submodule("model")
+    inner.layers = nn.ModuleDict({str(stage): inner.get_submodule(f"layers.{stage}")})
     if stage == 0:
-        model.model.norm = None
+        inner.norm = None
         model.lm_head = None
     else:
-        model.model.embed_tokens = None
+        inner.embed_tokens = None
     return model
 
 

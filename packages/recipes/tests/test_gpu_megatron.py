@@ -9,17 +9,16 @@ in a child process (torchrun for 2+ ranks), never ranks forked from the test pro
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from automodel.mesh.testing import cuda_device_count
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _cli_run import CliRun  # noqa: E402
 from _recipe_helpers import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +35,7 @@ def _need(gpus: int) -> None:
     )
 
 
-def _train(out: Path, nproc: int, distributed: dict[str, Any], **sections: Any) -> list[dict]:
+def _run(out: Path, nproc: int, distributed: dict[str, Any], **sections: Any) -> CliRun:
     cfg = tiny_config(
         str(out),
         step_scheduler={"max_steps": STEPS, "val_every_steps": None, **sections.pop("step_scheduler", {})},
@@ -46,13 +45,39 @@ def _train(out: Path, nproc: int, distributed: dict[str, Any], **sections: Any) 
     )
     cfg.pop("validation_dataset")
     cfg["model"]["dtype"] = "float32"
-    path = out.with_suffix(".yaml")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "automodel.recipes.cli", "train", str(path), f"--nproc-per-node={nproc}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return CliRun(out, cfg, nproc)
+
+
+def parity_runs(tmp_path: Path, gpus: int) -> dict[str, CliRun]:
+    """fsdp2 (fp32) and megatron_fsdp (ZeRO-3) on `gpus` GPUs: the parity test's runs."""
+    return {
+        "fsdp2": _run(tmp_path / "fsdp2", gpus, {"strategy": "fsdp2", **FP32}),
+        "megatron": _run(tmp_path / "megatron", gpus, {"strategy": "megatron_fsdp", "zero_dp_strategy": 3}),
+    }
+
+
+def resume_runs(tmp_path: Path) -> list[CliRun]:
+    """The resume test's runs, in launch order: uninterrupted, 3 steps with a checkpoint, resumed.
+
+    The LR decays over a fixed number of steps, so the run stopped at step 3 (max_steps 3) follows
+    the uninterrupted run's schedule; with decay over max_steps its first 3 steps would differ.
+    """
+    dist = {"strategy": "megatron_fsdp"}
+    sched = {"decay_steps": STEPS - 1}
+    ckpt = {"enabled": True, "save_consolidated": True}
+    first = {"max_steps": 3, "ckpt_every_steps": 3}
+    return [
+        _run(tmp_path / "full", 1, dist, lr_scheduler=sched),
+        _run(tmp_path / "run", 1, dist, step_scheduler=first, checkpoint=ckpt, lr_scheduler=sched),
+        _run(
+            tmp_path / "run",
+            1,
+            dist,
+            step_scheduler={"ckpt_every_steps": 3},
+            checkpoint=ckpt,
+            lr_scheduler=sched,
+        ),
+    ]
 
 
 def _losses(records: list[dict]) -> list[float]:
@@ -68,8 +93,8 @@ def _close(got: list[float], ref: list[float], rtol: float = 1e-4) -> None:
 @pytest.mark.parametrize("gpus", [pytest.param(1, id="1gpu"), pytest.param(2, id="2gpu-dp2")])
 def test_megatron_fsdp_matches_fsdp2_and_really_wraps(gpus: int, tmp_path: Path) -> None:
     _need(gpus)
-    ref = _losses(_train(tmp_path / "fsdp2", gpus, {"strategy": "fsdp2", **FP32}))
-    got = _losses(_train(tmp_path / "megatron", gpus, {"strategy": "megatron_fsdp", "zero_dp_strategy": 3}))
+    runs = parity_runs(tmp_path, gpus)
+    ref, got = _losses(runs["fsdp2"].launch()), _losses(runs["megatron"].launch())
     _close(got, ref)
     estimate = _estimate(tmp_path / "megatron", gpus)
     for rank in range(gpus):
@@ -98,20 +123,11 @@ def test_megatron_fsdp_resume_is_exact_and_consolidated_loads(tmp_path: Path) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    dist = {"strategy": "megatron_fsdp"}
-    # The LR decays over a fixed number of steps, so the run stopped at step 3 (max_steps 3) follows
-    # the uninterrupted run's schedule; with decay over max_steps its first 3 steps would differ.
-    sched = {"decay_steps": STEPS - 1}
-    full_records = _train(tmp_path / "full", 1, dist, lr_scheduler=sched)
-    ckpt = {"enabled": True, "save_consolidated": True}
-    first = _train(
-        tmp_path / "run", 1, dist, step_scheduler={"max_steps": 3, "ckpt_every_steps": 3}, checkpoint=ckpt,
-        lr_scheduler=sched,
-    )  # fmt: skip
+    full_run, first_run, resumed_run = resume_runs(tmp_path)
+    full_records = full_run.launch()
+    first = first_run.launch()
     assert len(first) == 3
-    resumed = _train(
-        tmp_path / "run", 1, dist, step_scheduler={"ckpt_every_steps": 3}, checkpoint=ckpt, lr_scheduler=sched
-    )
+    resumed = resumed_run.launch()
     assert len(resumed) == STEPS  # metrics.jsonl continues the first run's records
     # lr and grad_norm tell a schedule difference (lr), different weights at the resume point (the
     # first resumed grad_norm) and lost optimizer state (later steps only) apart

@@ -35,7 +35,7 @@ def _olmo_hybrid() -> torch.nn.Module:
 
 def test_layers_of_two_classes_are_reported() -> None:
     model = _olmo_hybrid()
-    assert len({type(layer) for layer in model.model.layers}) == 2
+    assert len({type(layer) for layer in model.get_submodule("model.layers").children()}) == 2
     report = describe_part(model)
     assert report["layers_fqn"] == "model.layers"
     assert report["layers"] == [0, 1, 2, 3]

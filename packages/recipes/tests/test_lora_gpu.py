@@ -5,17 +5,16 @@ megatron-fsdp. Each run is the CLI in a child process, never ranks forked from t
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from automodel.mesh.testing import cuda_device_count
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _cli_run import CliRun  # noqa: E402
 from _recipe_helpers import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +22,7 @@ STEPS = 4
 PEFT = {"dim": 4, "alpha": 8}
 
 
-def _train(out: Path, distributed: dict[str, Any]) -> list[float]:
+def _run(out: Path, distributed: dict[str, Any]) -> CliRun:
     cfg = tiny_config(
         str(out),
         step_scheduler={"max_steps": STEPS, "val_every_steps": None},
@@ -34,22 +33,24 @@ def _train(out: Path, distributed: dict[str, Any]) -> list[float]:
     )
     cfg.pop("validation_dataset")
     cfg["model"]["dtype"] = "float32"
-    path = out.with_suffix(".yaml")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "automodel.recipes.cli", "train", str(path), "--nproc-per-node=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=out.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return CliRun(out, cfg, nproc=1)
+
+
+def lora_runs(tmp_path: Path) -> dict[str, CliRun]:
+    """LoRA through fsdp2 (fp32) and megatron_fsdp (ZeRO-3) on one GPU: the test's runs."""
+    fp32 = {"mp_policy": {"_target_": "torch.distributed.fsdp.MixedPrecisionPolicy"}}
+    return {
+        "fsdp2": _run(tmp_path / "fsdp2", {"strategy": "fsdp2", **fp32}),
+        "megatron": _run(tmp_path / "megatron", {"strategy": "megatron_fsdp", "zero_dp_strategy": 3}),
+    }
 
 
 def test_lora_megatron_fsdp_matches_fsdp2_on_one_gpu(tmp_path: Path) -> None:
     if cuda_device_count() < 1:
         pytest.skip("needs 1 GPU, found 0")
     pytest.importorskip("megatron_fsdp", reason="megatron-fsdp is not importable")
-    fp32 = {"mp_policy": {"_target_": "torch.distributed.fsdp.MixedPrecisionPolicy"}}
-    ref = _train(tmp_path / "fsdp2", {"strategy": "fsdp2", **fp32})
-    got = _train(tmp_path / "megatron", {"strategy": "megatron_fsdp", "zero_dp_strategy": 3})
+    runs = lora_runs(tmp_path)
+    ref, got = ([r["loss"] for r in runs[name].launch()] for name in ("fsdp2", "megatron"))
     assert len(got) == len(ref) == STEPS
     for step, (g, r) in enumerate(zip(got, ref), start=1):
         assert abs(g - r) <= 1e-4 * abs(r), f"step {step}: {g} vs fsdp2 {r}"

@@ -15,6 +15,7 @@ from unittest import mock
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, MixtralConfig
 
 from automodel.mesh.testing import run_on_ranks
@@ -42,7 +43,8 @@ def _config(kind: str) -> Any:
     return GPTNeoXConfig(**common)
 
 
-def _model(kind: str, seed: int) -> nn.Module:
+def _model(kind: str, seed: int) -> Any:
+    """A causal LM of family `kind` (Any: the tests reach family-specific children)."""
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(_config(kind))
 
@@ -149,7 +151,7 @@ def test_sharded_load_equals_from_pretrained(tmp_path: Path, kind: str, layout: 
             assert not result["read"]
             continue
         gate_up = sharded["model.layers.0.mlp.experts.gate_up_proj"]
-        assert gate_up == ((torch.distributed.tensor.Shard(0 if layout == "fsdp" else 1),))
+        assert gate_up == ((Shard(0 if layout == "fsdp" else 1),))
         per_expert = {k.split(".experts.")[1].split(".")[0] for k in result["read"] if ".experts." in k}
         # whole experts per rank: only its own are read; split experts: every expert is needed
         owned = {str(e) for e in range(EXPERTS) if e // (EXPERTS // 2) == rank}

@@ -365,7 +365,7 @@ def _register_with_transformers() -> None:
 
 
 def _set_attn_implementation(model: torch.nn.Module) -> None:
-    configs = [
+    configs: list[Any] = [  # HF configs (nn.Module types attribute access as Tensor | Module)
         m.config
         for m in model.modules()
         if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")

@@ -94,7 +94,7 @@ class FSDP2Config:
     tp_plan: dict | str | None = None
     patch_is_packed_sequence: bool = False
     mp_policy: MixedPrecisionPolicy | None = None
-    offload_policy: CPUOffloadPolicy | None = None
+    offload_policy: OffloadPolicy | None = None
     autocast_dtype: torch.dtype | None = None
     activation_checkpointing: bool = False
     defer_fsdp_grad_sync: bool = True

@@ -91,7 +91,7 @@ def _restore_with_init_weights(owner: nn.Module | None, module: nn.Module, names
         )
     failure = None
     try:
-        owner._init_weights(module)
+        owner._init_weights(module)  # pyright: ignore[reportCallIssue]  # HF method; Module.__getattr__ is typed Tensor | Module
     except Exception as err:  # noqa: BLE001 - reported if re-creating the module fails too
         failure = f"{type(owner).__name__}._init_weights failed: {type(err).__name__}: {err}"
     finally:

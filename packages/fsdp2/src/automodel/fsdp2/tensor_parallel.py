@@ -77,7 +77,8 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
         raise ValueError(
             f"enable_async_tensor_parallel needs a CUDA mesh, got device_type={tp_mesh.device_type!r}"
         )
+    import torch._inductor.config as inductor_config
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-    torch._inductor.config._micro_pipeline_tp = True
+    inductor_config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)

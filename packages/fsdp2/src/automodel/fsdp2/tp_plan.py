@@ -17,7 +17,7 @@ import inspect
 import logging
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -680,7 +680,13 @@ def _shard_own_params(module: nn.Module, device_mesh: DeviceMesh, placement: Any
         module.register_parameter(name, dist_param)
 
 
-class _LoRAColwiseMixin:
+if TYPE_CHECKING:  # the mixins are only ever combined with these styles (`_lora_style_class`)
+    _ColwiseBase, _RowwiseBase = ColwiseParallel, RowwiseParallel
+else:
+    _ColwiseBase = _RowwiseBase = object
+
+
+class _LoRAColwiseMixin(_ColwiseBase):
     """Colwise base weight; ``lora_A`` left replicated, ``lora_B`` sharded on its output rows."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
@@ -693,7 +699,7 @@ class _LoRAColwiseMixin:
         super()._partition_linear_fn(name, module, device_mesh)
 
 
-class _LoRARowwiseMixin:
+class _LoRARowwiseMixin(_RowwiseBase):
     """Rowwise base weight; ``lora_A`` sharded on its input columns, ``lora_B`` replicated."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:

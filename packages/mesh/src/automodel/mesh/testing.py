@@ -18,6 +18,7 @@ import faulthandler
 import functools
 import gc
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -215,7 +216,8 @@ def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     pending = set(range(world_size))
     while pending:
-        ready = mp.connection.wait([conns[r] for r in pending], timeout=max(0.0, deadline - time.monotonic()))
+        wait_s = max(0.0, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait([conns[r] for r in pending], timeout=wait_s)
         if not ready:
             raise RankTimeout(
                 f"ranks {sorted(pending)} of {world_size} did not finish within {timeout_s:.0f} s "
@@ -225,7 +227,7 @@ def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
             rank = conns.index(conn)
             pending.discard(rank)
             try:
-                status, _, payload = conn.recv()
+                status, _, payload = conns[rank].recv()
             except EOFError:
                 code = procs[rank].exitcode
                 procs[rank].join(timeout=1)

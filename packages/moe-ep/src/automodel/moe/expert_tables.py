@@ -38,6 +38,7 @@ class ExpertParallelEmbedding(nn.Module):
     """Mixin placed in front of ``nn.Embedding``: the same lookup, rows fetched from their owner ranks."""
 
     _ep_mesh: DeviceMesh
+    weight: torch.Tensor  # nn.Embedding's, which follows this mixin
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Embedding's name
         weight = self.weight

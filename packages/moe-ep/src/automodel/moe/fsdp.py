@@ -15,6 +15,7 @@ reduction over ``ep_shard`` must divide by the same total factor, not by ``ep_sh
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ def _shard(
     divide_factor: float | None,
     shard_placement_fn: object | None = None,
 ) -> None:
-    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    kwargs: dict[str, Any] = {"mp_policy": mp_policy} if mp_policy is not None else {}
     if shard_placement_fn is not None:
         kwargs["shard_placement_fn"] = shard_placement_fn
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)

@@ -95,7 +95,7 @@ def _flat_expert_params(module: nn.Module) -> dict[str, torch.Tensor] | None:
         return None
     if any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in module.modules()):
         return None
-    params = dict(module.named_parameters())
+    params: dict[str, torch.Tensor] = dict(module.named_parameters())
     if params and all(p.dim() >= 1 and p.shape[0] % count == 0 for p in params.values()):
         return params
     return None

@@ -44,7 +44,7 @@ def tiny_config(
             moe_intermediate_size=expert_intermediate,
             num_experts=num_experts,
             norm_topk_prob=True,
-            head_dim=hidden // 4,
+            head_dim=hidden // 4,  # pyright: ignore[reportCallIssue]  # configs take extra keys at run time
             **moe,
             **common,
         )

@@ -155,7 +155,7 @@ class AutoPipeline:
                     stand_ins=stand_ins,
                 )
                 needs_token_ids |= part.needs_token_ids
-            if cfg.dtype is not None:
+            if isinstance(cfg.dtype, torch.dtype):  # parsed in __post_init__: a dtype or None
                 part = part.to(dtype=cfg.dtype)
             if parallelize_fn is not None:
                 returned = parallelize_fn(part, stage_index=stage_index, num_stages=num_stages)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -29,7 +30,7 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     if getattr(model, "config", None) is None or find_layer_list(model) is None:
         return False
     try:
-        return isinstance(model.get_output_embeddings(), nn.Module)
+        return isinstance(model.get_output_embeddings(), nn.Module)  # pyright: ignore[reportCallIssue]  # HF method; Module.__getattr__ is typed Tensor | Module
     except (AttributeError, NotImplementedError):
         return False
 
@@ -119,7 +120,7 @@ class MetaStandIns:
 
 def meta_stand_ins(model: nn.Module, *, structure: HFStructure) -> MetaStandIns:
     """Meta copies of everything a stage may stand in for; take them before parallelizing."""
-    layers = model.get_submodule(structure.layers_fqn)
+    layers = cast(nn.ModuleList, model.get_submodule(structure.layers_fqn))
     return MetaStandIns(
         pre_modules={f: meta_copy(model.get_submodule(f)) for f in structure.pre_fqns},
         layers={i: meta_copy(layers[i]) for i in range(structure.num_layers)},

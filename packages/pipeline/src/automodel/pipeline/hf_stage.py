@@ -281,6 +281,11 @@ class CausalLMStage(nn.Module):
     model (see `split_module`), whose own forward it calls.
     """
 
+    # set with object.__setattr__ (not registered as children): declared for the type checker
+    _causal_lm: nn.Module
+    _shadows: dict[str, nn.Module]
+    _slots: list[nn.Module | None]
+
     def __init__(
         self,
         causal_lm: nn.Module,
@@ -424,7 +429,8 @@ class CausalLMStage(nn.Module):
             batch, seq = inputs.shape[:2]
         else:
             if self.carries:
-                inputs, *received = (_ContiguousGrad.apply(t) for t in (inputs, *received))
+                inputs, *rest = (_ContiguousGrad.apply(t) for t in (inputs, *received))
+                received = tuple(rest)
             state.received = inputs
             self._take_received(tuple(received))
             call, (batch, seq) = self._later_stage_call(inputs, token_ids)
@@ -453,7 +459,7 @@ class CausalLMStage(nn.Module):
                     f"pipeline stage {self.stage_index} of model_type {self.structure.model_type!r} runs the model "
                     "from the token ids (its layers read values made from them before the layers): pass token_ids"
                 )
-            return {"input_ids": token_ids}, tuple(token_ids.shape[:2])
+            return {"input_ids": token_ids}, (token_ids.shape[0], token_ids.shape[1])
         batch, seq = inputs.shape[:2]
         size = (batch, seq, self.structure.embed_size)
         embeds = torch.full(size, float("nan"), dtype=inputs.dtype, device=inputs.device)
@@ -505,7 +511,7 @@ class CausalLMStage(nn.Module):
         params = [p for p in self.parameters() if p.is_floating_point()]
         dtype = inputs.dtype if inputs.is_floating_point() else (params[0].dtype if params else torch.float32)
         if self.is_last:
-            width = self._causal_lm.get_output_embeddings().weight.shape[0]
+            width = self._causal_lm.get_output_embeddings().weight.shape[0]  # pyright: ignore[reportCallIssue]  # HF method; Module.__getattr__ is typed Tensor | Module
         else:
             width = self.structure.hidden_size
         return torch.empty(batch, seq, width, dtype=dtype, device="meta")

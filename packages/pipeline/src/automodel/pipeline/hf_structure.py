@@ -289,7 +289,9 @@ def _nothing_routed(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _use_eager_attention(model: nn.Module) -> None:
-    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    configs: dict[int, Any] = {  # HF configs (Module.__getattr__ is typed Tensor | Module)
+        id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None
+    }
     for config in configs.values():
         if hasattr(config, "_attn_implementation"):
             try:
@@ -518,7 +520,7 @@ def _pre_modules_read_by_layers(
 def input_embeddings(model: nn.Module) -> nn.Module | None:
     """The model's token embedding module; None for models that do not expose one."""
     try:
-        return model.get_input_embeddings()
+        return model.get_input_embeddings()  # pyright: ignore[reportCallIssue]  # HF method; Module.__getattr__ is typed Tensor | Module
     except (AttributeError, NotImplementedError):
         return None
 

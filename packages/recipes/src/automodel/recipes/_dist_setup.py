@@ -54,7 +54,7 @@ def config_error(prefix: str, options: dict[str, Any], error: Exception) -> Conf
     key = next(
         (k for k in options if msg.startswith(k) or f"{k} " in msg or f"{k}." in msg or f"{k}=" in msg), None
     )
-    return ConfigError(f"{prefix}.{key}" if key else prefix, options.get(key, options), msg)
+    return ConfigError(f"{prefix}.{key}", options[key], msg) if key else ConfigError(prefix, options, msg)
 
 
 def build_strategy_config(strategy: str, options: dict[str, Any]) -> Any:

@@ -27,7 +27,7 @@ def require_type(key: str, value: object, types: type | tuple[type, ...], what: 
 
 def require_positive_int(key: str, value: object, *, minimum: int = 1) -> None:
     require_type(key, value, int, "an int")
-    if value < minimum:  # type: ignore[operator]
+    if isinstance(value, int) and value < minimum:  # an int: require_type raised otherwise
         raise ConfigError(key, value, f"must be >= {minimum}")
 
 

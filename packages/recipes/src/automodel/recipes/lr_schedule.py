@@ -4,10 +4,13 @@ and its restore on resume (this run's schedule at the saved step)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+if TYPE_CHECKING:
+    from automodel.recipes.sections import LRSchedulerSection
 
 
 def lr_multiplier(
@@ -27,7 +30,7 @@ def lr_multiplier(
 
 
 def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, *, section: object, base_lr: float, total_steps: int
+    optimizer: torch.optim.Optimizer, *, section: LRSchedulerSection, base_lr: float, total_steps: int
 ) -> LambdaLR:
     warmup = section.warmup_steps
     decay_steps = section.decay_steps if section.decay_steps is not None else max(1, total_steps - warmup)

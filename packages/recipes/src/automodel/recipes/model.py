@@ -109,7 +109,7 @@ def causal_lm_class(hf_config: Any) -> type:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # pyright: ignore[reportReturnType]  # a class; transformers types it _LazyAutoMappingValue
     except KeyError:
         pass
     if getattr(hf_config, "auto_map", None) and "AutoModelForCausalLM" in hf_config.auto_map:

@@ -294,6 +294,7 @@ def _load_table(section: Any) -> Any:
         directory = resolve_local_or_cached(src, key=key, repo_type="dataset")
     try:
         if directory is None:
+            assert kind is not None  # local files: their builder was checked above
             ds = datasets.load_dataset(kind, data_files=data_files, split="train")
         else:  # a folder of data files (a Hub snapshot): datasets' file readers, no loading script
             ds = datasets.load_dataset(str(directory), name=section.name, split=section.split)

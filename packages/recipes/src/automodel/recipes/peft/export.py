@@ -79,7 +79,7 @@ def gather_adapters(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
             mine[key] = full.detach().to("cpu").contiguous().clone()
     if not dist.is_initialized():
         return mine
-    received: list[Any] = [None] * world if rank == 0 else None
+    received: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, received, dst=0)
     if rank != 0:
         return {}
