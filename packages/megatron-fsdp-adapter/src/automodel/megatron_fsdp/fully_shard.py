@@ -82,8 +82,8 @@ def shard_optimizer(
     """
     megatron_fsdp = import_megatron_fsdp()
     if model is not None:
-        model._replace_param_with_distributed_if_needed()
-        for param in model.module.parameters():
-            param._megatron_fsdp_model = model
+        model._replace_param_with_distributed_if_needed()  # pyright: ignore[reportCallIssue]  # megatron-fsdp's method
+        for param in model.get_submodule("module").parameters():
+            setattr(param, "_megatron_fsdp_model", model)  # noqa: B010 - megatron-fsdp's back-reference
     with neutral_state_init(optimizer):
         return megatron_fsdp.fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=True)

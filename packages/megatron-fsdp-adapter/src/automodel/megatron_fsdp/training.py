@@ -39,8 +39,8 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     chunk metadata DCP needs for megatron-fsdp's uneven shards."""
     from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 
-    model._replace_param_with_distributed_if_needed()
-    return preprocess_state_dict_for_uneven_dtensor(model.module.state_dict())
+    model._replace_param_with_distributed_if_needed()  # pyright: ignore[reportCallIssue]  # megatron-fsdp's method
+    return preprocess_state_dict_for_uneven_dtensor(model.get_submodule("module").state_dict())
 
 
 def prepare_state_dict_for_dcp(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -111,7 +111,7 @@ def load_converted(
         )
         converter = group.converter
         for pattern, keys in group.sources.items():
-            for key in keys[rows] if subset else keys:
+            for key in keys[rows] if subset and rows is not None else keys:
                 converter.add_tensor(group.first_target, key, pattern, lambda key=key: read(key))
         result = converter.convert(group.first_target, model=hf_model, config=hf_model.config)
         for name in local_targets:

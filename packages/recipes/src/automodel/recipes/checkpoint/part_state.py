@@ -17,8 +17,8 @@ from automodel.megatron_fsdp import is_megatron_fsdp
 def state_module(part: nn.Module) -> nn.Module:
     """The module whose ``named_parameters`` carry HF names and the optimizer's parameters."""
     if is_megatron_fsdp(part):
-        part._replace_param_with_distributed_if_needed()
-        return part.module
+        part._replace_param_with_distributed_if_needed()  # pyright: ignore[reportCallIssue]  # megatron-fsdp's method
+        return part.get_submodule("module")
     return part
 
 

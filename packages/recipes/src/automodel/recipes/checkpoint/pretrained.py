@@ -129,6 +129,7 @@ def _load_pickled_weights(
         for key, value in sd.items():
             source = next((plan.renamed[n] for n in ties.get(key, [key]) if n in plan.renamed), None)
             if source is not None:
+                assert isinstance(value, torch.Tensor), key
                 values[key] = full[source].to(value.dtype)
             else:
                 values[key] = value.full_tensor() if isinstance(value, DTensor) else value

@@ -70,4 +70,5 @@ class BlendedSamples:
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pieces = [self.parts[d].batch([j]) for d, j in self.locate(indices)]
-        return tuple(torch.cat(t) for t in zip(*pieces))  # type: ignore[return-value]
+        input_ids, labels, position_ids = (torch.cat(t) for t in zip(*pieces, strict=True))
+        return input_ids, labels, position_ids

@@ -11,6 +11,7 @@ start-up nor memory grows with the number of samples. `SequentialOrder` reads in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -65,6 +66,14 @@ def permute(indices: np.ndarray, *, n: int, seed: int, epoch: int, stream: int =
         out[todo] = encrypt(out[todo])
         todo = out >= np.uint64(n)
     return out.astype(np.int64)
+
+
+class SampleOrder(Protocol):
+    """Which dataset indices the global sample positions ``start..stop`` of `epoch` read."""
+
+    n: int
+
+    def indices(self, *, epoch: int, start: int, stop: int) -> list[int]: ...
 
 
 class ShuffledOrder:

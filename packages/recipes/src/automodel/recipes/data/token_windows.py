@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from automodel.recipes.data.packing import split_rows
+from automodel.recipes.data.sample_order import SampleOrder
 
 
 class TokenSource(Protocol):
@@ -71,6 +72,8 @@ class TokenWindows:
             [windows_in(s, window=self.window, stride=stride) for s in self.spans], dtype=np.int64
         )
         self._ends = np.cumsum(self.span_sizes)
+        #: the training sampler's order over these windows (set by the dataset kind's builder)
+        self.sample_order: SampleOrder | None = None
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
