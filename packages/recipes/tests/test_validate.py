@@ -183,3 +183,37 @@ def test_attention_free_models_validate_and_estimate(model_config: dict, tmp_pat
     cfg = load_config({"model": {"config": model_config}, "output_dir": str(tmp_path)})
     _, mem, _ = plan_layout(cfg, world_size=1)
     assert mem.peak_bytes > 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mp_param", "bytes_per_param"),
+    [
+        ("bf16", None, 2),
+        ("fp32", None, 4),
+        ("half", None, 2),
+        ("fp16", "bf16", 2),
+        ("torch.float32", "fp32", 4),
+    ],
+)
+def test_every_dtype_spelling_validates(
+    dtype: str, mp_param: str | None, bytes_per_param: int, capsys: pytest.CaptureFixture
+) -> None:
+    """model.dtype and mp_policy dtypes accept every name `automodel.mesh.parse_dtype` does (bf16
+    crashed validate with "torch has no attribute bf16")."""
+    args = ["validate", str(EXAMPLES / "llama_fsdp2.yaml"), "--world-size=2", f"--model.dtype={dtype}"]
+    if mp_param is not None:
+        args.append(f"--distributed.mp_policy={{param_dtype: {mp_param}, reduce_dtype: fp32}}")
+    assert run_cli(args) == 0, capsys.readouterr().err
+    from automodel.recipes.loader import load_config
+    from automodel.recipes.plan import plan_layout
+    from automodel.recipes.recipe_config import parse_recipe_config
+
+    raw = load_config(EXAMPLES / "llama_fsdp2.yaml")
+    raw["model"]["dtype"] = dtype
+    _, mem, _ = plan_layout(parse_recipe_config(raw), world_size=2)
+    assert mem.param_bytes == pytest.approx(mem.params_per_rank * bytes_per_param)
+
+
+def test_unknown_dtype_names_the_key(capsys: pytest.CaptureFixture) -> None:
+    assert run_cli(["validate", str(EXAMPLES / "llama_fsdp2.yaml"), "--model.dtype=bf17"]) == 2
+    assert "model.dtype" in capsys.readouterr().err

@@ -6,18 +6,16 @@ from typing import Any
 
 import torch
 
-from automodel.mesh import ResolvedLayout
+from automodel.mesh import ResolvedLayout, parse_dtype
 from automodel.recipes.planning.memory import StepSetup
 
 _ONE_STATE = ("sgd", "adagrad", "rmsprop")
 
 
-def _elem(dtype: Any, default: int) -> int:
-    if dtype is None:
-        return default
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
-    return torch.empty((), dtype=dtype).element_size()
+def _elem(dtype: Any, default: int, *, key: str) -> int:
+    """Bytes per element of a dtype or dtype name (every spelling `parse_dtype` accepts)."""
+    parsed = parse_dtype(dtype, key=key)
+    return default if parsed is None else torch.empty((), dtype=parsed).element_size()
 
 
 def optimizer_states(target: str) -> int:
@@ -45,15 +43,15 @@ def step_setup(
     is bf16 on CUDA and none on CPU, as `_dist_setup.build_strategy_config` picks;
     `expert_load_factor`: the busiest EP rank's routed slots over the mean, a run-time fact)."""
     d = cfg.distributed
-    storage = _elem(cfg.model.dtype, 4)
+    storage = _elem(cfg.model.dtype, 4, key="model.dtype")
     mp = d.options.get("mp_policy")  # the YAML's; the built config holds the CPU default
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
     if mp is None and on_gpu and d.strategy == "fsdp2":
         compute, reduce = 2, 4
     else:
-        compute = _elem(getattr(mp, "param_dtype", None), storage)
-        reduce = _elem(getattr(mp, "reduce_dtype", None), compute)
+        compute = _elem(getattr(mp, "param_dtype", None), storage, key="distributed.mp_policy.param_dtype")
+        reduce = _elem(getattr(mp, "reduce_dtype", None), compute, key="distributed.mp_policy.reduce_dtype")
     kwargs = cfg.optimizer.kwargs
     impl = "fused" if kwargs.get("fused") else "loop" if kwargs.get("foreach") is False else "foreach"
     if kwargs.get("foreach") is None and not kwargs.get("fused") and not on_gpu:
