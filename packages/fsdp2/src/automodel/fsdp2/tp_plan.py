@@ -31,14 +31,20 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from automodel.fsdp2.hf_config import decoder_config, head_dims, positive_ints
+from automodel.fsdp2.hf_config import head_dims, positive_ints
 from automodel.fsdp2.tp_shared_styles import (
     RowwiseOwnedOutput,
     SharedTailParallel,
     replicated_on_sharded_width,
 )
 from automodel.fsdp2.utils import import_class_from_path
-from automodel.mesh.model_parts import in_other_submodel, other_submodel_prefixes
+from automodel.mesh.model_parts import (
+    find_layer_list,
+    in_other_submodel,
+    model_text_config,
+    other_submodel_prefixes,
+    tied_weight_modules,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +103,6 @@ def translate_to_torch_parallel_style(style: str) -> ParallelStyle:
     )
 
 
-def _text_config(model: nn.Module) -> Any:
-    return decoder_config(getattr(model, "config", None))
-
-
 def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
     """The model's own Hugging Face TP plan, translated to torch styles.
 
@@ -114,7 +116,7 @@ def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
     raw.update(getattr(type(model), "_tp_plan", None) or {})
     prefix = getattr(model, "base_model_prefix", "") or ""
     inner = getattr(model, prefix, None) if prefix else None
-    config = _text_config(model)
+    config = model_text_config(model)
     base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if isinstance(inner, nn.Module):
         base_plan.update(getattr(inner, "_tp_plan", None) or {})
@@ -208,7 +210,7 @@ def _head_norms_between(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
     rank's heads only, so its gradient is a partial sum over tp: it is laid out like Qwen3's
     q_norm (``replicated_with_grad_allreduce``).
     """
-    widths = {(hd,) for hd in head_dims(_text_config(model))}
+    widths = {(hd,) for hd in head_dims(model_text_config(model))}
     if not widths:
         return {}
     extra: TPPlan = {}
@@ -366,7 +368,7 @@ def check_plan_shards_every_layer(model: nn.Module, plan: Mapping[str, Any]) -> 
     prefix = found[0]
     sharding = [k for k, style in plan.items() if not isinstance(style, _LAYOUT_ONLY_STYLES)]
     names = [n for n, _ in model.named_modules()]
-    config = _text_config(model)
+    config = model_text_config(model)
     _check_no_statistics_over_sharded_mlp(config, sharding)
     _check_embedding_input_layout(model, plan)
     _check_sharded_embeddings_read_only_by_lookup(model, plan)
@@ -404,7 +406,7 @@ def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh | int) -> None:
     tp = tp_mesh if isinstance(tp_mesh, int) else tp_mesh.size()
     if tp == 1:
         return
-    config = _text_config(model)
+    config = model_text_config(model)
     for key in ("num_attention_heads", "num_key_value_heads"):
         for value in positive_ints(config, key):
             if value % tp != 0:
@@ -414,14 +416,10 @@ def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh | int) -> None:
 
 
 def _layers_prefix(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """FQN and first element of the decoder-layer ModuleList (``model.layers`` for HF LMs; a
-    multimodal model's vision or audio tower is not searched)."""
-    towers = other_submodel_prefixes(model)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and name.endswith("layers"):
-            if not in_other_submodel(name, towers):
-                return name, next(iter(module))  # a pipeline stage may hold layers "2", "3" only
-    return None
+    """FQN and first element of the decoder-layer ModuleList (`find_layer_list`: ``model.layers``,
+    GPT-2's ``transformer.h``; a pipeline stage may hold layers "2", "3" only)."""
+    found = find_layer_list(model)
+    return None if found is None else (found[0], next(iter(found[1])))
 
 
 def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> TPPlan:
@@ -434,7 +432,7 @@ def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) 
     found = _layers_prefix(model)
     if found is None:
         raise ValueError(
-            f"{type(model).__name__} has no decoder-layer ModuleList named '*layers'; give an explicit tp_plan"
+            f"{type(model).__name__} has no ModuleList of decoder layers; give an explicit tp_plan"
         )
     layers, layer = found
     names = {n for n, _ in layer.named_modules()}
@@ -475,7 +473,7 @@ def default_llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) 
     for proj in ("q_proj", "k_proj", "v_proj"):
         plan[f"{lp}self_attn.{proj}"] = ColwiseParallel()
     plan[f"{lp}self_attn.o_proj"] = RowwiseParallel(**row_out)
-    head_dim = max(head_dims(_text_config(model)), default=0)
+    head_dim = max(head_dims(model_text_config(model)), default=0)
     for qk_norm in ("q_norm", "k_norm"):
         if f"self_attn.{qk_norm}" in names:
             weight = getattr(layer.get_submodule(f"self_attn.{qk_norm}"), "weight", None)
@@ -555,21 +553,10 @@ def _explicit_plan(tp_plan: Mapping[str, Any] | str) -> TPPlan:
 _LAYOUT_ONLY_STYLES = (PrepareModuleInput, PrepareModuleOutput)
 
 
-def tied_weight_modules(model: nn.Module) -> set[str]:
-    """FQNs of modules that hold a parameter another module holds too (tied input/output embeddings).
-
-    TP would shard such a weight once per owner (rowwise in the embedding, colwise in the head) and
-    so untie it: each owner would train its own copy and the run would silently differ from one
-    process. Read off the instance, so it covers any architecture's ties.
-    """
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules():
-        for param in module.parameters(recurse=False):
-            owners.setdefault(id(param), []).append(name)
-    return {name for names in owners.values() if len(names) > 1 for name in names}
-
-
 def _drop_tied(plan: TPPlan, model: nn.Module, *, explicit: bool) -> TPPlan:
+    """Leave the modules holding tied weights out of the plan: TP would shard such a weight once
+    per owner (rowwise in the embedding, colwise in the head) and so untie it, each owner training
+    its own copy, silently unlike one process."""
     tied = tied_weight_modules(model)
     hits = [
         key
@@ -591,7 +578,7 @@ def _require_declared_tp_support(model: nn.Module) -> None:
     """The automatic plans need a model whose attention is written for sharded heads, which a
     Hugging Face model declares with a tensor-parallel plan (``base_model_tp_plan``); a model
     without one may hard-code the head count and would crash or, worse, compute something else."""
-    config = _text_config(model)
+    config = model_text_config(model)
     if getattr(config, "base_model_tp_plan", None):
         return
     raise ValueError(

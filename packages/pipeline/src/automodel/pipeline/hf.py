@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from automodel.mesh.model_parts import find_layer_list, output_embeddings, parameter_places
 from automodel.pipeline.hf_stage import CausalLMStage
 from automodel.pipeline.hf_structure import (
     HFStructure,
     PipelineSplitError,
-    find_layer_list,
     is_within,
     meta_copy,
     trace_hf_structure,
@@ -28,10 +28,7 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     """Looks like ``XxxForCausalLM``: a ``config``, a list of decoder layers, output embeddings."""
     if getattr(model, "config", None) is None or find_layer_list(model) is None:
         return False
-    try:
-        return isinstance(model.get_output_embeddings(), nn.Module)
-    except (AttributeError, NotImplementedError):
-        return False
+    return output_embeddings(model) is not None
 
 
 def validate_hf_model_for_pipeline_support(model: nn.Module) -> HFStructure:
@@ -171,10 +168,7 @@ def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str
     must know the weight by that name (the first under which it lists it), as one process does:
     initialization and checkpoints go by it, and the ranks pair up their copies by it.
     """
-    owners: dict[int, list[str]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(mod_name)
+    owners = {pid: [m for m, _ in places] for pid, places in parameter_places(model).items()}
     holders: dict[str, list[int]] = {}
     for name, param in model.named_parameters():
         stages = [

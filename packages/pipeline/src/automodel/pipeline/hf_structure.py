@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from automodel.mesh.model_parts import in_other_submodel, other_submodel_prefixes
+from automodel.mesh.model_parts import find_layer_list, input_embeddings, model_text_config, parameter_places
 from automodel.pipeline.hf_boundary import (
     INSIDE,
     OUTPUT,
@@ -93,40 +93,6 @@ class HFStructure:
         return sum(self.carried_pre_tensors) + sum(e.num_tensors for e in self.entries_at(boundary))
 
 
-def _text_config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def find_layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The decoder layers: the shallowest ModuleList of ``num_hidden_layers`` modules of one class;
-    else the shallowest list of that length mixing classes (hybrid models build their attention and
-    linear-attention layers from two classes, OLMo-Hybrid); else, or without that config field,
-    the longest list of one class. A multimodal model's vision and audio towers are not searched."""
-    expected = getattr(_text_config(model), "num_hidden_layers", None)
-    towers = other_submodel_prefixes(model)
-    uniform, mixed = [], []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0 or not name:
-            continue
-        if in_other_submodel(name, towers):
-            continue
-        if not any(True for _ in module.parameters()):
-            continue
-        one_class = len({type(m) for m in module}) == 1
-        (uniform if one_class else mixed).append((name.count("."), -len(module), name, module))
-    candidates = uniform
-    if expected is not None:
-        # Rule: a list of exactly num_hidden_layers wins over lists of other lengths; mixed classes
-        # only when no list of one class has that length.
-        matching = [c for c in uniform if -c[1] == expected] or [c for c in mixed if -c[1] == expected]
-        candidates = matching or uniform
-    if not candidates:
-        return None
-    _, _, name, module = min(candidates, key=lambda c: (c[0], c[1]) if expected else (c[1], c[0]))
-    return name, module
-
-
 def _outside_modules(model: nn.Module, layers_fqn: str) -> tuple[list[str], list[str], list[str]]:
     """Children of the ancestors of the layer list, off the path to it: (with params, without params,
     ancestors that hold parameters of their own)."""
@@ -178,7 +144,7 @@ def trace_hf_structure(model: nn.Module) -> HFStructure:
     no layer list, parameters held by a module that runs between layers, a layer output the
     stages cannot pass on, or a forward that cannot run on meta tensors.
     """
-    config = _text_config(model)
+    config = model_text_config(model)
     model_type = str(getattr(config, "model_type", type(model).__name__))
     found = find_layer_list(model)
     if found is None:
@@ -515,14 +481,6 @@ def _pre_modules_read_by_layers(
     return [], carried
 
 
-def input_embeddings(model: nn.Module) -> nn.Module | None:
-    """The model's token embedding module; None for models that do not expose one."""
-    try:
-        return model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-
-
 def _input_embedding_size(model: nn.Module) -> int | None:
     weight = getattr(input_embeddings(model), "weight", None)
     return None if weight is None else int(weight.shape[-1])
@@ -536,10 +494,11 @@ def _tied_modules(model: nn.Module, pre: list[str], post: list[str], *, model_ty
     The last stage holds the pre-side ones next to the head, so its copy of a tied weight has the
     name it has in one process (initialization seeds and checkpoint keys go by that name).
     """
-    params = {fqn: {id(p) for p in model.get_submodule(fqn).parameters()} for fqn in (*pre, *post)}
-    pre_ids = set().union(*(params[f] for f in pre)) if pre else set()
-    post_ids = set().union(*(params[f] for f in post)) if post else set()
-    tied = pre_ids & post_ids
+    tied = {
+        pid
+        for pid, places in parameter_places(model).items()
+        if any(is_within(m, pre) for m, _ in places) and any(is_within(m, post) for m, _ in places)
+    }
     found: list[str] = []
 
     def visit(fqn: str, module: nn.Module) -> None:

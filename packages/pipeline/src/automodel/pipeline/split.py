@@ -16,6 +16,8 @@ from collections.abc import Collection, Sequence
 
 from torch import nn
 
+from automodel.mesh.model_parts import parameter_places
+
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
@@ -70,12 +72,7 @@ def split_module(model: nn.Module, *, fqns: Sequence[str], shared_fqns: Sequence
 
 def _retie(stage: nn.Module, model: nn.Module) -> None:
     """Where `model` holds one parameter in several modules, make the stage's copies one object."""
-    holders: dict[int, list[tuple[str, str]]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            if param is not None:
-                holders.setdefault(id(param), []).append((mod_name, attr))
-    for places in holders.values():
+    for places in parameter_places(model).values():
         if len(places) < 2:
             continue
         present = []

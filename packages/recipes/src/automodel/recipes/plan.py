@@ -8,8 +8,8 @@ micro-batches and communication buffers, from the meta-device model's sizes.
 
 from __future__ import annotations
 
-from automodel.fsdp2.hf_config import decoder_config
 from automodel.mesh import MeshContext, ResolvedLayout, fake_world
+from automodel.mesh.model_parts import text_config
 from automodel.recipes._dist_setup import resolve_layout
 from automodel.recipes.model import build_hf_config, build_meta_model
 from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
@@ -102,7 +102,7 @@ def plan_layout(
         lines += [f"{'ep':<14}{layout.ep:>8}", f"{'ep_shard':<14}{layout.ep_shard:>8}"]
     lines += [
         "",
-        f"model: {hf_config.model_type}, {decoder_config(hf_config).num_hidden_layers} layers, "
+        f"model: {hf_config.model_type}, {text_config(hf_config).num_hidden_layers} layers, "
         f"{mem.total_params:,} parameters",
         f"sequence length {cfg.seq_length}, global batch {ss.global_batch_size}, local batch {ss.local_batch_size}, "
         f"gradient accumulation {accum}",

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from automodel.fsdp2.hf_config import decoder_config
 from automodel.mesh import MeshContext
+from automodel.mesh.model_parts import text_config
 from automodel.recipes._dist_setup import setup_distributed
 from automodel.recipes.data import (
     BatchLoader,
@@ -162,7 +162,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(
             cfg.tokenizer.path, trust_remote_code=cfg.tokenizer.trust_remote_code
         )
-        text = decoder_config(self.hf_config)  # a multimodal model's text decoder
+        text = text_config(self.hf_config)  # a multimodal model's text decoder
         if self.tokenizer.vocab_size > text.vocab_size:
             raise ConfigError(
                 "model.config.vocab_size"
