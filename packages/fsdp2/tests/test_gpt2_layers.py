@@ -40,11 +40,11 @@ def test_activation_checkpointing_and_compile_wrap_every_gpt2_layer() -> None:
 
 def test_tp_every_layer_check_reaches_gpt2_layers() -> None:
     """A plan that shards layer 0 only leaves layer 1 replicated: refused (it was skipped)."""
-    from automodel.fsdp2.tp_plan import _explicit_plan, check_plan_shards_every_layer
+    from automodel.fsdp2.tp_plan import check_plan_shards_every_layer, explicit_plan
 
     model = tiny_model(family="gpt2", meta=True)
     with pytest.raises(ValueError, match=r"decoder layers \['1'\]"):
-        check_plan_shards_every_layer(model, _explicit_plan({"transformer.h.0.mlp.c_fc": "colwise"}))
+        check_plan_shards_every_layer(model, explicit_plan({"transformer.h.0.mlp.c_fc": "colwise"}))
 
 
 def test_gpt2_ac_and_prefetch_match_one_process() -> None:

@@ -21,6 +21,15 @@ from automodel.mesh.model_parts import parameter_places
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
+class PipelineSplitError(ValueError):
+    """The model cannot be split into pipeline stages generically; the message says why."""
+
+
+def is_within(fqn: str, roots: list[str] | tuple[str, ...]) -> bool:
+    """Whether `fqn` is one of `roots` or a submodule of one."""
+    return any(fqn == r or fqn.startswith(r + ".") for r in roots)
+
+
 def _shallow_clone(module: nn.Module) -> nn.Module:
     """A copy whose own registries (modules, params, buffers, hooks) are new dicts, sharing values."""
     clone = copy.copy(module)
