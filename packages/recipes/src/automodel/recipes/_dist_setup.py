@@ -20,8 +20,8 @@ from typing import Any
 from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, init_distributed
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import instantiate
+from automodel.recipes.strategies import get_strategy, strategy_names
 
-STRATEGIES = ("fsdp2", "megatron_fsdp", "ddp")
 SIZE_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "pp_size", "cp_size", "ep_size")
 COMMON_KEYS = ("strategy", *SIZE_KEYS, "pipeline", "moe")
 #: FSDP2 options automodel.moe's expert-parallel sharding does not apply: refused with ep_size > 1.
@@ -33,19 +33,9 @@ _NOT_WITH_EP = {
 }
 
 
-def _strategy_config_class(strategy: str) -> type:
-    if strategy == "megatron_fsdp":
-        from automodel.megatron_fsdp import MegatronFSDPConfig
-
-        return MegatronFSDPConfig
-    from automodel.fsdp2 import DDPConfig, FSDP2Config
-
-    return FSDP2Config if strategy == "fsdp2" else DDPConfig
-
-
 def strategy_flags(strategy: str) -> tuple[str, ...]:
     """Keys the strategy accepts besides the sizes: its config class's constructor arguments."""
-    return tuple(inspect.signature(_strategy_config_class(strategy)).parameters)
+    return tuple(inspect.signature(get_strategy(strategy).config_class()).parameters)
 
 
 def config_error(prefix: str, options: dict[str, Any], error: Exception) -> ConfigError:
@@ -65,16 +55,10 @@ def build_strategy_config(strategy: str, options: dict[str, Any]) -> Any:
     """
     import torch
 
-    options = dict(options)
-    if strategy == "fsdp2" and options.get("mp_policy") is None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        from automodel.fsdp2 import default_mp_policy
-
-        options["mp_policy"] = default_mp_policy() if torch.cuda.is_available() else MixedPrecisionPolicy()
-    options.setdefault("backend", "nccl" if torch.cuda.is_available() else "gloo")
+    impl = get_strategy(strategy)
+    options = impl.machine_defaults(dict(options), cuda=torch.cuda.is_available())
     try:
-        return _strategy_config_class(strategy)(**options)
+        return impl.config_class()(**options)
     except (ValueError, TypeError) as e:
         raise config_error("distributed", options, e) from None
 
@@ -165,10 +149,10 @@ def parse_distributed_section(data: Any) -> DistributedSection:
     if not isinstance(data, dict):
         raise ConfigError("distributed", data, "must be a mapping")
     strategy = data.get("strategy", "fsdp2")
-    if strategy not in STRATEGIES:
-        raise ConfigError("distributed.strategy", strategy, f"must be one of {', '.join(STRATEGIES)}")
+    if strategy not in strategy_names():
+        raise ConfigError("distributed.strategy", strategy, f"must be one of {', '.join(strategy_names())}")
     flags = strategy_flags(strategy)
-    every_flag = {flag for name in STRATEGIES for flag in strategy_flags(name)}
+    every_flag = {flag for name in strategy_names() for flag in strategy_flags(name)}
     reject_unknown("distributed", data, set(COMMON_KEYS) | every_flag)
     for key in data:
         if key not in COMMON_KEYS and key not in flags:
@@ -176,32 +160,10 @@ def parse_distributed_section(data: Any) -> DistributedSection:
     options = {k: instantiate(v, key=f"distributed.{k}") for k, v in data.items() if k not in COMMON_KEYS}
     strategy_config = build_strategy_config(strategy, options)
     sizes = {k: _size(data, k) for k in SIZE_KEYS}
-    tp, pp, cp, ep = sizes["tp_size"], sizes["pp_size"], sizes["cp_size"], sizes["ep_size"]
+    tp, pp, ep = sizes["tp_size"], sizes["pp_size"], sizes["ep_size"]
     sp = bool(getattr(strategy_config, "sequence_parallel", False))
 
-    if sizes["dp_replicate_size"] is not None and strategy != "fsdp2":
-        raise ConfigError(
-            "distributed.dp_replicate_size",
-            sizes["dp_replicate_size"],
-            f"is FSDP2-only (strategy={strategy})",
-        )
-    if strategy == "megatron_fsdp":
-        for key, value in (("pp_size", pp), ("ep_size", ep)):
-            if value > 1:
-                raise ConfigError(
-                    f"distributed.{key}", value, "megatron_fsdp does not support it (must be 1)"
-                )
-    if strategy == "megatron_fsdp" and strategy_config.init_fsdp_with_meta_device:
-        raise ConfigError(
-            "distributed.init_fsdp_with_meta_device",
-            True,
-            "is not supported by the recipes: they initialise (or load) the TP-sharded weights "
-            "before megatron-fsdp wraps the model, identically to fsdp2; set it to false",
-        )
-    if strategy == "ddp":
-        for key, value in (("tp_size", tp), ("pp_size", pp), ("cp_size", cp), ("ep_size", ep)):
-            if value > 1:
-                raise ConfigError(f"distributed.{key}", value, "ddp is data parallelism only (must be 1)")
+    get_strategy(strategy).check_sizes(sizes, options, strategy_config)
     if sp and tp == 1:
         raise ConfigError(
             "distributed.sequence_parallel", sp, "needs tp_size > 1 (sequence parallelism splits TP regions)"

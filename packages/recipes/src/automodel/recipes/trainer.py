@@ -33,7 +33,6 @@ from automodel.recipes.data import (
 from automodel.recipes.data.loader import Batch
 from automodel.recipes.environment import check_environment
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.grad_norm import clip_grad_norm
 from automodel.recipes.instantiate import locate
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
@@ -353,17 +352,9 @@ class Trainer:
         return loss_value, norm_value, int(tokens)
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        """The global gradient norm before clipping to ``clip_grad_norm.max_norm``."""
-        max_norm = self.cfg.clip_grad_norm.max_norm
-        if self.pm.strategy == "megatron_fsdp":
-            from automodel.megatron_fsdp import clip_grad_norm as clip_megatron_grad_norm
-
-            return clip_megatron_grad_norm(self.params, max_norm=max_norm, tp_size=self.mesh.layout.tp)
-        counted = None
-        if self.pm.pipeline is not None:
-            counted = {id(p) for p in self.pm.pipeline.norm_parameters()}
-        return clip_grad_norm(
-            self.params, max_norm=max_norm, pp_group=_group(self.mesh, "pp"), counted_ids=counted
+        """The global gradient norm before clipping to ``clip_grad_norm.max_norm`` (the strategy's)."""
+        return self.pm.strategy.clip_grad_norm(
+            self.params, max_norm=self.cfg.clip_grad_norm.max_norm, mesh=self.mesh, pipeline=self.pm.pipeline
         )
 
     @torch.no_grad()
