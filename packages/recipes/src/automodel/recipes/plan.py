@@ -108,11 +108,8 @@ def plan_layout(
         f"gradient accumulation {accum}",
     ]
     if layout.pp_enabled:
-        pipe = cfg.distributed.pipeline or {}
-        lines.append(
-            f"pipeline: {pipe.get('pp_schedule', '1f1b')}, {stages} stages, "
-            f"micro-batch {pipe.get('pp_microbatch_size', 1)}"
-        )
+        pipe = cfg.distributed.pipeline_config
+        lines.append(f"pipeline: {pipe.pp_schedule}, {stages} stages, micro-batch {pipe.pp_microbatch_size}")
     if layout.ep_enabled:
         lines.append(
             f"expert load factor {min(expert_load_factor, layout.ep):g} (the busiest ep rank's routed tokens "
@@ -136,6 +133,4 @@ def plan_layout(
 
 
 def setup_ac(cfg: RecipeConfig) -> bool:
-    d = cfg.distributed
-    config = getattr(d, "strategy_config", None)
-    return bool(getattr(config, "activation_checkpointing", d.options.get("activation_checkpointing", False)))
+    return bool(getattr(cfg.distributed.strategy_config, "activation_checkpointing", False))

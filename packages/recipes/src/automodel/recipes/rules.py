@@ -37,7 +37,7 @@ def check_model_supports_layout(
     meta-device model before launch: a model a strategy cannot be applied to exactly is refused
     here, naming the model_type and why, instead of failing (or silently differing) in the ranks."""
     d = cfg.distributed
-    needs_pp_split = layout.pp > 1 and (d.pipeline or {}).get("module_fqns_per_model_part") is None
+    needs_pp_split = layout.pp > 1 and d.pipeline_config.module_fqns_per_model_part is None
     if not (layout.tp > 1 or layout.cp > 1 or layout.ep > 1 or needs_pp_split):
         return
     if model is None:  # callers that already hold the meta-device model pass it (built once per validate)
@@ -107,7 +107,7 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
         if pcfg.schedule_spec.v_shape and cfg.validation_dataset is not None:
             raise ConfigError(
                 "distributed.pipeline.pp_schedule",
-                d.pipeline.get("pp_schedule"),
+                pcfg.pp_schedule,
                 "cannot run forward-only (torch's V-shape schedules assert on eval), so validation_dataset "
                 "cannot be evaluated; use another schedule or set validation_dataset: null",
             )

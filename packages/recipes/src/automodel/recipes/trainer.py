@@ -9,6 +9,7 @@ same loss and gradients for the same global batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -23,7 +24,7 @@ import yaml
 
 from automodel.mesh import MeshContext
 from automodel.mesh.model_parts import text_config
-from automodel.recipes._dist_setup import setup_distributed
+from automodel.recipes._dist_setup import resolve_machine_defaults, setup_distributed
 from automodel.recipes.data import (
     BatchLoader,
     StatefulGlobalBatchSampler,
@@ -149,7 +150,9 @@ class Trainer:
 
     # ---- construction --------------------------------------------------------------------
     def build(self) -> None:
-        cfg = self.cfg
+        # the machine-dependent defaults are this machine's (the YAML was parsed machine-neutral)
+        distributed = resolve_machine_defaults(self.cfg.distributed, cuda=torch.cuda.is_available())
+        cfg = self.cfg = dataclasses.replace(self.cfg, distributed=distributed)
         check_environment(cfg)
         setup = setup_distributed(
             cfg.distributed, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes
@@ -157,7 +160,6 @@ class Trainer:
         self.mesh, self.device, self.rank = setup.mesh, setup.device, setup.rank
         layout = self.mesh.layout
         self.hf_config = build_hf_config(cfg.model)
-        check_layout_rules(cfg, layout, self.hf_config)
         self.tokenizer = build_tokenizer(
             cfg.tokenizer.path, trust_remote_code=cfg.tokenizer.trust_remote_code
         )
@@ -198,6 +200,9 @@ class Trainer:
         model = build_meta_model(
             self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
         )
+        # every rule `recipes validate` runs, the model-dependent ones included (the Python API
+        # reaches here without the CLI's pre-launch check)
+        check_layout_rules(cfg, layout, self.hf_config, model=model)
         self.lora = None
         if cfg.peft is not None:  # LoRA on the meta model: every parallelism below composes with it
             from automodel.recipes.peft import apply_lora
@@ -469,9 +474,9 @@ class Trainer:
         return result
 
     def _checkpointer(self, out: Path) -> tuple[Any, Any]:
-        if not self.cfg.checkpoint.get("enabled", True):
+        if not self.cfg.checkpoint.enabled:
             return None, None
-        from automodel.recipes.checkpoint import CheckpointConfig, Checkpointer, TrainingState
+        from automodel.recipes.checkpoint import Checkpointer, TrainingState
 
         state = TrainingState(
             model_parts=self.pm.parts,
@@ -483,7 +488,7 @@ class Trainer:
             tokenizer=self.tokenizer,
         )
         checkpointer = Checkpointer(
-            CheckpointConfig(**self.cfg.checkpoint),
+            self.cfg.checkpoint,
             output_dir=out,
             mesh=self.mesh,
             lora=self.lora,

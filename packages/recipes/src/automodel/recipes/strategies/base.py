@@ -11,6 +11,7 @@ plus one `register_strategy` call (see `registry.py`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ class Strategy(ABC):
 
     #: The ``distributed.strategy`` value that selects it.
     name: ClassVar[str]
+    #: Flags whose default depends on the machine (see `machine_defaults`).
+    machine_keys: ClassVar[tuple[str, ...]] = ("backend",)
 
     @abstractmethod
     def config_class(self) -> type:
@@ -63,6 +66,11 @@ class Strategy(ABC):
         """`options` with the defaults that depend on the machine filled in (default: the process
         group backend, nccl with CUDA, else gloo)."""
         return {**options, "backend": options.get("backend", "nccl" if cuda else "gloo")}
+
+    def with_machine_defaults(self, config: Any, *, keys: frozenset[str], cuda: bool) -> Any:
+        """`config` with the flags `keys` set to this machine's defaults (`machine_defaults`)."""
+        values = self.machine_defaults({}, cuda=cuda)
+        return dataclasses.replace(config, **{k: values[k] for k in keys})
 
     def check_environment(self) -> None:
         """`ConfigError` naming ``distributed.strategy`` when this machine cannot run the strategy

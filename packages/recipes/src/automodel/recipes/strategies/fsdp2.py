@@ -82,6 +82,7 @@ class FSDP2Strategy(Strategy):
     """automodel.fsdp2's FSDP2 (HSDP with dp_replicate_size), composed with TP/SP, CP, EP and PP."""
 
     name = "fsdp2"
+    machine_keys = ("backend", "mp_policy")
 
     def config_class(self) -> type:
         from automodel.fsdp2 import FSDP2Config

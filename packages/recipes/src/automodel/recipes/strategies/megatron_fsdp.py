@@ -4,6 +4,7 @@ only, at every dp size); megatron-fsdp drives the optimizer step, the gradient s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,11 @@ class MegatronFSDPStrategy(Strategy):
         from automodel.megatron_fsdp import MegatronFSDPConfig
 
         return MegatronFSDPConfig
+
+    def with_machine_defaults(self, config: Any, *, keys: frozenset[str], cuda: bool) -> Any:
+        values = self.machine_defaults({}, cuda=cuda)
+        # tp_plan is an init-only argument, kept as custom_tp_plan: hand it over again
+        return dataclasses.replace(config, tp_plan=config.custom_tp_plan, **{k: values[k] for k in keys})
 
     def check_environment(self) -> None:
         """megatron-fsdp must import (it needs CUDA at run time)."""
