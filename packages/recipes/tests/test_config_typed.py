@@ -82,3 +82,13 @@ def test_python_api_runs_the_model_dependent_rules(tmp_path: Path) -> None:
     raw = tiny_config(str(tmp_path), model={"config": REFORMER})
     with pytest.raises(Exception, match="distributed.strategy.*cannot train model_type 'reformer'"):
         run_on_ranks(_train_with_python_api, world_size=1, args=(raw,), timeout_s=300)
+
+
+def test_megatron_machine_defaults_keep_its_tp_plan(tmp_path: Path) -> None:
+    """megatron-fsdp's tp_plan is an init-only argument: resolving the backend must hand it over."""
+    plan = {"model.layers.*.self_attn.q_proj": "colwise"}
+    raw = tiny_config(str(tmp_path), distributed={"strategy": "megatron_fsdp", "tp_plan": plan})
+    section = load_config(raw).distributed
+    assert section.machine_keys == {"backend"}
+    resolved = resolve_machine_defaults(section, cuda=True)
+    assert (resolved.strategy_config.backend, resolved.tp_plan) == ("nccl", plan)
