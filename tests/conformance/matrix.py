@@ -395,7 +395,7 @@ def _model_facts(model_config: dict[str, Any]) -> tuple[int, int | None, int]:
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    from automodel.pipeline.hf_structure import find_layer_list
+    from automodel.mesh.model_parts import find_layer_list
 
     found = find_layer_list(model)
     return (len(found[1]) if found else 0), num_experts(config), sum(p.numel() for p in model.parameters())

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3Config,
@@ -31,6 +33,21 @@ GLOBAL_TOKENS = GBS * (SEQ - 1)
 
 
 def tiny_config(*, layers: int = 2, family: str = "llama", heads: int = 4, kv_heads: int = 2):
+    if family == "gpt2":  # decoder layers at transformer.h, tied embeddings, Conv1D projections
+        cfg = GPT2Config(
+            n_embd=64,
+            n_layer=layers,
+            n_head=heads,
+            vocab_size=VOCAB,
+            n_positions=64,
+            use_cache=False,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        cfg.bos_token_id = cfg.eos_token_id = 0
+        cfg._attn_implementation = "sdpa"
+        return cfg
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[family]
     moe = (
         {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
@@ -58,7 +75,12 @@ def tiny_model(
     *, layers: int = 2, family: str = "llama", meta: bool = False, seed: int = 0
 ) -> LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM:
     torch.manual_seed(seed)
-    cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}[family]
+    cls = {
+        "llama": LlamaForCausalLM,
+        "qwen3": Qwen3ForCausalLM,
+        "qwen3_moe": Qwen3MoeForCausalLM,
+        "gpt2": GPT2LMHeadModel,
+    }[family]
     cfg = tiny_config(layers=layers, family=family)
     if meta:
         with torch.device("meta"):

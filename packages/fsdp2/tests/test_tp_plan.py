@@ -107,7 +107,7 @@ def test_model_without_hf_plan_needs_an_explicit_plan() -> None:
     """A model declaring no TP plan may hard-code its head count (StableLM does): the automatic
     plans refuse it by name; an explicit plan is the user's statement that it works."""
     model = tiny_model()
-    setattr(model.config, "base_model_tp_plan", None)  # noqa: B010 - typed dict[str, str]; None on purpose
+    model.config.base_model_tp_plan = None
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
         resolve_tp_plan(model)
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
@@ -229,33 +229,31 @@ def test_sequence_parallel_refuses_container_held_parameters() -> None:
             self.model = Base()
 
     with pytest.raises(ValueError, match=r"sequence parallel: .*\['model.z_init'\]"):
-        from automodel.fsdp2.tp_plan import _check_sequence_parallel_applies
+        from automodel.fsdp2.tp_checks import check_sequence_parallel_applies
 
-        _check_sequence_parallel_applies(Wrapper())
+        check_sequence_parallel_applies(Wrapper())
 
 
 def test_plan_keys_of_modules_another_pipeline_stage_holds_are_not_typos() -> None:
     """A stage before the last holds lm_head and the final norm as None: an explicit plan naming
     them is the whole model's plan (checked before launch), not a typo; a real typo still fails."""
-    from automodel.fsdp2.tp_plan import _explicit_plan, check_plan_matches_model
+    from automodel.fsdp2.tp_plan import check_plan_matches_model, explicit_plan
 
     stage = _meta_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    stage.lm_head, stage.get_submodule("model").norm = None, None
-    plan = _explicit_plan({"model.layers.*.self_attn.q_proj": "colwise", "lm_head": "colwise_gather_output"})
+    stage.lm_head, stage.model.norm = None, None
+    plan = explicit_plan({"model.layers.*.self_attn.q_proj": "colwise", "lm_head": "colwise_gather_output"})
     check_plan_matches_model(stage, plan)
     with pytest.raises(ValueError, match=r"\['model.nrom'\] match no submodule"):
-        check_plan_matches_model(stage, {**plan, **_explicit_plan({"model.nrom": "sequence_parallel"})})
+        check_plan_matches_model(stage, {**plan, **explicit_plan({"model.nrom": "sequence_parallel"})})
 
 
 def test_plain_rowwise_on_an_embedding_is_refused_naming_embedding_rowwise() -> None:
     """Plain rowwise reads its input as split on the last dim: on token ids every rank embedded a
     sequence twice as long (Llama crashed in its rotary embedding); embedding_rowwise is right."""
-    from automodel.fsdp2.tp_plan import _explicit_plan, check_plan_shards_every_layer
+    from automodel.fsdp2.tp_plan import check_plan_shards_every_layer, explicit_plan
 
     model = _meta_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     layers = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
-    check_plan_shards_every_layer(
-        model, _explicit_plan({**layers, "model.embed_tokens": "embedding_rowwise"})
-    )
+    check_plan_shards_every_layer(model, explicit_plan({**layers, "model.embed_tokens": "embedding_rowwise"}))
     with pytest.raises(ValueError, match="model.embed_tokens is an nn.Embedding.*use 'embedding_rowwise'"):
-        check_plan_shards_every_layer(model, _explicit_plan({**layers, "model.embed_tokens": "rowwise"}))
+        check_plan_shards_every_layer(model, explicit_plan({**layers, "model.embed_tokens": "rowwise"}))

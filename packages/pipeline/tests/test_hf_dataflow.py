@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
+from automodel.mesh.model_parts import find_layer_list
 from automodel.pipeline.hf_dataflow import SourceTracker
-from automodel.pipeline.hf_structure import PipelineSplitError, find_layer_list, trace_hf_structure
+from automodel.pipeline.hf_structure import PipelineSplitError, trace_hf_structure
 
 WIDTH, VOCAB, LAYERS = 8, 16, 4
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from automodel.pipeline.hf_stage import _RunState, _SkippedLayer, _StageExit, _Unreached
+from automodel.pipeline.hf_placeholders import RunState, SkippedLayer, StageExit, Unreached
 from automodel.pipeline.hf_structure import meta_copy
 
 
@@ -26,11 +26,11 @@ class _Block(nn.Module):
 def test_placeholder_reads_the_layer_it_stands_for(kind: str) -> None:
     layer = meta_copy(_Block("mamba"))
     placeholder = {
-        "skipped": lambda: _SkippedLayer(
-            state=_RunState(), output_len=0, hidden_kwarg=None, hand_over=False, stands_for=layer
+        "skipped": lambda: SkippedLayer(
+            state=RunState(), output_len=0, hidden_kwarg=None, hand_over=False, stands_for=layer
         ),
-        "exit": lambda: _StageExit(None, stands_for=layer),
-        "unreached": lambda: _Unreached(layer),
+        "exit": lambda: StageExit(None, stands_for=layer),
+        "unreached": lambda: Unreached(layer),
     }[kind]()
     assert placeholder.block_type == "mamba"
     assert placeholder.mixer.weight.is_meta
@@ -40,7 +40,7 @@ def test_placeholder_reads_the_layer_it_stands_for(kind: str) -> None:
 
 
 def test_skipped_layer_passes_hidden_states_on() -> None:
-    skipped = _SkippedLayer(state=_RunState(), output_len=2, hidden_kwarg=None, hand_over=False)
+    skipped = SkippedLayer(state=RunState(), output_len=2, hidden_kwarg=None, hand_over=False)
     hidden = torch.ones(1, 2, 4)
     out = skipped(hidden)
     assert out[0] is hidden and out[1] is None

@@ -66,11 +66,11 @@ def test_floating_cases_are_answered_by_the_fast_path() -> None:
 
 
 def _structure(model_type: str, fast: bool, monkeypatch: pytest.MonkeyPatch):
-    from automodel.pipeline import hf_structure
+    from automodel.pipeline import hf_structure, hf_trace
 
     calls = []
     if not fast:
-        monkeypatch.setattr(hf_structure, "fast_meta_result", lambda *a: calls.append(a) and None)
+        monkeypatch.setattr(hf_trace, "fast_meta_result", lambda *a: calls.append(a) and None)
     config = AutoConfig.for_model(
         model_type,
         hidden_size=64,

@@ -183,3 +183,74 @@ def test_attention_free_models_validate_and_estimate(model_config: dict, tmp_pat
     cfg = load_config({"model": {"config": model_config}, "output_dir": str(tmp_path)})
     _, mem, _ = plan_layout(cfg, world_size=1)
     assert mem.peak_bytes > 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mp_param", "bytes_per_param"),
+    [
+        ("bf16", None, 2),
+        ("fp32", None, 4),
+        ("half", None, 2),
+        ("fp16", "bf16", 2),
+        ("torch.float32", "fp32", 4),
+    ],
+)
+def test_every_dtype_spelling_validates(
+    dtype: str, mp_param: str | None, bytes_per_param: int, capsys: pytest.CaptureFixture
+) -> None:
+    """model.dtype and mp_policy dtypes accept every name `automodel.mesh.parse_dtype` does (bf16
+    crashed validate with "torch has no attribute bf16")."""
+    args = ["validate", str(EXAMPLES / "llama_fsdp2.yaml"), "--world-size=2", f"--model.dtype={dtype}"]
+    if mp_param is not None:
+        args.append(f"--distributed.mp_policy={{param_dtype: {mp_param}, reduce_dtype: fp32}}")
+    assert run_cli(args) == 0, capsys.readouterr().err
+    from automodel.recipes.loader import load_config
+    from automodel.recipes.plan import plan_layout
+    from automodel.recipes.recipe_config import parse_recipe_config
+
+    raw = load_config(EXAMPLES / "llama_fsdp2.yaml")
+    raw["model"]["dtype"] = dtype
+    _, mem, _ = plan_layout(parse_recipe_config(raw), world_size=2)
+    assert mem.param_bytes == pytest.approx(mem.params_per_rank * bytes_per_param)
+
+
+def test_unknown_dtype_names_the_key(capsys: pytest.CaptureFixture) -> None:
+    assert run_cli(["validate", str(EXAMPLES / "llama_fsdp2.yaml"), "--model.dtype=bf17"]) == 2
+    assert "model.dtype" in capsys.readouterr().err
+
+
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 64}
+PER_LAYER = {"activation_checkpointing": True, "enable_compile": True, "enable_fsdp2_prefetch": True}
+
+
+def test_gpt2_per_layer_features_validate_and_tp_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """GPT-2's layers sit at transformer.h: per-layer features are accepted (the ranks find the
+    layers), TP is refused before launch (GPT-2 declares no TP plan), naming distributed.tp_size."""
+    from automodel.recipes import load_config
+    from automodel.recipes.errors import ConfigError
+    from automodel.recipes.plan import plan_layout
+
+    raw = {"model": {"config": GPT2}, "output_dir": str(tmp_path), "distributed": dict(PER_LAYER)}
+    _, mem, _ = plan_layout(load_config(raw), world_size=2)
+    assert mem.peak_bytes > 0
+    raw["distributed"] = {**PER_LAYER, "tp_size": 2}
+    with pytest.raises(ConfigError, match="distributed.tp_size") as err:
+        plan_layout(load_config(raw), world_size=2)
+    assert "tensor-parallel plan" in str(err.value)
+
+
+@pytest.mark.parametrize("flag", sorted(PER_LAYER))
+def test_per_layer_feature_on_a_model_without_layers_is_refused(flag: str, tmp_path: Path) -> None:
+    from torch import nn
+
+    from automodel.recipes import load_config
+    from automodel.recipes._dist_setup import resolve_layout
+    from automodel.recipes.errors import ConfigError
+    from automodel.recipes.model import build_hf_config
+    from automodel.recipes.rules import check_layout_rules
+
+    cfg = load_config({"model": {"config": GPT2}, "output_dir": str(tmp_path), "distributed": {flag: True}})
+    layout = resolve_layout(cfg.distributed, 2)
+    no_layers = nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ConfigError, match=f"distributed.{flag}.*no ModuleList of decoder layers"):
+        check_layout_rules(cfg, layout, build_hf_config(cfg.model), model=no_layers)

@@ -5,22 +5,13 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from automodel.mesh.model_parts import decoder_layers, find_layer_list
+
 
 def get_lm_ac_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a language model: every element of each ``*layers`` ModuleList."""
-    blocks: list[nn.Module] = []
-    for _, module in _layer_lists(model):
-        blocks.extend(m for m in module if m is not None)
-    return blocks
-
-
-def _layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    lists = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and name.rpartition(".")[2] == "layers":
-            if not any(name.startswith(f"{outer}.") for outer, _ in lists):
-                lists.append((name, module))
-    return lists
+    """The repeated blocks of a language model: its decoder layers, found as every package finds
+    them (`automodel.mesh.model_parts.find_layer_list`: ``model.layers``, GPT-2's ``transformer.h``)."""
+    return decoder_layers(model)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
@@ -32,16 +23,16 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", None):
         config.use_cache = False
-    wrapped = 0
-    for _, layers in _layer_lists(model):
-        # By key: a pipeline stage's list keeps the model's layer indices ("2", "3", ...).
-        for key, layer in list(layers._modules.items()):
-            if layer is None or _is_checkpoint_wrapped(layer):
-                continue
-            layers._modules[key] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-            wrapped += 1
-    if wrapped == 0 and not get_lm_ac_layers(model):
-        raise ValueError(f"{type(model).__name__} has no '*layers' ModuleList to checkpoint")
+    found = find_layer_list(model)
+    if found is None:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of decoder layers to checkpoint")
+    layers, wrapped = found[1], 0
+    # By key: a pipeline stage's list keeps the model's layer indices ("2", "3", ...).
+    for key, layer in list(layers._modules.items()):
+        if layer is None or _is_checkpoint_wrapped(layer):
+            continue
+        layers._modules[key] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        wrapped += 1
     return wrapped
 
 

@@ -16,7 +16,7 @@ def apply_compile(
     """
     layers = get_lm_ac_layers(model)
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no '*layers' ModuleList to compile")
+        raise ValueError(f"{type(model).__name__} has no ModuleList of decoder layers to compile")
     for layer in layers:
         layer.compile(backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     return len(layers)

@@ -10,13 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 
-def decoder_config(config: Any) -> Any:
-    """The config of the text decoder: a multimodal model's ``text_config`` (its layers, heads and
-    vocabulary), else `config` itself."""
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if callable(get) else config
-
-
 def layer_values(config: Any, key: str) -> list[Any]:
     """`key` of every decoder layer for an attribute that varies across layers, else its one global
     value (None where the config lacks it)."""

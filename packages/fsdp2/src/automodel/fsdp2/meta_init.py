@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from automodel.mesh.model_parts import model_text_config
+
 #: ``init_fn(fqn, full_tensor, generator)`` fills `full_tensor` (CPU, full shape) in place.
 InitFn = Callable[[str, torch.Tensor, torch.Generator], None]
 
@@ -132,7 +134,7 @@ def _rebuild_buffers(
     on CPU, the module or else its nearest ancestor that can be built from the model's config, and
     copying the buffers from the fresh copy (the module's own construction code computes them)."""
     root_config = getattr(root, "config", None)
-    text_config = root_config.get_text_config() if hasattr(root_config, "get_text_config") else root_config
+    text_config = model_text_config(root)
     atoms = fqn.split(".") if fqn else []
     for depth in range(len(atoms), -1, -1):
         owner = root.get_submodule(".".join(atoms[:depth]))

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from automodel.mesh.model_parts import find_layer_list
+
 
 class ExpertsLayout(enum.Enum):
     """How an experts module is called, hence how its tokens are dispatched."""
@@ -307,8 +309,12 @@ def _container_of_experts(model: nn.Module) -> str | None:
 
 
 def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The transformer blocks: children of the ``layers`` container (ModuleList or ModuleDict), else
-    of the container whose children hold the experts modules."""
+    """The transformer blocks, (FQN, block): the decoder layers every package finds
+    (`automodel.mesh.model_parts.find_layer_list`), else the children of a ``layers`` ModuleDict,
+    else of the container whose children hold the experts modules."""
+    found = find_layer_list(model)
+    if found is not None:
+        return [(f"{found[0]}.{child}", layer) for child, layer in found[1].named_children()]
     for name, module in model.named_modules():
         if name.split(".")[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             return [(f"{name}.{child}", layer) for child, layer in module.named_children()]

@@ -8,15 +8,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from torch import nn
 
+from automodel.mesh.model_parts import find_layer_list, output_embeddings, parameter_places
 from automodel.pipeline.hf_stage import CausalLMStage
 from automodel.pipeline.hf_structure import (
     HFStructure,
     PipelineSplitError,
-    find_layer_list,
     is_within,
     meta_copy,
     trace_hf_structure,
@@ -29,10 +28,7 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     """Looks like ``XxxForCausalLM``: a ``config``, a list of decoder layers, output embeddings."""
     if getattr(model, "config", None) is None or find_layer_list(model) is None:
         return False
-    try:
-        return isinstance(model.get_output_embeddings(), nn.Module)  # pyright: ignore[reportCallIssue]  # HF method; Module.__getattr__ is typed Tensor | Module
-    except (AttributeError, NotImplementedError):
-        return False
+    return output_embeddings(model) is not None
 
 
 def validate_hf_model_for_pipeline_support(model: nn.Module) -> HFStructure:
@@ -120,7 +116,7 @@ class MetaStandIns:
 
 def meta_stand_ins(model: nn.Module, *, structure: HFStructure) -> MetaStandIns:
     """Meta copies of everything a stage may stand in for; take them before parallelizing."""
-    layers = cast(nn.ModuleList, model.get_submodule(structure.layers_fqn))
+    layers = model.get_submodule(structure.layers_fqn)
     return MetaStandIns(
         pre_modules={f: meta_copy(model.get_submodule(f)) for f in structure.pre_fqns},
         layers={i: meta_copy(layers[i]) for i in range(structure.num_layers)},
@@ -172,10 +168,7 @@ def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str
     must know the weight by that name (the first under which it lists it), as one process does:
     initialization and checkpoints go by it, and the ranks pair up their copies by it.
     """
-    owners: dict[int, list[str]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(mod_name)
+    owners = {pid: [m for m, _ in places] for pid, places in parameter_places(model).items()}
     holders: dict[str, list[int]] = {}
     for name, param in model.named_parameters():
         stages = [

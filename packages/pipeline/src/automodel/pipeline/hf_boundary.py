@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from automodel.pipeline.hf_dataflow import SourceTracker, tensors_in
+
+if TYPE_CHECKING:  # hf_trace records into a LayerIO with this module's helpers
+    from automodel.pipeline.hf_trace import LayerIO
 
 #: Label prefixes on the tracker's nearest channel: computed inside layer i; an output of layer i;
 #: an entry layer i wrote into a mapping handed to every layer.
@@ -78,7 +81,7 @@ def layer_inputs(args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 # ---- recording, from the trace's layer hooks --------------------------------------------------
-def record_containers(index: int, args: tuple, kwargs: dict, layer_io: dict[str, Any]) -> None:
+def record_containers(index: int, args: tuple, kwargs: dict, io: LayerIO) -> None:
     """Before layer `index` runs: the mappings it is handed and what they hold."""
     found = []
     for loc, value in layer_inputs(args, kwargs).items():
@@ -86,14 +89,14 @@ def record_containers(index: int, args: tuple, kwargs: dict, layer_io: dict[str,
             held = {key: tuple(id(t) for t in tensors_in(v)) for key, v in value.items()}
             shapes = {key: _leaves(v) for key, v in value.items()}
             found.append((loc, value, held, shapes))
-    layer_io.setdefault("containers", {})[index] = found
+    io.containers[index] = found
 
 
-def record_writes(index: int, layer_io: dict[str, Any], tracker: SourceTracker) -> None:
+def record_writes(index: int, io: LayerIO, tracker: SourceTracker) -> None:
     """After layer `index` ran: the entries it wrote into the mappings it was handed, relabelled as
     its entries (a later layer reading them reads an entry, which can be carried)."""
-    writes = layer_io.setdefault("writes", {}).setdefault(index, set())
-    for loc, value, held, _ in layer_io.get("containers", {}).get(index, []):
+    writes = io.writes.setdefault(index, set())
+    for loc, value, held, _ in io.containers.get(index, []):
         for key, entry in value.items():
             tensors = tensors_in(entry)
             if held.get(key) != tuple(id(t) for t in tensors):
@@ -128,15 +131,11 @@ def _cross_reads(labels: set[str], reader: int) -> tuple[set[int], set[str]]:
     return entries, other
 
 
-def check_cross_layer_reads(
-    layer_io: dict[str, Any], *, num_layers: int, post: list[str], model_type: str
-) -> set[int]:
+def check_cross_layer_reads(io: LayerIO, *, num_layers: int, post: list[str], model_type: str) -> set[int]:
     """The layers whose mapping entries later layers or post-layer modules read; `BoundaryError`
     if anything else computed by an earlier layer is read besides the hidden states."""
-    readers = [
-        (f"decoder layer {j}", j, layer_io.get("layer_nearest", {}).get(j, set())) for j in range(num_layers)
-    ]
-    readers += [(f, num_layers, layer_io.get("module_nearest", {}).get(f, set())) for f in post]
+    readers = [(f"decoder layer {j}", j, io.layer_nearest.get(j, set())) for j in range(num_layers)]
+    readers += [(f, num_layers, io.module_nearest.get(f, set())) for f in post]
     read_entries: set[int] = set()
     for name, index, labels in readers:
         entries, other = _cross_reads(labels, index)
@@ -151,14 +150,14 @@ def check_cross_layer_reads(
 
 
 def carried_entries(
-    layer_io: dict[str, Any], *, num_layers: int, read_entries: set[int], model_type: str
+    io: LayerIO, *, num_layers: int, read_entries: set[int], model_type: str
 ) -> tuple[tuple[EntrySpec, ...], ...]:
     """Per layer b: the entries a stage ending before layer b sends (present when layer b is called,
     written by an earlier layer whose entries are read). Empty tuples when nothing is carried."""
     if not read_entries:
         return ()
-    containers = layer_io.get("containers", {})
-    writes = layer_io.get("writes", {})
+    containers = io.containers
+    writes = io.writes
     _check_same_container_everywhere(containers, read_entries, writes, num_layers, model_type)
     per_layer: list[tuple[EntrySpec, ...]] = []
     for b in range(num_layers):
@@ -203,7 +202,7 @@ def _check_same_container_everywhere(
 
 
 def carried_pre_modules(
-    layer_io: dict[str, Any],
+    io: LayerIO,
     *,
     pre: list[str],
     post: list[str],
@@ -214,9 +213,9 @@ def carried_pre_modules(
     """The modules run before the layers whose outputs later layers or post-layer modules read
     without another module in between (in the order the forward runs them): handing these over
     lets a later stage recompute everything else the layers read with the model's own code."""
-    nearest = layer_io.get("layer_nearest", {})
+    nearest = io.layer_nearest
     read = set().union(*(nearest.get(j, set()) for j in range(1, num_layers)))
-    read |= set().union(*(layer_io.get("module_nearest", {}).get(f, set()) for f in post))
+    read |= set().union(*(io.module_nearest.get(f, set()) for f in post))
     carried = [f for f in pre if f in read]
     repeated = [f for f in carried if calls.get(f, 0) != 1]
     if repeated:
@@ -227,7 +226,7 @@ def carried_pre_modules(
     return carried
 
 
-def module_reads_of(layer_io: dict[str, Any], fqns: list[str]) -> set[str]:
+def module_reads_of(io: LayerIO, fqns: list[str]) -> set[str]:
     """Every source the outputs of the modules `fqns` derive from (the sources channel)."""
-    reads: Mapping[str, set[str]] = layer_io.get("module_reads", {})
+    reads: Mapping[str, set[str]] = io.module_reads
     return set().union(*(reads.get(f, set()) for f in fqns))

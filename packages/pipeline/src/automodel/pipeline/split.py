@@ -16,7 +16,18 @@ from collections.abc import Collection, Sequence
 
 from torch import nn
 
+from automodel.mesh.model_parts import parameter_places
+
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+class PipelineSplitError(ValueError):
+    """The model cannot be split into pipeline stages generically; the message says why."""
+
+
+def is_within(fqn: str, roots: list[str] | tuple[str, ...]) -> bool:
+    """Whether `fqn` is one of `roots` or a submodule of one."""
+    return any(fqn == r or fqn.startswith(r + ".") for r in roots)
 
 
 def _shallow_clone(module: nn.Module) -> nn.Module:
@@ -70,12 +81,7 @@ def split_module(model: nn.Module, *, fqns: Sequence[str], shared_fqns: Sequence
 
 def _retie(stage: nn.Module, model: nn.Module) -> None:
     """Where `model` holds one parameter in several modules, make the stage's copies one object."""
-    holders: dict[int, list[tuple[str, str]]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            if param is not None:
-                holders.setdefault(id(param), []).append((mod_name, attr))
-    for places in holders.values():
+    for places in parameter_places(model).values():
         if len(places) < 2:
             continue
         present = []

@@ -1,8 +1,10 @@
 """The YAML ``distributed:`` section -> validated settings -> `MeshContext`.
 
 YAML distributed section
-  -> parse_distributed_section()   sizes; the strategy's, moe's config built by their packages;
-                                   the rules that tie the strategy to the sizes
+  -> parse_distributed_section()   sizes; the strategy's, pipeline's and moe's configs built by
+                                   their packages (the same on every machine); the rules that tie
+                                   the strategy to the sizes (the strategy's `check_sizes`)
+  -> resolve_machine_defaults()    at launch: the flags left to the machine (bf16 on CUDA, nccl/gloo)
   -> setup_distributed()           process group and MeshContext
   -> recipes.parallelize           applies them to the model (composition order: see its docstring)
 
@@ -12,16 +14,17 @@ strategy and the sizes live here, and rules that need the model or the batch in 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, init_distributed
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import instantiate
+from automodel.recipes.strategies import get_strategy, strategy_names
 
-STRATEGIES = ("fsdp2", "megatron_fsdp", "ddp")
 SIZE_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "pp_size", "cp_size", "ep_size")
 COMMON_KEYS = ("strategy", *SIZE_KEYS, "pipeline", "moe")
 #: FSDP2 options automodel.moe's expert-parallel sharding does not apply: refused with ep_size > 1.
@@ -33,19 +36,9 @@ _NOT_WITH_EP = {
 }
 
 
-def _strategy_config_class(strategy: str) -> type:
-    if strategy == "megatron_fsdp":
-        from automodel.megatron_fsdp import MegatronFSDPConfig
-
-        return MegatronFSDPConfig
-    from automodel.fsdp2 import DDPConfig, FSDP2Config
-
-    return FSDP2Config if strategy == "fsdp2" else DDPConfig
-
-
 def strategy_flags(strategy: str) -> tuple[str, ...]:
     """Keys the strategy accepts besides the sizes: its config class's constructor arguments."""
-    return tuple(inspect.signature(_strategy_config_class(strategy)).parameters)
+    return tuple(inspect.signature(get_strategy(strategy).config_class()).parameters)
 
 
 def config_error(prefix: str, options: dict[str, Any], error: Exception) -> ConfigError:
@@ -60,23 +53,25 @@ def config_error(prefix: str, options: dict[str, Any], error: Exception) -> Conf
 def build_strategy_config(strategy: str, options: dict[str, Any]) -> Any:
     """The strategy's config dataclass from the section's flags (YAML names, errors name the key).
 
-    Defaults that depend on the machine: mixed precision bf16 on CUDA and full precision on CPU
-    (FSDP2), and the nccl backend with CUDA, else gloo.
+    The same on every machine: the flags the YAML leaves to the machine (`Strategy.machine_keys`)
+    keep the package defaults until `resolve_machine_defaults` fills them at launch.
     """
-    import torch
-
-    options = dict(options)
-    if strategy == "fsdp2" and options.get("mp_policy") is None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        from automodel.fsdp2 import default_mp_policy
-
-        options["mp_policy"] = default_mp_policy() if torch.cuda.is_available() else MixedPrecisionPolicy()
-    options.setdefault("backend", "nccl" if torch.cuda.is_available() else "gloo")
     try:
-        return _strategy_config_class(strategy)(**options)
+        return get_strategy(strategy).config_class()(**options)
     except (ValueError, TypeError) as e:
         raise config_error("distributed", options, e) from None
+
+
+def resolve_machine_defaults(section: DistributedSection, *, cuda: bool) -> DistributedSection:
+    """The one place machine-dependent defaults are decided, at launch on the machine that runs:
+    the flags the YAML left out (`DistributedSection.machine_keys`) get this machine's values
+    (FSDP2: bf16 mixed precision on CUDA, full precision on CPU; backend nccl with CUDA, else gloo)."""
+    if not section.machine_keys:
+        return section
+    config = get_strategy(section.strategy).with_machine_defaults(
+        section.strategy_config, keys=section.machine_keys, cuda=cuda
+    )
+    return dataclasses.replace(section, strategy_config=config, machine_keys=frozenset())
 
 
 def build_moe_config(moe: dict[str, Any] | None) -> Any:
@@ -114,22 +109,20 @@ def build_pipeline_config(pipeline: dict[str, Any] | None, *, local_batch_size: 
         raise config_error("distributed.pipeline", options, e) from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistributedSection:
-    """The parsed ``distributed:`` section: sizes, the strategy and its built config, the sub-sections.
-
-    `options` are the strategy flags as the YAML gave them (instantiated), `strategy_config` the
-    strategy package's config built from them, `moe_config` automodel.moe's (ep_size > 1).
-    """
+    """The parsed ``distributed:`` section, every part built by its package: the sizes, the
+    strategy's config (its flags), automodel.pipeline's `PipelineConfig` (pp_size > 1) and
+    automodel.moe's `MoEParallelizerConfig` (ep_size > 1)."""
 
     strategy: str
     sizes: ParallelismSizes
-    options: dict[str, Any] = field(default_factory=dict)
-    pipeline: dict[str, Any] | None = None
-    moe: dict[str, Any] | None = None
-    strategy_config: Any = None
+    strategy_config: Any
+    #: Strategy flags the YAML left to the machine; `resolve_machine_defaults` fills them at launch
+    #: (empty afterwards).
+    machine_keys: frozenset[str] = frozenset()
+    pipeline_config: Any = None
     moe_config: Any = None
-    pipeline_config: Any = None  # built by parse_recipe_config: it needs step_scheduler.local_batch_size
 
     @property
     def sequence_parallel(self) -> bool:
@@ -138,7 +131,8 @@ class DistributedSection:
     @property
     def tp_plan(self) -> Any:
         """The YAML's custom TP plan (None: the model's own HF plan, else the Llama default)."""
-        return self.options.get("tp_plan")
+        config = self.strategy_config
+        return getattr(config, "custom_tp_plan", getattr(config, "tp_plan", None))
 
 
 def _size(data: dict, key: str) -> int | None:
@@ -158,17 +152,19 @@ def _size(data: dict, key: str) -> int | None:
     return value
 
 
-def parse_distributed_section(data: Any) -> DistributedSection:
-    """Validate the section (keys, flags, strategy-vs-sizes rules); `ConfigError` names the key."""
+def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> DistributedSection:
+    """Validate the section (keys, flags, strategy-vs-sizes rules); `ConfigError` names the key.
+
+    `local_batch_size` (``step_scheduler.local_batch_size``) is the pipeline's batch."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("distributed", data, "must be a mapping")
     strategy = data.get("strategy", "fsdp2")
-    if strategy not in STRATEGIES:
-        raise ConfigError("distributed.strategy", strategy, f"must be one of {', '.join(STRATEGIES)}")
+    if strategy not in strategy_names():
+        raise ConfigError("distributed.strategy", strategy, f"must be one of {', '.join(strategy_names())}")
     flags = strategy_flags(strategy)
-    every_flag = {flag for name in STRATEGIES for flag in strategy_flags(name)}
+    every_flag = {flag for name in strategy_names() for flag in strategy_flags(name)}
     reject_unknown("distributed", data, set(COMMON_KEYS) | every_flag)
     for key in data:
         if key not in COMMON_KEYS and key not in flags:
@@ -176,32 +172,10 @@ def parse_distributed_section(data: Any) -> DistributedSection:
     options = {k: instantiate(v, key=f"distributed.{k}") for k, v in data.items() if k not in COMMON_KEYS}
     strategy_config = build_strategy_config(strategy, options)
     sizes = {k: _size(data, k) for k in SIZE_KEYS}
-    tp, pp, cp, ep = sizes["tp_size"], sizes["pp_size"], sizes["cp_size"], sizes["ep_size"]
+    tp, pp, ep = sizes["tp_size"], sizes["pp_size"], sizes["ep_size"]
     sp = bool(getattr(strategy_config, "sequence_parallel", False))
 
-    if sizes["dp_replicate_size"] is not None and strategy != "fsdp2":
-        raise ConfigError(
-            "distributed.dp_replicate_size",
-            sizes["dp_replicate_size"],
-            f"is FSDP2-only (strategy={strategy})",
-        )
-    if strategy == "megatron_fsdp":
-        for key, value in (("pp_size", pp), ("ep_size", ep)):
-            if value > 1:
-                raise ConfigError(
-                    f"distributed.{key}", value, "megatron_fsdp does not support it (must be 1)"
-                )
-    if strategy == "megatron_fsdp" and strategy_config.init_fsdp_with_meta_device:
-        raise ConfigError(
-            "distributed.init_fsdp_with_meta_device",
-            True,
-            "is not supported by the recipes: they initialise (or load) the TP-sharded weights "
-            "before megatron-fsdp wraps the model, identically to fsdp2; set it to false",
-        )
-    if strategy == "ddp":
-        for key, value in (("tp_size", tp), ("pp_size", pp), ("cp_size", cp), ("ep_size", ep)):
-            if value > 1:
-                raise ConfigError(f"distributed.{key}", value, "ddp is data parallelism only (must be 1)")
+    get_strategy(strategy).check_sizes(sizes, options, strategy_config)
     if sp and tp == 1:
         raise ConfigError(
             "distributed.sequence_parallel", sp, "needs tp_size > 1 (sequence parallelism splits TP regions)"
@@ -233,13 +207,15 @@ def parse_distributed_section(data: Any) -> DistributedSection:
         psizes = ParallelismSizes(**sizes)
     except ValueError as e:  # pragma: no cover - every size was checked above
         raise ConfigError("distributed", sizes, str(e)) from None
+    machine_keys = frozenset(k for k in get_strategy(strategy).machine_keys if options.get(k) is None)
     return DistributedSection(
         strategy=strategy,
         sizes=psizes,
-        options=options,
-        pipeline=pipeline,
-        moe=moe,
         strategy_config=strategy_config,
+        machine_keys=machine_keys,
+        pipeline_config=None
+        if pipeline is None
+        else build_pipeline_config(pipeline, local_batch_size=local_batch_size),
         moe_config=build_moe_config(moe) if ep > 1 else None,
     )
 

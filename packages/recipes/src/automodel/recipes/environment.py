@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.recipe_config import RecipeConfig
+from automodel.recipes.strategies import get_strategy
 
 
 def check_environment(cfg: RecipeConfig) -> None:
@@ -12,13 +13,7 @@ def check_environment(cfg: RecipeConfig) -> None:
     `recipes validate` does not call this: it plans layouts for clusters it is not running on.
     """
     _check_attention(cfg.model.attn_implementation)
-    if cfg.distributed.strategy == "megatron_fsdp":
-        from automodel.megatron_fsdp import MegatronFSDPUnavailableError, import_megatron_fsdp
-
-        try:
-            import_megatron_fsdp()
-        except MegatronFSDPUnavailableError as e:
-            raise ConfigError("distributed.strategy", "megatron_fsdp", str(e)) from None
+    get_strategy(cfg.distributed.strategy).check_environment()
 
 
 def _check_attention(requested: str) -> None:

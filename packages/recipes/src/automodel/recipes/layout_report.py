@@ -80,7 +80,8 @@ def layer_list_fqn(part: nn.Module) -> str | None:
     """FQN (as the model names it) of the part's list of decoder layers (``model.layers``,
     ``transformer.h``, ...), found the way the pipeline finds it; a pipeline stage's is the one
     its model was split by (its pruned list alone may not look like a whole model's)."""
-    from automodel.pipeline.hf_structure import HFStructure, find_layer_list
+    from automodel.mesh.model_parts import find_layer_list
+    from automodel.pipeline.hf_structure import HFStructure
 
     structure = getattr(part, "structure", None)
     if isinstance(structure, HFStructure):

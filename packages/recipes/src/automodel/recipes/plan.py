@@ -8,8 +8,8 @@ micro-batches and communication buffers, from the meta-device model's sizes.
 
 from __future__ import annotations
 
-from automodel.fsdp2.hf_config import decoder_config
 from automodel.mesh import MeshContext, ResolvedLayout, fake_world
+from automodel.mesh.model_parts import text_config
 from automodel.recipes._dist_setup import resolve_layout
 from automodel.recipes.model import build_hf_config, build_meta_model
 from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
@@ -102,17 +102,14 @@ def plan_layout(
         lines += [f"{'ep':<14}{layout.ep:>8}", f"{'ep_shard':<14}{layout.ep_shard:>8}"]
     lines += [
         "",
-        f"model: {hf_config.model_type}, {decoder_config(hf_config).num_hidden_layers} layers, "
+        f"model: {hf_config.model_type}, {text_config(hf_config).num_hidden_layers} layers, "
         f"{mem.total_params:,} parameters",
         f"sequence length {cfg.seq_length}, global batch {ss.global_batch_size}, local batch {ss.local_batch_size}, "
         f"gradient accumulation {accum}",
     ]
     if layout.pp_enabled:
-        pipe = cfg.distributed.pipeline or {}
-        lines.append(
-            f"pipeline: {pipe.get('pp_schedule', '1f1b')}, {stages} stages, "
-            f"micro-batch {pipe.get('pp_microbatch_size', 1)}"
-        )
+        pipe = cfg.distributed.pipeline_config
+        lines.append(f"pipeline: {pipe.pp_schedule}, {stages} stages, micro-batch {pipe.pp_microbatch_size}")
     if layout.ep_enabled:
         lines.append(
             f"expert load factor {min(expert_load_factor, layout.ep):g} (the busiest ep rank's routed tokens "
@@ -136,6 +133,4 @@ def plan_layout(
 
 
 def setup_ac(cfg: RecipeConfig) -> bool:
-    d = cfg.distributed
-    config = getattr(d, "strategy_config", None)
-    return bool(getattr(config, "activation_checkpointing", d.options.get("activation_checkpointing", False)))
+    return bool(getattr(cfg.distributed.strategy_config, "activation_checkpointing", False))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from automodel.recipes._dist_setup import DistributedSection, build_pipeline_config, parse_distributed_section
+from automodel.recipes._dist_setup import DistributedSection, parse_distributed_section
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import locate
 from automodel.recipes.peft.config import PeftSection
@@ -22,6 +22,9 @@ from automodel.recipes.sections import (
     TokenizerSection,
     build_section,
 )
+
+if TYPE_CHECKING:  # the checkpoint package imports torch.distributed.checkpoint: built lazily
+    from automodel.recipes.checkpoint import CheckpointConfig
 
 TOP_LEVEL_KEYS = (
     "model", "dataset", "validation_dataset", "tokenizer", "step_scheduler", "optimizer", "lr_scheduler",
@@ -43,7 +46,7 @@ class RecipeConfig:
     loss_fn: Any
     distributed: DistributedSection
     packed_sequence: PackedSequenceSection
-    checkpoint: dict
+    checkpoint: CheckpointConfig
     logging: LoggingSection
     dist_env: DistEnvSection
     clip_grad_norm: ClipGradNormSection
@@ -57,21 +60,21 @@ class RecipeConfig:
         return self.packed_sequence.packed_sequence_size or self.dataset.seq_length
 
 
-def _checkpoint_section(data: Any) -> dict:
-    if data is None:
-        return {"enabled": False}
-    if not isinstance(data, dict):
-        raise ConfigError("checkpoint", data, "must be a mapping")
+def _checkpoint_section(data: Any) -> CheckpointConfig:
+    """The ``checkpoint:`` section built once (absent: checkpointing off); errors name the key."""
     from automodel.recipes.checkpoint import CheckpointConfig
 
+    if data is None:
+        return CheckpointConfig(enabled=False)
+    if not isinstance(data, dict):
+        raise ConfigError("checkpoint", data, "must be a mapping")
     reject_unknown("checkpoint", data, set(CheckpointConfig.__dataclass_fields__))
     try:
-        CheckpointConfig(**data)
+        return CheckpointConfig(**data)
     except ValueError as e:
         msg = str(e)
         key = next((f"checkpoint.{k}" for k in data if f"checkpoint.{k}" in msg), "checkpoint")
         raise ConfigError(key, data.get(key.split(".")[-1], data), msg.split(", got")[0]) from None
-    return dict(data)
 
 
 def _dataset_section(data: Any, *, validation: bool) -> Any:
@@ -137,11 +140,13 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         dataset=_dataset_section(raw.get("dataset"), validation=False),
         validation_dataset=None if val is None else _dataset_section(val, validation=True),
         tokenizer=build_section(TokenizerSection, raw.get("tokenizer")),
-        step_scheduler=build_section(StepSchedulerSection, raw.get("step_scheduler")),
+        step_scheduler=(steps := build_section(StepSchedulerSection, raw.get("step_scheduler"))),
         optimizer=OptimizerSection.parse(raw.get("optimizer")),
         lr_scheduler=build_section(LRSchedulerSection, raw.get("lr_scheduler")),
         loss_fn=loss_callable,
-        distributed=parse_distributed_section(raw.get("distributed")),
+        distributed=parse_distributed_section(
+            raw.get("distributed"), local_batch_size=steps.local_batch_size
+        ),
         packed_sequence=build_section(PackedSequenceSection, raw.get("packed_sequence")),
         checkpoint=_checkpoint_section(raw.get("checkpoint")),
         logging=build_section(LoggingSection, raw.get("logging")),
@@ -157,10 +162,6 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     adopt_dataset_tokenizer(cfg.tokenizer, [cfg.dataset, cfg.validation_dataset])
     _resolve_pretrained(cfg)
     ss = cfg.step_scheduler
-    if cfg.distributed.pipeline is not None:
-        cfg.distributed.pipeline_config = build_pipeline_config(
-            cfg.distributed.pipeline, local_batch_size=ss.local_batch_size
-        )
     if cfg.packed_sequence.packed_sequence_size > 0 and ss.local_batch_size != 1:
         raise ConfigError(
             "step_scheduler.local_batch_size",
@@ -176,7 +177,7 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
             "validation_dataset is only evaluated at the end (no step_scheduler.val_every_steps)",
             stacklevel=2,
         )
-    if ss.ckpt_every_steps is not None and not cfg.checkpoint.get("enabled", True):
+    if ss.ckpt_every_steps is not None and not cfg.checkpoint.enabled:
         raise ConfigError(
             "step_scheduler.ckpt_every_steps", ss.ckpt_every_steps, "needs checkpoint.enabled: true"
         )

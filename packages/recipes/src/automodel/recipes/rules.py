@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from automodel.fsdp2.hf_config import decoder_config, positive_ints
+from automodel.fsdp2.hf_config import positive_ints
 from automodel.mesh import ResolvedLayout
+from automodel.mesh.model_parts import find_layer_list, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_meta_model, num_experts
 
@@ -19,7 +20,7 @@ def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
         return len(pcfg.module_fqns_per_model_part)
     try:
         return num_stages_for(
-            num_layers=decoder_config(hf_config).num_hidden_layers,
+            num_layers=text_config(hf_config).num_hidden_layers,
             pp_size=layout.pp,
             multi_stage=pcfg.schedule_spec.multi_stage,
             layers_per_stage=pcfg.layers_per_stage,
@@ -36,14 +37,14 @@ def check_model_supports_layout(
     meta-device model before launch: a model a strategy cannot be applied to exactly is refused
     here, naming the model_type and why, instead of failing (or silently differing) in the ranks."""
     d = cfg.distributed
-    needs_pp_split = layout.pp > 1 and (d.pipeline or {}).get("module_fqns_per_model_part") is None
+    needs_pp_split = layout.pp > 1 and d.pipeline_config.module_fqns_per_model_part is None
     if not (layout.tp > 1 or layout.cp > 1 or layout.ep > 1 or needs_pp_split):
         return
     if model is None:  # callers that already hold the meta-device model pass it (built once per validate)
         model = build_meta_model(
             hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
         )
-    if layout.tp > 1 and d.strategy != "megatron_fsdp":
+    if layout.tp > 1:  # megatron_fsdp applies TP with the same plan rules (fsdp2's apply_tp)
         from automodel.fsdp2.tp_plan import (
             check_plan_matches_model,
             check_plan_shards_every_layer,
@@ -89,7 +90,7 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
     """Every divisibility rule of the issue: heads vs tp, layers vs stages, experts vs ep, seq vs cp, batch."""
     d = cfg.distributed
     tp, pp, cp, ep, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.dp
-    text = decoder_config(hf_config)  # a multimodal model's text decoder
+    text = text_config(hf_config)  # a multimodal model's text decoder
     if tp > 1:
         # every layer's count (a heterogeneous config's layers may differ)
         for key in ("num_attention_heads", "num_key_value_heads"):
@@ -106,7 +107,7 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
         if pcfg.schedule_spec.v_shape and cfg.validation_dataset is not None:
             raise ConfigError(
                 "distributed.pipeline.pp_schedule",
-                d.pipeline.get("pp_schedule"),
+                pcfg.pp_schedule,
                 "cannot run forward-only (torch's V-shape schedules assert on eval), so validation_dataset "
                 "cannot be evaluated; use another schedule or set validation_dataset: null",
             )
@@ -172,7 +173,42 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
         )
     if model is not None:
         _check_no_backward_recompute(model, hf_config, strategy=d.strategy)
+        _check_per_layer_features(model, hf_config, cfg=cfg, layout=layout)
     check_model_supports_layout(cfg, layout, hf_config, model=model)
+
+
+#: Strategy flags applied to each decoder layer (`automodel.mesh.model_parts.find_layer_list`).
+_PER_LAYER_FLAGS = {
+    "activation_checkpointing": "checkpoints",
+    "enable_compile": "compiles",
+    "enable_fsdp2_prefetch": "chains the prefetches of",
+}
+
+
+def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: ResolvedLayout) -> None:
+    """Rule: activation checkpointing, per-layer compile and prefetch chains act on the decoder
+    layers, found by structure as every package finds them (GPT-2's ``transformer.h`` too); a
+    model without a layer list is refused here rather than in the ranks. megatron_fsdp checkpoints
+    the MLPs of its unit modules instead (checked by the adapter)."""
+    d = cfg.distributed
+    if d.strategy == "megatron_fsdp":
+        return
+    if layout.ep > 1:  # automodel.moe's finder (the shared one, else the blocks holding the experts)
+        from automodel.moe import find_decoder_layers
+
+        has_layers = bool(find_decoder_layers(model))
+    else:
+        has_layers = find_layer_list(model) is not None
+    if has_layers:
+        return
+    for flag, verb in _PER_LAYER_FLAGS.items():
+        if getattr(d.strategy_config, flag, False):
+            raise ConfigError(
+                f"distributed.{flag}",
+                True,
+                f"{verb} each decoder layer, but model_type {hf_config.model_type!r} has no ModuleList of "
+                "decoder layers; set it to false",
+            )
 
 
 def _check_no_backward_recompute(model: Any, hf_config: Any, *, strategy: str) -> None:

@@ -9,6 +9,7 @@ same loss and gradients for the same global batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -21,9 +22,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from automodel.fsdp2.hf_config import decoder_config
 from automodel.mesh import MeshContext
-from automodel.recipes._dist_setup import setup_distributed
+from automodel.mesh.model_parts import text_config
+from automodel.recipes._dist_setup import resolve_machine_defaults, setup_distributed
 from automodel.recipes.data import (
     BatchLoader,
     build_packed_dataset,
@@ -32,7 +33,6 @@ from automodel.recipes.data import (
 from automodel.recipes.data.loader import Batch, build_sampler
 from automodel.recipes.environment import check_environment
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.grad_norm import clip_grad_norm
 from automodel.recipes.instantiate import locate
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
@@ -149,7 +149,9 @@ class Trainer:
 
     # ---- construction --------------------------------------------------------------------
     def build(self) -> None:
-        cfg = self.cfg
+        # the machine-dependent defaults are this machine's (the YAML was parsed machine-neutral)
+        distributed = resolve_machine_defaults(self.cfg.distributed, cuda=torch.cuda.is_available())
+        cfg = self.cfg = dataclasses.replace(self.cfg, distributed=distributed)
         check_environment(cfg)
         setup = setup_distributed(
             cfg.distributed, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes
@@ -157,11 +159,10 @@ class Trainer:
         self.mesh, self.device, self.rank = setup.mesh, setup.device, setup.rank
         layout = self.mesh.layout
         self.hf_config = build_hf_config(cfg.model)
-        check_layout_rules(cfg, layout, self.hf_config)
         self.tokenizer = build_tokenizer(
             cfg.tokenizer.path, trust_remote_code=cfg.tokenizer.trust_remote_code
         )
-        text = decoder_config(self.hf_config)  # a multimodal model's text decoder
+        text = text_config(self.hf_config)  # a multimodal model's text decoder
         if self.tokenizer.vocab_size > text.vocab_size:
             raise ConfigError(
                 "model.config.vocab_size"
@@ -200,6 +201,9 @@ class Trainer:
         model = build_meta_model(
             self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
         )
+        # every rule `recipes validate` runs, the model-dependent ones included (the Python API
+        # reaches here without the CLI's pre-launch check)
+        check_layout_rules(cfg, layout, self.hf_config, model=model)
         self.lora = None
         if cfg.peft is not None:  # LoRA on the meta model: every parallelism below composes with it
             from automodel.recipes.peft import apply_lora
@@ -354,17 +358,9 @@ class Trainer:
         return loss_value, norm_value, int(tokens)
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        """The global gradient norm before clipping to ``clip_grad_norm.max_norm``."""
-        max_norm = self.cfg.clip_grad_norm.max_norm
-        if self.pm.strategy == "megatron_fsdp":
-            from automodel.megatron_fsdp import clip_grad_norm as clip_megatron_grad_norm
-
-            return clip_megatron_grad_norm(self.params, max_norm=max_norm, tp_size=self.mesh.layout.tp)
-        counted = None
-        if self.pm.pipeline is not None:
-            counted = {id(p) for p in self.pm.pipeline.norm_parameters()}
-        return clip_grad_norm(
-            self.params, max_norm=max_norm, pp_group=_group(self.mesh, "pp"), counted_ids=counted
+        """The global gradient norm before clipping to ``clip_grad_norm.max_norm`` (the strategy's)."""
+        return self.pm.strategy.clip_grad_norm(
+            self.params, max_norm=self.cfg.clip_grad_norm.max_norm, mesh=self.mesh, pipeline=self.pm.pipeline
         )
 
     @torch.no_grad()
@@ -479,9 +475,9 @@ class Trainer:
         return result
 
     def _checkpointer(self, out: Path) -> tuple[Any, Any]:
-        if not self.cfg.checkpoint.get("enabled", True):
+        if not self.cfg.checkpoint.enabled:
             return None, None
-        from automodel.recipes.checkpoint import CheckpointConfig, Checkpointer, TrainingState
+        from automodel.recipes.checkpoint import Checkpointer, TrainingState
 
         state = TrainingState(
             model_parts=self.pm.parts,
@@ -493,7 +489,7 @@ class Trainer:
             tokenizer=self.tokenizer,
         )
         checkpointer = Checkpointer(
-            CheckpointConfig(**self.cfg.checkpoint),
+            self.cfg.checkpoint,
             output_dir=out,
             mesh=self.mesh,
             lora=self.lora,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 MODEL_SAVE_FORMATS = ("safetensors", "torch_save")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Where and how training state is saved, and what a run resumes from.
 

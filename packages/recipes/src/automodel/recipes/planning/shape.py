@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.fsdp2.hf_config import decoder_config, layer_values
+from automodel.fsdp2.hf_config import layer_values
+from automodel.mesh.model_parts import decoder_layers, input_embeddings, text_config
 from automodel.recipes.model import build_meta_model, experts_per_token, num_experts
 
 _EXPERT = ".experts."
@@ -75,15 +76,6 @@ def _expert_param_ids(model: Any) -> set[int]:
     return {id(b.experts.get_parameter(n)) for b in find_moe_blocks(model) for n in b.param_names}
 
 
-def _decoder_layers(model: Any) -> list[Any]:
-    """The decoder layers, found by structure as the pipeline split finds them (``model.layers``,
-    GPT-2's ``transformer.h``, DBRX's ``transformer.blocks``, a multimodal model's text decoder)."""
-    from automodel.pipeline.hf_structure import find_layer_list
-
-    found = find_layer_list(model)
-    return list(found[1]) if found else []
-
-
 def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any = None) -> ModelShape:
     """Sizes from `hf_config`; parameter counts by walking the meta-device model's parameters.
 
@@ -91,13 +83,11 @@ def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any =
     costs a fifth of a second; counts do not depend on its dtype)."""
     if model is None:
         model = build_meta_model(hf_config, dtype="float32", trust_remote_code=trust_remote_code)
-    text = decoder_config(hf_config)  # a multimodal model's text decoder holds the sizes
+    text = text_config(hf_config)  # a multimodal model's text decoder holds the sizes
     experts = num_experts(hf_config) or 0
     routed = _expert_param_ids(model) if experts else set()
-    layer_list = _decoder_layers(model)
+    layer_list = decoder_layers(model)
     in_layers = {id(p) for layer in layer_list for p in layer.parameters()}
-    from automodel.pipeline.hf_structure import input_embeddings
-
     embedding = input_embeddings(model)
     in_embedding = {id(p) for p in embedding.parameters()} if embedding is not None else set()
     embed = head = dense = expert = 0

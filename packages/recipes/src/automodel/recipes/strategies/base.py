@@ -1,0 +1,123 @@
+"""The strategy interface: how one data-parallel strategy (FSDP2, DDP, megatron-fsdp) plugs into
+the recipes, and `ParallelModel`, what it hands the training loop.
+
+A strategy names its config class (its constructor arguments are the YAML flags of the
+``distributed:`` section), its machine-dependent defaults, its rules against the layout sizes, how
+it parallelizes and materializes the meta-device model, and how the loop syncs gradients, hands it
+an optimizer and clips the gradient norm. A new strategy is one module subclassing `Strategy`
+plus one `register_strategy` call (see `registry.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from automodel.mesh import MeshContext
+
+if TYPE_CHECKING:
+    from automodel.recipes._dist_setup import DistributedSection
+
+#: Materialize (seeded init, then pretrained weights) the given parts in place.
+Initialize = Callable[[list[nn.Module]], None]
+
+
+@dataclass
+class ParallelModel:
+    """The model parts this rank holds, and the pieces the loop needs to drive them."""
+
+    parts: list[nn.Module]
+    strategy: Strategy
+    pipeline: Any = None  # the built pipeline (with `.step`) when pp > 1
+    cp_backend: str = "none"
+    defer_grad_sync: bool = True
+
+    def grad_sync(self, *, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
+        """Reduce data-parallel gradients only on the last micro-batch of a step (when deferring)."""
+        return self.strategy.grad_sync(
+            self.parts, is_last_microbatch=is_last_microbatch, defer=self.defer_grad_sync
+        )
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, part: nn.Module) -> torch.optim.Optimizer:
+        """Hand an optimizer built on ``part.parameters()`` to the strategy (megatron-fsdp drives its step)."""
+        return self.strategy.prepare_optimizer(optimizer, part)
+
+
+class Strategy(ABC):
+    """One data-parallel strategy; subclasses set `name` and implement `config_class` and `parallelize`."""
+
+    #: The ``distributed.strategy`` value that selects it.
+    name: ClassVar[str]
+    #: Flags whose default depends on the machine (see `machine_defaults`).
+    machine_keys: ClassVar[tuple[str, ...]] = ("backend",)
+
+    @abstractmethod
+    def config_class(self) -> type:
+        """The strategy package's config dataclass (imported lazily: the package may be optional)."""
+
+    def machine_defaults(self, options: dict[str, Any], *, cuda: bool) -> dict[str, Any]:
+        """`options` with the defaults that depend on the machine filled in (default: the process
+        group backend, nccl with CUDA, else gloo)."""
+        return {**options, "backend": options.get("backend", "nccl" if cuda else "gloo")}
+
+    def with_machine_defaults(self, config: Any, *, keys: frozenset[str], cuda: bool) -> Any:
+        """`config` with the flags `keys` set to this machine's defaults (`machine_defaults`)."""
+        values = self.machine_defaults({}, cuda=cuda)
+        return dataclasses.replace(config, **{k: values[k] for k in keys})
+
+    def check_environment(self) -> None:
+        """`ConfigError` naming ``distributed.strategy`` when this machine cannot run the strategy
+        (called before any rank starts, not by `recipes validate`); none by default."""
+        return None
+
+    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
+        """Rules across this strategy and the layout sizes (`ConfigError` naming the key); none by default."""
+        return None
+
+    @abstractmethod
+    def parallelize(
+        self,
+        model: nn.Module,
+        *,
+        mesh: MeshContext,
+        section: DistributedSection,
+        device: torch.device,
+        initialize: Initialize,
+        gradient_divide_factor: float | None,
+        pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    ) -> ParallelModel:
+        """Apply the layout to the meta-device `model`, materialize it with `initialize`, and return the parts."""
+
+    def grad_sync(
+        self, parts: list[nn.Module], *, is_last_microbatch: bool, defer: bool
+    ) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's backward: skip the gradient reduction unless it is the last
+        (when `defer`). Default: automodel.fsdp2's `grad_sync_context` (FSDP2 and DDP)."""
+        from automodel.fsdp2 import grad_sync_context
+
+        stack = contextlib.ExitStack()
+        for part in parts:
+            stack.enter_context(grad_sync_context(part, is_last_microbatch=is_last_microbatch, enabled=defer))
+        return stack
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, part: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer the loop steps for `part` (default: `optimizer` itself)."""
+        return optimizer
+
+    def clip_grad_norm(
+        self, params: list[nn.Parameter], *, max_norm: float | None, mesh: MeshContext, pipeline: Any
+    ) -> torch.Tensor:
+        """The global gradient norm before clipping to `max_norm`; under PP one copy of each tied
+        weight counts (`pipeline.norm_parameters()`)."""
+        from automodel.recipes.grad_norm import clip_grad_norm
+
+        counted = None if pipeline is None else {id(p) for p in pipeline.norm_parameters()}
+        pp_group = None if mesh.layout.axis_size("pp") == 1 else mesh.get_mesh("pp").get_group()
+        return clip_grad_norm(params, max_norm=max_norm, pp_group=pp_group, counted_ids=counted)

@@ -1,0 +1,58 @@
+"""The DDP strategy: data parallelism only; weights first (DDP broadcasts real parameters), then the wrapper."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from automodel.mesh import MeshContext
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
+
+if TYPE_CHECKING:
+    from automodel.recipes._dist_setup import DistributedSection
+
+
+class DDPStrategy(Strategy):
+    """torch DDP through automodel.fsdp2's `DDPManager` (no wrapper at dp = 1)."""
+
+    name = "ddp"
+
+    def config_class(self) -> type:
+        from automodel.fsdp2 import DDPConfig
+
+        return DDPConfig
+
+    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
+        if sizes["dp_replicate_size"] is not None:
+            raise ConfigError(
+                "distributed.dp_replicate_size",
+                sizes["dp_replicate_size"],
+                f"is FSDP2-only (strategy={self.name})",
+            )
+        for key in ("tp_size", "pp_size", "cp_size", "ep_size"):
+            value = sizes[key]
+            if value is not None and value > 1:
+                raise ConfigError(f"distributed.{key}", value, "ddp is data parallelism only (must be 1)")
+
+    def parallelize(
+        self,
+        model: nn.Module,
+        *,
+        mesh: MeshContext,
+        section: DistributedSection,
+        device: torch.device,
+        initialize: Initialize,
+        gradient_divide_factor: float | None,
+        pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    ) -> ParallelModel:
+        from automodel.fsdp2 import DDPManager
+
+        initialize([model])
+        if mesh.layout.dp == 1:
+            return ParallelModel(parts=[model], strategy=self, defer_grad_sync=False)
+        manager = DDPManager(section.strategy_config, mesh, gradient_divide_factor=gradient_divide_factor)
+        return ParallelModel(parts=[manager.parallelize(model)], strategy=self, defer_grad_sync=True)

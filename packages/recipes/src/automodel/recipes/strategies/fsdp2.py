@@ -1,0 +1,149 @@
+"""The FSDP2 strategy: per stage TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch ->
+autocast, the pipeline split around it when pp > 1, then materialize (parameters are sharded on
+the meta device and filled in place)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from automodel.mesh import MeshContext
+from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
+
+if TYPE_CHECKING:
+    from automodel.pipeline import BoundaryLayout
+    from automodel.recipes._dist_setup import DistributedSection
+
+
+def apply_fsdp2_stack(
+    module: nn.Module,
+    *,
+    mesh: MeshContext,
+    section: DistributedSection,
+    config: Any,
+    gradient_divide_factor: float | None,
+) -> str:
+    """TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch -> autocast on one model (or PP stage).
+
+    The FSDP2 halves are automodel.fsdp2's; CP and EP go between them. With EP, automodel.moe
+    shards the model (activation checkpointing and mp_policy included); the FSDP2 options it cannot
+    honour are refused when the section is parsed. Returns the CP attention backend to pass to
+    `make_cp_batch_and_ctx` ("none" without CP).
+    """
+    from automodel.fsdp2 import apply_sharding_from_config, apply_tensor_parallel_from_config
+
+    layout = mesh.layout
+    apply_tensor_parallel_from_config(module, mesh=mesh, config=config)
+    cp_backend = "none"
+    if layout.cp_enabled:
+        from automodel.context_parallel import apply_context_parallel
+
+        cp_backend = apply_context_parallel(module, cp_mesh=mesh.get_mesh("cp"))
+    if layout.ep_enabled:
+        from automodel.moe import parallelize_model as apply_expert_parallel
+
+        apply_expert_parallel(
+            module,
+            mesh=mesh,
+            config=section.moe_config,
+            activation_checkpointing=config.activation_checkpointing,
+            mp_policy=config.mp_policy,
+            gradient_divide_factor=gradient_divide_factor,
+            pipeline_stage=layout.pp_enabled,  # a stage may hold dense layers only
+        )
+        return cp_backend
+    apply_sharding_from_config(
+        module, mesh=mesh, config=config, gradient_divide_factor=gradient_divide_factor
+    )
+    return cp_backend
+
+
+def sequence_parallel_boundary(model: nn.Module, *, mesh: MeshContext, config: Any) -> BoundaryLayout | None:
+    """The layout of the hidden states between pipeline stages when the TP plan shards the sequence
+    (its residual stream is a ``Shard(1)`` DTensor over tp): the stages send local shards and the
+    next stage rebuilds them with it. None without sequence parallelism (plain tensors cross)."""
+    if not mesh.layout.tp_enabled:
+        return None
+    from torch.distributed.tensor import Shard
+
+    from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
+    from automodel.pipeline import BoundaryLayout
+
+    plan = resolve_tp_plan(model, tp_plan=config.tp_plan, sequence_parallel=config.sequence_parallel)
+    if not plan_has_sequence_parallel(plan):
+        return None
+    return BoundaryLayout(mesh=mesh.get_mesh("tp"), placements=(Shard(1),))
+
+
+class FSDP2Strategy(Strategy):
+    """automodel.fsdp2's FSDP2 (HSDP with dp_replicate_size), composed with TP/SP, CP, EP and PP."""
+
+    name = "fsdp2"
+    machine_keys = ("backend", "mp_policy")
+
+    def config_class(self) -> type:
+        from automodel.fsdp2 import FSDP2Config
+
+        return FSDP2Config
+
+    def machine_defaults(self, options: dict[str, Any], *, cuda: bool) -> dict[str, Any]:
+        """Mixed precision bf16 on CUDA (`default_mp_policy`), full precision on CPU."""
+        options = super().machine_defaults(options, cuda=cuda)
+        if options.get("mp_policy") is None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            from automodel.fsdp2 import default_mp_policy
+
+            options["mp_policy"] = default_mp_policy() if cuda else MixedPrecisionPolicy()
+        return options
+
+    def parallelize(
+        self,
+        model: nn.Module,
+        *,
+        mesh: MeshContext,
+        section: DistributedSection,
+        device: torch.device,
+        initialize: Initialize,
+        gradient_divide_factor: float | None,
+        pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    ) -> ParallelModel:
+        config = section.strategy_config
+        cp_backend = "none"
+
+        def parallelize_stage(module: nn.Module, **_: Any) -> None:
+            nonlocal cp_backend
+            cp_backend = apply_fsdp2_stack(
+                module,
+                mesh=mesh,
+                section=section,
+                config=config,
+                gradient_divide_factor=gradient_divide_factor,
+            )
+
+        pipe = None
+        if mesh.layout.pp_enabled:
+            from automodel.pipeline import AutoPipeline
+
+            pipe = AutoPipeline(mesh=mesh, config=section.pipeline_config, device=device).build(
+                model,
+                loss_fn=pipeline_loss_fn,
+                parallelize_fn=parallelize_stage,
+                boundary_layouts=sequence_parallel_boundary(model, mesh=mesh, config=config),
+            )
+            parts = list(pipe.model_parts)
+        else:
+            parallelize_stage(model)
+            parts = [model]
+        initialize(parts)
+        return ParallelModel(
+            parts=parts,
+            strategy=self,
+            pipeline=pipe,
+            cp_backend=cp_backend,
+            # A pipeline schedule reduces gradients itself after its last micro-batch.
+            defer_grad_sync=pipe is None and config.defer_fsdp_grad_sync,
+        )

@@ -1,0 +1,109 @@
+"""The megatron-fsdp strategy: TP -> MLP activation checkpointing -> weights -> megatron-fsdp (CUDA
+only, at every dp size); megatron-fsdp drives the optimizer step, the gradient sync and the norm."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from automodel.mesh import MeshContext
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
+
+if TYPE_CHECKING:
+    from automodel.recipes._dist_setup import DistributedSection
+
+
+class MegatronFSDPStrategy(Strategy):
+    """automodel.megatron_fsdp's adapter around megatron-fsdp's ``fully_shard``."""
+
+    name = "megatron_fsdp"
+
+    def config_class(self) -> type:
+        from automodel.megatron_fsdp import MegatronFSDPConfig
+
+        return MegatronFSDPConfig
+
+    def with_machine_defaults(self, config: Any, *, keys: frozenset[str], cuda: bool) -> Any:
+        values = self.machine_defaults({}, cuda=cuda)
+        # tp_plan is an init-only argument, kept as custom_tp_plan: hand it over again
+        return dataclasses.replace(config, tp_plan=config.custom_tp_plan, **{k: values[k] for k in keys})
+
+    def check_environment(self) -> None:
+        """megatron-fsdp must import (it needs CUDA at run time)."""
+        from automodel.megatron_fsdp import MegatronFSDPUnavailableError, import_megatron_fsdp
+
+        try:
+            import_megatron_fsdp()
+        except MegatronFSDPUnavailableError as e:
+            raise ConfigError("distributed.strategy", self.name, str(e)) from None
+
+    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
+        if sizes["dp_replicate_size"] is not None:
+            raise ConfigError(
+                "distributed.dp_replicate_size",
+                sizes["dp_replicate_size"],
+                f"is FSDP2-only (strategy={self.name})",
+            )
+        for key in ("pp_size", "ep_size"):
+            value = sizes[key]
+            if value is not None and value > 1:
+                raise ConfigError(
+                    f"distributed.{key}", value, "megatron_fsdp does not support it (must be 1)"
+                )
+        if config.init_fsdp_with_meta_device:
+            raise ConfigError(
+                "distributed.init_fsdp_with_meta_device",
+                True,
+                "is not supported by the recipes: they initialise (or load) the TP-sharded weights "
+                "before megatron-fsdp wraps the model, identically to fsdp2; set it to false",
+            )
+
+    def parallelize(
+        self,
+        model: nn.Module,
+        *,
+        mesh: MeshContext,
+        section: DistributedSection,
+        device: torch.device,
+        initialize: Initialize,
+        gradient_divide_factor: float | None,
+        pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    ) -> ParallelModel:
+        from automodel.megatron_fsdp import MegatronFSDPManager, MegatronFSDPUnavailableError
+
+        manager = MegatronFSDPManager(
+            section.strategy_config, mesh, gradient_divide_factor=gradient_divide_factor
+        )
+        try:
+            wrapped, _ = manager.parallelize(model, materialize=lambda m: initialize([m]))
+        except MegatronFSDPUnavailableError as e:
+            raise ConfigError("distributed.strategy", self.name, str(e)) from None
+        return ParallelModel(parts=[wrapped], strategy=self, defer_grad_sync=True)
+
+    def grad_sync(
+        self, parts: list[nn.Module], *, is_last_microbatch: bool, defer: bool
+    ) -> contextlib.AbstractContextManager:
+        from automodel.megatron_fsdp import microbatch_grad_sync
+
+        stack = contextlib.ExitStack()
+        for part in parts:
+            stack.enter_context(microbatch_grad_sync(part, is_last_microbatch=is_last_microbatch))
+        return stack
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, part: nn.Module) -> torch.optim.Optimizer:
+        from automodel.megatron_fsdp import shard_optimizer
+
+        return shard_optimizer(optimizer, model=part)
+
+    def clip_grad_norm(
+        self, params: list[nn.Parameter], *, max_norm: float | None, mesh: MeshContext, pipeline: Any
+    ) -> torch.Tensor:
+        from automodel.megatron_fsdp import clip_grad_norm
+
+        return clip_grad_norm(params, max_norm=max_norm, tp_size=mesh.layout.tp)

@@ -1,0 +1,57 @@
+"""The strategy registry: every strategy is one `Strategy` module plus one registration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from automodel.recipes._dist_setup import parse_distributed_section
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.strategies import Strategy, get_strategy, register_strategy, registry, strategy_names
+
+
+def test_the_three_strategies_are_registered_in_order() -> None:
+    assert strategy_names() == ("fsdp2", "megatron_fsdp", "ddp")
+    assert all(get_strategy(n).name == n for n in strategy_names())
+    with pytest.raises(ValueError, match="registered twice"):
+        register_strategy(get_strategy("ddp"))
+
+
+@dataclass
+class _ToyConfig:
+    backend: str = "gloo"
+    toy_flag: int = 0
+
+
+class _ToyStrategy(Strategy):
+    name = "toy"
+
+    def config_class(self) -> type:
+        return _ToyConfig
+
+    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
+        if sizes["tp_size"] != 1:
+            raise ConfigError("distributed.tp_size", sizes["tp_size"], "toy is data parallel only")
+
+    def parallelize(self, model, **_: Any):  # type: ignore[override]
+        raise NotImplementedError
+
+
+def test_a_registered_strategy_is_selectable_with_its_own_flags_and_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(registry, "_STRATEGIES", dict(registry._STRATEGIES))
+    register_strategy(_ToyStrategy())
+    section = parse_distributed_section({"strategy": "toy", "toy_flag": 3})
+    assert isinstance(section.strategy_config, _ToyConfig) and section.strategy_config.toy_flag == 3
+    with pytest.raises(ConfigError, match="distributed.tp_size"):
+        parse_distributed_section({"strategy": "toy", "tp_size": 2})
+    with pytest.raises(ConfigError, match="distributed.toy_flag.*is not an option of strategy 'fsdp2'"):
+        parse_distributed_section({"toy_flag": 1})
+
+
+def test_unknown_strategy_lists_the_registered_ones() -> None:
+    with pytest.raises(ConfigError, match="must be one of fsdp2, megatron_fsdp, ddp"):
+        parse_distributed_section({"strategy": "zero"})
