@@ -73,7 +73,7 @@ def tiny_config(*, layers: int = 2, family: str = "llama", heads: int = 4, kv_he
 
 def tiny_model(
     *, layers: int = 2, family: str = "llama", meta: bool = False, seed: int = 0
-) -> LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM:
+) -> LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM | GPT2LMHeadModel:
     torch.manual_seed(seed)
     cls = {
         "llama": LlamaForCausalLM,

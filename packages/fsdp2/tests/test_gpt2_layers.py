@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fsdp2_testlib import batch, loss_sum, reference, tiny_model, train_on_rank
+from transformers import GPT2LMHeadModel
 
 from automodel.mesh.model_parts import decoder_layers, find_layer_list, tied_weight_modules
 from automodel.mesh.testing import run_on_ranks
@@ -16,7 +17,10 @@ def test_introspection_finds_gpt2_parts() -> None:
     from automodel.mesh.model_parts import input_embeddings, output_embeddings, parameter_places
 
     model = tiny_model(family="gpt2", layers=3, meta=True)
-    name, layers = find_layer_list(model)
+    assert isinstance(model, GPT2LMHeadModel)
+    found = find_layer_list(model)
+    assert found is not None
+    name, layers = found
     assert name == "transformer.h" and len(layers) == 3
     assert decoder_layers(model) == list(model.transformer.h)
     assert input_embeddings(model) is model.transformer.wte
@@ -30,6 +34,7 @@ def test_activation_checkpointing_and_compile_wrap_every_gpt2_layer() -> None:
     from automodel.fsdp2 import apply_activation_checkpointing, apply_compile
 
     model = tiny_model(family="gpt2", layers=3)
+    assert isinstance(model, GPT2LMHeadModel)
     ids = batch(0)[:2]
     want = loss_sum(model, ids)
     assert apply_activation_checkpointing(model) == 3

@@ -103,11 +103,11 @@ def test_resolution_order() -> None:
     assert type(sp["model.norm"]) is SequenceParallel and "model.layers.*.input_layernorm" in sp
 
 
-def test_model_without_hf_plan_needs_an_explicit_plan() -> None:
+def test_model_without_hf_plan_needs_an_explicit_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model declaring no TP plan may hard-code its head count (StableLM does): the automatic
     plans refuse it by name; an explicit plan is the user's statement that it works."""
     model = tiny_model()
-    model.config.base_model_tp_plan = None
+    monkeypatch.setattr(type(model.config), "base_model_tp_plan", None)  # its config class declares none
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
         resolve_tp_plan(model)
     with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
@@ -240,7 +240,7 @@ def test_plan_keys_of_modules_another_pipeline_stage_holds_are_not_typos() -> No
     from automodel.fsdp2.tp_plan import check_plan_matches_model, explicit_plan
 
     stage = _meta_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    stage.lm_head, stage.model.norm = None, None
+    stage.lm_head, stage.get_submodule("model").norm = None, None
     plan = explicit_plan({"model.layers.*.self_attn.q_proj": "colwise", "lm_head": "colwise_gather_output"})
     check_plan_matches_model(stage, plan)
     with pytest.raises(ValueError, match=r"\['model.nrom'\] match no submodule"):

@@ -44,7 +44,7 @@ def _shard_own_params(module: nn.Module, device_mesh: DeviceMesh, placement: Any
         module.register_parameter(name, dist_param)
 
 
-class _LoRAColwiseMixin:
+class _LoRAColwiseMixin(ColwiseParallel):
     """Colwise base weight; ``lora_A`` left replicated, ``lora_B`` sharded on its output rows."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
@@ -57,7 +57,7 @@ class _LoRAColwiseMixin:
         super()._partition_linear_fn(name, module, device_mesh)
 
 
-class _LoRARowwiseMixin:
+class _LoRARowwiseMixin(RowwiseParallel):
     """Rowwise base weight; ``lora_A`` sharded on its input columns, ``lora_B`` replicated."""
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:

@@ -13,6 +13,7 @@ class says nothing about the text decoder. Only torch is imported (transformers 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -99,10 +100,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [] if found is None else [m for m in found[1] if m is not None]
 
 
+def _hf_method(model: nn.Module, name: str) -> Callable[[], nn.Module | None]:
+    """``model.<name>``: a method of the model's class (torch types every Module attribute it does
+    not declare as ``Tensor | Module``); AttributeError where the model has none."""
+    return getattr(model, name)
+
+
 def input_embeddings(model: nn.Module) -> nn.Module | None:
     """The model's token embedding module; None for models that do not expose one."""
     try:
-        return model.get_input_embeddings()
+        return _hf_method(model, "get_input_embeddings")()
     except (AttributeError, NotImplementedError):
         return None
 
@@ -110,7 +117,7 @@ def input_embeddings(model: nn.Module) -> nn.Module | None:
 def output_embeddings(model: nn.Module) -> nn.Module | None:
     """The model's LM head (``get_output_embeddings()``); None for models without one."""
     try:
-        head = model.get_output_embeddings()
+        head = _hf_method(model, "get_output_embeddings")()
     except (AttributeError, NotImplementedError):
         return None
     return head if isinstance(head, nn.Module) else None

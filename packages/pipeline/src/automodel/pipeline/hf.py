@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -116,7 +117,7 @@ class MetaStandIns:
 
 def meta_stand_ins(model: nn.Module, *, structure: HFStructure) -> MetaStandIns:
     """Meta copies of everything a stage may stand in for; take them before parallelizing."""
-    layers = model.get_submodule(structure.layers_fqn)
+    layers = cast(nn.ModuleList, model.get_submodule(structure.layers_fqn))  # found by find_layer_list
     return MetaStandIns(
         pre_modules={f: meta_copy(model.get_submodule(f)) for f in structure.pre_fqns},
         layers={i: meta_copy(layers[i]) for i in range(structure.num_layers)},

@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from automodel.mesh.model_parts import output_embeddings
 from automodel.pipeline.dtensor_boundary import sendable
 from automodel.pipeline.hf_placeholders import (
     ContiguousGrad,
@@ -72,6 +73,11 @@ class CausalLMStage(nn.Module):
     The stage shares its children (the very dict) with `causal_lm`, a pruned shallow copy of the
     model (see `split_module`), whose own forward it calls.
     """
+
+    # Set with object.__setattr__ (not registered as children: the stage shares the model's).
+    _causal_lm: nn.Module
+    _slots: list[nn.Module | None]
+    _shadows: dict[str, nn.Module]
 
     def __init__(
         self,
@@ -216,7 +222,8 @@ class CausalLMStage(nn.Module):
             batch, seq = inputs.shape[:2]
         else:
             if self.carries:
-                inputs, *received = (ContiguousGrad.apply(t) for t in (inputs, *received))
+                inputs, *rest = (ContiguousGrad.apply(t) for t in (inputs, *received))
+                received = tuple(rest)
             state.received = inputs
             self._take_received(tuple(received))
             call, (batch, seq) = self._later_stage_call(inputs, token_ids)
@@ -245,7 +252,8 @@ class CausalLMStage(nn.Module):
                     f"pipeline stage {self.stage_index} of model_type {self.structure.model_type!r} runs the model "
                     "from the token ids (its layers read values made from them before the layers): pass token_ids"
                 )
-            return {"input_ids": token_ids}, tuple(token_ids.shape[:2])
+            batch, seq = token_ids.shape[:2]
+            return {"input_ids": token_ids}, (batch, seq)
         batch, seq = inputs.shape[:2]
         size = (batch, seq, self.structure.embed_size)
         embeds = torch.full(size, float("nan"), dtype=inputs.dtype, device=inputs.device)
@@ -297,7 +305,13 @@ class CausalLMStage(nn.Module):
         params = [p for p in self.parameters() if p.is_floating_point()]
         dtype = inputs.dtype if inputs.is_floating_point() else (params[0].dtype if params else torch.float32)
         if self.is_last:
-            width = self._causal_lm.get_output_embeddings().weight.shape[0]
+            head = output_embeddings(self._causal_lm)
+            weight = None if head is None else head.weight
+            if not isinstance(weight, torch.Tensor):
+                raise RuntimeError(
+                    f"pipeline stage {self.stage_index} is the last but holds no output embedding weight"
+                )
+            width = weight.shape[0]
         else:
             width = self.structure.hidden_size
         return torch.empty(batch, seq, width, dtype=dtype, device="meta")

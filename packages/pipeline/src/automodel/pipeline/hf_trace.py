@@ -93,7 +93,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 def use_eager_attention(model: nn.Module) -> None:
     """Eager attention on every config of `model` (fused kernels' meta versions lack features, GQA)."""
-    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
     for config in configs.values():
         if hasattr(config, "_attn_implementation"):
             try:
