@@ -1,5 +1,7 @@
-"""Linear warm-up then cosine / linear decay to `min_lr` (or constant), as a stateful LambdaLR,
-and its restore on resume (this run's schedule at the saved step)."""
+"""NeMo AutoModel's LR schedule (its OptimizerParamScheduler): linear warm-up from `init_lr` to the
+LR, then cosine / linear decay to `min_lr` (or constant), as a stateful LambdaLR; and its restore
+on resume (this run's schedule at the saved step). Unset keys take AutoModel's defaults
+(`schedule_values`)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,24 @@ if TYPE_CHECKING:
     from automodel.recipes.sections import LRSchedulerSection
 
 
+#: AutoModel's defaults (nemo_automodel LRSchedulerConfig.build)
+MAX_DEFAULT_WARMUP = 1000
+INIT_RATIO, MIN_RATIO = 0.1, 0.01
+
+
 def lr_multiplier(
-    step: int, *, warmup_steps: int, decay_steps: int, decay_style: str, min_ratio: float
+    step: int,
+    *,
+    warmup_steps: int,
+    decay_steps: int,
+    decay_style: str,
+    min_ratio: float,
+    init_ratio: float = INIT_RATIO,
 ) -> float:
-    """Factor on the base lr for the optimizer step with index `step` (0-based)."""
+    """Factor on the base lr for the optimizer step with index `step` (0-based): AutoModel's
+    ``init + (max - init) * step / warmup`` up to the warm-up's end, then the decay."""
     if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return init_ratio + (1.0 - init_ratio) * step / warmup_steps
     if decay_style == "constant":
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, decay_steps))
@@ -29,21 +43,30 @@ def lr_multiplier(
     return min_ratio + (1.0 - min_ratio) * shape
 
 
+def schedule_values(section: LRSchedulerSection, *, base_lr: float, total_steps: int) -> dict[str, Any]:
+    """The schedule's numbers with AutoModel's defaults for unset keys: warm-up
+    min(1000, total // 10) steps, init_lr 0.1 x LR, min_lr 0.01 x LR, decay over the rest of the run."""
+    warmup = section.warmup_steps
+    if warmup is None:
+        warmup = min(MAX_DEFAULT_WARMUP, total_steps // 10)
+    min_lr = section.min_lr if section.min_lr is not None else MIN_RATIO * base_lr
+    init_lr = section.init_lr if section.init_lr is not None else INIT_RATIO * base_lr
+    return {
+        "warmup_steps": warmup,
+        "decay_steps": section.decay_steps if section.decay_steps is not None else max(1, total_steps - warmup),
+        "decay_style": section.decay_style,
+        "min_ratio": min(1.0, min_lr / base_lr) if base_lr > 0 else 0.0,
+        "init_ratio": min(1.0, init_lr / base_lr) if base_lr > 0 else 0.0,
+    }
+
+
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, *, section: LRSchedulerSection, base_lr: float, total_steps: int
 ) -> LambdaLR:
-    warmup = section.warmup_steps
-    decay_steps = section.decay_steps if section.decay_steps is not None else max(1, total_steps - warmup)
-    min_ratio = min(1.0, section.min_lr / base_lr) if base_lr > 0 else 0.0
+    values = schedule_values(section, base_lr=base_lr, total_steps=total_steps)
 
     def fn(step: int) -> float:
-        return lr_multiplier(
-            step,
-            warmup_steps=warmup,
-            decay_steps=decay_steps,
-            decay_style=section.decay_style,
-            min_ratio=min_ratio,
-        )
+        return lr_multiplier(step, **values)
 
     return LambdaLR(optimizer, fn)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from automodel.recipes._dist_setup import DistributedSection, parse_distributed_section
@@ -11,15 +11,19 @@ from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import locate
 from automodel.recipes.peft.config import PeftSection
 from automodel.recipes.sections import (
+    CONSTANT_LR,
     ClipGradNormSection,
+    DataloaderSection,
     DistEnvSection,
     LoggingSection,
     LRSchedulerSection,
     ModelSection,
     OptimizerSection,
     PackedSequenceSection,
+    RngSection,
     StepSchedulerSection,
     TokenizerSection,
+    ValidationDataloaderSection,
     build_section,
 )
 
@@ -29,7 +33,7 @@ if TYPE_CHECKING:  # the checkpoint package imports torch.distributed.checkpoint
 TOP_LEVEL_KEYS = (
     "model", "dataset", "validation_dataset", "tokenizer", "step_scheduler", "optimizer", "lr_scheduler",
     "loss_fn", "distributed", "packed_sequence", "checkpoint", "logging", "seed", "output_dir", "dist_env",
-    "clip_grad_norm", "peft",
+    "clip_grad_norm", "peft", "dataloader", "validation_dataloader", "rng",
 )  # fmt: skip
 DEFAULT_LOSS_FN = "automodel.recipes.loss.masked_cross_entropy_sum"
 
@@ -54,6 +58,11 @@ class RecipeConfig:
     seed: int
     output_dir: str
     raw: dict
+    dataloader: DataloaderSection = field(default_factory=DataloaderSection)
+    validation_dataloader: ValidationDataloaderSection = field(default_factory=ValidationDataloaderSection)
+    rng: RngSection = field(default_factory=RngSection)
+    #: start-up lines: what this run does differently from NeMo AutoModel (`compat.defaults`)
+    notes: tuple[str, ...] = ()
 
     @property
     def seq_length(self) -> int:
@@ -115,6 +124,10 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     """Validate every section of `raw` (the loaded YAML); the first mistake raises `ConfigError`."""
     if not isinstance(raw, dict):
         raise ConfigError("config", raw, "must be a mapping of sections")
+    from automodel.recipes.compat import translate
+
+    original = raw
+    raw, notes = translate(raw)  # NeMo AutoModel's keys -> this project's (compat/aliases.py)
     reject_unknown("", raw, TOP_LEVEL_KEYS)
     if "model" not in raw:
         raise ConfigError("model", None, "section is required")
@@ -142,7 +155,9 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         tokenizer=build_section(TokenizerSection, raw.get("tokenizer")),
         step_scheduler=(steps := build_section(StepSchedulerSection, raw.get("step_scheduler"))),
         optimizer=OptimizerSection.parse(raw.get("optimizer")),
-        lr_scheduler=build_section(LRSchedulerSection, raw.get("lr_scheduler")),
+        lr_scheduler=CONSTANT_LR
+        if "lr_scheduler" not in raw
+        else build_section(LRSchedulerSection, raw["lr_scheduler"]),
         loss_fn=loss_callable,
         distributed=parse_distributed_section(
             raw.get("distributed"), local_batch_size=steps.local_batch_size
@@ -155,7 +170,10 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         peft=None if raw.get("peft") is None else build_section(PeftSection, raw["peft"]),
         seed=seed,
         output_dir=output_dir,
-        raw=raw,
+        raw=original,
+        dataloader=build_section(DataloaderSection, raw.get("dataloader")),
+        validation_dataloader=build_section(ValidationDataloaderSection, raw.get("validation_dataloader")),
+        rng=build_section(RngSection, raw.get("rng")),
     )
     from automodel.recipes.data.pretrain_sections import adopt_dataset_tokenizer
 
@@ -177,9 +195,11 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
             "validation_dataset is only evaluated at the end (no step_scheduler.val_every_steps)",
             stacklevel=2,
         )
-    if ss.ckpt_every_steps is not None and not cfg.checkpoint.enabled:
+    if cfg.dataloader.batch_size not in (None, ss.local_batch_size):
         raise ConfigError(
-            "step_scheduler.ckpt_every_steps", ss.ckpt_every_steps, "needs checkpoint.enabled: true"
+            "dataloader.batch_size",
+            cfg.dataloader.batch_size,
+            f"must be step_scheduler.local_batch_size={ss.local_batch_size} (the micro-batch) or null",
         )
     if cfg.logging.tensorboard:
         import importlib.util
@@ -188,6 +208,9 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
             raise ConfigError(
                 "logging.tensorboard", True, "needs the tensorboard package (automodel-recipes[tensorboard])"
             )
+    from automodel.recipes.compat.defaults import startup_notes
+
+    cfg.notes = (*notes, *startup_notes(cfg, raw))
     if cfg.tokenizer.path is None and cfg.model.config is not None:
         vocab = cfg.model.config.get("vocab_size")
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 256:

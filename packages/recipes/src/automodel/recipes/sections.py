@@ -116,7 +116,8 @@ class ModelSection:
             raise ConfigError("model.config.model_type", None, "is required (e.g. llama, qwen3, mixtral)")
         from automodel.recipes.instantiate import resolve_dtype
 
-        resolve_dtype("model.dtype", self.dtype)
+        # one spelling downstream (bf16, torch.bfloat16, BFloat16 -> bfloat16): the one parser decides
+        self.dtype = str(resolve_dtype("model.dtype", self.dtype)).removeprefix("torch.")
         if self.attn_implementation not in ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"):
             raise ConfigError(
                 "model.attn_implementation",
@@ -199,6 +200,17 @@ class TokenizerSection:
             raise ConfigError("tokenizer.path", self.path, "is not a local directory")
 
 
+PADDING = (False, True, "do_not_pad", "max_length", "longest")
+
+
+def check_padding(section: str, *, padding: Any, pad_to_max_length: Any) -> None:
+    """AutoModel's ``padding`` / ``pad_to_max_length``: valid values, none of which changes the loss."""
+    if not any(padding is p for p in PADDING if isinstance(p, bool)) and padding not in PADDING[2:]:
+        raise ConfigError(f"{section}.padding", padding, "must be false, true, do_not_pad, max_length or longest")
+    if not isinstance(pad_to_max_length, bool):
+        raise ConfigError(f"{section}.pad_to_max_length", pad_to_max_length, "must be true or false")
+
+
 SFT_SOURCES = ("instruction", "chat", "stdlib_docstrings")
 #: NeMo AutoModel dataset classes (``dataset._target_``) and the source that reads the same data.
 SFT_TARGETS = {"ColumnMappedTextInstructionDataset": "instruction", "ChatDataset": "chat"}
@@ -233,9 +245,18 @@ class SFTDatasetSection:
     # true / longest_first / right: its end is cut off (skipped if no answer token is left)
     truncation: bool | str = False
     limit_dataset_samples: int | None = None
+    # AutoModel's padding keys: rows here are always padded to one length, and padding carries no
+    # loss, so every value gives the same loss (checked, not used).
+    padding: bool | str = False
+    pad_to_max_length: bool = False
+    # AutoModel's per-dataset tokenizer: becomes the run's tokenizer (a different one is an error)
+    tokenizer: dict | None = None
+
+    PATH_KEY: ClassVar[str] = "path_or_dataset_id"
 
     def __post_init__(self) -> None:
         s = self.SECTION
+        check_padding(s, padding=self.padding, pad_to_max_length=self.pad_to_max_length)
         if self.source not in SFT_SOURCES:
             raise ConfigError(f"{s}.source", self.source, f"must be one of {', '.join(SFT_SOURCES)}")
         if self.source == "stdlib_docstrings":
@@ -314,12 +335,13 @@ class StepSchedulerSection:
     val_every_steps: int | None = None
     ckpt_every_steps: int | None = None
     val_batches: int = 2
+    gc_every_steps: int | None = None  # gc.collect() every N steps (AutoModel's key; None: never)
 
     def __post_init__(self) -> None:
         s = self.SECTION
         for name in ("global_batch_size", "local_batch_size", "num_epochs", "val_batches"):
             _positive(s, name, getattr(self, name))
-        for name in ("max_steps", "val_every_steps", "ckpt_every_steps"):
+        for name in ("max_steps", "val_every_steps", "ckpt_every_steps", "gc_every_steps"):
             _positive(s, name, getattr(self, name), allow_none=True)
         if self.global_batch_size % self.local_batch_size != 0:
             raise ConfigError(
@@ -331,22 +353,33 @@ class StepSchedulerSection:
 
 @dataclass
 class LRSchedulerSection:
-    """Linear warm-up, then cosine / linear decay to `min_lr` (or constant)."""
+    """NeMo AutoModel's schedule: linear warm-up from `init_lr`, then cosine / linear decay to
+    `min_lr` (or constant). Unset keys take AutoModel's defaults, resolved against the run's LR and
+    length in `lr_schedule`: warm-up min(1000, total steps // 10), init_lr 0.1 x LR, min_lr
+    0.01 x LR. No ``lr_scheduler:`` section at all is a constant LR (`CONSTANT`), as in AutoModel.
+    ``lr_warmup_steps`` / ``lr_decay_style`` (AutoModel's names) are read as these keys."""
 
     SECTION: ClassVar[str] = "lr_scheduler"
-    warmup_steps: int = 0
+    warmup_steps: int | None = None
     decay_style: str = "cosine"
-    decay_steps: int | None = None
-    min_lr: float = 0.0
+    decay_steps: int | None = None  # after the warm-up (default: the rest of the run)
+    min_lr: float | None = None
+    init_lr: float | None = None
 
     def __post_init__(self) -> None:
         s = self.SECTION
-        _positive(s, "warmup_steps", self.warmup_steps, minimum=0)
+        _positive(s, "warmup_steps", self.warmup_steps, minimum=0, allow_none=True)
         _positive(s, "decay_steps", self.decay_steps, allow_none=True)
         if self.decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(f"{s}.decay_style", self.decay_style, "must be cosine, linear or constant")
-        if self.min_lr < 0:
-            raise ConfigError(f"{s}.min_lr", self.min_lr, "must be >= 0")
+        for key in ("min_lr", "init_lr"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ConfigError(f"{s}.{key}", value, "must be >= 0")
+
+
+#: the schedule of a config without an ``lr_scheduler:`` section (AutoModel builds none)
+CONSTANT_LR = LRSchedulerSection(warmup_steps=0, decay_style="constant")
 
 
 @dataclass
@@ -437,3 +470,55 @@ class OptimizerSection:
             raise ConfigError("optimizer.lr", lr, "must be a number > 0")
         kwargs["lr"] = float(lr)
         return cls(target=data["_target_"], kwargs=kwargs)
+
+
+COLLATES = ("pad", "packed")
+
+
+@dataclass
+class DataloaderSection:
+    """``dataloader:`` / ``validation_dataloader:`` (NeMo AutoModel's keys; its ``_target_`` and
+    ``collate_fn`` are mapped by `compat.translate`).
+
+    ``shuffle`` (default true, as AutoModel): a seeded permutation per epoch, else dataset order.
+    Rows are tensors in memory here, so ``num_workers``, ``pin_memory`` and ``pad_seq_len_divisible``
+    change no batch; ``batch_size`` must be the micro-batch (``step_scheduler.local_batch_size``)
+    or null; validation batches are averaged per token, so its batch size changes no number.
+    """
+
+    SECTION: ClassVar[str] = "dataloader"
+    shuffle: bool = True
+    num_workers: int = 0
+    batch_size: int | None = None
+    collate: str = "pad"  # from collate_fn: pad (default_collater) or packed (packed_sequence_thd_collater)
+    pad_seq_len_divisible: int | None = None
+    drop_last: bool = True
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    dataloader_type: str = "single"
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        _positive(s, "num_workers", self.num_workers, minimum=0)
+        _positive(s, "batch_size", self.batch_size, allow_none=True)
+        _positive(s, "pad_seq_len_divisible", self.pad_seq_len_divisible, allow_none=True)
+        if self.collate not in COLLATES:
+            raise ConfigError(f"{s}.collate", self.collate, f"must be one of {', '.join(COLLATES)}")
+        if self.dataloader_type != "single":
+            raise ConfigError(f"{s}.dataloader_type", self.dataloader_type, "only single is supported")
+
+
+@dataclass
+class ValidationDataloaderSection(DataloaderSection):
+    SECTION: ClassVar[str] = "validation_dataloader"
+    shuffle: bool = False
+
+
+@dataclass
+class RngSection:
+    """``rng:`` (AutoModel's StatefulRNG; its ``seed`` is the top-level ``seed``). ``ranked``: after
+    the model is built, each data-parallel rank seeds torch with ``seed + dp rank`` (dropout masks
+    differ across replicas; TP/CP/PP ranks of one replica share them, as their tensors must)."""
+
+    SECTION: ClassVar[str] = "rng"
+    ranked: bool = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import sys
 import time
@@ -182,6 +183,7 @@ class Trainer:
                 dp_rank=dp_rank_of(self.mesh),
                 dp_size=layout.dp,
                 seed=cfg.seed,
+                shuffle=cfg.dataloader.shuffle,
             )
         except ValueError as e:
             raise ConfigError("step_scheduler.global_batch_size", ss.global_batch_size, str(e)) from None
@@ -238,6 +240,10 @@ class Trainer:
         # swaps module parameters between forward and step; the optimizer holds the stepped ones).
         self.params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
         self._report_layout()
+        if cfg.rng.ranked:  # dropout masks per data-parallel replica (AutoModel's StatefulRNG ranked)
+            torch.manual_seed(cfg.seed + dp_rank_of(self.mesh))
+        if self.rank == 0 and cfg.notes:
+            print("\n".join(f"note: {line}" for line in cfg.notes), file=sys.stderr, flush=True)
 
     def _report_layout(self) -> None:
         """Print what this rank holds, one line per parallelism (every rank), and write
@@ -456,6 +462,8 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                if ss.gc_every_steps and self.step % ss.gc_every_steps == 0:
+                    gc.collect()
                 if ckpt is not None:
                     state.step = self.step
                     ckpt.maybe_save(state, every_steps=ss.ckpt_every_steps)
@@ -464,7 +472,7 @@ class Trainer:
                         break
             if ckpt is not None:
                 state.step = self.step
-                ckpt.save(state)
+                ckpt.save(state, last=self.step == self.total_steps)
         finally:
             if bar is not None:
                 bar.close()

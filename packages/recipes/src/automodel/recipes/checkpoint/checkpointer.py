@@ -147,10 +147,11 @@ class Checkpointer:
             return None
         return self.save(state)
 
-    def save(self, state: TrainingState) -> Path | None:
+    def save(self, state: TrainingState, *, last: bool = False) -> Path | None:
         """Write ``step_<state.step>`` atomically and point ``LATEST`` at it; None when disabled.
 
-        Saving the step already saved by this checkpointer is a no-op returning its path.
+        Saving the step already saved by this checkpointer is a no-op returning its path. `last`:
+        the run's final checkpoint (``save_consolidated: final`` writes consolidated/ only there).
         """
         if not self.config.enabled:
             return None
@@ -178,7 +179,8 @@ class Checkpointer:
                 base_model_name_or_path=self.base_model_name_or_path,
             )
             lora_scales = dict.fromkeys(self.lora.module_fqns, self.lora.section.scale)
-        if self.config.save_consolidated and (self.lora is None or self.lora.section.save_merged):
+        consolidate = self.config.save_consolidated is True or (self.config.save_consolidated == "final" and last)
+        if consolidate and (self.lora is None or self.lora.section.save_merged):
             (tmp / paths.CONSOLIDATED_DIR).mkdir(exist_ok=True)
             files = save_consolidated(
                 model_parts=state.model_parts,

@@ -19,17 +19,25 @@ class CheckpointConfig:
 
     enabled: bool = True
     checkpoint_dir: str | None = None
-    save_consolidated: bool = True
+    # true: consolidated/ in every checkpoint; "final" (AutoModel's default): only in the last one
+    save_consolidated: bool | str = True
     model_save_format: str = "safetensors"
     keep_last_n: int | None = None
     restore_from: str | None = None
+    # AutoModel: dequantize an FP8-quantized base checkpoint when loading it. Quantized checkpoints
+    # are refused here (model._refuse_quantized), so on the checkpoints loaded here it changes nothing.
+    dequantize_base_checkpoint: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"checkpoint.enabled must be true or false, got {self.enabled!r}")
-        if not isinstance(self.save_consolidated, bool):
+        if not isinstance(self.save_consolidated, bool) and self.save_consolidated != "final":
             raise ValueError(
-                f"checkpoint.save_consolidated must be true or false, got {self.save_consolidated!r}"
+                f"checkpoint.save_consolidated must be true, false or final, got {self.save_consolidated!r}"
+            )
+        if self.dequantize_base_checkpoint not in (None, True, False):
+            raise ValueError(
+                f"checkpoint.dequantize_base_checkpoint must be true, false or null, got {self.dequantize_base_checkpoint!r}"
             )
         if self.model_save_format not in MODEL_SAVE_FORMATS:
             raise ValueError(

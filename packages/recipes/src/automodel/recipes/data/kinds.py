@@ -141,6 +141,9 @@ def _register_builtin() -> None:
     register(DatasetKind("nanogpt", ("nanogpt",), dict.fromkeys(("NanogptDataset", "NanogptDatasetConfig"), "nanogpt"),
                          NanogptSection, NanogptValidationSection,
                          f"{build}:build_nanogpt", f"{build}:check_nanogpt_paths"))  # fmt: skip
+    from automodel.recipes.compat.datasets import register_kinds
+
+    register_kinds()  # NeMo AutoModel's make_squad_dataset and HellaSwag
 
 
 _register_builtin()

@@ -11,6 +11,7 @@ import torch
 from automodel.recipes.data.corpus import embedded_documents
 from automodel.recipes.data.packing import PackedDataset, pack_documents
 from automodel.recipes.data.sampler import StatefulGlobalBatchSampler
+from automodel.recipes.data.sample_order import SequentialOrder
 from automodel.recipes.errors import ConfigError
 
 
@@ -119,9 +120,17 @@ def build_text_dataset(
 
 
 def build_sampler(
-    dataset: Any, *, global_batch_size: int, local_batch_size: int, dp_rank: int, dp_size: int, seed: int
+    dataset: Any,
+    *,
+    global_batch_size: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    shuffle: bool = True,
 ) -> StatefulGlobalBatchSampler:
-    """The training sampler over `dataset`, in the dataset's own `sample_order` when it has one."""
+    """The training sampler over `dataset`, in the dataset's own `sample_order` when it has one;
+    without `shuffle` (``dataloader.shuffle: false``), in the dataset's row order."""
     return StatefulGlobalBatchSampler(
         num_rows=len(dataset),
         global_batch_size=global_batch_size,
@@ -129,7 +138,7 @@ def build_sampler(
         dp_rank=dp_rank,
         dp_size=dp_size,
         seed=seed,
-        order=getattr(dataset, "sample_order", None),
+        order=getattr(dataset, "sample_order", None) if shuffle else SequentialOrder(len(dataset)),
     )
 
 

@@ -151,7 +151,8 @@ class ExampleEncoder:
                     "...",
                     "needs a Hugging Face tokenizer (the byte tokenizer has none)",
                 )
-            tokenizer.hf.chat_template = section.chat_template  # saved with the tokenizer in checkpoints
+            # saved with the tokenizer in checkpoints
+            tokenizer.hf.chat_template = read_chat_template(f"{s}.chat_template", section.chat_template)
         has_template = tokenizer.chat_template is not None
         use = section.use_hf_chat_template
         need = "needs a tokenizer with a chat template (this one has none); give a chat_template or a tokenizer that has one"
@@ -174,6 +175,16 @@ class ExampleEncoder:
             return encode_chat(
                 self.tokenizer, messages, answer_only=answer_only, key=self.key, tools=record.get("tools")
             )
+        if "prompt" in record:  # a dataset factory's own prompt text (SQuAD, HellaSwag): verbatim
+            prompt, answer = _text(record["prompt"]), _text(record.get("answer"))
+            if not answer.strip():
+                raise SkippedExample("empty answer")
+            if self.use_template:
+                messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+                return encode_chat(self.tokenizer, messages, answer_only=answer_only, key=self.key)
+            return encode_plain(
+                self.tokenizer, prompt=prompt, answer=answer, answer_only=answer_only, bos=self.bos
+            )
         context, question, answer = (_text(record.get(k)) for k in ("context", "question", "answer"))
         if not answer.strip():
             raise SkippedExample("empty answer")
@@ -190,6 +201,16 @@ class ExampleEncoder:
         return encode_plain(
             self.tokenizer, prompt=prompt, answer=answer, answer_only=answer_only, bos=self.bos
         )
+
+
+def read_chat_template(key: str, value: str) -> str:
+    """A Jinja template, or (AutoModel's convention) the path of a ``.jinja`` file holding one."""
+    if value.strip().endswith(".jinja") and "{" not in value:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ConfigError(key, value, "names a .jinja file that does not exist")
+        return path.read_text()
+    return value
 
 
 def fit_to_length(example: Example, *, max_tokens: int, truncate: bool) -> Example:
@@ -277,7 +298,7 @@ def _load_table(section: Any) -> Any:
 
     from automodel.recipes.hub_cache import resolve_local_or_cached
 
-    key = f"{section.SECTION}.path_or_dataset_id"
+    key = f"{section.SECTION}.{section.PATH_KEY}"
     src = section.path_or_dataset_id
     paths = src if isinstance(src, list) else [src]
     local = [Path(p).expanduser() for p in paths]
@@ -286,6 +307,7 @@ def _load_table(section: Any) -> Any:
         if None in builders or len(builders) != 1:
             raise ConfigError(key, src, f"must be files of one kind: {', '.join(_EXTENSION_BUILDERS)}")
         kind, data_files, directory = builders.pop(), [str(p) for p in local], None
+        split = "train" + section.split[section.split.index("[") :] if "[" in section.split else "train"
     elif isinstance(src, list):
         missing = next(str(p) for p in local if not p.is_file())
         raise ConfigError(key, missing, "does not exist (only local files are read from a list)")
@@ -295,7 +317,7 @@ def _load_table(section: Any) -> Any:
     try:
         if directory is None:
             assert kind is not None  # local files: their builder was checked above
-            ds = datasets.load_dataset(kind, data_files=data_files, split="train")
+            ds = datasets.load_dataset(kind, data_files=data_files, split=split)
         else:  # a folder of data files (a Hub snapshot): datasets' file readers, no loading script
             ds = datasets.load_dataset(str(directory), name=section.name, split=section.split)
     except Exception as e:  # noqa: BLE001 - any unreadable source is a config problem
@@ -351,10 +373,13 @@ def _report(section: Any, stats: dict[str, Any]) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def build_sft_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int) -> SFTDataset:
-    """Read, encode, fit and lay out the section's examples (see the module docstring)."""
+def build_sft_dataset(
+    section: Any, tokenizer: Any, *, packed_sequence_size: int, records: list[dict[str, Any]] | None = None
+) -> SFTDataset:
+    """Read, encode, fit and lay out the section's examples (see the module docstring); `records`
+    (role -> value) replace reading the section's columns (a dataset factory's own reader)."""
     encoder = ExampleEncoder(section, tokenizer)
-    records = load_records(section)
+    records = load_records(section) if records is None else records
     packed = packed_sequence_size > 0
     row_length = packed_sequence_size if packed else section.seq_length
     examples: list[Example] = []
@@ -369,7 +394,7 @@ def build_sft_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int
     if not examples:
         reasons = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "no records"
         raise ConfigError(
-            f"{s}.path_or_dataset_id", section.path_or_dataset_id, f"yields no usable example ({reasons})"
+            f"{s}.{section.PATH_KEY}", section.path_or_dataset_id, f"yields no usable example ({reasons})"
         )
     pad = getattr(tokenizer, "pad_token_id", None)
     ids, labels, pos = build_rows(

@@ -1,0 +1,79 @@
+"""``model.backend``: AutoModel's kernel choices for its own model implementations.
+
+This project trains the transformers model's own modules, so these choices select no kernel
+here. The math is the same (a TE or grouped-GEMM linear computes the same product as torch's), so
+they are accepted, and listed in one start-up line when they name a kernel other than torch's.
+Values that change the math (``fake_balanced_gate: true``, an FP8 recipe) are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from automodel.recipes.errors import ConfigError
+
+#: key -> the values AutoModel accepts (None: any value of the listed Python type)
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "attn": ("te", "sdpa", "flex", "eager", "tilelang", "cudnn", "magi", "torch"),
+    "linear": ("torch", "te", "quack"),
+    "rms_norm": ("torch", "torch_fp32", "te", "quack"),
+    "rope": ("torch", "quack"),
+    "experts": ("torch", "te", "gmm", "torch_mm", "torch_mm_mxfp8"),
+    "dispatcher": ("torch", "deepep", "hybridep", "uccl_ep", "mok"),
+}
+FLAGS = (
+    "rope_fusion",
+    "enable_hf_state_dict_adapter",
+    "enable_fsdp_optimizations",
+    "compile_attn",
+    "dispatcher_share_token_dispatcher",
+    "dispatcher_async_dispatch",
+)
+#: what the transformers modules compute, per key (a choice equal to it needs no note)
+HERE = {"attn": "sdpa", "linear": "torch", "rms_norm": "torch", "rope": "torch", "experts": "torch", "dispatcher": "torch"}
+
+
+def read_backend(data: Any) -> str | None:
+    """Check ``model.backend``; the start-up line for the kernels not used here (None: nothing to say)."""
+    from automodel.recipes.compat.aliases import match
+
+    if not isinstance(data, dict):
+        raise ConfigError("model.backend", data, "must be a mapping (AutoModel's BackendConfig)")
+    data = dict(data)
+    if "_target_" in data:
+        target = data.pop("_target_")
+        if not (isinstance(target, str) and target.endswith("BackendConfig")):
+            match("model", target, key="model.backend._target_")  # raises with the known names
+    noted = []
+    for key, value in data.items():
+        k = f"model.backend.{key}"
+        if key in CHOICES:
+            if value not in CHOICES[key]:
+                raise ConfigError(k, value, f"must be one of {', '.join(CHOICES[key])}")
+            if value not in (HERE[key], "torch", "sdpa", "eager", "torch_fp32"):
+                noted.append(f"{key}={value}")
+        elif key in FLAGS:
+            if not isinstance(value, bool):
+                raise ConfigError(k, value, "must be true or false")
+        elif key == "fake_balanced_gate":
+            if value is not False:
+                raise ConfigError(k, value, "changes the routing (a benchmark gate); not supported here")
+        elif key == "gate_precision":
+            from automodel.recipes.instantiate import resolve_dtype
+
+            if value is not None:
+                resolve_dtype(k, value)
+                noted.append(f"gate_precision={value}")
+        elif key == "dispatcher_num_sms":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(k, value, "must be an int")
+        elif key == "te_fp8":
+            raise ConfigError(k, value, "FP8 training is not implemented in this project")
+        else:
+            raise ConfigError(k, value, f"unknown key; known keys: {', '.join(sorted([*CHOICES, *FLAGS]))}")
+    if not noted:
+        return None
+    return (
+        f"model.backend: {', '.join(noted)} are kernels of AutoModel's own model implementations; "
+        "here the transformers model's modules run (same math)"
+    )

@@ -1,0 +1,52 @@
+"""Where this project keeps a default different from NeMo AutoModel's on purpose: one line each.
+
+The lines are printed once at start-up (`recipes train` rank 0, `recipes validate`), and only when
+the key is absent from the YAML, so an explicit setting is never commented on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: AutoModel's defaults compared here (nemo_automodel StepSchedulerConfig / CheckpointingConfig)
+AUTOMODEL_CKPT_EVERY_STEPS = 100
+AUTOMODEL_NUM_EPOCHS = 10
+
+
+def startup_notes(cfg: Any, raw: dict) -> list[str]:
+    """The lines for `cfg` (parsed) whose keys `raw` (the translated YAML) leaves out."""
+    notes = []
+    steps = raw.get("step_scheduler") or {}
+    ckpt = raw.get("checkpoint")
+    every = cfg.step_scheduler.ckpt_every_steps
+    if ckpt is None:
+        notes.append(
+            "checkpoint: no section, so no checkpoints are written (AutoModel saves them by default); "
+            "add checkpoint: {enabled: true}"
+        )
+    elif cfg.checkpoint.enabled and every is None:
+        notes.append(
+            "step_scheduler.ckpt_every_steps unset: one checkpoint at the end "
+            f"(AutoModel: every {AUTOMODEL_CKPT_EVERY_STEPS} steps)"
+        )
+    if every is not None and not cfg.checkpoint.enabled:
+        notes.append(f"step_scheduler.ckpt_every_steps={every} has no effect: checkpointing is off")
+    if "num_epochs" not in steps and cfg.step_scheduler.max_steps is None:
+        notes.append(
+            f"step_scheduler: neither max_steps nor num_epochs: 1 epoch here (AutoModel: {AUTOMODEL_NUM_EPOCHS})"
+        )
+    if cfg.validation_dataset is not None and "val_batches" not in steps:
+        notes.append(
+            f"validation: the first step_scheduler.val_batches={cfg.step_scheduler.val_batches} global "
+            "batches of validation_dataset are evaluated (AutoModel evaluates all of it)"
+        )
+    if not cfg.dataloader.drop_last:
+        notes.append("dataloader.drop_last: false: an epoch's last partial global batch is still dropped here")
+    dataset = raw.get("dataset") or {}
+    if hasattr(cfg.dataset, "answer_only_loss_mask") and "seq_length" not in dataset:
+        if cfg.packed_sequence.packed_sequence_size == 0:
+            notes.append(
+                f"dataset.seq_length unset: rows of {cfg.dataset.seq_length} tokens, longer examples skipped "
+                "and counted (AutoModel pads each batch to its longest example)"
+            )
+    return notes

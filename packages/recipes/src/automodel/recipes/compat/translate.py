@@ -1,0 +1,345 @@
+"""NeMo AutoModel's recipe keys -> this project's, before the sections are parsed.
+
+`translate` takes the loaded YAML mapping and returns the mapping the sections read, plus the
+start-up lines for settings honoured differently here. It only renames and resolves: every value
+is still checked by its section afterwards. A key AutoModel has that cannot be honoured here is
+refused naming it; none is dropped without a line saying so, except the ones listed in
+`METADATA` (they configure AutoModel's CI and launchers, not the training).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from automodel.recipes.compat.aliases import LOSS_KERNEL_KEYS, match
+from automodel.recipes.errors import ConfigError
+
+#: top-level sections about AutoModel's CI, not the run: accepted and not used
+METADATA = ("ci",)
+#: top-level sections of AutoModel features that are not part of this project
+NOT_HERE = {
+    "skypilot": "AutoModel's SkyPilot launcher is not part of this project; run `recipes train` on the machine",
+    "quantization": "quantized (QLoRA / bitsandbytes) training is not implemented in this project",
+    "qat": "quantization-aware training is not implemented in this project",
+    "neftune": "NEFTune embedding noise is not implemented in this project",
+    "benchmark": "AutoModel's benchmark recipe is not part of this project; see `recipes plan`",
+    "tool_call_eval": "the tool-call evaluator is not part of this project",
+}
+
+
+def translate(raw: dict) -> tuple[dict, list[str]]:
+    """(the mapping with AutoModel's keys rewritten, the start-up lines of what differs here)."""
+    out = copy.deepcopy(raw)
+    notes: list[str] = []
+    _top_level(out, notes)
+    _model(out, notes)
+    _tokenizer(out)
+    _peft(out, notes)
+    _distributed(out)
+    for name in ("dataset", "validation_dataset"):
+        _dataset(out, name)
+    _dataloaders(out)
+    _loss_fn(out)
+    _lr_scheduler(out)
+    _packed_sequence(out)
+    return out, notes
+
+
+def _none(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+
+
+def _enabled(section: str, data: Any, *, flag: str = "enabled") -> bool:
+    if not isinstance(data, dict):
+        raise ConfigError(section, data, "must be a mapping")
+    value = data.get(flag, True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{section}.{flag}", value, "must be true or false")
+    return value
+
+
+def _top_level(out: dict, notes: list[str]) -> None:
+    for key in [k for k in out if isinstance(k, str) and k.startswith("_")]:
+        del out[key]  # AutoModel's convention: a disabled section, or the holder of a YAML anchor
+    for key in METADATA:
+        out.pop(key, None)
+    for key, why in NOT_HERE.items():
+        if key in out:
+            raise ConfigError(key, "...", why)
+    if "recipe" in out:
+        recipe = out.pop("recipe")
+        target = recipe.get("_target_") if isinstance(recipe, dict) else recipe
+        match("recipe", target, key="recipe._target_" if isinstance(recipe, dict) else "recipe")
+    if "rng" in out:
+        rng = out.pop("rng")
+        if not isinstance(rng, dict):
+            raise ConfigError("rng", rng, "must be a mapping (AutoModel's StatefulRNG)")
+        rng = dict(rng)
+        if "_target_" in rng:
+            match("rng", rng.pop("_target_"), key="rng._target_")
+        if "seed" in rng:
+            seed = rng.pop("seed")
+            if "seed" in out and out["seed"] != seed:
+                raise ConfigError("rng.seed", seed, f"differs from seed={out['seed']}; give one of them")
+            out["seed"] = seed
+        if rng:
+            out["rng"] = rng  # ranked: read by sections.RngSection
+    if "compile" in out:
+        section = out.pop("compile")
+        if _enabled("compile", section):
+            _compile(section, out)
+    if "fp8" in out and _enabled("fp8", out.pop("fp8")):
+        raise ConfigError("fp8.enabled", True, "FP8 training is not implemented in this project; set it to false")
+    if "wandb" in out:
+        section = out.pop("wandb")
+        if _enabled("wandb", section, flag="enable"):
+            raise ConfigError(
+                "wandb.enable",
+                True,
+                "Weights & Biases logging is not part of this project (metrics.jsonl, logging.tensorboard); "
+                "set it to false",
+            )
+        steps = out.get("step_scheduler")
+        if isinstance(steps, dict):
+            steps.pop("log_remote_every_steps", None)  # remote logging is off
+    if "nvtx" in out:
+        if out.pop("nvtx") is not False:
+            raise ConfigError("nvtx", True, "NVTX ranges are not emitted by this project; set it to false")
+
+
+def _compile(section: dict, out: dict) -> None:
+    """``compile.enabled: true`` -> per-layer torch.compile (``distributed.enable_compile``)."""
+    for key, default in (("mode", "default"), ("fullgraph", False), ("backend", None)):
+        if section.get(key, default) not in (default, None if key == "backend" else default):
+            raise ConfigError(f"compile.{key}", section[key], f"only {default!r} is supported here")
+    unknown = set(section) - {"enabled", "mode", "fullgraph", "dynamic", "backend"}
+    if unknown:
+        key = sorted(unknown)[0]
+        raise ConfigError(f"compile.{key}", section[key], "unknown key")
+    dist = out.setdefault("distributed", {}) or {}
+    out["distributed"] = dist
+    dist["enable_compile"] = True
+
+
+# ---- model ----------------------------------------------------------------------------------
+def _model(out: dict, notes: list[str]) -> None:
+    model = out.get("model")
+    if not isinstance(model, dict):
+        return
+    if "backend" in model:
+        from automodel.recipes.compat.backend import read_backend
+
+        line = read_backend(model.pop("backend"))
+        if line:
+            notes.append(line)
+    for key, same in (("force_hf", True), ("use_liger_kernel", False), ("use_sdpa_patching", False)):
+        if key in model:
+            if model[key] is not same:
+                raise ConfigError(f"model.{key}", model[key], f"only {same} is supported here (the transformers model runs)")
+            del model[key]
+    if "_target_" in model:
+        how = match("model", model.pop("_target_"), key="model._target_")
+        if how == "from_pretrained" and "pretrained_model_name_or_path" not in model:
+            raise ConfigError("model.pretrained_model_name_or_path", None, "is required by from_pretrained")
+        if how == "from_config":
+            model["config"] = _config_dict(model.get("config"))
+        if how == "gpt2":
+            fields = {k: model.pop(k) for k in list(model) if k not in ("torch_dtype", "dtype", "attn_implementation")}
+            model["config"] = {"model_type": "gpt2", **fields}
+    if "torch_dtype" in model:
+        if "dtype" in model:
+            raise ConfigError("model.torch_dtype", model["torch_dtype"], "is AutoModel's name of model.dtype; give one")
+        value = model.pop("torch_dtype")
+        model["dtype"] = _auto_dtype(model) if value == "auto" else value
+
+
+def _config_dict(config: Any) -> dict:
+    """``model.config`` of a from_config model: a local config.json (+ overrides) or a config class."""
+    if not isinstance(config, dict):
+        raise ConfigError("model.config", config, "from_config needs a model.config mapping")
+    config = dict(config)
+    target = config.pop("_target_", None)
+    if target is None:
+        return config
+    if not isinstance(target, str):
+        raise ConfigError("model.config._target_", target, "must be a dotted class path")
+    source = config.pop("pretrained_model_name_or_path", None)
+    config.pop("trust_remote_code", None)  # a config.json read here runs no code
+    if target.endswith(".from_pretrained"):
+        if source is None:
+            raise ConfigError("model.config.pretrained_model_name_or_path", None, f"is required by {target}")
+        from automodel.recipes.hub_cache import resolve_local_or_cached
+
+        path = resolve_local_or_cached(
+            source, key="model.config.pretrained_model_name_or_path", required_file="config.json"
+        )
+        base = json.loads((Path(path) / "config.json").read_text())
+        return {**base, **config}
+    try:
+        import transformers
+
+        cls = getattr(transformers, target.rsplit(".", 1)[-1])
+    except (ImportError, AttributeError):
+        raise ConfigError("model.config._target_", target, "is not a transformers config class") from None
+    return {"model_type": cls.model_type, **config}
+
+
+def _auto_dtype(model: dict) -> str:
+    """``torch_dtype: auto``: the dtype the checkpoint's config.json names (float32 if none), as transformers."""
+    source = model.get("pretrained_model_name_or_path") or model.get("pretrained_path")
+    if not isinstance(source, str):
+        return "float32"
+    from automodel.recipes.hub_cache import resolve_local_or_cached
+
+    path = resolve_local_or_cached(source, key="model.pretrained_model_name_or_path", required_file="config.json")
+    data = json.loads((Path(path) / "config.json").read_text())
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+    return str(data.get("dtype") or data.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "float32")
+
+
+def _tokenizer(out: dict) -> None:
+    tok = out.get("tokenizer")
+    if isinstance(tok, dict) and "_target_" in tok:
+        match("tokenizer", tok.pop("_target_"), key="tokenizer._target_")
+
+
+def _peft(out: dict, notes: list[str]) -> None:
+    peft = out.get("peft")
+    if not isinstance(peft, dict):
+        return
+    if "_target_" in peft:
+        match("peft", peft.pop("_target_"), key="peft._target_")
+    kernels = [k for k in ("use_triton", "use_memory_efficient_lora") if k in peft and peft.pop(k) is True]
+    if kernels:
+        notes.append(
+            f"peft.{' / peft.'.join(kernels)}: LoRA runs as plain torch matmuls here (same math, no Triton kernel)"
+        )
+
+
+# ---- distributed ----------------------------------------------------------------------------
+def _distributed(out: dict) -> None:
+    dist = out.get("distributed")
+    if not isinstance(dist, dict):
+        return
+    if "_target_" in dist:
+        strategy = match("distributed", dist.pop("_target_"), key="distributed._target_")
+        if dist.get("strategy", strategy) != strategy:
+            raise ConfigError("distributed.strategy", dist["strategy"], f"contradicts distributed._target_ ({strategy})")
+        dist["strategy"] = strategy
+    if "ep_size" in dist and _none(dist["ep_size"]):
+        dist["ep_size"] = 1  # AutoModel: no expert parallelism
+    pipeline = dist.get("pipeline")
+    if isinstance(pipeline, dict):
+        for key in ("patch_inner_model", "patch_causal_lm_model"):
+            if key in pipeline:
+                if pipeline[key] is not False:
+                    raise ConfigError(
+                        f"distributed.pipeline.{key}",
+                        pipeline[key],
+                        "only false is supported: every stage runs the model's own forward",
+                    )
+                del pipeline[key]
+    backend = dist.get("backend")
+    if backend is not None:  # AutoModel's FSDP2Manager(backend=...): the process-group backend
+        env = out.setdefault("dist_env", {}) or {}
+        out["dist_env"] = env
+        if env.get("backend") is None:
+            env["backend"] = backend
+        elif env["backend"] != backend:
+            raise ConfigError(
+                "distributed.backend", backend, f"contradicts dist_env.backend={env['backend']}; give one of them"
+            )
+
+
+# ---- data -----------------------------------------------------------------------------------
+def _dataset(out: dict, name: str) -> None:
+    data = out.get(name)
+    if _none(data):
+        out.pop(name, None)
+        return
+    if not isinstance(data, dict):
+        return
+    tok = data.get("tokenizer")
+    if isinstance(tok, dict) and "_target_" in tok:
+        data["tokenizer"] = {k: v for k, v in tok.items() if k != "_target_"}
+        match("tokenizer", tok["_target_"], key=f"{name}.tokenizer._target_")
+
+
+def _dataloaders(out: dict) -> None:
+    for name in ("dataloader", "validation_dataloader"):
+        data = out.get(name)
+        if _none(data):
+            out.pop(name, None)
+            continue
+        if not isinstance(data, dict):
+            raise ConfigError(name, data, "must be a mapping")
+        data = dict(data)
+        if "_target_" in data:
+            match("dataloader", data.pop("_target_"), key=f"{name}._target_")
+        if "collate_fn" in data:
+            collate = data.pop("collate_fn")
+            target = collate.get("_target_") if isinstance(collate, dict) else collate
+            if collate is not None:
+                data["collate"] = match("collate_fn", target, key=f"{name}.collate_fn")
+                extra = {k: v for k, v in collate.items() if k != "_target_"} if isinstance(collate, dict) else {}
+                if "pad_seq_len_divisible" in extra:
+                    data["pad_seq_len_divisible"] = extra.pop("pad_seq_len_divisible")
+                if extra:
+                    key = sorted(extra)[0]
+                    raise ConfigError(f"{name}.collate_fn.{key}", extra[key], "unknown collate argument")
+        out[name] = data
+
+
+def _loss_fn(out: dict) -> None:
+    loss = out.get("loss_fn")
+    if not isinstance(loss, dict) or "_target_" not in loss:
+        return
+    target = loss["_target_"]
+    if isinstance(target, str) and target.startswith("nemo_automodel."):
+        kernel = {k: v for k, v in loss.items() if k != "_target_"}
+        for key in kernel:
+            if key not in LOSS_KERNEL_KEYS:
+                raise ConfigError(f"loss_fn.{key}", kernel[key], "unknown argument of the AutoModel loss")
+        if kernel.get("ignore_index", -100) != -100 or kernel.get("reduction", "sum") not in ("sum", "mean"):
+            key = "ignore_index" if "ignore_index" in kernel else "reduction"
+            raise ConfigError(f"loss_fn.{key}", kernel[key], "is not supported (labels -100 are ignored; the loss is per token)")
+        out["loss_fn"] = match("loss_fn", target, key="loss_fn._target_")
+
+
+#: AutoModel's names of the schedule's keys (its ``lr_decay_steps`` counts the warm-up, this
+#: project's ``decay_steps`` does not: it is refused by the section as an unknown key)
+_LR_NAMES = {"lr_warmup_steps": "warmup_steps", "lr_decay_style": "decay_style"}
+
+
+def _lr_scheduler(out: dict) -> None:
+    sched = out.get("lr_scheduler")
+    if not isinstance(sched, dict):
+        return
+    for old, new in _LR_NAMES.items():
+        if old in sched:
+            if new in sched:
+                raise ConfigError(f"lr_scheduler.{old}", sched[old], f"is AutoModel's name of lr_scheduler.{new}; give one")
+            sched[new] = sched.pop(old)
+
+
+def _packed_sequence(out: dict) -> None:
+    packed = out.get("packed_sequence")
+    if not isinstance(packed, dict):
+        return
+    if packed.get("packing_strategy", "thd") != "thd":
+        raise ConfigError(
+            "packed_sequence.packing_strategy", packed["packing_strategy"], "only thd (documents kept apart) is supported"
+        )
+    packed.pop("packing_strategy", None)
+    if packed.get("split_across_pack", False) is not False:
+        raise ConfigError(
+            "packed_sequence.split_across_pack", packed["split_across_pack"], "only false: an example is never split across rows"
+        )
+    packed.pop("split_across_pack", None)
+    if "num_proc" in packed:
+        value = packed.pop("num_proc")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError("packed_sequence.num_proc", value, "must be an int >= 1")
