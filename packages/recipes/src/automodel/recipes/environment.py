@@ -13,6 +13,8 @@ def check_environment(cfg: RecipeConfig) -> None:
     `recipes validate` does not call this: it plans layouts for clusters it is not running on.
     """
     _check_attention(cfg.model.attn_implementation)
+    if cfg.refusals:  # AutoModel settings that parse but are not implemented here (compat.translate)
+        raise cfg.refusals[0]
     get_strategy(cfg.distributed.strategy).check_environment()
 
 

@@ -63,6 +63,8 @@ class RecipeConfig:
     rng: RngSection = field(default_factory=RngSection)
     #: start-up lines: what this run does differently from NeMo AutoModel (`compat.defaults`)
     notes: tuple[str, ...] = ()
+    #: valid settings `recipes train` refuses before launch (`compat.translate.Translation`)
+    refusals: tuple[ConfigError, ...] = ()
 
     @property
     def seq_length(self) -> int:
@@ -127,7 +129,8 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     from automodel.recipes.compat import translate
 
     original = raw
-    raw, notes = translate(raw)  # NeMo AutoModel's keys -> this project's (compat/aliases.py)
+    translation = translate(raw)  # NeMo AutoModel's keys -> this project's (compat/aliases.py)
+    raw = translation.raw
     reject_unknown("", raw, TOP_LEVEL_KEYS)
     if "model" not in raw:
         raise ConfigError("model", None, "section is required")
@@ -180,11 +183,13 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     adopt_dataset_tokenizer(cfg.tokenizer, [cfg.dataset, cfg.validation_dataset])
     _resolve_pretrained(cfg)
     ss = cfg.step_scheduler
-    if cfg.packed_sequence.packed_sequence_size > 0 and ss.local_batch_size != 1:
+    pipe = cfg.distributed.pipeline_config
+    one_row_per_forward = ss.local_batch_size == 1 or (pipe is not None and pipe.pp_microbatch_size == 1)
+    if cfg.packed_sequence.packed_sequence_size > 0 and not one_row_per_forward:
         raise ConfigError(
             "step_scheduler.local_batch_size",
             ss.local_batch_size,
-            "must be 1 for packed sequences (packed_sequence_size > 0)",
+            "must be 1 for packed sequences (packed_sequence_size > 0), or pipeline micro-batches of 1 row",
         )
     if ss.val_every_steps is not None and cfg.validation_dataset is None:
         raise ConfigError(
@@ -210,7 +215,8 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
             )
     from automodel.recipes.compat.defaults import startup_notes
 
-    cfg.notes = (*notes, *startup_notes(cfg, raw))
+    cfg.notes = (*translation.notes, *startup_notes(cfg, raw))
+    cfg.refusals = tuple(translation.refusals)
     if cfg.tokenizer.path is None and cfg.model.config is not None:
         vocab = cfg.model.config.get("vocab_size")
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 256:

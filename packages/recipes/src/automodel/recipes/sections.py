@@ -251,6 +251,7 @@ class SFTDatasetSection:
     pad_to_max_length: bool = False
     # AutoModel's per-dataset tokenizer: becomes the run's tokenizer (a different one is an error)
     tokenizer: dict | None = None
+    shuffle_seed: int | None = None  # shuffle the rows with this seed before limit_dataset_samples
 
     PATH_KEY: ClassVar[str] = "path_or_dataset_id"
 

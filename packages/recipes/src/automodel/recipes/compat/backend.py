@@ -33,8 +33,10 @@ FLAGS = (
 HERE = {"attn": "sdpa", "linear": "torch", "rms_norm": "torch", "rope": "torch", "experts": "torch", "dispatcher": "torch"}
 
 
-def read_backend(data: Any) -> str | None:
-    """Check ``model.backend``; the start-up line for the kernels not used here (None: nothing to say)."""
+def read_backend(data: Any, *, refusals: list[ConfigError]) -> str | None:
+    """Check ``model.backend``; the start-up line for the kernels not used here (None: nothing to
+    say). Valid settings that change the math and are not implemented go to `refusals` (refused by
+    `recipes train` before launch)."""
     from automodel.recipes.compat.aliases import match
 
     if not isinstance(data, dict):
@@ -57,7 +59,7 @@ def read_backend(data: Any) -> str | None:
                 raise ConfigError(k, value, "must be true or false")
         elif key == "fake_balanced_gate":
             if value is not False:
-                raise ConfigError(k, value, "changes the routing (a benchmark gate); not supported here")
+                refusals.append(ConfigError(k, value, "AutoModel's benchmark gate (fake routing) is not implemented here"))
         elif key == "gate_precision":
             from automodel.recipes.instantiate import resolve_dtype
 
@@ -67,8 +69,11 @@ def read_backend(data: Any) -> str | None:
         elif key == "dispatcher_num_sms":
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(k, value, "must be an int")
+        elif key == "fake_gate_noise":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(k, value, "must be a number")
         elif key == "te_fp8":
-            raise ConfigError(k, value, "FP8 training is not implemented in this project")
+            refusals.append(ConfigError(k, value, "FP8 training is not implemented in this project"))
         else:
             raise ConfigError(k, value, f"unknown key; known keys: {', '.join(sorted([*CHOICES, *FLAGS]))}")
     if not noted:

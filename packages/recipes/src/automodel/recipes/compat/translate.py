@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,33 +20,53 @@ from automodel.recipes.errors import ConfigError
 
 #: top-level sections about AutoModel's CI, not the run: accepted and not used
 METADATA = ("ci",)
-#: top-level sections of AutoModel features that are not part of this project
+#: top-level sections AutoModel's training recipe (train_ft) does not read either: accepted with a line
+UNREAD = ("autopipeline", "longalign", "distributed_config")
+#: top-level sections of AutoModel tools that are not part of this project (refused when parsed)
 NOT_HERE = {
     "skypilot": "AutoModel's SkyPilot launcher is not part of this project; run `recipes train` on the machine",
-    "quantization": "quantized (QLoRA / bitsandbytes) training is not implemented in this project",
-    "qat": "quantization-aware training is not implemented in this project",
-    "neftune": "NEFTune embedding noise is not implemented in this project",
     "benchmark": "AutoModel's benchmark recipe is not part of this project; see `recipes plan`",
     "tool_call_eval": "the tool-call evaluator is not part of this project",
 }
+#: top-level sections of training features this project does not implement: the file loads (so
+#: `recipes validate` plans it) and `recipes train` refuses it before launch
+NOT_IMPLEMENTED = {
+    "quantization": "quantized (QLoRA / bitsandbytes) training is not implemented in this project",
+    "qat": "quantization-aware training is not implemented in this project",
+    "neftune": "NEFTune embedding noise is not implemented in this project",
+}
 
 
-def translate(raw: dict) -> tuple[dict, list[str]]:
-    """(the mapping with AutoModel's keys rewritten, the start-up lines of what differs here)."""
+@dataclass(frozen=True)
+class Translation:
+    """`translate`'s result: the mapping the sections read, the start-up lines of what differs
+    here, and the settings `recipes train` refuses before launch (`environment.check_environment`):
+    valid AutoModel settings this project cannot honour on any machine, kept out of the parse so
+    `recipes validate` still plans the rest of the file."""
+
+    raw: dict
+    notes: list[str] = field(default_factory=list)
+    refusals: list[ConfigError] = field(default_factory=list)
+
+
+def translate(raw: dict) -> Translation:
+    """AutoModel's keys in `raw` rewritten to this project's (see the module docstring)."""
     out = copy.deepcopy(raw)
-    notes: list[str] = []
-    _top_level(out, notes)
-    _model(out, notes)
+    result = Translation(out)
+    notes = result.notes
+    _top_level(out, notes, result.refusals)
+    _model(out, notes, result.refusals)
     _tokenizer(out)
     _peft(out, notes)
-    _distributed(out)
+    _distributed(out, notes)
     for name in ("dataset", "validation_dataset"):
         _dataset(out, name)
     _dataloaders(out)
     _loss_fn(out)
     _lr_scheduler(out)
-    _packed_sequence(out)
-    return out, notes
+    _packed_sequence(out, notes)
+    _step_scheduler(out, notes)
+    return result
 
 
 def _none(value: Any) -> bool:
@@ -61,14 +82,23 @@ def _enabled(section: str, data: Any, *, flag: str = "enabled") -> bool:
     return value
 
 
-def _top_level(out: dict, notes: list[str]) -> None:
+def _top_level(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
     for key in [k for k in out if isinstance(k, str) and k.startswith("_")]:
         del out[key]  # AutoModel's convention: a disabled section, or the holder of a YAML anchor
     for key in METADATA:
         out.pop(key, None)
+    for key in UNREAD:
+        if key in out:
+            out.pop(key)
+            notes.append(f"{key}: not read by AutoModel's training recipe either; not used here")
     for key, why in NOT_HERE.items():
         if key in out:
             raise ConfigError(key, "...", why)
+    for key, why in NOT_IMPLEMENTED.items():
+        if key in out:
+            section = out.pop(key)
+            if not (isinstance(section, dict) and section.get("enabled", True) is False):
+                refusals.append(ConfigError(key, "...", f"{why}; remove the section"))
     if "recipe" in out:
         recipe = out.pop("recipe")
         target = recipe.get("_target_") if isinstance(recipe, dict) else recipe
@@ -92,7 +122,23 @@ def _top_level(out: dict, notes: list[str]) -> None:
         if _enabled("compile", section):
             _compile(section, out)
     if "fp8" in out and _enabled("fp8", out.pop("fp8")):
-        raise ConfigError("fp8.enabled", True, "FP8 training is not implemented in this project; set it to false")
+        refusals.append(
+            ConfigError("fp8.enabled", True, "FP8 training is not implemented in this project; set it to false")
+        )
+    if "parallelizer" in out:  # AutoModel's MoE parallelizer: expert parallelism is distributed.ep_size here
+        par = out.pop("parallelizer")
+        if not isinstance(par, dict):
+            raise ConfigError("parallelizer", par, "must be a mapping")
+        par = dict(par)
+        if "_target_" in par and not str(par.pop("_target_")).endswith("moe.parallelizer.parallelize_model"):
+            raise ConfigError("parallelizer._target_", "...", "only AutoModel's moe parallelize_model is known")
+        if par.pop("activation_checkpointing", False):
+            dist = out.setdefault("distributed", {}) or {}
+            out["distributed"] = dist
+            dist["activation_checkpointing"] = True
+        if par:
+            key = sorted(par)[0]
+            raise ConfigError(f"parallelizer.{key}", par[key], "unknown key")
     if "wandb" in out:
         section = out.pop("wandb")
         if _enabled("wandb", section, flag="enable"):
@@ -125,16 +171,33 @@ def _compile(section: dict, out: dict) -> None:
 
 
 # ---- model ----------------------------------------------------------------------------------
-def _model(out: dict, notes: list[str]) -> None:
+#: AutoModel's multi-token-prediction keys (meaningful only with num_nextn_predict_layers > 0)
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer")
+
+def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
     model = out.get("model")
     if not isinstance(model, dict):
         return
     if "backend" in model:
         from automodel.recipes.compat.backend import read_backend
 
-        line = read_backend(model.pop("backend"))
+        line = read_backend(model.pop("backend"), refusals=refusals)
         if line:
             notes.append(line)
+    mtp = {k: model.pop(k) for k in list(model) if k in MTP_KEYS}
+    if mtp.get("num_nextn_predict_layers", 0) != 0:
+        refusals.append(
+            ConfigError(
+                "model.num_nextn_predict_layers",
+                mtp["num_nextn_predict_layers"],
+                "multi-token prediction is not implemented in this project; set it to 0",
+            )
+        )
+    if model.pop("output_hidden_states", False) not in (True, False):
+        raise ConfigError("model.output_hidden_states", "...", "must be true or false")
+    load_base = model.pop("load_base_model", True)
+    if not isinstance(load_base, bool):
+        raise ConfigError("model.load_base_model", load_base, "must be true or false")
     for key, same in (("force_hf", True), ("use_liger_kernel", False), ("use_sdpa_patching", False)):
         if key in model:
             if model[key] is not same:
@@ -144,6 +207,11 @@ def _model(out: dict, notes: list[str]) -> None:
         how = match("model", model.pop("_target_"), key="model._target_")
         if how == "from_pretrained" and "pretrained_model_name_or_path" not in model:
             raise ConfigError("model.pretrained_model_name_or_path", None, "is required by from_pretrained")
+        if how == "from_pretrained" and not load_base:  # the architecture only, randomly initialized
+            source = model.pop("pretrained_model_name_or_path")
+            model["config"] = _config_dict(
+                {"_target_": "AutoConfig.from_pretrained", "pretrained_model_name_or_path": source}
+            )
         if how == "from_config":
             model["config"] = _config_dict(model.get("config"))
         if how == "gpt2":
@@ -220,7 +288,7 @@ def _peft(out: dict, notes: list[str]) -> None:
 
 
 # ---- distributed ----------------------------------------------------------------------------
-def _distributed(out: dict) -> None:
+def _distributed(out: dict, notes: list[str]) -> None:
     dist = out.get("distributed")
     if not isinstance(dist, dict):
         return
@@ -242,6 +310,14 @@ def _distributed(out: dict) -> None:
                         "only false is supported: every stage runs the model's own forward",
                     )
                 del pipeline[key]
+    if "reshard_after_forward" in dist:
+        value = dist.pop("reshard_after_forward")
+        if not isinstance(value, bool):
+            raise ConfigError("distributed.reshard_after_forward", value, "must be true or false")
+        notes.append(
+            f"distributed.reshard_after_forward={str(value).lower()}: here FSDP2 reshards every layer but the "
+            "last after forward (none under pp); memory only, the same numbers"
+        )
     backend = dist.get("backend")
     if backend is not None:  # AutoModel's FSDP2Manager(backend=...): the process-group backend
         env = out.setdefault("dist_env", {}) or {}
@@ -325,10 +401,18 @@ def _lr_scheduler(out: dict) -> None:
             sched[new] = sched.pop(old)
 
 
-def _packed_sequence(out: dict) -> None:
+def _packed_sequence(out: dict, notes: list[str]) -> None:
     packed = out.get("packed_sequence")
     if not isinstance(packed, dict):
         return
+    steps, dist = out.get("step_scheduler"), out.get("distributed") or {}
+    size, local = packed.get("packed_sequence_size", 0), (steps or {}).get("local_batch_size", 1)
+    if isinstance(size, int) and size > 0 and isinstance(local, int) and local > 1 and dist.get("pp_size", 1) == 1:
+        steps["local_batch_size"] = 1  # the loss is per global batch: the same numbers, in smaller steps
+        notes.append(
+            f"step_scheduler.local_batch_size={local}: packed rows go one per micro-batch here "
+            "(same global batch and loss, more accumulation steps)"
+        )
     if packed.get("packing_strategy", "thd") != "thd":
         raise ConfigError(
             "packed_sequence.packing_strategy", packed["packing_strategy"], "only thd (documents kept apart) is supported"
@@ -343,3 +427,19 @@ def _packed_sequence(out: dict) -> None:
         value = packed.pop("num_proc")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError("packed_sequence.num_proc", value, "must be an int >= 1")
+
+
+def _step_scheduler(out: dict, notes: list[str]) -> None:
+    steps = out.get("step_scheduler")
+    if not isinstance(steps, dict):
+        return
+    if steps.get("save_checkpoint_every_epoch") is False:
+        del steps["save_checkpoint_every_epoch"]  # as here: checkpoints by step only
+    if "loss_average_window_steps" in steps:
+        window = steps.pop("loss_average_window_steps")
+        notes.append(
+            f"step_scheduler.loss_average_window_steps={window}: metrics.jsonl reports each step's loss "
+            "(average it when plotting)"
+        )
+    if steps.get("val_every_steps") is not None and out.get("validation_dataset") is None:
+        notes.append(f"step_scheduler.val_every_steps={steps.pop('val_every_steps')} has no effect: no validation_dataset")

@@ -325,6 +325,8 @@ def _load_table(section: Any) -> Any:
         raise ConfigError(
             key, src, f"cannot be read as {what} ({type(e).__name__}: {str(e)[:200]})"
         ) from None
+    if getattr(section, "shuffle_seed", None) is not None:  # AutoModel: shuffled before the limit
+        ds = ds.shuffle(seed=section.shuffle_seed)
     if section.limit_dataset_samples is not None:
         ds = ds.select(range(min(len(ds), section.limit_dataset_samples)))
     return ds
