@@ -63,6 +63,7 @@ def translate(raw: dict) -> Translation:
         _dataset(out, name)
     _dataloaders(out)
     _loss_fn(out)
+    _optimizer(out, notes, result.refusals)
     _lr_scheduler(out)
     _packed_sequence(out, notes)
     _step_scheduler(out, notes)
@@ -338,6 +339,8 @@ def _dataset(out: dict, name: str) -> None:
         return
     if not isinstance(data, dict):
         return
+    if data.get("mask_reasoning_content", False) is False:
+        data.pop("mask_reasoning_content", None)  # AutoModel's default: reasoning text is trained on, as here
     tok = data.get("tokenizer")
     if isinstance(tok, dict) and "_target_" in tok:
         data["tokenizer"] = {k: v for k, v in tok.items() if k != "_target_"}
@@ -443,3 +446,45 @@ def _step_scheduler(out: dict, notes: list[str]) -> None:
         )
     if steps.get("val_every_steps") is not None and out.get("validation_dataset") is None:
         notes.append(f"step_scheduler.val_every_steps={steps.pop('val_every_steps')} has no effect: no validation_dataset")
+
+
+#: TE FusedAdam options and the value torch's Adam / AdamW always has
+_TE_ADAM_FIXED = {"bias_correction": True, "store_param_remainders": None, "capturable": False}
+
+
+def _optimizer(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
+    """transformer-engine's FusedAdam -> torch.optim.AdamW (adam_w_mode) or Adam, where the same math
+    holds: its fp32 master weights and moments are the fp32 parameters and state of a float32 model."""
+    opt = out.get("optimizer")
+    if not isinstance(opt, dict) or not str(opt.get("_target_", "")).endswith("fused_adam.FusedAdam"):
+        return
+    adamw = opt.pop("adam_w_mode", True)
+    opt["_target_"] = "torch.optim.AdamW" if adamw else "torch.optim.Adam"
+    for key, value in _TE_ADAM_FIXED.items():
+        if key in opt:
+            given = opt.pop(key)
+            if value is not None and given != value:
+                raise ConfigError(f"optimizer.{key}", given, f"only {value} is supported (torch's Adam)")
+    masters = opt.pop("master_weights", False)
+    opt.pop("master_weight_bits", None)
+    from automodel.mesh import parse_dtype
+
+    model = out.get("model") or {}
+    dtype = parse_dtype(model.get("dtype", "float32"), key="model.torch_dtype")
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if key in opt:
+            value = opt.pop(key)
+            if parse_dtype(value, key=f"optimizer.{key}") != dtype:
+                refusals.append(
+                    ConfigError(f"optimizer.{key}", value, f"differs from the parameters' dtype ({dtype}); not supported")
+                )
+    if masters and str(dtype) != "torch.float32":
+        refusals.append(
+            ConfigError(
+                "optimizer.master_weights",
+                True,
+                f"fp32 master weights of {dtype} parameters are not implemented; train a float32 model "
+                "(model.torch_dtype: float32) with distributed.mp_policy for bf16 compute",
+            )
+        )
+    notes.append(f"optimizer: transformer-engine's FusedAdam runs as {opt['_target_']} (the same update)")
