@@ -149,9 +149,6 @@ def _top_level(out: dict, notes: list[str], refusals: list[ConfigError]) -> None
                 "Weights & Biases logging is not part of this project (metrics.jsonl, logging.tensorboard); "
                 "set it to false",
             )
-        steps = out.get("step_scheduler")
-        if isinstance(steps, dict):
-            steps.pop("log_remote_every_steps", None)  # remote logging is off
     if "nvtx" in out:
         if out.pop("nvtx") is not False:
             raise ConfigError("nvtx", True, "NVTX ranges are not emitted by this project; set it to false")
@@ -436,6 +433,7 @@ def _step_scheduler(out: dict, notes: list[str]) -> None:
     steps = out.get("step_scheduler")
     if not isinstance(steps, dict):
         return
+    steps.pop("log_remote_every_steps", None)  # of AutoModel's remote loggers (wandb, mlflow): none here
     if steps.get("save_checkpoint_every_epoch") is False:
         del steps["save_checkpoint_every_epoch"]  # as here: checkpoints by step only
     if "loss_average_window_steps" in steps:

@@ -1,0 +1,286 @@
+"""NeMo AutoModel's recipe keys load here (tests/data/automodel_keys.json, recorded from its 220
+example recipes by scripts/automodel_compat.py), and configs written in its shapes train.
+
+Each recorded key path is set, with each value that occurs, on a small AutoModel-shaped config:
+it must load, or be refused naming that key (`REFUSED`: AutoModel features this project does not
+have) either when parsed or by `recipes train` before launch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from automodel.recipes.api import load_config
+from automodel.recipes.errors import ConfigError
+
+KEYS = json.loads((Path(__file__).parent / "data" / "automodel_keys.json").read_text())["keys"]
+
+#: key-path prefixes AutoModel has and this project refuses (each by name), and why
+REFUSED = {
+    "skypilot": "SkyPilot launcher",
+    "benchmark": "benchmark recipe",
+    "tool_call_eval": "tool-call evaluator",
+    "embedding_row_repair": "not implemented",
+    "prewarm": "not implemented",
+    "quantization": "QLoRA (launch refusal)",
+    "qat": "QAT (launch refusal)",
+    "neftune": "NEFTune (launch refusal)",
+    "fp8": "FP8 (launch refusal)",
+    "model.backend.te_fp8": "FP8 (launch refusal)",
+    "model.backend.fake_balanced_gate": "benchmark gate (launch refusal)",
+    "model.num_nextn_predict_layers": "multi-token prediction (launch refusal)",
+    "model.kda_mode": "Kimi linear attention option",
+    "model.n_": "gpt2 builder keys, checked with its _target_",
+    "model.config._attn_implementation": "remote-code config overrides of a pretrained model",
+    "model.config.attn_implementation_new": "remote-code config overrides of a pretrained model",
+    "model.config.kda_": "Kimi linear attention options",
+    "model.bos_token_id": "gpt2 builder keys",
+    "model.eos_token_id": "gpt2 builder keys",
+    "model.vocab_size": "gpt2 builder keys",
+    "model._target_": "Seq2Seq / unknown builders",
+    "optimizer._target_": "optimizers that cannot be imported here (flashoptim, dion)",
+    "optimizer.": "options of those optimizers",
+    "tokenizer.add_": "tokenizer special-token options",
+    "peft.moe_rank_scaling": "not implemented",
+    "packed_sequence.max_packs": "not implemented",
+    "dataloader.collate_fn": "prefix-tree collate",
+    "step_scheduler.save_checkpoint_every_epoch": "per-epoch checkpoints",
+    "dataset.": "dataset factories not read here (agent chat, xlam, mock, seq2seq) and their keys",
+    "validation_dataset.": "likewise",
+    "distributed.dp_replicate_size": "needs a matching layout",
+}
+
+
+def _model_dir(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 64,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    return root
+
+
+#: the smallest section of each dataset class this project reads (the test sets one key on it)
+DATASETS = {
+    "make_squad_dataset": {"dataset_name": "squad.jsonl"},
+    "HellaSwag": {"path_or_dataset": "hellaswag.jsonl"},
+    "ColumnMappedTextInstructionDataset": {
+        "path_or_dataset_id": "rows.jsonl",
+        "column_mapping": {"question": "prompt", "answer": "completion"},
+    },
+    "ChatDataset": {"path_or_dataset_id": "chat.jsonl"},
+    "MegatronPretraining": {"paths": "corpus", "seq_length": 32},
+    "NanogptDataset": {"file_pattern": "shard_*.bin", "seq_len": 32},
+}
+PREFIX = "nemo_automodel.components.datasets.llm."
+MODULES = {
+    "make_squad_dataset": "squad",
+    "HellaSwag": "hellaswag",
+    "ColumnMappedTextInstructionDataset": "column_mapped_text_instruction_dataset",
+    "ChatDataset": "chat_dataset",
+    "MegatronPretraining": "megatron_dataset",
+    "NanogptDataset": "nanogpt_dataset",
+}
+
+
+def automodel_base(model_dir: str) -> dict[str, Any]:
+    """A small config in AutoModel's own shape (keys as its example recipes write them)."""
+    return {
+        "recipe": "TrainFinetuneRecipeForNextTokenPrediction",
+        "step_scheduler": {"global_batch_size": 8, "local_batch_size": 2, "max_steps": 6, "ckpt_every_steps": 50},
+        "dist_env": {"backend": "gloo", "timeout_minutes": 1},
+        "rng": {"_target_": "nemo_automodel.components.training.rng.StatefulRNG", "seed": 1111, "ranked": True},
+        "model": {
+            "_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
+            "pretrained_model_name_or_path": model_dir,
+            "torch_dtype": "float32",
+        },
+        "checkpoint": {"enabled": False},
+        "distributed": {"strategy": "fsdp2", "dp_size": "none", "tp_size": 1, "cp_size": 1, "sequence_parallel": False},
+        "loss_fn": {"_target_": "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy"},
+        "dataset": {"_target_": PREFIX + "squad.make_squad_dataset", "dataset_name": "squad.jsonl", "split": "train"},
+        "packed_sequence": {"packed_sequence_size": 0},
+        "dataloader": {
+            "_target_": "torchdata.stateful_dataloader.StatefulDataLoader",
+            "collate_fn": "nemo_automodel.components.datasets.utils.default_collater",
+            "shuffle": True,
+        },
+        "optimizer": {"_target_": "torch.optim.Adam", "betas": [0.9, 0.999], "eps": 1e-8, "lr": 3.0e-3, "weight_decay": 0},
+        "logging": {"progress_bar": False},
+    }
+
+
+def _set(node: dict, path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[path[-1]] = value
+
+
+def _dataset_for(cfg: dict, section: str, targets: list[str]) -> bool:
+    """Give `section` the first dataset class of `targets` read here; False if there is none."""
+    known = [t for t in targets if t in DATASETS]
+    if not known:
+        return False
+    cfg[section] = {"_target_": f"{PREFIX}{MODULES[known[0]]}.{known[0]}", **copy.deepcopy(DATASETS[known[0]])}
+    return True
+
+
+def config_with(path: str, value: Any, facts: dict, model_dir: str) -> dict:
+    """The base config with `path` set to `value`, in the context that key lives in."""
+    cfg = automodel_base(model_dir)
+    parts = path.split(".")
+    if parts[-1] == "pretrained_model_name_or_path" and isinstance(value, str):
+        value = model_dir  # "only the model id pointed at a local directory"
+    section = parts[0]
+    if section in ("dataset", "validation_dataset") and not _dataset_for(cfg, section, facts.get("dataset_targets", [])):
+        cfg[section] = {}
+    if path.startswith("distributed.pipeline."):
+        cfg["distributed"].update(pp_size=2, pipeline={"pp_microbatch_size": 1})
+    if path.startswith("distributed.moe."):
+        cfg["distributed"]["ep_size"] = 2
+    if path.startswith("model.config.") and path != "model.config._target_":
+        cfg["model"] = {
+            "_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config",
+            "config": {"_target_": "transformers.AutoConfig.from_pretrained", "pretrained_model_name_or_path": model_dir},
+        }
+    if path == "model.config._target_":
+        cfg["model"] = {"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config", "config": {}}
+        if not str(value).endswith(".from_pretrained"):
+            cfg["model"]["config"]["model_type"] = "llama"
+        else:
+            cfg["model"]["config"]["pretrained_model_name_or_path"] = model_dir
+    if path.startswith("model.backend.") and path != "model.backend._target_":
+        cfg["model"]["backend"] = {"_target_": "nemo_automodel.components.models.common.BackendConfig"}
+    if path.startswith("peft.") and path != "peft._target_":
+        cfg["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig"}
+    if path.startswith("validation_dataloader") or path.startswith("validation_dataset"):
+        cfg.setdefault("validation_dataset", {"_target_": PREFIX + "squad.make_squad_dataset", "dataset_name": "squad.jsonl"})
+    if path == "validation_dataset._target_" and str(value).rsplit(".", 1)[-1] in DATASETS:
+        cfg["validation_dataset"] = copy.deepcopy(DATASETS[str(value).rsplit(".", 1)[-1]])
+    if path == "dataset._target_" and str(value).rsplit(".", 1)[-1] in DATASETS:
+        cfg["dataset"] = copy.deepcopy(DATASETS[str(value).rsplit(".", 1)[-1]])
+    if path.startswith("tokenizer.") and path != "tokenizer._target_":
+        cfg["tokenizer"] = {"_target_": "nemo_automodel.NeMoAutoTokenizer.from_pretrained"}
+    if section == "wandb":
+        cfg["wandb"] = {"enable": False}  # as in every recorded file
+    if path.endswith("collate_fn.pad_seq_len_divisible"):
+        _set(cfg, [section, "collate_fn"], {"_target_": "nemo_automodel.components.datasets.utils.default_collater"})
+    if path == "seed":
+        del cfg["rng"]["seed"]
+    if isinstance(value, dict) and not value and section in cfg and len(parts) == 1:
+        return cfg
+    _set(cfg, parts, value)
+    steps = cfg["step_scheduler"]
+    if path in ("step_scheduler.local_batch_size", "dataloader.batch_size") and isinstance(value, int):
+        steps.update(local_batch_size=value, global_batch_size=4 * value)
+    if path == "step_scheduler.global_batch_size" and isinstance(value, int):
+        steps["local_batch_size"] = 1
+    if path == "distributed.pipeline.pp_microbatch_size" and isinstance(value, int):
+        steps.update(local_batch_size=value, global_batch_size=4 * value)
+    if path == "distributed.pp_size" and value != 1:
+        cfg["distributed"]["pipeline"] = {"pp_microbatch_size": 1}
+    if path == "packed_sequence.packed_sequence_size" and isinstance(value, int) and value > 0:
+        cfg["step_scheduler"]["local_batch_size"] = 1
+    return cfg
+
+
+def _refused_prefix(path: str) -> str | None:
+    return next((p for p in REFUSED if path == p or path.startswith(p if p.endswith((".", "_")) else p + ".")), None)
+
+
+CASES = [(path, i) for path, facts in KEYS.items() for i in range(len(facts["values"]))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(_model_dir(tmp_path_factory.mktemp("automodel") / "tiny-llama"))
+
+
+def test_every_recorded_key_path_loads_or_is_refused_by_name(model_dir: str) -> None:
+    """All recorded (key path, value) pairs in one test: ~900 parses, under a few seconds."""
+    import warnings
+
+    failures = []
+    loaded = refused = 0
+    for path, i in CASES:
+        facts = KEYS[path]
+        value = facts["values"][i]
+        raw = config_with(path, value, facts, model_dir)
+        raw["output_dir"] = "/tmp/unused"
+        expected = _refused_prefix(path)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cfg = load_config(raw)
+        except ConfigError as e:
+            if expected is None:
+                failures.append(f"{path}={value!r}: refused: {e}")
+            elif not (e.key.startswith(path.split(".")[0]) or path.startswith(e.key)):
+                failures.append(f"{path}={value!r}: refused naming another key: {e}")
+            refused += 1
+            continue
+        loaded += 1
+        if expected is not None and cfg.refusals:
+            assert any(path.startswith(r.key.split("[")[0].rsplit(".", 0)[0]) or r.key.startswith(path.split(".")[0]) for r in cfg.refusals)
+    assert not failures, f"{len(failures)} of {len(CASES)}:\n" + "\n".join(failures[:60])
+    assert loaded > 0.85 * len(CASES), (loaded, refused)
+
+
+def test_automodel_numbers_and_defaults(model_dir: str) -> None:
+    """1e-8 is a number in files and overrides; AutoModel's defaults where keys are absent."""
+    from automodel.recipes.loader import load_yaml
+    from automodel.recipes.lr_schedule import schedule_values
+
+    raw = load_yaml("optimizer: {_target_: torch.optim.Adam, eps: 1e-8, lr: 1e-5}\n")
+    assert raw["optimizer"] == {"_target_": "torch.optim.Adam", "eps": 1e-8, "lr": 1e-5}
+    base = automodel_base(model_dir)
+    base["output_dir"] = "/tmp/unused"
+    cfg = load_config(base, overrides=["--optimizer.lr=1e-4", "--model.torch_dtype=bf16"])
+    assert cfg.optimizer.kwargs["lr"] == 1e-4 and cfg.model.dtype == "bfloat16"
+    assert cfg.lr_scheduler.decay_style == "constant"  # no lr_scheduler section: constant, as AutoModel
+    assert cfg.dataloader.shuffle and cfg.rng.ranked and cfg.seed == 1111
+    cfg = load_config({**base, "lr_scheduler": {"lr_decay_style": "cosine"}})
+    values = schedule_values(cfg.lr_scheduler, base_lr=1e-4, total_steps=50)
+    assert values["warmup_steps"] == 5 and values["min_ratio"] == pytest.approx(0.01)
+    assert values["init_ratio"] == pytest.approx(0.1)
+    assert any(line.startswith("step_scheduler.ckpt_every_steps=50 has no effect") for line in cfg.notes)
+    shuffled = load_config({**base, "dataloader": {**base["dataloader"], "shuffle": False}})
+    assert shuffled.dataloader.shuffle is False
+    with pytest.raises(ConfigError, match="distributed.backend"):
+        load_config({**base, "distributed": {**base["distributed"], "backend": "nccl"}})  # dist_env says gloo
+    moved = load_config({**base, "dist_env": {}, "distributed": {**base["distributed"], "backend": "gloo"}})
+    assert moved.dist_env.backend == "gloo"
+    with pytest.raises(ConfigError, match="model._target_"):
+        load_config({**base, "model": {**base["model"], "_target_": "nemo_automodel.NeMoAutoModelForSeq2SeqLM.from_pretrained"}})
+
+
+def test_train_refuses_unimplemented_features_before_launch(model_dir: str) -> None:
+    from automodel.recipes.environment import check_environment
+
+    base = automodel_base(model_dir)
+    base["output_dir"] = "/tmp/unused"
+    cfg = load_config({**base, "fp8": {"enabled": True, "recipe_name": "tensorwise"}})
+    with pytest.raises(ConfigError, match=r"^fp8.enabled=True: FP8 training is not implemented"):
+        check_environment(cfg)
+    cfg = load_config({**base, "model": {**base["model"], "backend": {"linear": "te", "attn": "te"}}})
+    assert any("model.backend: linear=te, attn=te" in line for line in cfg.notes)
+    check_environment(cfg)  # kernel choices: same math, a start-up line, no refusal
