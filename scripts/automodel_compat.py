@@ -29,7 +29,9 @@ MAX_CHARS = 120
 
 
 def recipe_files(repo: Path) -> list[Path]:
-    return sorted(p for d in ("llm_finetune", "llm_pretrain") for p in (repo / "examples" / d).rglob("*.yaml"))
+    return sorted(
+        p for d in ("llm_finetune", "llm_pretrain") for p in (repo / "examples" / d).rglob("*.yaml")
+    )
 
 
 def _leaves(node: Any, prefix: str = ""):
@@ -72,7 +74,11 @@ def record_keys(repo: Path) -> dict[str, Any]:
         "source": "NVIDIA-NeMo/Automodel examples/llm_finetune and examples/llm_pretrain",
         "files": len(files),
         "keys": {
-            p: {"files": counts[p], "values": values[p], **({"dataset_targets": sorted(targets[p])} if p in targets else {})}
+            p: {
+                "files": counts[p],
+                "values": values[p],
+                **({"dataset_targets": sorted(targets[p])} if p in targets else {}),
+            }
             for p in sorted(counts)
         },
     }
@@ -82,7 +88,9 @@ def point_at(node: Any, model_dir: str) -> Any:
     """Every ``pretrained_model_name_or_path`` (model, config, tokenizers) -> `model_dir`."""
     if isinstance(node, dict):
         return {
-            k: model_dir if k == "pretrained_model_name_or_path" and isinstance(v, str) else point_at(v, model_dir)
+            k: model_dir
+            if k == "pretrained_model_name_or_path" and isinstance(v, str)
+            else point_at(v, model_dir)
             for k, v in node.items()
         }
     if isinstance(node, list):

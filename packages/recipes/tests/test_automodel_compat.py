@@ -103,25 +103,50 @@ def automodel_base(model_dir: str) -> dict[str, Any]:
     """A small config in AutoModel's own shape (keys as its example recipes write them)."""
     return {
         "recipe": "TrainFinetuneRecipeForNextTokenPrediction",
-        "step_scheduler": {"global_batch_size": 8, "local_batch_size": 2, "max_steps": 6, "ckpt_every_steps": 50},
+        "step_scheduler": {
+            "global_batch_size": 8,
+            "local_batch_size": 2,
+            "max_steps": 6,
+            "ckpt_every_steps": 50,
+        },
         "dist_env": {"backend": "gloo", "timeout_minutes": 1},
-        "rng": {"_target_": "nemo_automodel.components.training.rng.StatefulRNG", "seed": 1111, "ranked": True},
+        "rng": {
+            "_target_": "nemo_automodel.components.training.rng.StatefulRNG",
+            "seed": 1111,
+            "ranked": True,
+        },
         "model": {
             "_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_pretrained",
             "pretrained_model_name_or_path": model_dir,
             "torch_dtype": "float32",
         },
         "checkpoint": {"enabled": False},
-        "distributed": {"strategy": "fsdp2", "dp_size": "none", "tp_size": 1, "cp_size": 1, "sequence_parallel": False},
+        "distributed": {
+            "strategy": "fsdp2",
+            "dp_size": "none",
+            "tp_size": 1,
+            "cp_size": 1,
+            "sequence_parallel": False,
+        },
         "loss_fn": {"_target_": "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy"},
-        "dataset": {"_target_": PREFIX + "squad.make_squad_dataset", "dataset_name": "squad.jsonl", "split": "train"},
+        "dataset": {
+            "_target_": PREFIX + "squad.make_squad_dataset",
+            "dataset_name": "squad.jsonl",
+            "split": "train",
+        },
         "packed_sequence": {"packed_sequence_size": 0},
         "dataloader": {
             "_target_": "torchdata.stateful_dataloader.StatefulDataLoader",
             "collate_fn": "nemo_automodel.components.datasets.utils.default_collater",
             "shuffle": True,
         },
-        "optimizer": {"_target_": "torch.optim.Adam", "betas": [0.9, 0.999], "eps": 1e-8, "lr": 3.0e-3, "weight_decay": 0},
+        "optimizer": {
+            "_target_": "torch.optim.Adam",
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "lr": 3.0e-3,
+            "weight_decay": 0,
+        },
         "logging": {"progress_bar": False},
     }
 
@@ -140,7 +165,10 @@ def _dataset_for(cfg: dict, section: str, targets: list[str]) -> bool:
     known = [t for t in targets if t in DATASETS]
     if not known:
         return False
-    cfg[section] = {"_target_": f"{PREFIX}{MODULES[known[0]]}.{known[0]}", **copy.deepcopy(DATASETS[known[0]])}
+    cfg[section] = {
+        "_target_": f"{PREFIX}{MODULES[known[0]]}.{known[0]}",
+        **copy.deepcopy(DATASETS[known[0]]),
+    }
     return True
 
 
@@ -151,7 +179,9 @@ def config_with(path: str, value: Any, facts: dict, model_dir: str) -> dict:
     if parts[-1] == "pretrained_model_name_or_path" and isinstance(value, str):
         value = model_dir  # "only the model id pointed at a local directory"
     section = parts[0]
-    if section in ("dataset", "validation_dataset") and not _dataset_for(cfg, section, facts.get("dataset_targets", [])):
+    if section in ("dataset", "validation_dataset") and not _dataset_for(
+        cfg, section, facts.get("dataset_targets", [])
+    ):
         cfg[section] = {}
     if path.startswith("distributed.pipeline."):
         cfg["distributed"].update(pp_size=2, pipeline={"pp_microbatch_size": 1})
@@ -160,7 +190,10 @@ def config_with(path: str, value: Any, facts: dict, model_dir: str) -> dict:
     if path.startswith("model.config.") and path != "model.config._target_":
         cfg["model"] = {
             "_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config",
-            "config": {"_target_": "transformers.AutoConfig.from_pretrained", "pretrained_model_name_or_path": model_dir},
+            "config": {
+                "_target_": "transformers.AutoConfig.from_pretrained",
+                "pretrained_model_name_or_path": model_dir,
+            },
         }
     if path == "model.config._target_":
         cfg["model"] = {"_target_": "nemo_automodel.NeMoAutoModelForCausalLM.from_config", "config": {}}
@@ -173,7 +206,10 @@ def config_with(path: str, value: Any, facts: dict, model_dir: str) -> dict:
     if path.startswith("peft.") and path != "peft._target_":
         cfg["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig"}
     if path.startswith("validation_dataloader") or path.startswith("validation_dataset"):
-        cfg.setdefault("validation_dataset", {"_target_": PREFIX + "squad.make_squad_dataset", "dataset_name": "squad.jsonl"})
+        cfg.setdefault(
+            "validation_dataset",
+            {"_target_": PREFIX + "squad.make_squad_dataset", "dataset_name": "squad.jsonl"},
+        )
     if path == "validation_dataset._target_" and str(value).rsplit(".", 1)[-1] in DATASETS:
         cfg["validation_dataset"] = copy.deepcopy(DATASETS[str(value).rsplit(".", 1)[-1]])
     if path == "dataset._target_" and str(value).rsplit(".", 1)[-1] in DATASETS:
@@ -183,7 +219,11 @@ def config_with(path: str, value: Any, facts: dict, model_dir: str) -> dict:
     if section == "wandb":
         cfg["wandb"] = {"enable": False}  # as in every recorded file
     if path.endswith("collate_fn.pad_seq_len_divisible"):
-        _set(cfg, [section, "collate_fn"], {"_target_": "nemo_automodel.components.datasets.utils.default_collater"})
+        _set(
+            cfg,
+            [section, "collate_fn"],
+            {"_target_": "nemo_automodel.components.datasets.utils.default_collater"},
+        )
     if path == "seed":
         del cfg["rng"]["seed"]
     if isinstance(value, dict) and not value and section in cfg and len(parts) == 1:
@@ -204,7 +244,9 @@ def config_with(path: str, value: Any, facts: dict, model_dir: str) -> dict:
 
 
 def _refused_prefix(path: str) -> str | None:
-    return next((p for p in REFUSED if path == p or path.startswith(p if p.endswith((".", "_")) else p + ".")), None)
+    return next(
+        (p for p in REFUSED if path == p or path.startswith(p if p.endswith((".", "_")) else p + ".")), None
+    )
 
 
 CASES = [(path, i) for path, facts in KEYS.items() for i in range(len(facts["values"]))]
@@ -240,7 +282,10 @@ def test_every_recorded_key_path_loads_or_is_refused_by_name(model_dir: str) -> 
             continue
         loaded += 1
         if expected is not None and cfg.refusals:
-            assert any(path.startswith(r.key.split("[")[0].rsplit(".", 0)[0]) or r.key.startswith(path.split(".")[0]) for r in cfg.refusals)
+            assert any(
+                path.startswith(r.key.split("[")[0].rsplit(".", 0)[0]) or r.key.startswith(path.split(".")[0])
+                for r in cfg.refusals
+            )
     assert not failures, f"{len(failures)} of {len(CASES)}:\n" + "\n".join(failures[:60])
     assert loaded > 0.85 * len(CASES), (loaded, refused)
 
@@ -270,7 +315,15 @@ def test_automodel_numbers_and_defaults(model_dir: str) -> None:
     moved = load_config({**base, "dist_env": {}, "distributed": {**base["distributed"], "backend": "gloo"}})
     assert moved.dist_env.backend == "gloo"
     with pytest.raises(ConfigError, match="model._target_"):
-        load_config({**base, "model": {**base["model"], "_target_": "nemo_automodel.NeMoAutoModelForSeq2SeqLM.from_pretrained"}})
+        load_config(
+            {
+                **base,
+                "model": {
+                    **base["model"],
+                    "_target_": "nemo_automodel.NeMoAutoModelForSeq2SeqLM.from_pretrained",
+                },
+            }
+        )
 
 
 def test_train_refuses_unimplemented_features_before_launch(model_dir: str) -> None:

@@ -69,7 +69,12 @@ def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     ]
     prompts = [{"prompt": f"{i % 7} + 1 =", "completion": f" {i % 7 + 1}"} for i in range(48)]
     chat = [
-        {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi" if i % 2 else "hello"}]}
+        {
+            "messages": [
+                {"role": "user", "content": "say hi"},
+                {"role": "assistant", "content": "hi" if i % 2 else "hello"},
+            ]
+        }
         for i in range(48)
     ]
     save_chat_tokenizer(root / "chat-tokenizer")
@@ -92,7 +97,12 @@ def shape(paths: dict[str, str], out: Path, **sections: Any) -> dict[str, Any]:
         "split": "train",
         "seq_length": 96,
     }
-    cfg["step_scheduler"] = {"global_batch_size": 8, "local_batch_size": 2, "max_steps": STEPS, "val_every_steps": 100}
+    cfg["step_scheduler"] = {
+        "global_batch_size": 8,
+        "local_batch_size": 2,
+        "max_steps": STEPS,
+        "val_every_steps": 100,
+    }
     cfg["output_dir"] = str(out)
     for key, value in sections.items():
         if value is None:
@@ -118,13 +128,20 @@ def _train(cfg: dict, world: int = 1) -> list[list[float]]:
 
 def test_sft_squad_and_hellaswag_with_validation(stand_ins: dict[str, str], tmp_path: Path) -> None:
     _train(shape(stand_ins, tmp_path / "squad"))
-    hella = {"_target_": PREFIX + "hellaswag.HellaSwag", "path_or_dataset": stand_ins["hellaswag"], "seq_length": 32}
+    hella = {
+        "_target_": PREFIX + "hellaswag.HellaSwag",
+        "path_or_dataset": stand_ins["hellaswag"],
+        "seq_length": 32,
+    }
     cfg = shape(
         stand_ins,
         tmp_path / "hellaswag",
         dataset={**hella, "split": "train"},
         validation_dataset={**hella, "split": "validation", "num_samples_limit": 16},
-        validation_dataloader={"_target_": "torchdata.stateful_dataloader.StatefulDataLoader", "batch_size": 8},
+        validation_dataloader={
+            "_target_": "torchdata.stateful_dataloader.StatefulDataLoader",
+            "batch_size": 8,
+        },
         lr_scheduler={"lr_decay_style": "cosine", "lr_warmup_steps": 1, "min_lr": 1.0e-4},
     )
     (losses,) = _train(cfg)
@@ -215,7 +232,12 @@ def test_moe_with_expert_parallelism(stand_ins: dict[str, str], tmp_path: Path) 
         "backend": {"_target_": "nemo_automodel.components.models.common.BackendConfig", "experts": "torch_mm",
                     "dispatcher": "torch"},
     }  # fmt: skip
-    cfg = shape(stand_ins, tmp_path / "ep", model=model, distributed={"ep_size": 2, "moe": {"reshard_after_forward": False}})
+    cfg = shape(
+        stand_ins,
+        tmp_path / "ep",
+        model=model,
+        distributed={"ep_size": 2, "moe": {"reshard_after_forward": False}},
+    )
     _train(cfg, world=2)
     report = json.loads((tmp_path / "ep" / "layout" / "rank_0.json").read_text())
     experts = [e for fqn, e in report["parts"][0]["parameters"].items() if "experts" in fqn]
@@ -250,5 +272,7 @@ def test_megatron_fsdp_where_cuda(stand_ins: dict[str, str], tmp_path: Path) -> 
 
     if not torch.cuda.is_available():
         pytest.skip("megatron_fsdp needs CUDA")
-    cfg = shape(stand_ins, tmp_path / "mfsdp", distributed={"strategy": "megatron_fsdp"}, dist_env={"backend": "nccl"})
+    cfg = shape(
+        stand_ins, tmp_path / "mfsdp", distributed={"strategy": "megatron_fsdp"}, dist_env={"backend": "nccl"}
+    )
     _train(copy.deepcopy(cfg))

@@ -53,7 +53,9 @@ def schedule_values(section: LRSchedulerSection, *, base_lr: float, total_steps:
     init_lr = section.init_lr if section.init_lr is not None else INIT_RATIO * base_lr
     return {
         "warmup_steps": warmup,
-        "decay_steps": section.decay_steps if section.decay_steps is not None else max(1, total_steps - warmup),
+        "decay_steps": section.decay_steps
+        if section.decay_steps is not None
+        else max(1, total_steps - warmup),
         "decay_style": section.decay_style,
         "min_ratio": min(1.0, min_lr / base_lr) if base_lr > 0 else 0.0,
         "init_ratio": min(1.0, init_lr / base_lr) if base_lr > 0 else 0.0,

@@ -206,7 +206,9 @@ PADDING = (False, True, "do_not_pad", "max_length", "longest")
 def check_padding(section: str, *, padding: Any, pad_to_max_length: Any) -> None:
     """AutoModel's ``padding`` / ``pad_to_max_length``: valid values, none of which changes the loss."""
     if not any(padding is p for p in PADDING if isinstance(p, bool)) and padding not in PADDING[2:]:
-        raise ConfigError(f"{section}.padding", padding, "must be false, true, do_not_pad, max_length or longest")
+        raise ConfigError(
+            f"{section}.padding", padding, "must be false, true, do_not_pad, max_length or longest"
+        )
     if not isinstance(pad_to_max_length, bool):
         raise ConfigError(f"{section}.pad_to_max_length", pad_to_max_length, "must be true or false")
 

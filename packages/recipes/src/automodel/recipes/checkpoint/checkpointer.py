@@ -179,7 +179,9 @@ class Checkpointer:
                 base_model_name_or_path=self.base_model_name_or_path,
             )
             lora_scales = dict.fromkeys(self.lora.module_fqns, self.lora.section.scale)
-        consolidate = self.config.save_consolidated is True or (self.config.save_consolidated == "final" and last)
+        consolidate = self.config.save_consolidated is True or (
+            self.config.save_consolidated == "final" and last
+        )
         if consolidate and (self.lora is None or self.lora.section.save_merged):
             (tmp / paths.CONSOLIDATED_DIR).mkdir(exist_ok=True)
             files = save_consolidated(

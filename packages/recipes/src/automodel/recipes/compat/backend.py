@@ -30,7 +30,14 @@ FLAGS = (
     "dispatcher_async_dispatch",
 )
 #: what the transformers modules compute, per key (a choice equal to it needs no note)
-HERE = {"attn": "sdpa", "linear": "torch", "rms_norm": "torch", "rope": "torch", "experts": "torch", "dispatcher": "torch"}
+HERE = {
+    "attn": "sdpa",
+    "linear": "torch",
+    "rms_norm": "torch",
+    "rope": "torch",
+    "experts": "torch",
+    "dispatcher": "torch",
+}
 
 
 def read_backend(data: Any, *, refusals: list[ConfigError]) -> str | None:
@@ -59,7 +66,9 @@ def read_backend(data: Any, *, refusals: list[ConfigError]) -> str | None:
                 raise ConfigError(k, value, "must be true or false")
         elif key == "fake_balanced_gate":
             if value is not False:
-                refusals.append(ConfigError(k, value, "AutoModel's benchmark gate (fake routing) is not implemented here"))
+                refusals.append(
+                    ConfigError(k, value, "AutoModel's benchmark gate (fake routing) is not implemented here")
+                )
         elif key == "gate_precision":
             from automodel.recipes.instantiate import resolve_dtype
 

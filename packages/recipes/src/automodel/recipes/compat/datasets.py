@@ -107,14 +107,20 @@ def _check_common(section: Any) -> None:
     ):
         raise ConfigError(f"{s}.{section.PATH_KEY}", path, "must be a path, a list of paths or a Hub id")
     if not isinstance(section.split, str) or not section.split:
-        raise ConfigError(f"{s}.split", section.split, "must be a split name, optionally sliced (train[:100])")
+        raise ConfigError(
+            f"{s}.split", section.split, "must be a split name, optionally sliced (train[:100])"
+        )
     check_padding(
         s,
         padding=getattr(section, "padding", False),
         pad_to_max_length=getattr(section, "pad_to_max_length", False),
     )
     if section.truncation not in TRUNCATION or type(section.truncation) is int:
-        raise ConfigError(f"{s}.truncation", section.truncation, "must be false / do_not_truncate, or true / longest_first / right")
+        raise ConfigError(
+            f"{s}.truncation",
+            section.truncation,
+            "must be false / do_not_truncate, or true / longest_first / right",
+        )
     _positive(s, "seq_length", section.seq_length, minimum=2)
     limit_key = "num_samples_limit" if hasattr(section, "num_samples_limit") else "limit_dataset_samples"
     _positive(s, limit_key, section.limit_dataset_samples, allow_none=True)

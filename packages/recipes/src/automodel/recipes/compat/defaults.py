@@ -41,7 +41,9 @@ def startup_notes(cfg: Any, raw: dict) -> list[str]:
             "batches of validation_dataset are evaluated (AutoModel evaluates all of it)"
         )
     if not cfg.dataloader.drop_last:
-        notes.append("dataloader.drop_last: false: an epoch's last partial global batch is still dropped here")
+        notes.append(
+            "dataloader.drop_last: false: an epoch's last partial global batch is still dropped here"
+        )
     dataset = raw.get("dataset") or {}
     if hasattr(cfg.dataset, "answer_only_loss_mask") and "seq_length" not in dataset:
         if cfg.packed_sequence.packed_sequence_size == 0:

@@ -124,7 +124,9 @@ def _top_level(out: dict, notes: list[str], refusals: list[ConfigError]) -> None
             _compile(section, out)
     if "fp8" in out and _enabled("fp8", out.pop("fp8")):
         refusals.append(
-            ConfigError("fp8.enabled", True, "FP8 training is not implemented in this project; set it to false")
+            ConfigError(
+                "fp8.enabled", True, "FP8 training is not implemented in this project; set it to false"
+            )
         )
     if "parallelizer" in out:  # AutoModel's MoE parallelizer: expert parallelism is distributed.ep_size here
         par = out.pop("parallelizer")
@@ -132,7 +134,9 @@ def _top_level(out: dict, notes: list[str], refusals: list[ConfigError]) -> None
             raise ConfigError("parallelizer", par, "must be a mapping")
         par = dict(par)
         if "_target_" in par and not str(par.pop("_target_")).endswith("moe.parallelizer.parallelize_model"):
-            raise ConfigError("parallelizer._target_", "...", "only AutoModel's moe parallelize_model is known")
+            raise ConfigError(
+                "parallelizer._target_", "...", "only AutoModel's moe parallelize_model is known"
+            )
         if par.pop("activation_checkpointing", False):
             dist = out.setdefault("distributed", {}) or {}
             out["distributed"] = dist
@@ -172,6 +176,7 @@ def _compile(section: dict, out: dict) -> None:
 #: AutoModel's multi-token-prediction keys (meaningful only with num_nextn_predict_layers > 0)
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer")
 
+
 def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
     model = out.get("model")
     if not isinstance(model, dict):
@@ -199,7 +204,9 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
     for key, same in (("force_hf", True), ("use_liger_kernel", False), ("use_sdpa_patching", False)):
         if key in model:
             if model[key] is not same:
-                raise ConfigError(f"model.{key}", model[key], f"only {same} is supported here (the transformers model runs)")
+                raise ConfigError(
+                    f"model.{key}", model[key], f"only {same} is supported here (the transformers model runs)"
+                )
             del model[key]
     if "_target_" in model:
         how = match("model", model.pop("_target_"), key="model._target_")
@@ -213,11 +220,17 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
         if how == "from_config":
             model["config"] = _config_dict(model.get("config"))
         if how == "gpt2":
-            fields = {k: model.pop(k) for k in list(model) if k not in ("torch_dtype", "dtype", "attn_implementation")}
+            fields = {
+                k: model.pop(k)
+                for k in list(model)
+                if k not in ("torch_dtype", "dtype", "attn_implementation")
+            }
             model["config"] = {"model_type": "gpt2", **fields}
     if "torch_dtype" in model:
         if "dtype" in model:
-            raise ConfigError("model.torch_dtype", model["torch_dtype"], "is AutoModel's name of model.dtype; give one")
+            raise ConfigError(
+                "model.torch_dtype", model["torch_dtype"], "is AutoModel's name of model.dtype; give one"
+            )
         value = model.pop("torch_dtype")
         model["dtype"] = _auto_dtype(model) if value == "auto" else value
 
@@ -260,10 +273,18 @@ def _auto_dtype(model: dict) -> str:
         return "float32"
     from automodel.recipes.hub_cache import resolve_local_or_cached
 
-    path = resolve_local_or_cached(source, key="model.pretrained_model_name_or_path", required_file="config.json")
+    path = resolve_local_or_cached(
+        source, key="model.pretrained_model_name_or_path", required_file="config.json"
+    )
     data = json.loads((Path(path) / "config.json").read_text())
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
-    return str(data.get("dtype") or data.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "float32")
+    return str(
+        data.get("dtype")
+        or data.get("torch_dtype")
+        or text.get("dtype")
+        or text.get("torch_dtype")
+        or "float32"
+    )
 
 
 def _tokenizer(out: dict) -> None:
@@ -293,7 +314,9 @@ def _distributed(out: dict, notes: list[str]) -> None:
     if "_target_" in dist:
         strategy = match("distributed", dist.pop("_target_"), key="distributed._target_")
         if dist.get("strategy", strategy) != strategy:
-            raise ConfigError("distributed.strategy", dist["strategy"], f"contradicts distributed._target_ ({strategy})")
+            raise ConfigError(
+                "distributed.strategy", dist["strategy"], f"contradicts distributed._target_ ({strategy})"
+            )
         dist["strategy"] = strategy
     if "ep_size" in dist and _none(dist["ep_size"]):
         dist["ep_size"] = 1  # AutoModel: no expert parallelism
@@ -324,7 +347,9 @@ def _distributed(out: dict, notes: list[str]) -> None:
             env["backend"] = backend
         elif env["backend"] != backend:
             raise ConfigError(
-                "distributed.backend", backend, f"contradicts dist_env.backend={env['backend']}; give one of them"
+                "distributed.backend",
+                backend,
+                f"contradicts dist_env.backend={env['backend']}; give one of them",
             )
 
 
@@ -360,7 +385,9 @@ def _dataloaders(out: dict) -> None:
             target = collate.get("_target_") if isinstance(collate, dict) else collate
             if collate is not None:
                 data["collate"] = match("collate_fn", target, key=f"{name}.collate_fn")
-                extra = {k: v for k, v in collate.items() if k != "_target_"} if isinstance(collate, dict) else {}
+                extra = (
+                    {k: v for k, v in collate.items() if k != "_target_"} if isinstance(collate, dict) else {}
+                )
                 if "pad_seq_len_divisible" in extra:
                     data["pad_seq_len_divisible"] = extra.pop("pad_seq_len_divisible")
                 if extra:
@@ -381,7 +408,11 @@ def _loss_fn(out: dict) -> None:
                 raise ConfigError(f"loss_fn.{key}", kernel[key], "unknown argument of the AutoModel loss")
         if kernel.get("ignore_index", -100) != -100 or kernel.get("reduction", "sum") not in ("sum", "mean"):
             key = "ignore_index" if "ignore_index" in kernel else "reduction"
-            raise ConfigError(f"loss_fn.{key}", kernel[key], "is not supported (labels -100 are ignored; the loss is per token)")
+            raise ConfigError(
+                f"loss_fn.{key}",
+                kernel[key],
+                "is not supported (labels -100 are ignored; the loss is per token)",
+            )
         out["loss_fn"] = match("loss_fn", target, key="loss_fn._target_")
 
 
@@ -397,7 +428,9 @@ def _lr_scheduler(out: dict) -> None:
     for old, new in _LR_NAMES.items():
         if old in sched:
             if new in sched:
-                raise ConfigError(f"lr_scheduler.{old}", sched[old], f"is AutoModel's name of lr_scheduler.{new}; give one")
+                raise ConfigError(
+                    f"lr_scheduler.{old}", sched[old], f"is AutoModel's name of lr_scheduler.{new}; give one"
+                )
             sched[new] = sched.pop(old)
 
 
@@ -407,7 +440,13 @@ def _packed_sequence(out: dict, notes: list[str]) -> None:
         return
     steps, dist = out.get("step_scheduler"), out.get("distributed") or {}
     size, local = packed.get("packed_sequence_size", 0), (steps or {}).get("local_batch_size", 1)
-    if isinstance(size, int) and size > 0 and isinstance(local, int) and local > 1 and dist.get("pp_size", 1) == 1:
+    if (
+        isinstance(size, int)
+        and size > 0
+        and isinstance(local, int)
+        and local > 1
+        and dist.get("pp_size", 1) == 1
+    ):
         steps["local_batch_size"] = 1  # the loss is per global batch: the same numbers, in smaller steps
         notes.append(
             f"step_scheduler.local_batch_size={local}: packed rows go one per micro-batch here "
@@ -415,12 +454,16 @@ def _packed_sequence(out: dict, notes: list[str]) -> None:
         )
     if packed.get("packing_strategy", "thd") != "thd":
         raise ConfigError(
-            "packed_sequence.packing_strategy", packed["packing_strategy"], "only thd (documents kept apart) is supported"
+            "packed_sequence.packing_strategy",
+            packed["packing_strategy"],
+            "only thd (documents kept apart) is supported",
         )
     packed.pop("packing_strategy", None)
     if packed.get("split_across_pack", False) is not False:
         raise ConfigError(
-            "packed_sequence.split_across_pack", packed["split_across_pack"], "only false: an example is never split across rows"
+            "packed_sequence.split_across_pack",
+            packed["split_across_pack"],
+            "only false: an example is never split across rows",
         )
     packed.pop("split_across_pack", None)
     if "num_proc" in packed:
@@ -443,7 +486,9 @@ def _step_scheduler(out: dict, notes: list[str]) -> None:
             "(average it when plotting)"
         )
     if steps.get("val_every_steps") is not None and out.get("validation_dataset") is None:
-        notes.append(f"step_scheduler.val_every_steps={steps.pop('val_every_steps')} has no effect: no validation_dataset")
+        notes.append(
+            f"step_scheduler.val_every_steps={steps.pop('val_every_steps')} has no effect: no validation_dataset"
+        )
 
 
 #: TE FusedAdam options and the value torch's Adam / AdamW always has
@@ -474,7 +519,11 @@ def _optimizer(out: dict, notes: list[str], refusals: list[ConfigError]) -> None
             value = opt.pop(key)
             if parse_dtype(value, key=f"optimizer.{key}") != dtype:
                 refusals.append(
-                    ConfigError(f"optimizer.{key}", value, f"differs from the parameters' dtype ({dtype}); not supported")
+                    ConfigError(
+                        f"optimizer.{key}",
+                        value,
+                        f"differs from the parameters' dtype ({dtype}); not supported",
+                    )
                 )
     if masters and str(dtype) != "torch.float32":
         refusals.append(

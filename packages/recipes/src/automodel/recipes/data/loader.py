@@ -10,8 +10,8 @@ import torch
 
 from automodel.recipes.data.corpus import embedded_documents
 from automodel.recipes.data.packing import PackedDataset, pack_documents
-from automodel.recipes.data.sampler import StatefulGlobalBatchSampler
 from automodel.recipes.data.sample_order import SequentialOrder
+from automodel.recipes.data.sampler import StatefulGlobalBatchSampler
 from automodel.recipes.errors import ConfigError
 
 
