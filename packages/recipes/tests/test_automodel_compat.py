@@ -307,7 +307,10 @@ def test_automodel_numbers_and_defaults(model_dir: str) -> None:
     values = schedule_values(cfg.lr_scheduler, base_lr=1e-4, total_steps=50)
     assert values["warmup_steps"] == 5 and values["min_ratio"] == pytest.approx(0.01)
     assert values["init_ratio"] == pytest.approx(0.1)
+    # AutoModel ignores these when checkpointing / validation is off: a start-up line here, not an error
     assert any(line.startswith("step_scheduler.ckpt_every_steps=50 has no effect") for line in cfg.notes)
+    steps = {**base["step_scheduler"], "val_every_steps": 10}
+    assert any("val_every_steps=10 has no effect" in n for n in load_config({**base, "step_scheduler": steps}).notes)
     shuffled = load_config({**base, "dataloader": {**base["dataloader"], "shuffle": False}})
     assert shuffled.dataloader.shuffle is False
     with pytest.raises(ConfigError, match="distributed.backend"):

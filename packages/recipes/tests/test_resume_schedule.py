@@ -14,6 +14,7 @@ import torch
 
 from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.lr_schedule import build_lr_scheduler, lr_multiplier, restore_lr_scheduler
+from automodel.recipes.sections import LRSchedulerSection
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import RTOL, preload, tiny_config, train_on_rank  # noqa: E402
@@ -21,16 +22,9 @@ from _recipe_helpers import RTOL, preload, tiny_config, train_on_rank  # noqa: E
 STEPS = 6
 
 
-class _Section:
-    warmup_steps = 1
-    decay_steps = None
-    decay_style = "cosine"
-    min_lr = 0.0003
-
-
 def _scheduler(total_steps: int, lr: float = 0.003) -> torch.optim.lr_scheduler.LRScheduler:
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=lr)
-    return build_lr_scheduler(opt, section=_Section(), base_lr=lr, total_steps=total_steps)
+    return build_lr_scheduler(opt, section=LRSchedulerSection(warmup_steps=1, min_lr=0.0003), base_lr=lr, total_steps=total_steps)
 
 
 def _expected(step: int, total_steps: int, lr: float = 0.003) -> float:

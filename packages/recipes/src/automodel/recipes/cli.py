@@ -240,6 +240,8 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--world-size", world, "must be >= 1")
     _check_load_factor(args.moe_load_factor)
     _, _, lines = plan_layout(cfg, world_size=world, expert_load_factor=args.moe_load_factor)
+    lines += [f"note: {line}" for line in cfg.notes]  # what differs from NeMo AutoModel (compat)
+    lines += [f"recipes train refuses before launch: {e}" for e in cfg.refusals]
     print("\n".join(lines))
     return 0
 

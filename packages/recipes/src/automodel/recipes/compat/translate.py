@@ -299,7 +299,14 @@ def _peft(out: dict, notes: list[str]) -> None:
         return
     if "_target_" in peft:
         match("peft", peft.pop("_target_"), key="peft._target_")
-    kernels = [k for k in ("use_triton", "use_memory_efficient_lora") if k in peft and peft.pop(k) is True]
+    kernels = []
+    for key in ("use_triton", "use_memory_efficient_lora"):
+        if key in peft:
+            value = peft.pop(key)
+            if not isinstance(value, bool):
+                raise ConfigError(f"peft.{key}", value, "must be true or false")
+            if value:
+                kernels.append(key)
     if kernels:
         notes.append(
             f"peft.{' / peft.'.join(kernels)}: LoRA runs as plain torch matmuls here (same math, no Triton kernel)"

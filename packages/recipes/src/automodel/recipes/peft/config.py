@@ -49,14 +49,13 @@ class PeftSection:
     dropout_position: str = "post"
     lora_A_init: str = "kaiming"
     lora_dtype: str | None = None
-    use_triton: bool = False
     save_merged: bool = False
 
     def __post_init__(self) -> None:
         s = self.SECTION
         self.target_modules = _str_list(f"{s}.target_modules", self.target_modules)
         self.exclude_modules = _str_list(f"{s}.exclude_modules", self.exclude_modules)
-        for key in ("match_all_linear", "use_triton", "save_merged"):
+        for key in ("match_all_linear", "save_merged"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{s}.{key}", getattr(self, key), "must be true or false")
         if self.target_modules and self.exclude_modules:
@@ -92,10 +91,6 @@ class PeftSection:
             from automodel.recipes.instantiate import resolve_dtype
 
             resolve_dtype(f"{s}.lora_dtype", self.lora_dtype)
-        if self.use_triton:
-            raise ConfigError(
-                f"{s}.use_triton", True, "is not supported here (no Triton LoRA kernel); set it to false"
-            )
 
     @property
     def scale(self) -> float:
