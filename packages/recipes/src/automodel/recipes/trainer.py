@@ -37,7 +37,9 @@ from automodel.recipes.instantiate import locate
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
 from automodel.recipes.model import build_hf_config, build_meta_model
+from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.model_inputs import position_id_offset
+from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.rules import check_layout_rules
@@ -210,6 +212,7 @@ class Trainer:
 
             self.lora = apply_lora(model, section=cfg.peft)
         self.position_offset = position_id_offset(model)
+        self.head_loss = self._build_head_loss(model)
         self.pm = parallelize_model(
             model,
             mesh=self.mesh,
@@ -237,7 +240,19 @@ class Trainer:
         # The optimizers' parameters: the ones whose gradients are clipped and stepped (megatron-fsdp
         # swaps module parameters between forward and step; the optimizer holds the stepped ones).
         self.params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
+        self.head_loss.bind(self.pm.parts, unwrap=lambda part: getattr(part, "module", part))
+        if self.rank == 0:
+            print(self.head_loss.plan.describe(), file=sys.stderr, flush=True)
         self._report_layout()
+
+    def _build_head_loss(self, model: torch.nn.Module) -> HeadLoss:
+        """The loss (chunked over the head's weight, or on logits) for the loop and the pipeline."""
+        head_loss = build_head_loss(self.cfg.loss_fn, model=model, logits_loss=masked_cross_entropy_sum)
+        if self.cfg.distributed.strategy == "megatron_fsdp" and head_loss.plan.chunked:
+            # megatron-fsdp unshards the head only inside its own forward (CUDA only, unchecked here)
+            head_loss.plan = HeadPlan(None, reason="distributed.strategy megatron_fsdp")
+        self.pipeline_loss.loss_fn = head_loss
+        return head_loss
 
     def _report_layout(self) -> None:
         """Print what this rank holds, one line per parallelism (every rank), and write
@@ -278,14 +293,14 @@ class Trainer:
             "position_ids": batch.position_ids.to(self.device),
         }
         ctx, fields, extra = self._cp_shard(fields)
-        with ctx():
+        with ctx(), self.head_loss.capturing():
             logits = model(
                 input_ids=fields["input_ids"],
                 position_ids=fields["position_ids"] + self.position_offset,
                 use_cache=False,
                 **extra,
             ).logits
-            loss = self.cfg.loss_fn(logits, fields["labels"])
+            loss = self.head_loss(logits, fields["labels"])
             if divisor is not None:
                 loss = loss / divisor
             if backward:
@@ -307,7 +322,8 @@ class Trainer:
             **extra,
         }
         ids = fields["input_ids"]
-        with ctx():  # the schedule runs every micro-batch's forward and backward inside it
+        # the schedule runs every micro-batch's forward and backward inside them
+        with ctx(), self.head_loss.capturing():
             loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
         return pipe.reduce_loss(loss)
 
