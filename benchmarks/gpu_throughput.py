@@ -201,7 +201,9 @@ def time_steps(step: Callable[[], None], *, count: int, device: torch.device) ->
     """Seconds per step of `count` steps: CUDA events read after the last one (no host wait in
     between), perf_counter per step on CPU."""
     if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)
+        ]
         for start, end in events:
             start.record()
             step()
@@ -221,7 +223,9 @@ def clip_local_grads(params: list[torch.nn.Parameter], *, max_norm: float) -> to
     (of DTensors too) are the whole gradient. Plain torch, no host wait."""
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    grads = [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None
+    ]
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
@@ -293,8 +297,7 @@ def make_loss(model: torch.nn.Module, parts: set[str]) -> Callable[[torch.Tensor
         def liger_loss(ids: torch.Tensor) -> torch.Tensor:
             labels = shifted(ids)
             with head_loss.capturing():
-                model(input_ids=ids)
-                (hidden,) = head_loss._pending
+                hidden = head_loss.take_hidden(model(input_ids=ids).logits)
             flat = hidden.reshape(-1, hidden.shape[-1])
             return fused(model.lm_head.weight, flat, labels.reshape(-1)) / (labels != -100).sum()
 

@@ -56,7 +56,9 @@ def _loss_peak(variant: str, queue: mp.Queue) -> None:
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     grads = float(hidden.grad.norm()), float(weight.grad.norm())
-    queue.put({"variant": variant, "peak_bytes": peak - base, "loss": float(loss), "grads": grads, "s": seconds})
+    queue.put(
+        {"variant": variant, "peak_bytes": peak - base, "loss": float(loss), "grads": grads, "s": seconds}
+    )
 
 
 def loss_alone() -> dict[str, dict]:
@@ -114,7 +116,11 @@ def recipes_peak(loss_fn: str) -> dict:
             raise RuntimeError(proc.stderr[-3000:])
         rows = [json.loads(line) for line in (Path(tmp) / "out" / "metrics.jsonl").read_text().splitlines()]
         line = next((x for x in proc.stderr.splitlines() if x.startswith("loss:")), "")
-        return {"peak_bytes": max(r["peak_mem_bytes"] for r in rows), "losses": [r["loss"] for r in rows], "line": line}
+        return {
+            "peak_bytes": max(r["peak_mem_bytes"] for r in rows),
+            "losses": [r["loss"] for r in rows],
+            "line": line,
+        }
 
 
 def main() -> None:
@@ -133,7 +139,9 @@ def main() -> None:
         print("recipes train, 1-layer Llama (hidden 128, tied, vocab 128256), seq 4096, 1 rank, 2 steps:")
         for name, fn in (("full", FULL), ("chunked", CHUNKED)):
             r = recipes_peak(fn)
-            print(f"  {name:>8}: peak RSS {r['peak_bytes'] / GIB:.2f} GiB, losses {r['losses']} ({r['line']})")
+            print(
+                f"  {name:>8}: peak RSS {r['peak_bytes'] / GIB:.2f} GiB, losses {r['losses']} ({r['line']})"
+            )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,12 @@ def test_layout_reproduces_single_process_losses(
     diff = max_relative_difference(losses, ref)
     assert diff <= RTOL, f"{layout.name}: losses {losses} vs single process {ref} (max rel diff {diff:.2e})"
     # the gradients too (Adam hides their scale from the losses): the norm before clipping
-    norms, ref_norms = read_grad_norms(layout, tmp_path), read_grad_norms(REFERENCES[layout.model], reference_dir)
+    norms, ref_norms = (
+        read_grad_norms(layout, tmp_path),
+        read_grad_norms(REFERENCES[layout.model], reference_dir),
+    )
     norm_diff = max_relative_difference(norms, ref_norms)
-    assert norm_diff <= RTOL, f"{layout.name}: grad norms {norms} vs single process {ref_norms} ({norm_diff:.2e})"
+    assert norm_diff <= RTOL, (
+        f"{layout.name}: grad norms {norms} vs single process {ref_norms} ({norm_diff:.2e})"
+    )
     check_reports(layout, read_reports(layout, tmp_path))

@@ -72,7 +72,9 @@ def _chunked_pass(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
     """The loss (fp32 scalar) and, where `want_grads`, d loss / d (hidden, weight, bias)."""
     n, v_local = hidden.shape[0], weight.shape[0]
-    grad_h = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device) if want_grads[0] else None
+    grad_h = (
+        torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device) if want_grads[0] else None
+    )
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grads[1] else None
     grad_b = (
         torch.zeros(v_local, dtype=torch.float32, device=weight.device)
@@ -99,7 +101,9 @@ def _chunked_pass(
         row_max = z.max(dim=1).values
         if group is not None:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        z_shift = z - row_max.unsqueeze(1) if softcap is not None and any_grad else z.sub_(row_max.unsqueeze(1))
+        z_shift = (
+            z - row_max.unsqueeze(1) if softcap is not None and any_grad else z.sub_(row_max.unsqueeze(1))
+        )
         probs = z_shift.exp_()  # exp(z - max), in place
         stats = torch.stack([probs.sum(dim=1), target])
         if group is not None:

@@ -31,7 +31,9 @@ class LinearCrossEntropy:
     reads_hidden_states = True
 
     def __init__(self, chunk_tokens: int | None = None) -> None:
-        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        if chunk_tokens is not None and (
+            isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+        ):
             raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
         self.chunk_tokens = chunk_tokens
 

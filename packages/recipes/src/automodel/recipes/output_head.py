@@ -50,7 +50,9 @@ class HeadPlan:
         if not self.chunked:
             return f"loss: full-logits cross-entropy ({self.reason})"
         extra = "".join(
-            f", {k} {v:g}" for k, v in (("soft-cap", self.softcap), ("logit scale", self.scale)) if v is not None
+            f", {k} {v:g}"
+            for k, v in (("soft-cap", self.softcap), ("logit scale", self.scale))
+            if v is not None
         )
         return f"loss: chunked linear cross-entropy over {self.fqn} (no full logits{extra})"
 
@@ -155,7 +157,9 @@ def plan_head_loss(model: nn.Module) -> HeadPlan:
             out = model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"), use_cache=False)
         logits = out.logits if hasattr(out, "logits") else out[0]
     except Exception as e:  # noqa: BLE001 - the model's own code failed on the stand-ins: keep its path
-        return HeadPlan(None, reason=f"its code after the decoder could not be probed ({type(e).__name__}: {e})")
+        return HeadPlan(
+            None, reason=f"its code after the decoder could not be probed ({type(e).__name__}: {e})"
+        )
     finally:
         _swap(model, prefix, held_decoder)
         _swap(model, fqn, held_head)
@@ -181,14 +185,15 @@ class _RecordingHead(nn.Module):
 
     out_features = 0  # what a pipeline's last stage emits per token meanwhile
 
-    def __init__(self, pending: list[torch.Tensor]) -> None:
+    def __init__(self, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().__init__()
-        self._pending = pending
+        self._pending = pending  # (returned zero-width logits, recorded hidden states) per call
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._pending.append(hidden)
         local = hidden.to_local() if isinstance(hidden, DTensor) else hidden
-        return torch.empty((*hidden.shape[:-1], 0), dtype=local.dtype, device=local.device)
+        logits = torch.empty((*hidden.shape[:-1], 0), dtype=local.dtype, device=local.device)
+        self._pending.append((logits, hidden))
+        return logits
 
 
 class HeadLoss:
@@ -204,7 +209,7 @@ class HeadLoss:
         self.chunk_tokens = chunk_tokens
         self._head: nn.Linear | None = None
         self._holder: nn.Module | None = None
-        self._pending: list[torch.Tensor] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._active = False
         self._held: nn.Module | None = None  # the real head while the recording one stands in
 
@@ -222,6 +227,8 @@ class HeadLoss:
         assert self.plan.fqn is not None
         for part in parts:
             holder = unwrap(part)
+            if getattr(holder, "is_last", True) is False:
+                continue  # a pipeline stage before the last (with tied weights it may hold a head copy)
             try:
                 head = holder.get_submodule(self.plan.fqn)
             except AttributeError:
@@ -255,15 +262,25 @@ class HeadLoss:
             self._active = False
             self._pending.clear()
 
+    def take_hidden(self, output: torch.Tensor) -> torch.Tensor:
+        """The hidden states recorded by the forward that returned `output` (the model's logits
+        are the recording head's own return for most families), else by the latest forward: the
+        loop and torch's pipeline schedules compute each loss right after its forward. Older
+        records (a schedule's shape-inference run) are dropped."""
+        match = next((i for i, (logits, _) in enumerate(self._pending) if logits is output), None)
+        _, hidden = self._pending[-1 if match is None else match]
+        self._pending.clear()
+        return hidden
+
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if not self.plan.chunked:
             return self.logits_loss(output, labels)
-        if self._head is None or len(self._pending) != 1:
+        if self._head is None or not self._pending:
             raise RuntimeError(
-                f"the chunked loss expected one call of {self.plan.fqn} in this forward, saw "
-                f"{len(self._pending)} (run the model inside HeadLoss.capturing)"
+                f"the chunked loss found no hidden states recorded by {self.plan.fqn} "
+                "(run the model inside HeadLoss.capturing)"
             )
-        hidden = self._pending.pop()
+        hidden = self.take_hidden(output)
         head = self._head
         return linear_cross_entropy_sum(
             hidden,

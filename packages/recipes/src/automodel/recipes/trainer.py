@@ -34,10 +34,10 @@ from automodel.recipes.data.loader import Batch, build_sampler
 from automodel.recipes.environment import check_environment
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
+from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
 from automodel.recipes.model import build_hf_config, build_meta_model
-from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.parallelize import parallelize_model
