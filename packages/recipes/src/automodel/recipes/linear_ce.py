@@ -44,15 +44,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         options: dict,
     ) -> torch.Tensor:
         loss, grads = _chunked_pass(hidden, weight, bias, labels, **options)
-        # saved, not kept as attributes: freed after backward unless the graph is retained (a
-        # zero-bubble pipeline schedule runs backward twice: input gradients, then weights)
-        ctx.save_for_backward(*grads)
+        ctx.grads = list(grads)  # type: ignore[attr-defined]
+        ctx.options = options  # type: ignore[attr-defined]
+        ctx.save_for_backward(hidden, weight, bias, labels)  # inputs: no extra memory
         return loss
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):  # type: ignore[override]
-        grads = ctx.saved_tensors  # type: ignore[attr-defined]
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
+        grads = ctx.grads  # type: ignore[attr-defined]
+        ctx.grads = None  # type: ignore[attr-defined]
+        if grads is None:
+            # a second backward through a retained graph (a zero-bubble pipeline schedule: input
+            # gradients first, weight gradients later): the gradients are computed again
+            _, grads = _chunked_pass(*ctx.saved_tensors, **ctx.options)  # type: ignore[attr-defined]
+        # scaled in place and handed over: autograd takes them as the .grad without a copy
+        scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
         return scaled[0], scaled[1], scaled[2], None, None
 
 
