@@ -129,7 +129,10 @@ def _chunked_pass(
         if grad_h is not None:
             grad_h[start : start + chunk_tokens] = grad_z @ weight
         if grad_w is not None:
-            grad_w += grad_z.T @ h
+            if grad_z.dtype == grad_w.dtype:
+                grad_w.addmm_(grad_z.T, h)  # fp32 inputs: no [vocab, hidden] temporary
+            else:  # bf16 matmul (tensor cores), accumulated in fp32
+                grad_w += grad_z.T @ h
         if grad_b is not None:
             grad_b += probs.sum(dim=0)
     if grad_h is not None and group is not None:
