@@ -240,14 +240,14 @@ def check_levers(variants: list[str], device: torch.device) -> None:
     parts = set().union(*(variant_parts(v) for v in variants))
     if "liger" in parts:
         try:
-            import liger_kernel.transformers  # noqa: F401
+            importlib.import_module("liger_kernel.transformers")
         except ImportError as err:
             raise SystemExit(f"variant part 'liger' needs liger_kernel importable ({err})") from err
     if "fp8" in parts:
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
             raise SystemExit("variant part 'fp8' needs a CUDA GPU of compute capability >= 8.9")
         try:
-            import torchao.float8  # noqa: F401
+            importlib.import_module("torchao.float8")
         except ImportError as err:
             raise SystemExit(f"variant part 'fp8' needs torchao importable ({err})") from err
 
@@ -255,18 +255,16 @@ def check_levers(variants: list[str], device: torch.device) -> None:
 def apply_levers(model: torch.nn.Module, parts: set[str]) -> None:
     """Liger kernels and float8 on the model before it is sharded."""
     if "liger" in parts:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(
+        liger = importlib.import_module("liger_kernel.transformers")
+        liger.apply_liger_kernel_to_llama(
             rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
             model=model,
         )  # fmt: skip
     if "fp8" in parts:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        convert_to_float8_training(
+        float8 = importlib.import_module("torchao.float8")
+        float8.convert_to_float8_training(
             model,
-            config=Float8LinearConfig(),
+            config=float8.Float8LinearConfig(),
             module_filter_fn=lambda module, fqn: fqn != "lm_head",
         )
 
@@ -290,16 +288,16 @@ def make_loss(model: torch.nn.Module, parts: set[str]) -> Callable[[torch.Tensor
         return labels
 
     if "liger" in parts:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-        fused = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+        liger = importlib.import_module("liger_kernel.transformers")
+        fused = liger.LigerFusedLinearCrossEntropyLoss(reduction="sum")
+        head_weight = model.lm_head.weight
 
         def liger_loss(ids: torch.Tensor) -> torch.Tensor:
             labels = shifted(ids)
             with head_loss.capturing():
                 hidden = head_loss.take_hidden(model(input_ids=ids).logits)
             flat = hidden.reshape(-1, hidden.shape[-1])
-            return fused(model.lm_head.weight, flat, labels.reshape(-1)) / (labels != -100).sum()
+            return fused(head_weight, flat, labels.reshape(-1)) / (labels != -100).sum()
 
         return liger_loss
 
@@ -363,7 +361,7 @@ def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: tor
         loss.backward()
         norm = clip_local_grads(params, max_norm=1.0) if params else loss
         if "sync" in parts:  # what the loop did every step before: wait for both on the host
-            float(loss), float(norm)
+            _ = float(loss), float(norm)
         optimizer.step()
 
     if device.type == "cuda":

@@ -48,7 +48,7 @@ def test_loss_and_gradients_equal_full_logits(softcap, scale, with_bias) -> None
     bias = torch.randn(50, requires_grad=True) if with_bias else None
     labels = torch.randint(0, 50, (3, 37))
     labels[0, :5] = -100  # ignored tokens carry no loss and no gradient
-    leaves = [hidden, weight] + ([bias] if with_bias else [])
+    leaves = [hidden, weight] + ([bias] if bias is not None else [])
     ref = _reference(hidden, weight, labels, bias=bias, softcap=softcap, scale=scale)
     ref_grads = torch.autograd.grad(ref * 0.5, leaves)
     got = linear_cross_entropy_sum(
@@ -81,7 +81,7 @@ def test_bad_arguments_are_refused() -> None:
     assert chunk * 128256 * 4 <= 128 << 20 and chunk >= 128
 
 
-def _sharded_head_rank(sequence_parallel: bool) -> tuple[float, torch.Tensor, torch.Tensor]:
+def _sharded_head_rank(sequence_parallel: bool) -> tuple[float, torch.Tensor | None, torch.Tensor]:
     """A head of 51 vocabulary rows split over 2 ranks (26 + 25, torch.chunk's split): loss,
     hidden gradient, this rank's head-gradient rows."""
     import torch.distributed as dist

@@ -16,6 +16,7 @@ the mesh per chunk, and the hidden-state gradient once at the end.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Sum of token CE of ``softcap(scale * (h @ w.T + b))``; gradients are computed in forward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -44,19 +45,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         options: dict,
     ) -> torch.Tensor:
         loss, grads = _chunked_pass(hidden, weight, bias, labels, **options)
-        ctx.grads = list(grads)  # type: ignore[attr-defined]
-        ctx.options = options  # type: ignore[attr-defined]
+        ctx.grads = list(grads)
+        ctx.options = options
         ctx.save_for_backward(hidden, weight, bias, labels)  # inputs: no extra memory
         return loss
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):  # type: ignore[override]
-        grads = ctx.grads  # type: ignore[attr-defined]
-        ctx.grads = None  # type: ignore[attr-defined]
+    def backward(ctx: Any, grad_loss: torch.Tensor):
+        grads = ctx.grads
+        ctx.grads = None
         if grads is None:
             # a second backward through a retained graph (a zero-bubble pipeline schedule: input
             # gradients first, weight gradients later): the gradients are computed again
-            _, grads = _chunked_pass(*ctx.saved_tensors, **ctx.options)  # type: ignore[attr-defined]
+            _, grads = _chunked_pass(*ctx.saved_tensors, **ctx.options)
         # scaled in place and handed over: autograd takes them as the .grad without a copy
         scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
         return scaled[0], scaled[1], scaled[2], None, None

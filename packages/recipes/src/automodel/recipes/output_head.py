@@ -20,7 +20,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -108,9 +108,11 @@ class _StubDecoder(nn.Module):
 
 
 def _swap(root: nn.Module, fqn: str, module: nn.Module) -> nn.Module:
+    """Put `module` at `fqn` in `root`; returns the module that was there."""
     parent_fqn, _, name = fqn.rpartition(".")
     parent = root.get_submodule(parent_fqn) if parent_fqn else root
     held = parent._modules[name]
+    assert held is not None, f"{fqn} is empty"
     parent._modules[name] = module
     return held
 
@@ -133,7 +135,7 @@ def plan_head_loss(model: nn.Module) -> HeadPlan:
     scaled values as the config declares.
     """
     try:
-        head = model.get_output_embeddings()
+        head = cast(Any, model).get_output_embeddings()
     except (AttributeError, NotImplementedError):
         head = None
     if head is None:
@@ -207,7 +209,7 @@ class HeadLoss:
         self.plan = plan
         self.logits_loss = logits_loss
         self.chunk_tokens = chunk_tokens
-        self._head: nn.Linear | None = None
+        self._head: nn.Module | None = None
         self._holder: nn.Module | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._active = False
@@ -236,7 +238,7 @@ class HeadLoss:
             if isinstance(head, FSDPModule):
                 self.plan = HeadPlan(None, reason=f"{self.plan.fqn} is its own FSDP unit in this layout")
                 return
-            self._head, self._holder = head, holder  # type: ignore[assignment]
+            self._head, self._holder = head, holder
             holder.register_forward_pre_hook(self._install)
             holder.register_forward_hook(self._restore, always_call=True)
             return
