@@ -192,8 +192,14 @@ class _RecordingHead(nn.Module):
         self._pending = pending  # (returned zero-width logits, recorded hidden states) per call
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # zero-width but in the graph of `hidden` (not a view): the loss adds their (zero) sum, so
+        # the backward passes through the model's output, where FSDP2's root unshards its
+        # parameters for backward (a root that resharded after forward would otherwise not)
         local = hidden.to_local() if isinstance(hidden, DTensor) else hidden
-        logits = torch.empty((*hidden.shape[:-1], 0), dtype=local.dtype, device=local.device)
+        empty = local.narrow(-1, 0, 0)
+        if tuple(local.shape) != tuple(hidden.shape):  # a sequence-sharded DTensor: its global shape
+            empty = empty.sum(dim=1, keepdim=True).expand(*hidden.shape[:-1], 0)
+        logits = empty.clone()
         self._pending.append((logits, hidden))
         return logits
 
@@ -284,7 +290,7 @@ class HeadLoss:
             )
         hidden = self.take_hidden(output)
         head = self._head
-        return linear_cross_entropy_sum(
+        loss = linear_cross_entropy_sum(
             hidden,
             head.weight,
             labels,
@@ -293,6 +299,11 @@ class HeadLoss:
             softcap=self.plan.softcap,
             scale=self.plan.scale,
         )
+        if isinstance(output, torch.Tensor) and output.requires_grad and output.numel() == 0:
+            loss = (
+                loss + output.sum()
+            )  # zero: links the model's output into the backward (see _RecordingHead)
+        return loss
 
 
 def is_linear_loss(loss_fn: Any) -> bool:
