@@ -20,12 +20,13 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from automodel.mesh.model_parts import output_embeddings
 from automodel.recipes.linear_ce import linear_cross_entropy_sum
 
 log = logging.getLogger(__name__)
@@ -134,10 +135,7 @@ def plan_head_loss(model: nn.Module) -> HeadPlan:
     source of known logits, and what the model returns must be those logits, or their soft-capped /
     scaled values as the config declares.
     """
-    try:
-        head = cast(Any, model).get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        head = None
+    head = output_embeddings(model)
     if head is None:
         return HeadPlan(None, reason=f"{type(model).__name__} has no output embeddings")
     if type(head).forward is not nn.Linear.forward or not isinstance(head, nn.Linear):
