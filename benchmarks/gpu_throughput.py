@@ -14,9 +14,25 @@ Variants (a comma list; parts joined by "+"):
     base      the same model, step and policy through automodel.fsdp2.FSDP2Manager;
               `compile`, `ac`, `compile+ac` its per-layer compile / activation checkpointing.
     megatron  megatron-fsdp through automodel.megatron_fsdp (`megatron+ac`, `megatron+compile`).
+Levers (parts added to base/compile/ac variants, e.g. `compile+chunked+liger`):
+    chunked   the loss through automodel.recipes' chunked linear cross-entropy (the default of
+              `recipes train`: no [tokens, vocab] logits) instead of HF's full-logits loss.
+    sync      read the loss and the clipped gradient norm on the host every step, as the recipes
+              loop did before it fetched them one step late (every variant clips the norm).
+    liger     Liger kernels (RMSNorm, RoPE, SwiGLU) patched into HF Llama via liger_kernel's
+              own `apply_liger_kernel_to_llama`; with `chunked`, Liger's fused linear CE instead
+              of ours. Refused before any variant runs when liger_kernel is not importable.
+    fp8       torchao float8 training (tensorwise scaling) on every nn.Linear but lm_head;
+              refused when torchao is not importable or the GPU is below compute capability 8.9.
 
 Random init (no download). Each variant builds a fresh model, runs `--warmup` untimed steps and
-`--steps` timed steps (CUDA events on GPU, perf_counter on CPU) and reports the median. Ratios are
+`--steps` timed steps and reports the median. On GPU each step is timed by CUDA events read once
+after the last step (the host is never made to wait between steps, so a variant that syncs inside
+its step shows the GPU idling as step time); on CPU by perf_counter. Between variants the previous
+model is garbage-collected before the peak-memory counter is reset: FSDP-wrapped modules hold
+reference cycles, and without `gc.collect()` the previous variant's parameters, gradients and
+optimizer state stayed allocated into the next variant's peak (the `base` after `plain` figure
+of 36.3 vs 26.9 GiB on H200 was that, not automodel). Ratios are
 tokens/s against the `plain` variant measured in the same run (against the first variant when
 `plain` is not in the list). The process group (one rank) is set up with plain torch.distributed.
 
@@ -181,35 +197,130 @@ def parallelize_megatron(
     return "automodel.megatron_fsdp.apply_megatron_fsdp"
 
 
-def make_timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+def time_steps(step: Callable[[], None], *, count: int, device: torch.device) -> list[float]:
+    """Seconds per step of `count` steps: CUDA events read after the last one (no host wait in
+    between), perf_counter per step on CPU."""
     if device.type == "cuda":
-
-        def timed(step: Callable[[], None]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)
+        ]
+        for start, end in events:
             start.record()
             step()
             end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1000.0
-
-        return timed
-
-    def timed_cpu(step: Callable[[], None]) -> float:
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) / 1000.0 for start, end in events]
+    times = []
+    for _ in range(count):
         t0 = time.perf_counter()
         step()
-        return time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
+    return times
 
-    return timed_cpu
+
+def clip_local_grads(params: list[torch.nn.Parameter], *, max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm` by the global norm; one rank holds every shard, so the local gradients
+    (of DTensors too) are the whole gradient. Plain torch, no host wait."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None
+    ]
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
+LEVERS = {"chunked", "sync", "liger", "fp8"}
+
+
+def check_levers(variants: list[str], device: torch.device) -> None:
+    """Refuse (SystemExit) before any variant runs what cannot run here: a missing package, fp8
+    on CPU or below compute capability 8.9."""
+    parts = set().union(*(variant_parts(v) for v in variants))
+    if "liger" in parts:
+        try:
+            importlib.import_module("liger_kernel.transformers")
+        except ImportError as err:
+            raise SystemExit(f"variant part 'liger' needs liger_kernel importable ({err})") from err
+    if "fp8" in parts:
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+            raise SystemExit("variant part 'fp8' needs a CUDA GPU of compute capability >= 8.9")
+        try:
+            importlib.import_module("torchao.float8")
+        except ImportError as err:
+            raise SystemExit(f"variant part 'fp8' needs torchao importable ({err})") from err
+
+
+def apply_levers(model: torch.nn.Module, parts: set[str]) -> None:
+    """Liger kernels and float8 on the model before it is sharded."""
+    if "liger" in parts:
+        liger = importlib.import_module("liger_kernel.transformers")
+        liger.apply_liger_kernel_to_llama(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
+            model=model,
+        )  # fmt: skip
+    if "fp8" in parts:
+        float8 = importlib.import_module("torchao.float8")
+        float8.convert_to_float8_training(
+            model,
+            config=float8.Float8LinearConfig(),
+            module_filter_fn=lambda module, fqn: fqn != "lm_head",
+        )
+
+
+def make_loss(model: torch.nn.Module, parts: set[str]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``loss(ids)``: the mean next-token CE of the model on `ids`, by the variant's loss path."""
+    if "chunked" not in parts:
+        return lambda ids: model(input_ids=ids, labels=ids).loss
+    from automodel.recipes.loss import LinearCrossEntropy, masked_cross_entropy_sum
+    from automodel.recipes.output_head import build_head_loss
+
+    # the recipes' path: the whole (FSDP root) forward runs with the head recording its input
+    head_loss = build_head_loss(LinearCrossEntropy(), model=model, logits_loss=masked_cross_entropy_sum)
+    if not head_loss.plan.chunked:
+        raise SystemExit(f"chunked: {head_loss.plan.describe()}")
+    head_loss.bind([model])
+
+    def shifted(ids: torch.Tensor) -> torch.Tensor:
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        return labels
+
+    if "liger" in parts:
+        liger = importlib.import_module("liger_kernel.transformers")
+        fused = liger.LigerFusedLinearCrossEntropyLoss(reduction="sum")
+        head_weight = model.lm_head.weight
+
+        def liger_loss(ids: torch.Tensor) -> torch.Tensor:
+            labels = shifted(ids)
+            with head_loss.capturing():
+                hidden = head_loss.take_hidden(model(input_ids=ids).logits)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            return fused(head_weight, flat, labels.reshape(-1)) / (labels != -100).sum()
+
+        return liger_loss
+
+    def chunked_loss(ids: torch.Tensor) -> torch.Tensor:
+        labels = shifted(ids)
+        with head_loss.capturing():
+            out = model(input_ids=ids)
+            return head_loss(out.logits, labels) / (labels != -100).sum()
+
+    return chunked_loss
 
 
 def variant_parts(variant: str) -> set[str]:
     """The parts of one `--variants` entry ("base" dropped), checked; ValueError names the bad entry."""
     parts = set(variant.split("+"))
-    unknown = parts - {"base", "plain", "compile", "ac", "megatron"}
+    unknown = parts - {"base", "plain", "compile", "ac", "megatron"} - LEVERS
     if unknown:
         raise ValueError(
-            f"--variants: unknown part(s) {sorted(unknown)} in {variant!r}; use plain, base, compile, ac, megatron"
+            f"--variants: unknown part(s) {sorted(unknown)} in {variant!r}; use plain, base, compile, ac, "
+            f"megatron and the levers {', '.join(sorted(LEVERS))}"
         )
+    if "plain" in parts and parts & (LEVERS - {"sync"}):
+        raise ValueError(f"--variants: {variant!r}: plain imports nothing from automodel; levers go on base")
     if "plain" in parts and parts & {"base", "megatron"}:
         raise ValueError(f"--variants: {variant!r} mixes plain (the torch-only baseline) with base/megatron")
     if "megatron" in parts and "base" in parts:
@@ -228,6 +339,7 @@ def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: tor
     model = build_model(shape, args.seq_len, device)
     flops = flops_per_token(model, shape, args.seq_len)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    apply_levers(model, parts)
     how = apply(model, dtype=dtype, compile_layers="compile" in parts, ac="ac" in parts)
     model = model.__dict__.pop("_benchmark_wrapper", model)
     # foreach AdamW for both strategies (megatron-fsdp's uneven DTensor shards are not tested with fused).
@@ -239,17 +351,23 @@ def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: tor
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab_size"], (args.batch_size, args.seq_len), generator=gen).to(device)
 
+    loss_of = make_loss(model, parts)
+    # clipped like the recipes loop (megatron-fsdp clips through its own optimizer wrapper)
+    params = [] if "megatron" in parts else [p for p in model.parameters() if p.requires_grad]
+
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = loss_of(ids)
+        loss.backward()
+        norm = clip_local_grads(params, max_norm=1.0) if params else loss
+        if "sync" in parts:  # what the loop did every step before: wait for both on the host
+            _ = float(loss), float(norm)
         optimizer.step()
 
-    timed = make_timer(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.warmup):
-        timed(step)
-    times = [timed(step) for _ in range(args.steps)]
+    time_steps(step, count=args.warmup, device=device)
+    times = time_steps(step, count=args.steps, device=device)
     median = statistics.median(times)
     tokens_per_s = args.batch_size * args.seq_len / median
     achieved = flops * tokens_per_s
@@ -359,6 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit("gpu_throughput.py measures one GPU: run it as a single process")
         shape = TINY if args.tiny else LLAMA_3_2_1B
         results = []
+        check_levers(args.variants, device)
         for variant in args.variants:
             results.append(run_variant(variant, args, shape, device))
             release_variant(device)
@@ -389,11 +508,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     vs = f"vs {reference}"
     print(
-        f"{'variant':<14} {'step s':>9} {'tok/s/GPU':>11} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {vs:>11}"
+        f"{'variant':<20} {'step s':>9} {'tok/s/GPU':>11} {'TFLOP/s':>9} {'MFU':>7} {'peak GiB':>9} {vs:>11}"
     )
     for r in results:
         print(
-            f"{r.variant:<14} {r.median_step_s:>9.4f} {r.tokens_per_s_per_gpu:>11.1f} {r.tflops_per_s:>9.2f} "
+            f"{r.variant:<20} {r.median_step_s:>9.4f} {r.tokens_per_s_per_gpu:>11.1f} {r.tflops_per_s:>9.2f} "
             f"{r.mfu:>7.2%} {r.peak_mem_gib:>9.2f} {r.tokens_per_s_per_gpu / ref_tokens:>10.3f}x"
         )
     others = [r for r in results if r.variant != reference]

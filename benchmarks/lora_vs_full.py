@@ -69,7 +69,7 @@ def measure(raw: dict, warmup: int) -> dict[str, float]:
         trainer.step = step
         batches = trainer.loader.next_step()
         started = time.perf_counter()
-        _, _, tokens = trainer.train_step(batches)
+        tokens = int(trainer.train_step(batches).tokens)  # waits for the step
         if step >= warmup:
             rates.append(tokens / (time.perf_counter() - started))
     tokens_t = torch.tensor(float(max(1, int((batches[0].labels != -100).sum()))))

@@ -133,14 +133,20 @@ LAYOUTS: list[Layout] = [
     Layout("pp2xep2", 4, {**_pp("1f1b"), "ep_size": 2}, model="moe"),
     Layout("pp2xtp2xdp2", 8, {**_pp("1f1b"), "tp_size": 2}),
 ]
-REFERENCES = {"dense": Layout("reference_dense", 1, {}), "moe": Layout("reference_moe", 1, {}, model="moe")}
+#: The references compute today's full-logits loss (`masked_cross_entropy_sum`); every layout runs
+#: the default chunked linear cross-entropy, so each row also checks it against the full logits.
+FULL_LOGITS = {"loss_fn": "automodel.recipes.loss.masked_cross_entropy_sum"}
+REFERENCES = {
+    "dense": Layout("reference_dense", 1, {}, extra=FULL_LOGITS),
+    "moe": Layout("reference_moe", 1, {}, model="moe", extra=FULL_LOGITS),
+}
 
 
 def config_for(layout: Layout) -> dict[str, Any]:
     cfg = base_config(MOE_MODEL if layout.model == "moe" else DENSE_MODEL)
     cfg["distributed"].update(copy.deepcopy(layout.distributed))
     for key, value in layout.extra.items():
-        cfg[key] = {**cfg.get(key, {}), **value}
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
     return cfg
 
 
@@ -202,6 +208,12 @@ def run_layout(layout: Layout, workdir: Path, *, launcher: str = "cli") -> list[
         raise ValueError(f"launcher must be cli or forked, got {launcher!r}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [float(r["loss"]) for r in rows]
+
+
+def read_grad_norms(layout: Layout, workdir: Path) -> list[float]:
+    """Rank 0's per-step gradient norms (before clipping) of the run of `layout` in `workdir`."""
+    text = (workdir / layout.name / "metrics.jsonl").read_text()
+    return [float(json.loads(line)["grad_norm"]) for line in text.splitlines() if line.strip()]
 
 
 def read_reports(layout: Layout, workdir: Path) -> list[dict[str, Any]]:

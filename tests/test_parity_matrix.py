@@ -19,6 +19,7 @@ from parity_matrix import (  # noqa: E402
     Layout,
     check_reports,
     max_relative_difference,
+    read_grad_norms,
     read_reports,
     run_layout,
 )
@@ -52,10 +53,21 @@ def test_placement_checks_reject_a_run_with_the_parallelism_off(
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
 def test_layout_reproduces_single_process_losses(
-    layout: Layout, references: dict[str, list[float]], tmp_path: Path
+    layout: Layout, references: dict[str, list[float]], reference_dir: Path, tmp_path: Path
 ) -> None:
+    """Losses and gradient norms of the layout (chunked linear CE) equal the single process's
+    (full-logits CE) to RTOL at every step."""
     losses = run_layout(layout, tmp_path, launcher="forked")
     ref = references[layout.model]
     diff = max_relative_difference(losses, ref)
     assert diff <= RTOL, f"{layout.name}: losses {losses} vs single process {ref} (max rel diff {diff:.2e})"
+    # the gradients too (Adam hides their scale from the losses): the norm before clipping
+    norms, ref_norms = (
+        read_grad_norms(layout, tmp_path),
+        read_grad_norms(REFERENCES[layout.model], reference_dir),
+    )
+    norm_diff = max_relative_difference(norms, ref_norms)
+    assert norm_diff <= RTOL, (
+        f"{layout.name}: grad norms {norms} vs single process {ref_norms} ({norm_diff:.2e})"
+    )
     check_reports(layout, read_reports(layout, tmp_path))

@@ -306,12 +306,16 @@ class CausalLMStage(nn.Module):
         dtype = inputs.dtype if inputs.is_floating_point() else (params[0].dtype if params else torch.float32)
         if self.is_last:
             head = output_embeddings(self._causal_lm)
-            weight = None if head is None else head.weight
-            if not isinstance(weight, torch.Tensor):
-                raise RuntimeError(
-                    f"pipeline stage {self.stage_index} is the last but holds no output embedding weight"
-                )
-            width = weight.shape[0]
+            # `out_features` first: a head standing in for the real one may emit another width
+            # (a loss reading the hidden states swaps in one that returns zero-width logits)
+            width = getattr(head, "out_features", None)
+            if not isinstance(width, int):
+                weight = None if head is None else head.weight
+                if not isinstance(weight, torch.Tensor):
+                    raise RuntimeError(
+                        f"pipeline stage {self.stage_index} is the last but holds no output embedding weight"
+                    )
+                width = weight.shape[0]
         else:
             width = self.structure.hidden_size
         return torch.empty(batch, seq, width, dtype=dtype, device="meta")

@@ -35,7 +35,36 @@ TOP_LEVEL_KEYS = (
     "loss_fn", "distributed", "packed_sequence", "checkpoint", "logging", "seed", "output_dir", "dist_env",
     "clip_grad_norm", "peft", "dataloader", "validation_dataloader", "rng",
 )  # fmt: skip
-DEFAULT_LOSS_FN = "automodel.recipes.loss.masked_cross_entropy_sum"
+DEFAULT_LOSS_FN = "automodel.recipes.loss.LinearCrossEntropy"
+#: NeMo AutoModel's loss targets, so its configs carry over: its masked CE reads full logits, its
+#: fused linear CE is our chunked one.
+NEMO_LOSS_FNS = {
+    "nemo_automodel.components.loss.masked_ce.MaskedCrossEntropy": "automodel.recipes.loss.masked_cross_entropy_sum",
+    "nemo_automodel.components.loss.linear_ce.FusedLinearCrossEntropy": "automodel.recipes.loss.LinearCrossEntropy",
+}
+
+
+def _loss_fn(data: Any) -> Any:
+    """The loss callable of ``loss_fn``: a dotted path (a class is instantiated without arguments)
+    or ``{_target_: ..., **kwargs}``; NeMo AutoModel's targets map to ours (`NEMO_LOSS_FNS`)."""
+    kwargs: dict[str, Any] = {}
+    target = data
+    if isinstance(data, dict):
+        if "_target_" not in data:
+            raise ConfigError("loss_fn", data, "must be a dotted path or a mapping with _target_")
+        target, kwargs = data["_target_"], {k: v for k, v in data.items() if k != "_target_"}
+    target = NEMO_LOSS_FNS.get(target, target) if isinstance(target, str) else target
+    obj = locate("loss_fn._target_" if isinstance(data, dict) else "loss_fn", target)
+    if isinstance(obj, type):
+        try:
+            obj = obj(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("loss_fn", data, f"cannot be built with these keys ({e})") from None
+    elif kwargs:
+        raise ConfigError("loss_fn", data, f"{target} is a function: it takes no keys")
+    if not callable(obj):
+        raise ConfigError("loss_fn", data, "is not callable")
+    return obj
 
 
 @dataclass
@@ -144,12 +173,7 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     output_dir = raw.get("output_dir")
     if not isinstance(output_dir, str) or not output_dir:
         raise ConfigError("output_dir", output_dir, "must be a non-empty path")
-    loss_fn = raw.get("loss_fn", DEFAULT_LOSS_FN)
-    if isinstance(loss_fn, dict) and set(loss_fn) == {"_target_"}:
-        loss_fn = loss_fn["_target_"]
-    loss_callable = locate("loss_fn", loss_fn)
-    if not callable(loss_callable):
-        raise ConfigError("loss_fn", loss_fn, "is not callable")
+    loss_callable = _loss_fn(raw.get("loss_fn", DEFAULT_LOSS_FN))
     val = raw.get("validation_dataset")
     cfg = RecipeConfig(
         model=build_section(ModelSection, raw["model"]),

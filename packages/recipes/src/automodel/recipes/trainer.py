@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,10 +35,12 @@ from automodel.recipes.data.loader import Batch, build_sampler
 from automodel.recipes.environment import check_environment
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
+from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
 from automodel.recipes.model import build_hf_config, build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
+from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.rules import check_layout_rules
@@ -112,6 +114,25 @@ class StepScaledLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, labels) / self.divisor
+
+
+class StepResult(NamedTuple):
+    """A step's numbers, still on the device: reading them waits for the step to finish, so the
+    loop reads step N while step N+1 is queued (`fetch`), and at once only where it must."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    tokens: torch.Tensor
+
+    def fetch(self, *, step: int) -> tuple[float, float, int]:
+        """``(loss, grad_norm, tokens)`` as numbers; `NonFiniteError` naming `step` if not finite."""
+        loss, norm = float(self.loss), float(self.grad_norm)
+        if not math.isfinite(loss) or not math.isfinite(norm):
+            raise NonFiniteError(
+                f"step {step}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
+                f"(loss={loss}, grad_norm={norm}); stopping"
+            )
+        return loss, norm, int(self.tokens)
 
 
 @dataclass
@@ -212,6 +233,7 @@ class Trainer:
 
             self.lora = apply_lora(model, section=cfg.peft)
         self.position_offset = position_id_offset(model)
+        self.head_loss = self._build_head_loss(model)
         self.pm = parallelize_model(
             model,
             mesh=self.mesh,
@@ -239,11 +261,23 @@ class Trainer:
         # The optimizers' parameters: the ones whose gradients are clipped and stepped (megatron-fsdp
         # swaps module parameters between forward and step; the optimizer holds the stepped ones).
         self.params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
+        self.head_loss.bind(self.pm.parts, unwrap=lambda part: getattr(part, "module", part))
+        if self.rank == 0:
+            print(self.head_loss.plan.describe(), file=sys.stderr, flush=True)
         self._report_layout()
         if cfg.rng.ranked:  # dropout masks per data-parallel replica (AutoModel's StatefulRNG ranked)
             torch.manual_seed(cfg.seed + dp_rank_of(self.mesh))
         if self.rank == 0 and cfg.notes:
             print("\n".join(f"note: {line}" for line in cfg.notes), file=sys.stderr, flush=True)
+
+    def _build_head_loss(self, model: torch.nn.Module) -> HeadLoss:
+        """The loss (chunked over the head's weight, or on logits) for the loop and the pipeline."""
+        head_loss = build_head_loss(self.cfg.loss_fn, model=model, logits_loss=masked_cross_entropy_sum)
+        if self.cfg.distributed.strategy == "megatron_fsdp" and head_loss.plan.chunked:
+            # megatron-fsdp unshards the head only inside its own forward (CUDA only, unchecked here)
+            head_loss.plan = HeadPlan(None, reason="distributed.strategy megatron_fsdp")
+        self.pipeline_loss.loss_fn = head_loss
+        return head_loss
 
     def _report_layout(self) -> None:
         """Print what this rank holds, one line per parallelism (every rank), and write
@@ -284,14 +318,14 @@ class Trainer:
             "position_ids": batch.position_ids.to(self.device),
         }
         ctx, fields, extra = self._cp_shard(fields)
-        with ctx():
+        with ctx(), self.head_loss.capturing():
             logits = model(
                 input_ids=fields["input_ids"],
                 position_ids=fields["position_ids"] + self.position_offset,
                 use_cache=False,
                 **extra,
             ).logits
-            loss = self.cfg.loss_fn(logits, fields["labels"])
+            loss = self.head_loss(logits, fields["labels"])
             if divisor is not None:
                 loss = loss / divisor
             if backward:
@@ -313,7 +347,8 @@ class Trainer:
             **extra,
         }
         ids = fields["input_ids"]
-        with ctx():  # the schedule runs every micro-batch's forward and backward inside it
+        # the schedule runs every micro-batch's forward and backward inside them
+        with ctx(), self.head_loss.capturing():
             loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
         return pipe.reduce_loss(loss)
 
@@ -331,11 +366,17 @@ class Trainer:
             packed=self.cfg.packed_sequence.packed_sequence_size > 0,
         )
 
-    def train_step(self, batches: list[Batch]) -> tuple[float, float, int]:
-        """Forward/backward every micro-batch, clip, step. Returns (loss, grad_norm, global tokens)."""
+    def train_step(self, batches: list[Batch]) -> StepResult:
+        """Forward/backward every micro-batch, clip, step; no host-device synchronisation.
+
+        Returns the loss, gradient norm and global token count on the device (`StepResult.fetch`
+        reads and checks them). The optimizer steps before the non-finite check runs: a NaN step
+        is reported when its numbers are read, which `train` does before any checkpoint is written.
+        """
         local_tokens = sum(int((b.labels != -100).sum()) for b in batches)
+        # a fill, not a host-to-device copy
         tokens = _all_reduce_sum(
-            torch.tensor(float(local_tokens), device=self.device), _group(self.mesh, "dp")
+            torch.full((), float(local_tokens), device=self.device), _group(self.mesh, "dp")
         )
         loss_sum = torch.zeros((), device=self.device)
         self.pipeline_loss.set_divisor(tokens)
@@ -349,19 +390,13 @@ class Trainer:
             self.pm.pipeline.sync_tied_gradients()  # tied embedding/head copies on first and last stage
         loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
         grad_norm = self._clip_grad_norm()
-        loss_value, norm_value = float(loss_sum), float(grad_norm)
-        if not math.isfinite(loss_value) or not math.isfinite(norm_value):
-            raise NonFiniteError(
-                f"step {self.step + 1}: non-finite {'loss' if not math.isfinite(loss_value) else 'gradient norm'} "
-                f"(loss={loss_value}, grad_norm={norm_value}); stopping"
-            )
         for opt in self.optimizers:
             opt.step()
         for sched in self.schedulers:
             sched.step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        return loss_value, norm_value, int(tokens)
+        return StepResult(loss_sum, grad_norm, tokens)
 
     def _clip_grad_norm(self) -> torch.Tensor:
         """The global gradient norm before clipping to ``clip_grad_norm.max_norm`` (the strategy's)."""
@@ -423,12 +458,45 @@ class Trainer:
                 total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True
             )
         ss = cfg.step_scheduler
+        pending: tuple[StepResult, dict[str, Any]] | None = None
+
+        def finish(*, validate: bool = False) -> None:
+            """Read the pending step's numbers (waits for it), check them, validate if asked,
+            write its record."""
+            nonlocal pending
+            if pending is None:
+                return
+            (numbers, timing), pending = pending, None
+            loss, norm, tokens = numbers.fetch(step=timing["step"])
+            elapsed = timing["step_time_s"]
+            record: dict[str, Any] = {
+                "step": timing["step"],
+                "loss": loss,
+                "grad_norm": norm,
+                "lr": timing["lr"],
+                "num_tokens": tokens,
+                "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+                "step_time_s": elapsed,
+                "peak_mem_bytes": timing["peak_mem_bytes"],
+            }
+            result.losses.append(loss)
+            result.grad_norms.append(norm)
+            if validate:
+                record["val_loss"] = result.val_losses[record["step"]] = self.validate()
+            metrics.write(record)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
+
         try:
             while self.step < self.total_steps:
                 started = time.perf_counter()
                 lr = self.schedulers[0].get_last_lr()[0]
                 try:
-                    loss, norm, tokens = self.train_step(self.loader.next_step())
+                    numbers = self.train_step(self.loader.next_step())
+                    # step N's numbers are read once step N+1 is queued: the host never waits
+                    # for the device in between (a non-finite step N stops the run one step later)
+                    finish()
                 except RuntimeError as e:
                     timeout_s = cfg.dist_env.timeout_minutes * 60
                     waited_s = time.perf_counter() - started
@@ -440,28 +508,22 @@ class Trainer:
                         f"hangs ({type(e).__name__}: {e})"
                     ) from e
                 self.step += 1
-                elapsed = time.perf_counter() - started
-                record: dict[str, Any] = {
+                timing = {
                     "step": self.step,
-                    "loss": loss,
-                    "grad_norm": norm,
                     "lr": lr,
-                    "num_tokens": tokens,
-                    "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-                    "step_time_s": elapsed,
+                    "step_time_s": time.perf_counter() - started,
                     "peak_mem_bytes": peak_memory_bytes(self.device),
                 }
-                result.losses.append(loss)
-                result.grad_norms.append(norm)
+                pending = (numbers, timing)
                 final = self.step == self.total_steps
-                if self.val_dataset is not None and (
+                validate = self.val_dataset is not None and (
                     (ss.val_every_steps and self.step % ss.val_every_steps == 0) or final
-                ):
-                    record["val_loss"] = result.val_losses[self.step] = self.validate()
-                metrics.write(record)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                )
+                saving = ckpt is not None and (
+                    ckpt.preempted or (ss.ckpt_every_steps and self.step % ss.ckpt_every_steps == 0)
+                )
+                if validate or saving or final:
+                    finish(validate=validate)  # checked before any checkpoint of this step is written
                 if ss.gc_every_steps and self.step % ss.gc_every_steps == 0:
                     gc.collect()
                 if ckpt is not None:
@@ -470,6 +532,7 @@ class Trainer:
                     if ckpt.preempted:
                         ckpt.save(state)
                         break
+            finish()
             if ckpt is not None:
                 state.step = self.step
                 ckpt.save(state, last=self.step == self.total_steps)

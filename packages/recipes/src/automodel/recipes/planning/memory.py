@@ -20,6 +20,7 @@ their product); see docs/planning.md for the list and what the measurement count
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from automodel.recipes.planning.shape import ModelShape
@@ -62,6 +63,10 @@ class StepSetup:
     # routed (token, expert) slots the busiest EP rank computes, over the balanced share: the
     # router decides it at run time (an untrained router gives ~1.4 on 2 ranks, measured)
     expert_load_factor: float = 1.0
+    # the loss: full logits (0), or the chunked linear cross-entropy with this many fp32 logit
+    # elements per chunk (`automodel.recipes.linear_ce.CHUNK_ELEMENTS`) or tokens per chunk
+    loss_chunk_elements: int = 0
+    loss_chunk_tokens: int | None = None
 
     @property
     def dp_shard_cp(self) -> int:
@@ -122,6 +127,27 @@ class MemoryEstimate:
     @property
     def total_bytes(self) -> float:
         return self.peak_bytes
+
+
+def _chunked_loss_bytes(shape: ModelShape, s: StepSetup, *, tokens: float, e_c: int) -> float:
+    """Peak of the chunked linear cross-entropy (its gradients are computed in its forward): fp32
+    gradients of the hidden states and of the head's rows this rank holds, plus one chunk's
+    logits (see `automodel.recipes.linear_ce._chunked_pass` for what is in place)."""
+    tied = shape.tied_embeddings
+    v_local = shape.vocab / s.tp if s.tp > 1 and not tied else shape.vocab
+    chunk = s.loss_chunk_tokens or max(
+        16, 1 << int(math.log2(max(1, s.loss_chunk_elements // max(1, v_local))))
+    )
+    chunk = min(tokens, chunk)
+    hidden = shape.hidden
+    grads = 4 * (tokens * hidden + v_local * hidden)
+    if e_c == 4:  # fp32: the logits are cast in place, the gradients are the fp32 buffers
+        return grads + chunk * v_local * 4
+    # below fp32: the chunk's product and its fp32 copy, then the gradient of its logits; the
+    # head-gradient product per chunk, or at the end the gradients cast to the compute dtype
+    chunk_bytes = chunk * v_local * (4 + e_c)
+    casts = max(v_local * hidden * e_c, (tokens * hidden + v_local * hidden) * e_c)
+    return grads + max(chunk_bytes + v_local * hidden * e_c, casts)
 
 
 def _in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
@@ -254,6 +280,8 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     # backward the gradient of the log-probabilities and of the logits
     logits_peak = tokens * shape.vocab * (e_c + extra_fp32 + 12) if last else 0.0
     logits_live = tokens * shape.vocab * e_c if last and s.pp == 1 else 0.0  # the loop's `logits`
+    if s.loss_chunk_elements and last:
+        logits_peak, logits_live = _chunked_loss_bytes(shape, s, tokens=tokens, e_c=e_c), 0.0
     transient = _backward_transient(shape, s, tokens=tokens, moe=bool(moe_frac))
 
     n_mb = max(1, s.local_batch // s.pp_microbatch) if s.pp > 1 else 1

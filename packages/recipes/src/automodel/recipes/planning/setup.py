@@ -88,4 +88,17 @@ def step_setup(
         megatron_grad_fp32=bool(_flag(d, "grad_reduce_in_fp32", False)),
         megatron_master_fp32=bool(_flag(d, "preserve_fp32_weights", False)),
         expert_load_factor=expert_load_factor,
+        **_loss_fields(cfg, on_gpu=on_gpu),
     )
+
+
+def _loss_fields(cfg: Any, *, on_gpu: bool) -> dict:
+    """The chunked loss's chunk (`LinearCrossEntropy`) or nothing (full logits); megatron_fsdp keeps
+    full logits (`Trainer._build_head_loss`)."""
+    from automodel.recipes.linear_ce import CHUNK_ELEMENTS
+    from automodel.recipes.output_head import is_linear_loss
+
+    if not is_linear_loss(cfg.loss_fn) or cfg.distributed.strategy == "megatron_fsdp":
+        return {}
+    budget = CHUNK_ELEMENTS["accelerator" if on_gpu else "cpu"]
+    return {"loss_chunk_elements": budget, "loss_chunk_tokens": getattr(cfg.loss_fn, "chunk_tokens", None)}
