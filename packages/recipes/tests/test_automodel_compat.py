@@ -310,7 +310,9 @@ def test_automodel_numbers_and_defaults(model_dir: str) -> None:
     # AutoModel ignores these when checkpointing / validation is off: a start-up line here, not an error
     assert any(line.startswith("step_scheduler.ckpt_every_steps=50 has no effect") for line in cfg.notes)
     steps = {**base["step_scheduler"], "val_every_steps": 10}
-    assert any("val_every_steps=10 has no effect" in n for n in load_config({**base, "step_scheduler": steps}).notes)
+    assert any(
+        "val_every_steps=10 has no effect" in n for n in load_config({**base, "step_scheduler": steps}).notes
+    )
     shuffled = load_config({**base, "dataloader": {**base["dataloader"], "shuffle": False}})
     assert shuffled.dataloader.shuffle is False
     with pytest.raises(ConfigError, match="distributed.backend"):

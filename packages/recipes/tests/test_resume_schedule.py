@@ -24,7 +24,9 @@ STEPS = 6
 
 def _scheduler(total_steps: int, lr: float = 0.003) -> torch.optim.lr_scheduler.LRScheduler:
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=lr)
-    return build_lr_scheduler(opt, section=LRSchedulerSection(warmup_steps=1, min_lr=0.0003), base_lr=lr, total_steps=total_steps)
+    return build_lr_scheduler(
+        opt, section=LRSchedulerSection(warmup_steps=1, min_lr=0.0003), base_lr=lr, total_steps=total_steps
+    )
 
 
 def _expected(step: int, total_steps: int, lr: float = 0.003) -> float:
