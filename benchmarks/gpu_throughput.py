@@ -269,15 +269,21 @@ def apply_levers(model: torch.nn.Module, parts: set[str]) -> None:
         )
 
 
-def make_loss(model: torch.nn.Module, parts: set[str]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``loss(ids)``: the mean next-token CE of the model on `ids`, by the variant's loss path."""
+def make_loss(
+    model: torch.nn.Module, parts: set[str], *, meta_model: torch.nn.Module
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``loss(ids)``: the mean next-token CE of the model on `ids`, by the variant's loss path.
+
+    The chunked loss decides on `meta_model` (the same architecture on the meta device, as the
+    recipes decide before materializing) whether it reproduces the model's logits; the probe's
+    meta inputs cannot run through the real model."""
     if "chunked" not in parts:
         return lambda ids: model(input_ids=ids, labels=ids).loss
     from automodel.recipes.loss import LinearCrossEntropy, masked_cross_entropy_sum
     from automodel.recipes.output_head import build_head_loss
 
     # the recipes' path: the whole (FSDP root) forward runs with the head recording its input
-    head_loss = build_head_loss(LinearCrossEntropy(), model=model, logits_loss=masked_cross_entropy_sum)
+    head_loss = build_head_loss(LinearCrossEntropy(), model=meta_model, logits_loss=masked_cross_entropy_sum)
     if not head_loss.plan.chunked:
         raise SystemExit(f"chunked: {head_loss.plan.describe()}")
     head_loss.bind([model])
@@ -351,7 +357,7 @@ def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: tor
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab_size"], (args.batch_size, args.seq_len), generator=gen).to(device)
 
-    loss_of = make_loss(model, parts)
+    loss_of = make_loss(model, parts, meta_model=build_model(shape, args.seq_len, torch.device("meta")))
     # clipped like the recipes loop (megatron-fsdp clips through its own optimizer wrapper)
     params = [] if "megatron" in parts else [p for p in model.parameters() if p.requires_grad]
 
