@@ -107,8 +107,10 @@ class Checkpointer:
         self.base_model_name_or_path = base_model_name_or_path
         self.root = Path(config.checkpoint_dir) if config.checkpoint_dir else Path(output_dir) / "checkpoints"
         self.last_saved_step: int | None = None
+        self.restored_from: Path | None = None  # set by `restore`: the checkpoint this run resumed
         self._sigterm = False
         self._preemption_seen = False
+        self._preemption_announced = False
         self._previous_handler: Any = None
         self._install_sigterm_handler()
 
@@ -157,6 +159,7 @@ class Checkpointer:
             return None
         final = self.root / paths.step_dir_name(state.step)
         if self.last_saved_step == state.step:
+            self._announce_preemption(final, state.step)  # SIGTERM on a step that was just saved
             return final
         started = time.perf_counter()
         tmp = self.root / f"{paths.TMP_PREFIX}{final.name}"
@@ -218,16 +221,21 @@ class Checkpointer:
                 for removed in paths.apply_retention(self.root, self.config.keep_last_n):
                     log.info("retention (keep_last_n=%d): removed %s", self.config.keep_last_n, removed)
             log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
-            if self._preemption_seen:
-                print(
-                    f"SIGTERM received (pre-emption): saved checkpoint {final} at step {state.step}; "
-                    "stopping now. Run the same command again to resume from it.",
-                    file=sys.stderr,
-                    flush=True,
-                )
         _barrier()
         self.last_saved_step = state.step
+        self._announce_preemption(final, state.step)
         return final
+
+    def _announce_preemption(self, final: Path, step: int) -> None:
+        """Rank 0's line for a save made because of SIGTERM (also when that step was already saved)."""
+        if self._preemption_seen and not self._preemption_announced and _rank() == 0:
+            self._preemption_announced = True
+            print(
+                f"SIGTERM received (pre-emption): saved checkpoint {final} at step {step}; "
+                "stopping now. Run the same command again to resume from it.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _layout_summary(self) -> dict[str, int] | None:
         if self.mesh is None:
@@ -315,6 +323,7 @@ class Checkpointer:
             raise CheckpointError(f"could not load checkpoint {path}: {type(err).__name__}: {err}") from err
         apply_loaded_state(state, loaded, extra_key=extra_key, restore_rng=restore_rng and same_world)
         self.last_saved_step = state.step
+        self.restored_from = path
         if _rank() == 0:
             log.info("resumed from %s at step %d", path, state.step)
         return state.step
