@@ -7,6 +7,7 @@ Faults are injected by `test_faults_hooks.FaultyAdamW`, named as the YAML's opti
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -141,6 +142,10 @@ def test_sigterm_saves_and_exits_with_message(tmp_path, capfd):
     cfg["optimizer"].pop("fault")
     res = run_on_ranks(_train, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
     assert res[0]["steps"] == 10 and len(res[0]["losses"]) == 7
+    assert f"resumed from step 3 ({ckpts / 'step_3'})" in capfd.readouterr().err
+    # One record per step: the records of the first run past step 3 (none here) would be dropped.
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
 
 
 def test_sigkill_of_a_rank_restarts_and_matches(straight, tmp_path):
