@@ -56,7 +56,16 @@ def _write_config(tmp: Path, **sections: Any) -> Path:
 
 def _start(config: Path, tmp: Path, *extra: str, name: str = "launcher") -> tuple[subprocess.Popen, Path]:
     err = tmp / f"{name}.stderr"
-    cmd = [sys.executable, "-m", "automodel.recipes.cli", "train", str(config), "--nproc-per-node", "2", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "automodel.recipes.cli",
+        "train",
+        str(config),
+        "--nproc-per-node",
+        "2",
+        *extra,
+    ]
     with open(err, "w") as f:  # a file: a full pipe would stall the job
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=_env(), cwd=tmp)
     return proc, err
@@ -148,9 +157,7 @@ def test_rank_error_is_one_line_with_exit_2(tmp_path):
     bad.mkdir()
     (bad / ".metadata").write_bytes(b"\x00garbage")
     (bad / "checkpoint.json").write_text(json.dumps({"step": 1, "files": {".metadata": 8}}))
-    config = _write_config(
-        tmp_path, step_scheduler={"max_steps": 2}, checkpoint={"restore_from": str(bad)}
-    )
+    config = _write_config(tmp_path, step_scheduler={"max_steps": 2}, checkpoint={"restore_from": str(bad)})
     proc, err = _start(config, tmp_path)
     code = proc.wait(timeout=300)
     text = err.read_text()

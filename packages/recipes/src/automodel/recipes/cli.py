@@ -248,6 +248,9 @@ def _checked_config(args: argparse.Namespace, overrides: list[str]):
     from automodel.recipes.environment import check_environment
 
     check_environment(cfg)
+    from automodel.recipes.preflight import check_before_launch
+
+    check_before_launch(cfg)
     return cfg
 
 
@@ -308,6 +311,9 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
     from automodel.recipes.plan import plan_layout
 
     cfg = load_and_parse(args.config, overrides)
+    from automodel.recipes.preflight import check_optimizer_kwargs
+
+    check_optimizer_kwargs(cfg.optimizer)
     world = args.world_size if args.world_size is not None else 1
     if isinstance(world, int) and world < 1:
         raise ConfigError("--world-size", world, "must be >= 1")

@@ -266,12 +266,7 @@ class Checkpointer:
             if path is None:
                 log.info("no complete checkpoint in %s: starting from scratch", self.root)
             return path
-        if spec == paths.LATEST_FILE:
-            path = paths.read_latest(self.root)
-        elif paths.parse_step(spec) is not None and (self.root / spec).exists():
-            path = self.root / spec
-        else:
-            path = Path(spec)
+        path = paths.resolve_restore_spec(self.root, spec)
         paths.check_complete(path)
         return path
 
