@@ -92,7 +92,9 @@ def _stage_error_then_recover(schedule: str) -> list[str]:
 def test_a_stage_error_is_raised_on_every_rank(schedule: str) -> None:
     results = run_on_ranks(_stage_error_then_recover, world_size=2, args=(schedule,), timeout_s=TIMEOUT)
     for seen in results:
-        assert re.match(r"pipeline stage \d \(pp rank \d\) failed in its forward: RuntimeError: boom", seen[0])
+        assert re.match(
+            r"pipeline stage \d \(pp rank \d\) failed in its forward: RuntimeError: boom", seen[0]
+        )
         assert seen[1] == results[0][1]  # the pipeline still works afterwards, the same loss everywhere
         assert "labels is required on the rank that holds the last pipeline stage" in seen[2]
 
