@@ -20,6 +20,8 @@ import pytest
 import yaml
 
 from automodel.recipes.errors import ConfigError, DataError
+
+sys.path.insert(0, str(Path(__file__).parent))  # _recipe_helpers
 from automodel.recipes.metrics import truncate_metrics
 from automodel.recipes.rank_errors import RankReport, classify, report_failure, summarize
 from automodel.recipes.resume_check import check_config_changes, config_differences
@@ -207,3 +209,48 @@ def test_die_with_parent():
     while is_alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not is_alive(child)
+
+
+def test_stale_tmp_symlink_is_removed_not_its_target(tmp_path):
+    """A leftover ``.tmp-step_N`` that is a symlink: the link goes, the directory it points to stays."""
+    from automodel.recipes.checkpoint.paths import remove_stale
+
+    root, target = tmp_path / "checkpoints", tmp_path / "elsewhere"
+    root.mkdir()
+    target.mkdir()
+    (target / "keep.txt").write_text("x")
+    (root / ".tmp-step_5").symlink_to(target, target_is_directory=True)
+    remove_stale(root)
+    assert not (root / ".tmp-step_5").exists() and not (root / ".tmp-step_5").is_symlink()
+    assert (target / "keep.txt").read_text() == "x"
+
+
+BAD_ROWS = [
+    ("non_utf8", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', ":2: not UTF-8 (byte 0xe9 at column"),
+    ("malformed", b'{"text": "ok"}\n{"text": "ok"}\n{"text": \n', ":3: malformed JSON (Expecting value"),
+    ("wrong_type", b'{"text": "ok"}\n{"text": 3}\n', ":2: column 'text' holds int 3, not text"),
+    ("not_object", b'{"text": "ok"}\n[1, 2]\n', ":2: a row must be a JSON object, got list"),
+    ("empty", b"\n\n", " holds no rows (an empty file)"),
+]
+
+
+@pytest.mark.parametrize(("content", "says"), [r[1:] for r in BAD_ROWS], ids=[r[0] for r in BAD_ROWS])
+def test_bad_data_row_is_one_line_naming_file_and_line(tmp_path, capsys, content, says):
+    """`recipes train` on a JSON-lines file with one bad row: exit 2 before launch, `file:line: why`."""
+    from _recipe_helpers import tiny_config
+
+    from automodel.recipes.cli import run_cli
+
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(content)
+    cfg = tiny_config(
+        str(tmp_path / "out"),
+        dataset={"source": "json", "path": str(data)},
+        validation_dataset=None,
+        step_scheduler={"val_every_steps": None},
+    )
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert run_cli(["train", str(tmp_path / "cfg.yaml"), "--nproc-per-node=2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {data}") and says in line, line
+    assert not (tmp_path / "out").exists()

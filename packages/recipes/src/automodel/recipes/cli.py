@@ -13,7 +13,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from automodel.recipes.errors import ConfigError
+from automodel.recipes.errors import ConfigError, DataError
 
 EXIT_CONFIG_ERROR = 2
 
@@ -441,7 +441,7 @@ def run_cli(argv: Sequence[str]) -> int:
                 "plot": _plot,
                 "generate": _generate,
             }[args.command](args, overrides)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 

@@ -1,6 +1,7 @@
 """Checks that `recipes train` runs before any rank starts, for mistakes the ranks would otherwise
-meet minutes later, once per rank, as tracebacks: optimizer arguments, ``checkpoint.restore_from``
-and truncated pretrained weights. Each raises `ConfigError` naming the key (exit 2, one line).
+meet minutes later, once per rank, as tracebacks: optimizer arguments, ``checkpoint.restore_from``,
+truncated pretrained weights and unreadable data rows. Each raises `ConfigError` naming the key, or
+`DataError` naming the file and line (exit 2, one line).
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ def check_before_launch(cfg: Any) -> None:
     """Every check above, for `cfg` (the launcher runs them before starting any rank)."""
     check_optimizer_kwargs(cfg.optimizer)
     check_restore_from(cfg)
+    from automodel.recipes.data.file_check import check_section_files
+
+    check_section_files(cfg.dataset)
+    check_section_files(cfg.validation_dataset)
     if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
         from automodel.recipes.model import pretrained_dir
 

@@ -34,6 +34,7 @@ ALLOWED_CHANGES = (
     "checkpoint.keep_last_n",
     "checkpoint.save_consolidated",
     "checkpoint.model_save_format",
+    "checkpoint.on_corrupt",
     "distributed",
     "dist_env",
 )

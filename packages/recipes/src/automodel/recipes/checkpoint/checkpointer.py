@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from automodel.mesh import MeshContext
-from automodel.recipes.checkpoint import paths
+from automodel.recipes.checkpoint import integrity, paths
 from automodel.recipes.checkpoint.config import CheckpointConfig
 from automodel.recipes.checkpoint.consolidated import save_consolidated
 from automodel.recipes.checkpoint.paths import CheckpointError
@@ -196,6 +196,8 @@ class Checkpointer:
                 lora_scales=lora_scales,
             )
         _barrier()
+        listed = _broadcast_from_0(sorted(paths.file_sizes(tmp)) if _rank() == 0 else None)
+        checksums = integrity.gather_checksums(tmp, listed)  # every rank hashes a share
         if _rank() == 0:
             info = {
                 "format_version": FORMAT_VERSION,
@@ -207,6 +209,7 @@ class Checkpointer:
                 "adapter_files": [f"{paths.ADAPTER_DIR}/{f}" for f in adapter_files],
                 # Sizes of everything written, so a truncated file marks the checkpoint corrupt.
                 "files": paths.file_sizes(tmp),
+                integrity.CHECKSUMS_KEY: checksums,
                 "saved_at": time.time(),
             }
             info_tmp = tmp / f"{paths.INFO_FILE}.tmp"
@@ -282,6 +285,12 @@ class Checkpointer:
         path = self.resolve_restore_path()
         if path is None:
             return None
+        path = integrity.verified(  # checksums; a corrupt one names its file (or falls back)
+            path,
+            root=self.root,
+            on_corrupt=self.config.on_corrupt,
+            explicit=self.config.restore_from is not None,
+        )
         # DCP's own reader unpickles .metadata and loads non-tensor entries with weights_only=False:
         # read both through the restricted paths of `safe_dcp` instead.
         reader = SafeFileSystemReader(str(path))

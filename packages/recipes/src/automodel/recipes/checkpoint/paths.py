@@ -139,8 +139,8 @@ def remove_stale(root: Path) -> None:
     for p in root.iterdir():
         if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             log.warning("removing %s left by an interrupted save", p)
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir() and not p.is_symlink():  # a link is removed itself, never its target
+                shutil.rmtree(p)
             else:
                 p.unlink(missing_ok=True)
 
