@@ -199,3 +199,35 @@ def test_changed_config_stops_with_differences(tmp_path):
     )  # fmt: skip
     assert changed.returncode == 2
     assert "optimizer.lr: 0.003 -> 0.03" in changed.stderr and "--resume-with-changes" in changed.stderr
+
+
+@full_only
+def test_disk_full_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """output_dir on a 4 MiB tmpfs: a save fails with ENOSPC inside the ranks -> one line naming the
+    file, exit 2; the last complete checkpoint and LATEST are untouched."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        config = _write_config(
+            tmp_path, output_dir=str(mnt / "run"), step_scheduler={"max_steps": 40, "ckpt_every_steps": 1}
+        )
+        proc, err = _start(config, tmp_path)
+        code = proc.wait(timeout=300)
+        text = err.read_text()
+        assert code == 2, text[-3000:]
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "No space left on device" in errors[0] and "(ENOSPC)" in errors[0], text[
+            -3000:
+        ]
+        assert "Traceback" not in text
+        from automodel.recipes.checkpoint.paths import check_complete
+
+        ckpts = mnt / "run" / "checkpoints"
+        check_complete(ckpts / (ckpts / "LATEST").read_text().strip())
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
