@@ -231,3 +231,19 @@ def test_disk_full_is_one_line_and_keeps_the_last_checkpoint(tmp_path):
         check_complete(ckpts / (ckpts / "LATEST").read_text().strip())
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_single_process_run_holds_its_own_lock_and_resumes(tmp_path):
+    """`recipes train` without --nproc-per-node trains in the launcher itself, which holds the lock:
+    the trainer finds it held by its own process. A second run resumes and says so."""
+    config = _write_config(tmp_path, step_scheduler={"max_steps": 2})
+    cmd = [sys.executable, "-m", "automodel.recipes.cli", "train", str(config)]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "fresh start" in first.stderr
+    again = subprocess.run(
+        [*cmd, "--step_scheduler.max_steps=3"], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from step 2 ({tmp_path / 'run' / 'checkpoints' / 'step_2'})" in again.stderr
+    assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2, 3]

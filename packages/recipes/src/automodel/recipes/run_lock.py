@@ -109,8 +109,9 @@ def acquire_output_lock(output_dir: str | Path) -> OutputDirLock | None:
     except BlockingIOError:
         holder = _read_holder(fd)
         os.close(fd)
-        if holder is not None and holder.host == socket.gethostname() and is_ancestor(holder.pid):
-            return None  # our own launcher holds it for the whole job
+        ours = holder is not None and holder.host == socket.gethostname()
+        if ours and (holder.pid == os.getpid() or is_ancestor(holder.pid)):
+            return None  # our own launcher (or this process, training in place) holds it
         who = holder.describe() if holder else "another process (its lock file names no holder)"
         raise ConfigError(
             "output_dir",
