@@ -231,7 +231,12 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         if nnodes == 1:
             _check_resume(cfg, allow_changes=args.resume_with_changes)
         if opts.multi_process:
-            return launch_torchrun(opts, [args.config, *overrides], output_dir=cfg.output_dir)
+            return launch_torchrun(
+                opts,
+                [args.config, *overrides],
+                output_dir=cfg.output_dir,
+                saves_on_sigterm=bool(cfg.checkpoint.get("enabled", True)),
+            )
         return _run_guarded(lambda: cfg, rank=0, error_dir=None)
     finally:
         if lock is not None:

@@ -70,8 +70,9 @@ class _Forwarder:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-    def __init__(self, agent: subprocess.Popen) -> None:
+    def __init__(self, agent: subprocess.Popen, *, saves: bool) -> None:
         self.agent = agent
+        self.saves = saves  # checkpointing is on: the ranks save before they stop
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -94,8 +95,13 @@ class _Forwarder:
             return
         self.received = signum
         ranks = children_of(self.agent.pid)
+        what = (
+            "save a checkpoint and stop"
+            if self.saves
+            else "stop (checkpointing is disabled: nothing is saved)"
+        )
         print(
-            f"recipes: {name} received: asking the {len(ranks)} rank(s) to save a checkpoint and stop; "
+            f"recipes: {name} received: asking the {len(ranks)} rank(s) to {what}; "
             "waiting for them (send it again to kill the job)",
             file=sys.stderr,
             flush=True,
@@ -109,7 +115,9 @@ class _Forwarder:
             self.agent.send_signal(signal.SIGTERM)
 
 
-def launch_torchrun(opts: LaunchOptions, train_args: list[str], *, output_dir: str) -> int:
+def launch_torchrun(
+    opts: LaunchOptions, train_args: list[str], *, output_dir: str, saves_on_sigterm: bool = True
+) -> int:
     """Run the ranks under torchrun's agent; return 0 when every rank succeeded.
 
     On failure, print one line per distinct error the ranks reported (exit 2 for user mistakes),
@@ -127,16 +135,16 @@ def launch_torchrun(opts: LaunchOptions, train_args: list[str], *, output_dir: s
         *torchrun_args(opts, [*train_args, f"--launcher-error-dir={error_dir}"]),
     ]  # fmt: skip
     agent = subprocess.Popen(cmd, env=env, start_new_session=True)
-    with _Forwarder(agent) as forwarder:
+    with _Forwarder(agent, saves=saves_on_sigterm) as forwarder:
         code = agent.wait()
     try:
+        reports = rank_errors.read_reports(error_dir) if code != 0 else []
+        if forwarder.received is not None and not any(r.line for r in reports):
+            name = signal.Signals(forwarder.received).name
+            print(f"recipes: the ranks stopped after {name}", file=sys.stderr, flush=True)
+            return 128 + forwarder.received
         if code == 0:
-            if forwarder.received is not None:
-                name = signal.Signals(forwarder.received).name
-                print(f"recipes: the ranks stopped after {name}", file=sys.stderr, flush=True)
-                return 128 + forwarder.received
             return 0
-        reports = rank_errors.read_reports(error_dir)
         if reports:
             code, lines = rank_errors.summarize(reports)
         else:
