@@ -379,15 +379,13 @@ class PipelineModel:
         )
         n = self.config.n_microbatches
         arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, n)
-        last_fn = None
+        last_fn: Callable[[int, Any], Any] | None = None
         if use_loss and self.has_last_stage:
             target_chunks, _ = split_args_kwargs_into_chunks((target,), None, n)
             target_mbs = [chunk[0] for chunk in target_chunks]
             loss_fn = self.loss_fn
             assert loss_fn is not None
-
-            def last_fn(mb: int, out: Any) -> torch.Tensor:
-                return loss_fn(out, target_mbs[mb])
+            last_fn = lambda mb, out: loss_fn(out, target_mbs[mb])  # noqa: E731
 
         outs = run_forward(
             parts={st.stage_index: part for st, part in zip(self.stages, self.model_parts)},
