@@ -235,7 +235,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
                 opts,
                 [args.config, *overrides],
                 output_dir=cfg.output_dir,
-                saves_on_sigterm=bool(cfg.checkpoint.get("enabled", True)),
+                saves_on_sigterm=cfg.checkpoint.enabled,
             )
         return _run_guarded(lambda: cfg, rank=0, error_dir=None)
     finally:

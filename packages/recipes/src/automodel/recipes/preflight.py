@@ -65,7 +65,6 @@ def check_optimizer_kwargs(section: Any) -> None:
 
 def check_restore_from(cfg: Any) -> None:
     """``checkpoint.restore_from`` names a complete checkpoint (or the run may start fresh)."""
-    from automodel.recipes.checkpoint import CheckpointConfig
     from automodel.recipes.checkpoint.paths import (
         CheckpointError,
         check_complete,
@@ -73,7 +72,7 @@ def check_restore_from(cfg: Any) -> None:
         resolve_restore_spec,
     )
 
-    section = CheckpointConfig(**cfg.checkpoint)
+    section = cfg.checkpoint
     if not section.enabled or section.restore_from is None:
         return
     root = Path(section.checkpoint_dir) if section.checkpoint_dir else Path(cfg.output_dir) / "checkpoints"

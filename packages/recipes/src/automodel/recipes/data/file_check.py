@@ -87,7 +87,8 @@ def check_text_file(path: Path) -> None:
 
 def check_section_files(section: Any) -> None:
     """The local files of a dataset section (pretraining ``path`` or SFT ``path_or_dataset_id``)."""
-    if section is None or section.source in ("embedded", "stdlib_docstrings"):
+    source = getattr(section, "source", None)  # kinds without one (megatron, nanogpt) read binary shards
+    if section is None or source not in ("instruction", "chat", "json", "text"):
         return
     if hasattr(section, "path_or_dataset_id"):  # SFT
         src = section.path_or_dataset_id
@@ -96,6 +97,8 @@ def check_section_files(section: Any) -> None:
         columns = tuple(str(c) for c in mapping.values()) if section.source == "instruction" else ()
         limit = section.limit_dataset_samples
     else:
+        if section.path is None:
+            return
         files = [Path(p) for p in (section.path if isinstance(section.path, list) else [section.path])]
         columns = (section.text_key,) if section.source == "json" else ()
         limit = None
@@ -104,5 +107,5 @@ def check_section_files(section: Any) -> None:
             continue  # a directory or a Hub id: read by `datasets` itself
         if f.suffix in JSON_SUFFIXES:
             check_json_rows(f, text_columns=columns, limit=limit)
-        elif f.suffix in TEXT_SUFFIXES or getattr(section, "source", None) == "text":
+        elif f.suffix in TEXT_SUFFIXES or source == "text":
             check_text_file(f)
