@@ -48,7 +48,6 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("attn_unknown", {"model.attn_implementation": "fast"}, [], "model.attn_implementation"),
     # bloom declares no sdpa support: the error names the model_type and what it supports
     ("attn_unsupported", {"model.config": {"model_type": "bloom", "n_head": 4, "hidden_size": 64, "n_layer": 2, "vocab_size": 256}, "model.attn_implementation": "sdpa"}, [], "model.attn_implementation"),
-    ("pp_with_v_shape_validation", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "zbvzerobubble"}, "model.config.num_hidden_layers": 4}, ["--nproc-per-node=2"], "distributed.pipeline.pp_schedule"),
     ("vocab_too_small", {"model.config.vocab_size": 100}, [], "model.config.vocab_size"),
     # per-layer head counts (transformers' per_layer_config) on a model whose code reads one value
     ("per_layer_unsupported", {"model.config.per_layer_config": {1: {"num_key_value_heads": 1}}}, [], "model.config.per_layer_config"),

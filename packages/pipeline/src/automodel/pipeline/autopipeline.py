@@ -308,8 +308,8 @@ class PipelineModel:
         """Sum the gradients of tied weights over the stages holding them, so every copy steps alike.
 
         `step` does this itself (also across several `step` calls that accumulate gradients), so
-        calling it after `step` changes nothing; it syncs only gradients that `step` did not make
-        (a backward of your own through the stage modules).
+        once a `step` has run this changes nothing (kept for code written against the earlier API);
+        before any `step` (a backward of your own through the stage modules) it sums them.
         """
         if self._tied_synced:
             return
