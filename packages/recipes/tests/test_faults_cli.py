@@ -169,6 +169,7 @@ def test_rank_error_is_one_line_with_exit_2(tmp_path):
     assert logs and "Traceback" in logs[0].read_text()
 
 
+@full_only  # the lock's refusal itself: test_run_safety.py in the CPU suite
 def test_busy_output_dir_is_refused_before_launch(tmp_path):
     """A second run on a directory in use: exit 2 naming the holder, before any rank starts."""
     config = _write_config(tmp_path)
