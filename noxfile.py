@@ -3,7 +3,8 @@
 `build` (wheel + sdist per package, checked), `install_alone` (each wheel alone in a fresh venv,
 imported and smoke-run), `release_check` (versions, changelogs and release tags agree), `conformance`
 (every causal LM of the transformers registry under every layout; writes docs/models.md), `composed`
-(composed layouts on common families; writes docs/composed.md).
+(composed layouts on common families; writes docs/composed.md), `faults` (every fault and
+bad-input case of the recipes and the pipeline package).
 
 All sessions run in the workspace environment (`uv run --frozen nox -s ...`), so torch is never
 installed twice. `gpu_tests` runs scripts/gpu_check.sh, which also works on GPU runners that have
@@ -105,6 +106,24 @@ def stress(session: nox.Session) -> None:
     session.run(
         sys.executable, "-m", "pytest", "-q", "packages/recipes/tests/test_clean_exit.py", *session.posargs
     )
+
+
+#: The fault suite: every case of issue 34 (launcher kill, locks, resume, one-line errors, signals,
+#: corrupt checkpoints, bad data, pipeline pitfalls) plus the earlier fault tests.
+FAULT_TESTS = (
+    "packages/recipes/tests/test_faults.py",
+    "packages/recipes/tests/test_faults_cli.py",
+    "packages/recipes/tests/test_run_safety.py",
+    "packages/recipes/tests/test_config_errors.py",
+    "packages/pipeline/tests/test_pitfalls.py",
+)
+
+
+@nox.session
+def faults(session: nox.Session) -> None:
+    """Every fault case (the CPU suite runs most of them; `AUTOMODEL_FAULTS=all` adds the slow rest)."""
+    session.env["AUTOMODEL_FAULTS"] = "all"
+    session.run(sys.executable, "-m", "pytest", "-q", *FAULT_TESTS, *session.posargs)
 
 
 @nox.session

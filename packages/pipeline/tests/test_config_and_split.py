@@ -249,7 +249,11 @@ def _build_error(config_kwargs: dict, model_kind: str) -> str:
             "seq",
             "single-stage schedule",
         ),
-        ({"pp_schedule": "1f1b"}, "seq", "not a Hugging Face causal LM: set module_fqns_per_model_part"),
+        (
+            {"pp_schedule": "1f1b"},
+            "seq",
+            "not a Hugging Face transformers model, so its stages cannot be derived: set module_fqns_per_model_part",
+        ),
         (
             {"pp_schedule": "1f1b", "module_fqns_per_model_part": [["0", "1"], ["3"]]},
             "seq",

@@ -7,6 +7,7 @@ Faults are injected by `test_faults_hooks.FaultyAdamW`, named as the YAML's opti
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -96,6 +97,44 @@ def test_resume_through_loop_is_bitwise(straight, tmp_path):
         assert torch.equal(got[name], ref[name]), name
 
 
+def _corrupt_copy(straight_dir: Path, run: Path) -> Path:
+    """step_5 and step_10 copied into `run`; one shard of step_10 overwritten by same-size garbage."""
+    for step in (5, 10):
+        shutil.copytree(straight_dir / "checkpoints" / f"step_{step}", run / "checkpoints" / f"step_{step}")
+    shard = sorted((run / "checkpoints" / "step_10").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_corrupt_latest_checkpoint_names_the_file(straight, tmp_path):
+    """Same size, other bytes: the checksum names the shard and the checkpoint to resume from instead."""
+    ref_dir, _ = straight
+    run = tmp_path / "run"
+    shard = _corrupt_copy(ref_dir, run)
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(_train, world_size=2, args=(_config(run),), timeout_s=TIMEOUT)
+    message = str(info.value)
+    assert f"checkpoint {run / 'checkpoints' / 'step_10'} is corrupt: {shard}: sha256" in message
+    assert f"The previous complete checkpoint is {run / 'checkpoints' / 'step_5'}" in message
+
+
+def test_corrupt_latest_checkpoint_falls_back_when_configured(straight, tmp_path, capfd):
+    """checkpoint.on_corrupt: previous -> resumes from step_5, saying why; steps 6-10 bitwise as straight."""
+    ref_dir, ref_losses = straight
+    run = tmp_path / "run"
+    _corrupt_copy(ref_dir, run)
+    cfg = _config(run, checkpoint={"on_corrupt": "previous", "save_consolidated": False})
+    res = run_on_ranks(_train, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
+    assert res[0]["losses"] == ref_losses[5:]
+    err = capfd.readouterr().err
+    assert (
+        "step_10 is corrupt" in err
+        and f"resuming from the previous complete checkpoint {run / 'checkpoints' / 'step_5'}" in err
+    )
+
+
 def test_resume_under_another_layout(straight, tmp_path):
     """Saved by FSDP2 dp=2, resumed with TP=2: steps 6-10 match the straight run to 1e-5."""
     ref_dir, ref_losses = straight
@@ -141,6 +180,10 @@ def test_sigterm_saves_and_exits_with_message(tmp_path, capfd):
     cfg["optimizer"].pop("fault")
     res = run_on_ranks(_train, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
     assert res[0]["steps"] == 10 and len(res[0]["losses"]) == 7
+    assert f"resumed from step 3 ({ckpts / 'step_3'})" in capfd.readouterr().err
+    # One record per step: the records of the first run past step 3 (none here) would be dropped.
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
 
 
 def test_sigkill_of_a_rank_restarts_and_matches(straight, tmp_path):

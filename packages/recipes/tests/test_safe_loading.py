@@ -187,9 +187,14 @@ def _rewrite(path: Path, state: dict) -> None:
 
 
 def _fix_sizes(path: Path, **changes) -> None:
+    """checkpoint.json's sizes and checksums made to match the tampered files, as an attacker would
+    (checksums catch corruption, not an attacker who can write checkpoint.json too)."""
+    from automodel.recipes.checkpoint.integrity import CHECKSUMS_KEY, sha256_file
+
     info = json.loads((path / ckpt_paths.INFO_FILE).read_text())
     info.update(changes)
     info["files"] = {k: v for k, v in ckpt_paths.file_sizes(path).items() if k != ckpt_paths.INFO_FILE}
+    info[CHECKSUMS_KEY] = {k: sha256_file(path / k) for k in info["files"]}
     (path / ckpt_paths.INFO_FILE).write_text(json.dumps(info))
 
 

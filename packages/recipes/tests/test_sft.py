@@ -281,6 +281,31 @@ def test_chat_messages_jsonl(tmp_path: Path, chat_tok) -> None:
     assert [t for t in labels[0].tolist() if t != IGNORE_INDEX] == [v["hi"], v["<|end|>"]]
 
 
+ALTERNATING = (  # Llama-2 / Mistral style: refuses conversations whose roles do not alternate
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}{% endif %}"
+    "<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def test_row_the_chat_template_refuses_is_skipped_and_counted(tmp_path: Path) -> None:
+    save_chat_tokenizer(tmp_path / "tok", chat_template=ALTERNATING)
+    tok = build_tokenizer(str(tmp_path / "tok"))
+    path = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi"}]}
+    twice = {"messages": [{"role": "user", "content": "say"}, {"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "hi"}]}  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in (good, twice, good)))
+    ds = build_packed_dataset(
+        _section(source="chat", path_or_dataset_id=str(path), seq_length=12), tok, packed_sequence_size=0
+    )
+    assert len(ds) == 2
+    assert ds.stats["skipped"] == {
+        "refused by the chat template (Conversation roles must alternate user/assistant/user/assistant)": 1
+    }
+
+
 def test_stdlib_docstrings_examples() -> None:
     from automodel.recipes.data.stdlib_docstrings import stdlib_docstring_examples
 

@@ -9,6 +9,7 @@ from automodel.pipeline._version import __version__ as __version__
 from automodel.pipeline.autopipeline import LABEL_PAD, AutoPipeline, PipelineModel
 from automodel.pipeline.config import PipelineConfig
 from automodel.pipeline.dtensor_boundary import BoundaryLayout
+from automodel.pipeline.forward_only import PipelineStageError
 from automodel.pipeline.hf import (
     hf_module_fqns_per_stage,
     is_hf_causal_lm,
@@ -29,6 +30,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineModel",
     "PipelineSplitError",
+    "PipelineStageError",
     "ScheduleSpec",
     "check_parameter_coverage",
     "hf_module_fqns_per_stage",

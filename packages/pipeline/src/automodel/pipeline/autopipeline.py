@@ -17,14 +17,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from automodel.mesh import MeshContext
 from automodel.pipeline.config import PipelineConfig
 from automodel.pipeline.dtensor_boundary import BoundaryLayouts, attach_boundary_layouts, normalize_layouts
+from automodel.pipeline.forward_only import run_forward
 from automodel.pipeline.hf import (
     hf_module_fqns_per_stage,
-    is_hf_causal_lm,
     make_causal_lm_stage,
     meta_stand_ins,
     tied_parameter_names,
@@ -67,14 +68,7 @@ class AutoPipeline:
         pp_size = self.mesh.size("pp")
         structure = None
         if cfg.module_fqns_per_model_part is None:
-            if not is_hf_causal_lm(model):
-                if getattr(model, "config", None) is not None:
-                    validate_hf_model_for_pipeline_support(model)  # says what is wrong with this HF model
-                raise ValueError(
-                    f"{type(model).__name__} is not a Hugging Face causal LM: set module_fqns_per_model_part "
-                    "(one list of module FQNs per stage)"
-                )
-            structure = validate_hf_model_for_pipeline_support(model)
+            structure = _hf_structure_or_refuse(model)
         if cfg.pp_schedule_csv is not None:
             ranks = read_csv_stage_layout(cfg.pp_schedule_csv, pp_size=pp_size)
             num_stages = sum(len(s) for s in ranks.values())
@@ -131,7 +125,7 @@ class AutoPipeline:
         layouts = normalize_layouts(boundary_layouts)
         cfg, spec = self.config, self.config.schedule_spec
         fqns_per_stage, ranks, structure = self._stage_layout(model)
-        tied = tied_parameter_names(model, fqns_per_stage) if structure is not None else {}
+        tied = tied_parameter_names(model, fqns_per_stage)  # HF or generic: found by parameter identity
         check_parameter_coverage(model, fqns_per_stage, shared_ok=tied)
         pp_mesh = self.mesh.get_mesh("pp")
         pp_rank = pp_mesh.get_local_rank()
@@ -167,7 +161,11 @@ class AutoPipeline:
                 PipelineStage(part, stage_index, num_stages, self.device, group=pp_mesh.get_group())
             )
         tied_parameters = TiedParameters.build(
-            mesh=self.mesh, holders=tied, stage_ids_per_rank=ranks, model_parts=parts
+            mesh=self.mesh,
+            holders=tied,
+            stage_ids_per_rank=ranks,
+            model_parts=parts,
+            part_stage_ids=list(ranks[pp_rank]),
         )
 
         if cfg.pp_schedule_csv is not None:
@@ -198,6 +196,28 @@ class AutoPipeline:
             tied_parameters=tied_parameters,
             needs_token_ids=needs_token_ids,
         )
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    """Decided by class, not by a ``.config`` attribute (torchtitan and nanoGPT models have one too)."""
+    return any(c.__module__.split(".")[0] == "transformers" for c in type(model).__mro__)
+
+
+def _hf_structure_or_refuse(model: nn.Module) -> HFStructure:
+    """The stage structure of a transformers causal LM; any other model must name its stages."""
+    cls = type(model).__name__
+    if not _is_transformers_model(model):
+        raise ValueError(
+            f"{cls} is not a Hugging Face transformers model, so its stages cannot be derived: set "
+            "module_fqns_per_model_part (one list of module FQNs per stage, e.g. "
+            "[['tok_embeddings', 'layers.0'], ['layers.1', 'norm', 'output']])"
+        )
+    try:
+        return validate_hf_model_for_pipeline_support(model)
+    except ValueError as e:
+        raise type(e)(
+            f"{e}. To split it anyway, set module_fqns_per_model_part (one list of module FQNs per stage)"
+        ) from None
 
 
 def _default_device(device_type: str) -> torch.device:
@@ -256,6 +276,7 @@ class PipelineModel:
         #: a stage of this rank runs the model from the token ids (`CausalLMStage.needs_token_ids`)
         self.needs_token_ids = needs_token_ids
         self._seq_len: int | None = config.pp_seq_len
+        self._tied_synced = False  # the tied copies' gradients were summed by the last `step`
 
     # ---- layout --------------------------------------------------------------------------
     @property
@@ -284,9 +305,16 @@ class PipelineModel:
             yield from part.named_parameters()
 
     def sync_tied_gradients(self) -> None:
-        """Sum the gradients of tied weights over the stages holding them (call after the last
-        backward of a step, before clipping and the optimizer step), so every copy steps alike."""
+        """Sum the gradients of tied weights over the stages holding them, so every copy steps alike.
+
+        `step` does this itself (also across several `step` calls that accumulate gradients), so
+        once a `step` has run this changes nothing (kept for code written against the earlier API);
+        before any `step` (a backward of your own through the stage modules) it sums them.
+        """
+        if self._tied_synced:
+            return
         self.tied_parameters.sync_gradients()
+        self._tied_synced = True
 
     def norm_parameters(self) -> list[nn.Parameter]:
         """This rank's parameters for a global gradient norm: each tied weight counted on one stage."""
@@ -315,12 +343,19 @@ class PipelineModel:
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn: pass loss_fn= to AutoPipeline.build")
-        if labels is None and self.has_last_stage:
-            raise ValueError("labels is required on the rank that holds the last pipeline stage")
-        args, kwargs, target = self._prepare(input_ids, labels, position_ids, stage_kwargs)
+
+        def prepare() -> tuple[tuple, dict[str, Any], torch.Tensor | None]:
+            if labels is None and self.has_last_stage:
+                raise ValueError("labels is required on the rank that holds the last pipeline stage")
+            return self._prepare(input_ids, labels, position_ids, stage_kwargs)
+
+        args, kwargs, target = self._agreed(prepare)
         losses: list[torch.Tensor] = []
         extra = {"return_outputs": False} if _STEP_TAKES_RETURN_OUTPUTS else {}
+        self.tied_parameters.begin_accumulation()
         self.schedule.step(*args, target=target, losses=losses, **extra, **kwargs)
+        self.tied_parameters.sync_gradients()
+        self._tied_synced = True
         return self._sum_losses(losses)
 
     @torch.no_grad()
@@ -333,16 +368,38 @@ class PipelineModel:
         **stage_kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward only. With `labels` (and a loss_fn): the summed loss as `step` returns it;
-        without: the last stage's output (logits) on its rank, None elsewhere."""
+        without: the last stage's output (logits) on its rank, None elsewhere.
+
+        Runs on every schedule alike (see `forward_only`); a stage that raises makes every pp rank
+        raise the same `PipelineStageError` instead of leaving its peers waiting.
+        """
         use_loss = labels is not None and self.loss_fn is not None
-        args, kwargs, target = self._prepare(
-            input_ids, labels if use_loss else None, position_ids, stage_kwargs
+        args, kwargs, target = self._agreed(
+            lambda: self._prepare(input_ids, labels if use_loss else None, position_ids, stage_kwargs)
         )
-        losses: list[torch.Tensor] = []
-        out = self.schedule.eval(*args, target=target, losses=losses if use_loss else None, **kwargs)
+        n = self.config.n_microbatches
+        arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, n)
+        last_fn: Callable[[int, Any], Any] | None = None
+        if use_loss and self.has_last_stage:
+            target_chunks, _ = split_args_kwargs_into_chunks((target,), None, n)
+            target_mbs = [chunk[0] for chunk in target_chunks]
+            loss_fn = self.loss_fn
+            assert loss_fn is not None
+            last_fn = lambda mb, out: loss_fn(out, target_mbs[mb])  # noqa: E731
+
+        outs = run_forward(
+            parts={st.stage_index: part for st, part in zip(self.stages, self.model_parts)},
+            owner_of_stage={s: r for r, ids in self.stage_ids_per_rank.items() for s in ids},
+            num_stages=self.num_stages,
+            pp_group=self.pp_group,
+            device=self.device,
+            arg_mbs=arg_mbs,
+            kwarg_mbs=kwarg_mbs,
+            last_stage_fn=last_fn,
+        )
         if use_loss:
-            return self._sum_losses(losses)
-        return out if self.has_last_stage else None
+            return self._sum_losses(outs)
+        return _merge_outputs(outs) if self.has_last_stage else None
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) a `step` result over the pp group: the loss on every pp rank."""
@@ -351,6 +408,23 @@ class PipelineModel:
         return loss
 
     # ---- helpers -------------------------------------------------------------------------
+    def _agreed(self, prepare: Callable[[], Any]) -> Any:
+        """`prepare()`, with its ValueError raised on every pp rank alike (a check that fails on one
+        rank only would leave the others waiting in the schedule's first receive)."""
+        error: str | None = None
+        try:
+            result = prepare()
+        except ValueError as e:
+            error, result = str(e), None
+        flag = torch.tensor([0 if error is None else 1], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pp_group)
+        if int(flag.item()):
+            gathered: list[Any] = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(gathered, error, group=self.pp_group)
+            rank, message = next((r, m) for r, m in enumerate(gathered) if m is not None)
+            raise ValueError(message if error is not None else f"pp rank {rank}: {message}")
+        return result
+
     def _sum_losses(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if self.has_last_stage and losses:
             return torch.stack([loss.detach().float() for loss in losses]).sum()
@@ -407,6 +481,19 @@ class PipelineModel:
         args = (input_ids,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
         return args, kwargs, target
+
+
+def _merge_outputs(outs: list[Any]) -> Any:
+    """The last stage's per-micro-batch outputs, concatenated along the batch as one call would give."""
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs, dim=0)
+    if isinstance(first, tuple):
+        return tuple(
+            torch.cat([o[i] for o in outs], dim=0) if isinstance(first[i], torch.Tensor) else first[i]
+            for i in range(len(first))
+        )
+    return outs
 
 
 def _is_token_tensor(t: torch.Tensor) -> bool:

@@ -44,6 +44,7 @@ class TiedParameters:
         holders: dict[str, list[int]],
         stage_ids_per_rank: dict[int, list[int]],
         model_parts: list[nn.Module],
+        part_stage_ids: list[int] | None = None,
     ) -> TiedParameters:
         """Collective over the world: every rank makes the same process groups in the same order.
 
@@ -71,11 +72,14 @@ class TiedParameters:
             if my_pp not in holder_pp:
                 continue
             copies = []
-            for part in model_parts:
+            for i, part in enumerate(model_parts):
                 params = dict(part.named_parameters(remove_duplicate=False))
+                stage_of_part = part_stage_ids[i] if part_stage_ids is not None else None
+                if stage_of_part is None:
+                    stage_of_part = getattr(part, "stage_index", min(stages))
                 if name in params:
                     copies.append(params[name])
-                    if getattr(part, "stage_index", min(stages)) != min(stages):
+                    if stage_of_part != min(stages):
                         duplicates.add(id(params[name]))
             # Kept even without copies: the check below then fails on every rank alike.
             entries.append((name, copies, groups[holder_pp]))
@@ -125,6 +129,15 @@ class TiedParameters:
     @property
     def names(self) -> list[str]:
         return [name for name, _, _ in self._entries]
+
+    @torch.no_grad()
+    def begin_accumulation(self) -> None:
+        """Before a backward that adds to synced gradients: keep the sum in one copy (the lowest
+        stage's) and zero the others, so the sync after it adds each copy's new part once."""
+        for _, copies, _ in self._entries:
+            for p in copies:
+                if id(p) in self._duplicates and p.grad is not None:
+                    _local(p.grad).zero_()
 
     @torch.no_grad()
     def sync_gradients(self) -> None:

@@ -13,7 +13,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from automodel.recipes.errors import ConfigError
+from automodel.recipes.errors import ConfigError, DataError
 
 EXIT_CONFIG_ERROR = 2
 
@@ -93,6 +93,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, dest="rdzv_endpoint")
     t.add_argument("--rdzv-id", "--rdzv_id", default=None, dest="rdzv_id")
     t.add_argument("--max-restarts", "--max_restarts", type=int, default=0, dest="max_restarts")
+    t.add_argument(
+        "--resume-with-changes",
+        "--resume_with_changes",
+        action="store_true",
+        dest="resume_with_changes",
+        help="resume in an output_dir whose config.yaml differs from this config (else exit 2 listing the differences)",
+    )
+    # Set by the `recipes` launcher on the ranks it starts (see automodel.recipes.launch).
+    t.add_argument("--launcher-error-dir", default=None, dest="launcher_error_dir", help=argparse.SUPPRESS)
+    t.add_argument("--launcher-pid", type=int, default=None, dest="launcher_pid", help=argparse.SUPPRESS)
     v = sub.add_parser("validate", help="resolve config and layout for --world-size ranks; no training")
     v.add_argument("config")
     v.add_argument("--world-size", "--world_size", type=int, default=None, dest="world_size")
@@ -168,7 +178,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-_TRAIN_LAUNCHER_FLAGS = {"nproc-per-node", "nnodes", "node-rank", "rdzv-endpoint", "rdzv-id", "max-restarts"}
+_TRAIN_LAUNCHER_FLAGS = {
+    "nproc-per-node", "nnodes", "node-rank", "rdzv-endpoint", "rdzv-id", "max-restarts", "resume-with-changes",
+}  # fmt: skip
 
 
 def _split_overrides(command: str, extra: list[str]) -> list[str]:
@@ -194,6 +206,8 @@ def load_and_parse(config: str, overrides: list[str]):
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from automodel.recipes.launch import LaunchOptions, already_launched, launch_torchrun
 
+    if already_launched():
+        return _train_rank(args, overrides)
     opts = LaunchOptions(
         nproc_per_node=args.nproc_per_node,
         nnodes=str(args.nnodes),
@@ -204,6 +218,33 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     if opts.nproc_per_node < 1:
         raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
+    cfg = _checked_config(args, overrides)
+    from automodel.recipes.plan import plan_layout
+    from automodel.recipes.run_lock import acquire_output_lock
+
+    nnodes = int(opts.nnodes.split(":")[-1])
+    plan_layout(cfg, world_size=opts.nproc_per_node * nnodes)  # every rule, before any process starts
+    # One launcher per node: on a single node it holds the output_dir lock for the whole job
+    # (restarts included); on several nodes rank 0 takes it, wherever it runs.
+    lock = acquire_output_lock(cfg.output_dir) if nnodes == 1 else None
+    try:
+        if nnodes == 1:
+            _check_resume(cfg, allow_changes=args.resume_with_changes)
+        if opts.multi_process:
+            return launch_torchrun(
+                opts,
+                [args.config, *overrides],
+                output_dir=cfg.output_dir,
+                saves_on_sigterm=cfg.checkpoint.enabled,
+            )
+        return _run_guarded(lambda: cfg, rank=0, error_dir=None)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _checked_config(args: argparse.Namespace, overrides: list[str]):
+    """The validated config, its data paths and the environment checked (launcher and ranks alike)."""
     cfg = load_and_parse(args.config, overrides)
     from automodel.recipes.data.loader import check_data_paths
 
@@ -212,21 +253,61 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from automodel.recipes.environment import check_environment
 
     check_environment(cfg)
-    if opts.multi_process and not already_launched():
-        from automodel.recipes.plan import plan_layout
+    from automodel.recipes.preflight import check_before_launch
 
-        nnodes = int(opts.nnodes.split(":")[-1])
-        plan_layout(cfg, world_size=opts.nproc_per_node * nnodes)  # every rule, before any process starts
-        return launch_torchrun(opts, [args.config, *overrides])
-    if not already_launched():
-        from automodel.recipes.plan import plan_layout
+    check_before_launch(cfg)
+    return cfg
 
-        plan_layout(cfg, world_size=1)
+
+def _check_resume(cfg, *, allow_changes: bool) -> None:
+    from automodel.recipes.resume_check import check_config_changes
+
+    check_config_changes(cfg, allow_changes=allow_changes)
+
+
+def _train_rank(args: argparse.Namespace, overrides: list[str]) -> int:
+    """One rank of a job started by torchrun, srun or the `recipes` launcher (`--launcher-pid`)."""
     from automodel.mesh import detect_launch_env
-    from automodel.recipes.api import train
+    from automodel.recipes.lifetime import die_with_parent
 
-    result = train(cfg)
-    if detect_launch_env().rank == 0:
+    launch = detect_launch_env()
+    if args.launcher_pid is not None or launch.launcher == "torchrun":
+        die_with_parent(expected_parent=args.launcher_pid)  # never outlive the launcher
+
+    def config():
+        cfg = _checked_config(args, overrides)
+        if args.launcher_pid is None and launch.rank == 0:  # no `recipes` launcher checked it
+            _check_resume(cfg, allow_changes=args.resume_with_changes)
+        return cfg
+
+    return _run_guarded(config, rank=launch.rank, error_dir=args.launcher_error_dir)
+
+
+def _run_guarded(config, *, rank: int, error_dir: str | None) -> int:
+    """Train; a failure becomes a traceback file plus one line (or the launcher's report).
+
+    Without a launcher, a user mistake (config, data, file system, checkpoint) prints one line and
+    returns 2; other errors propagate with their traceback. Under the `recipes` launcher the rank
+    prints nothing: the launcher summarizes every rank's report once the job has stopped.
+    """
+    from automodel.recipes.api import train
+    from automodel.recipes.rank_errors import report_failure
+
+    cfg = None
+    try:
+        cfg = config()
+        result = train(cfg)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        report = report_failure(e, rank=rank, output_dir=cfg.output_dir if cfg else None, error_dir=error_dir)
+        if error_dir is not None:
+            return report.exit_code
+        if not report.line:
+            raise
+        print(f"error: {report.line}\n  (full traceback: {report.traceback_file})", file=sys.stderr)
+        return report.exit_code
+    if rank == 0:
         print(f"trained {result.steps} steps; metrics in {result.output_dir}/metrics.jsonl", file=sys.stderr)
     return 0
 
@@ -235,6 +316,9 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
     from automodel.recipes.plan import plan_layout
 
     cfg = load_and_parse(args.config, overrides)
+    from automodel.recipes.preflight import check_optimizer_kwargs
+
+    check_optimizer_kwargs(cfg.optimizer)
     world = args.world_size if args.world_size is not None else 1
     if isinstance(world, int) and world < 1:
         raise ConfigError("--world-size", world, "must be >= 1")
@@ -362,7 +446,7 @@ def run_cli(argv: Sequence[str]) -> int:
                 "plot": _plot,
                 "generate": _generate,
             }[args.command](args, overrides)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 

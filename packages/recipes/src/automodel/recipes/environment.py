@@ -15,6 +15,7 @@ def check_environment(cfg: RecipeConfig) -> None:
     _check_attention(cfg.model.attn_implementation)
     if cfg.refusals:  # AutoModel settings that parse but are not implemented here (compat.translate)
         raise cfg.refusals[0]
+    _check_backend(cfg.dist_env.backend)
     get_strategy(cfg.distributed.strategy).check_environment()
 
 
@@ -39,4 +40,16 @@ def _check_attention(requested: str) -> None:
             requested,
             f"has no backward on CPU in torch {torch.__version__} and this machine has no CUDA GPU, so "
             "training would fail in the first step; use sdpa or eager here",
+        )
+
+
+def _check_backend(backend: str | None) -> None:
+    """nccl needs CUDA: without it every rank would fail in init_process_group."""
+    import torch
+
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(
+            "dist_env.backend",
+            backend,
+            "needs CUDA GPUs, which this machine lacks; use gloo, or leave it unset (nccl with CUDA, else gloo)",
         )

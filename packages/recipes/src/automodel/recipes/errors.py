@@ -1,4 +1,5 @@
-"""`ConfigError`: a user mistake in the recipe config, reported as one line and exit code 2."""
+"""`ConfigError` (a user mistake in the recipe config) and `DataError` (an unusable data file or row):
+reported as one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ class ConfigError(ValueError):
 
     def __reduce__(self) -> tuple:  # picklable: raised in worker processes, re-raised in the parent
         return (type(self), (self.key, self.value, self.message))
+
+
+class DataError(ValueError):
+    """A data file or row is unusable; `str()` names the file (and line or row) and what is wrong."""
 
 
 def require_type(key: str, value: object, types: type | tuple[type, ...], what: str) -> None:

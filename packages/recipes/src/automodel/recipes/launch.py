@@ -1,16 +1,26 @@
 """Start the ranks of `recipes train` through torch's own launcher (torch.distributed.run).
 
 When more than one process is asked for and this process was not itself started by torchrun or
-SLURM `srun`, the CLI re-runs itself under ``python -m torch.distributed.run``; otherwise it runs
-the training in place.
+SLURM `srun`, the CLI re-runs itself under torchrun's agent (`automodel.recipes._agent`, torch's
+own launcher run in a session of its own); otherwise it runs the training in place.
+
+The launcher owns the job: the agent and every rank die with it (parent-death signals, see
+`automodel.recipes.lifetime`); SIGTERM, SIGINT or SIGHUP to the launcher is passed to the ranks as
+SIGTERM (pre-emption: they save a checkpoint and stop) and the launcher exits only once they have
+finished; a second signal kills the job. Failed ranks report through `automodel.recipes.rank_errors`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from automodel.mesh import detect_launch_env
 
@@ -34,9 +44,9 @@ def already_launched() -> bool:
     return detect_launch_env().launcher != "single"
 
 
-def torchrun_command(opts: LaunchOptions, train_args: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={opts.nproc_per_node}"]
-    cmd.append(f"--nnodes={opts.nnodes}")
+def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
+    """torchrun's arguments (after ``python -m torch.distributed.run``) for `recipes train` ranks."""
+    cmd = [f"--nproc-per-node={opts.nproc_per_node}", f"--nnodes={opts.nnodes}"]
     if opts.rdzv_endpoint is None and opts.nnodes in ("1", "1:1"):
         cmd.append("--standalone")
     else:
@@ -50,8 +60,98 @@ def torchrun_command(opts: LaunchOptions, train_args: list[str]) -> list[str]:
     return cmd
 
 
-def launch_torchrun(opts: LaunchOptions, train_args: list[str]) -> int:
-    """Run the ranks under torchrun and return its exit code (0 when every rank succeeded)."""
+def torchrun_command(opts: LaunchOptions, train_args: list[str]) -> list[str]:
+    """The plain torchrun command line of the same job (what a user would type by hand)."""
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(opts, train_args)]
+
+
+class _Forwarder:
+    """The launcher's SIGTERM/SIGINT/SIGHUP handler: first signal -> SIGTERM to the ranks, second -> kill."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self, agent: subprocess.Popen, *, saves: bool) -> None:
+        self.agent = agent
+        self.saves = saves  # checkpointing is on: the ranks save before they stop
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Forwarder:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        from automodel.recipes.lifetime import children_of
+
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            print(f"recipes: {name} again: killing the job", file=sys.stderr, flush=True)
+            self.agent.kill()  # the ranks die with it (parent-death signal)
+            return
+        self.received = signum
+        ranks = children_of(self.agent.pid)
+        what = (
+            "save a checkpoint and stop"
+            if self.saves
+            else "stop (checkpointing is disabled: nothing is saved)"
+        )
+        print(
+            f"recipes: {name} received: asking the {len(ranks)} rank(s) to {what}; "
+            "waiting for them (send it again to kill the job)",
+            file=sys.stderr,
+            flush=True,
+        )
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        if not ranks:  # still starting: torchrun's agent stops what it has started
+            self.agent.send_signal(signal.SIGTERM)
+
+
+def launch_torchrun(
+    opts: LaunchOptions, train_args: list[str], *, output_dir: str, saves_on_sigterm: bool = True
+) -> int:
+    """Run the ranks under torchrun's agent; return 0 when every rank succeeded.
+
+    On failure, print one line per distinct error the ranks reported (exit 2 for user mistakes),
+    or the root-cause rank's traceback, or the tail of torchrun's log when no rank reported.
+    """
+    from automodel.recipes import rank_errors
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(torchrun_command(opts, train_args), env=env)
+    error_dir = tempfile.mkdtemp(prefix="automodel-rank-errors-")
+    log = Path(output_dir) / "logs" / "torchrun.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "automodel.recipes._agent", f"--parent={os.getpid()}", f"--log={log}", "--",
+        *torchrun_args(opts, [*train_args, f"--launcher-error-dir={error_dir}"]),
+    ]  # fmt: skip
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+    with _Forwarder(agent, saves=saves_on_sigterm) as forwarder:
+        code = agent.wait()
+    try:
+        reports = rank_errors.read_reports(error_dir) if code != 0 else []
+        if forwarder.received is not None and not any(r.line for r in reports):
+            name = signal.Signals(forwarder.received).name
+            print(f"recipes: the ranks stopped after {name}", file=sys.stderr, flush=True)
+            return 128 + forwarder.received
+        if code == 0:
+            return 0
+        if reports:
+            code, lines = rank_errors.summarize(reports)
+        else:
+            tail = log.read_text(errors="replace").splitlines()[-25:] if log.is_file() else []
+            lines = [*tail, f"recipes train: torchrun exited with {code}; its log: {log}"]
+        rank_errors.print_lines(lines)
+        return code
+    finally:
+        if not any(p.suffix == ".log" for p in Path(error_dir).iterdir()):
+            shutil.rmtree(error_dir, ignore_errors=True)

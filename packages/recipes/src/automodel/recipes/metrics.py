@@ -33,9 +33,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsWriter:
     """Appends records to metrics.jsonl and mirrors scalars to TensorBoard when asked; no-op off rank 0."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool) -> None:
+    def __init__(
+        self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, resumed_step: int = 0
+    ) -> None:
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        if enabled:
+            truncate_metrics(self.path, keep_through_step=resumed_step)
         self._tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -56,6 +60,32 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_metrics(path: Path, *, keep_through_step: int) -> None:
+    """Keep the records of steps ``<= keep_through_step`` (the step a run resumes from).
+
+    Records past it were written by a run that stopped before its next checkpoint; the resumed
+    run writes those steps again, and one record per step keeps the curve going forwards. A torn
+    last line (a kill mid-write) goes too. The file is replaced atomically.
+    """
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("step"), int)
+            and record["step"] <= keep_through_step
+        ):
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:

@@ -42,6 +42,7 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
             raise ConfigError(
                 "model.config", kwargs, f"is not accepted by the {model_type} config ({e})"
             ) from None
+        check_config_keys(cfg, kwargs)
     else:
         path = pretrained_dir(section)
         trust = section.trust_remote_code
@@ -68,6 +69,63 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
     if cls is not object:  # remote code: its class is known only once loaded
         check_defaulted_inputs(cfg, model_cls=cls, section=section)
     return cfg
+
+
+def check_config_keys(cfg: Any, given: dict[str, Any]) -> None:
+    """Refuse a ``model.config`` key that the config class neither declares nor converts.
+
+    transformers keeps any unknown keyword as a plain attribute, so a typo (``num_hidden_layer``)
+    leaves the real field at its default and trains another model. A key is known when the default
+    config has it, or when passing it alone changes some other field (a legacy name the class
+    converts: ``rope_theta``, ``rope_scaling``, ``torch_dtype``); otherwise it is refused, with the
+    closest declared key.
+    """
+    import difflib
+
+    default = type(cfg)()
+    declared = set(vars(default)) | set(getattr(cfg, "attribute_map", {}) or {})
+    base = default.to_dict()
+    for key, value in given.items():
+        if key in declared:
+            continue
+        try:
+            alone = type(cfg)(**{key: value}).to_dict()
+        except Exception:  # noqa: BLE001 - the full config was accepted; judge the key by name only
+            alone = {**base, key: value}
+        if any(alone.get(k) != base.get(k) for k in set(alone) | set(base) if k != key):
+            continue  # a legacy name the class converts into its own fields
+        if _read_by_model_code(cfg, key):
+            continue  # getattr(config, "head_dim", ...) in the modeling code: optional, not declared
+        public = sorted(k for k in declared if not k.startswith("_"))
+        close = difflib.get_close_matches(key, public, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"model.config.{key}",
+            value,
+            f"is not a key of {type(cfg).__name__} (model_type {cfg.model_type!r}); {hint}"
+            "transformers would keep it as an unused attribute and train with the default instead",
+        )
+
+
+def _read_by_model_code(cfg: Any, key: str) -> bool:
+    """Whether `key` appears as a name in the source of the model's config or modeling module."""
+    import inspect
+    import re
+    import sys
+
+    modules = [sys.modules.get(type(cfg).__module__)]
+    try:
+        modules.append(sys.modules.get(causal_lm_class(cfg).__module__))
+    except ConfigError:
+        pass
+    pattern = re.compile(rf"\b{re.escape(key)}\b")
+    for module in modules:
+        try:
+            if module is not None and pattern.search(inspect.getsource(module)):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
 
 
 def _refuse_quantized(cfg: Any, section: Any) -> None:

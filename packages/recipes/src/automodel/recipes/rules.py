@@ -104,13 +104,6 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
         layers = text.num_hidden_layers
         stages = pipeline_stages(cfg, layout, hf_config)
         pcfg = d.pipeline_config
-        if pcfg.schedule_spec.v_shape and cfg.validation_dataset is not None:
-            raise ConfigError(
-                "distributed.pipeline.pp_schedule",
-                pcfg.pp_schedule,
-                "cannot run forward-only (torch's V-shape schedules assert on eval), so validation_dataset "
-                "cannot be evaluated; use another schedule or set validation_dataset: null",
-            )
         if layers < stages:
             raise ConfigError(
                 "distributed.pp_size",

@@ -438,6 +438,13 @@ class Trainer:
 
     # ---- the run -------------------------------------------------------------------------
     def train(self) -> TrainResult:
+        """Resume (or start) and train to the end; rank 0 holds the output_dir lock meanwhile."""
+        from automodel.recipes.run_lock import hold_output_dir
+
+        with hold_output_dir(self.cfg.output_dir, rank=self.rank):
+            return self._train()
+
+    def _train(self) -> TrainResult:
         cfg = self.cfg
         out = Path(cfg.output_dir)
         is_main = self.rank == 0
@@ -448,7 +455,11 @@ class Trainer:
         if ckpt is not None:
             ckpt.restore(state)
             self.step = state.step
-        metrics = MetricsWriter(out, enabled=is_main, tensorboard=cfg.logging.tensorboard)
+        if is_main:
+            print(_resume_line(ckpt, step=self.step), file=sys.stderr, flush=True)
+        metrics = MetricsWriter(
+            out, enabled=is_main, tensorboard=cfg.logging.tensorboard, resumed_step=self.step
+        )
         result = TrainResult(output_dir=str(out))
         bar = None
         if is_main and cfg.logging.progress_bar:
@@ -567,6 +578,16 @@ class Trainer:
             base_model_name_or_path=self.cfg.model.pretrained_path,
         )
         return checkpointer, state
+
+
+def _resume_line(ckpt: Any, *, step: int) -> str:
+    """What this run starts from: every run says it, so a resume is never silent."""
+    if ckpt is None:
+        return "fresh start (checkpointing disabled)"
+    path = getattr(ckpt, "restored_from", None)
+    if path is None:
+        return f"fresh start (no complete checkpoint in {ckpt.root})"
+    return f"resumed from step {step} ({path})"
 
 
 def run_training(cfg: RecipeConfig) -> TrainResult:

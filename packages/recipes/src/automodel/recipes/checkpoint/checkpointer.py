@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from automodel.mesh import MeshContext
-from automodel.recipes.checkpoint import paths
+from automodel.recipes.checkpoint import integrity, paths
 from automodel.recipes.checkpoint.config import CheckpointConfig
 from automodel.recipes.checkpoint.consolidated import save_consolidated
 from automodel.recipes.checkpoint.paths import CheckpointError
@@ -107,8 +107,10 @@ class Checkpointer:
         self.base_model_name_or_path = base_model_name_or_path
         self.root = Path(config.checkpoint_dir) if config.checkpoint_dir else Path(output_dir) / "checkpoints"
         self.last_saved_step: int | None = None
+        self.restored_from: Path | None = None  # set by `restore`: the checkpoint this run resumed
         self._sigterm = False
         self._preemption_seen = False
+        self._preemption_announced = False
         self._previous_handler: Any = None
         self._install_sigterm_handler()
 
@@ -157,6 +159,7 @@ class Checkpointer:
             return None
         final = self.root / paths.step_dir_name(state.step)
         if self.last_saved_step == state.step:
+            self._announce_preemption(final, state.step)  # SIGTERM on a step that was just saved
             return final
         started = time.perf_counter()
         tmp = self.root / f"{paths.TMP_PREFIX}{final.name}"
@@ -193,6 +196,8 @@ class Checkpointer:
                 lora_scales=lora_scales,
             )
         _barrier()
+        listed = _broadcast_from_0(sorted(paths.file_sizes(tmp)) if _rank() == 0 else None)
+        checksums = integrity.gather_checksums(tmp, listed)  # every rank hashes a share
         if _rank() == 0:
             info = {
                 "format_version": FORMAT_VERSION,
@@ -204,6 +209,7 @@ class Checkpointer:
                 "adapter_files": [f"{paths.ADAPTER_DIR}/{f}" for f in adapter_files],
                 # Sizes of everything written, so a truncated file marks the checkpoint corrupt.
                 "files": paths.file_sizes(tmp),
+                integrity.CHECKSUMS_KEY: checksums,
                 "saved_at": time.time(),
             }
             info_tmp = tmp / f"{paths.INFO_FILE}.tmp"
@@ -218,16 +224,21 @@ class Checkpointer:
                 for removed in paths.apply_retention(self.root, self.config.keep_last_n):
                     log.info("retention (keep_last_n=%d): removed %s", self.config.keep_last_n, removed)
             log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
-            if self._preemption_seen:
-                print(
-                    f"SIGTERM received (pre-emption): saved checkpoint {final} at step {state.step}; "
-                    "stopping now. Run the same command again to resume from it.",
-                    file=sys.stderr,
-                    flush=True,
-                )
         _barrier()
         self.last_saved_step = state.step
+        self._announce_preemption(final, state.step)
         return final
+
+    def _announce_preemption(self, final: Path, step: int) -> None:
+        """Rank 0's line for a save made because of SIGTERM (also when that step was already saved)."""
+        if self._preemption_seen and not self._preemption_announced and _rank() == 0:
+            self._preemption_announced = True
+            print(
+                f"SIGTERM received (pre-emption): saved checkpoint {final} at step {step}; "
+                "stopping now. Run the same command again to resume from it.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _layout_summary(self) -> dict[str, int] | None:
         if self.mesh is None:
@@ -258,12 +269,7 @@ class Checkpointer:
             if path is None:
                 log.info("no complete checkpoint in %s: starting from scratch", self.root)
             return path
-        if spec == paths.LATEST_FILE:
-            path = paths.read_latest(self.root)
-        elif paths.parse_step(spec) is not None and (self.root / spec).exists():
-            path = self.root / spec
-        else:
-            path = Path(spec)
+        path = paths.resolve_restore_spec(self.root, spec)
         paths.check_complete(path)
         return path
 
@@ -279,6 +285,12 @@ class Checkpointer:
         path = self.resolve_restore_path()
         if path is None:
             return None
+        path = integrity.verified(  # checksums; a corrupt one names its file (or falls back)
+            path,
+            root=self.root,
+            on_corrupt=self.config.on_corrupt,
+            explicit=self.config.restore_from is not None,
+        )
         # DCP's own reader unpickles .metadata and loads non-tensor entries with weights_only=False:
         # read both through the restricted paths of `safe_dcp` instead.
         reader = SafeFileSystemReader(str(path))
@@ -315,6 +327,7 @@ class Checkpointer:
             raise CheckpointError(f"could not load checkpoint {path}: {type(err).__name__}: {err}") from err
         apply_loaded_state(state, loaded, extra_key=extra_key, restore_rng=restore_rng and same_world)
         self.last_saved_step = state.step
+        self.restored_from = path
         if _rank() == 0:
             log.info("resumed from %s at step %d", path, state.step)
         return state.step

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODEL_SAVE_FORMATS = ("safetensors", "torch_save")
+ON_CORRUPT = ("fail", "previous")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class CheckpointConfig:
     # AutoModel: dequantize an FP8-quantized base checkpoint when loading it. Quantized checkpoints
     # are refused here (model._refuse_quantized), so on the checkpoints loaded here it changes nothing.
     dequantize_base_checkpoint: bool | None = None
+    #: a corrupt checkpoint (checksum mismatch) found at resume: "fail" (stop, naming the previous
+    #: complete one) or "previous" (resume from the newest older one that verifies, saying so)
+    on_corrupt: str = "fail"
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -63,3 +67,5 @@ class CheckpointConfig:
             raise ValueError(
                 f"checkpoint.restore_from must be None, 'LATEST', a step directory or a path, got {self.restore_from!r}"
             )
+        if self.on_corrupt not in ON_CORRUPT:
+            raise ValueError(f"checkpoint.on_corrupt must be one of {ON_CORRUPT}, got {self.on_corrupt!r}")

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from automodel.recipes.checkpoint import paths
+from automodel.recipes.checkpoint.integrity import CHECKSUMS_KEY, sha256_file
 from automodel.recipes.checkpoint.safe_dcp import SafeEmptyStateDictLoadPlanner, SafeFileSystemReader
 from automodel.recipes.checkpoint.state import EXTRA_PREFIX, encode_extra
 
@@ -117,7 +118,10 @@ def convert_legacy_checkpoint(
         shutil.copytree(source / paths.CONSOLIDATED_DIR, tmp / paths.CONSOLIDATED_DIR)
     from automodel.recipes.checkpoint.checkpointer import FORMAT_VERSION
 
-    info = dict(info, format_version=FORMAT_VERSION, converted_from=str(source), files=paths.file_sizes(tmp))
+    files = paths.file_sizes(tmp)
+    checksums = {name: sha256_file(tmp / name) for name in files}
+    info = dict(info, format_version=FORMAT_VERSION, converted_from=str(source), files=files)
+    info[CHECKSUMS_KEY] = checksums  # the converted files' own (the source's no longer apply)
     (tmp / paths.INFO_FILE).write_text(json.dumps(info, indent=2))
     os.replace(tmp, destination)
     return destination

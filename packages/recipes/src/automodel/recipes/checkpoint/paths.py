@@ -99,6 +99,15 @@ def read_latest(root: Path) -> Path:
     return root / name
 
 
+def resolve_restore_spec(root: Path, spec: str) -> Path:
+    """The directory ``checkpoint.restore_from`` names: ``LATEST``, a step name under `root`, or a path."""
+    if spec == LATEST_FILE:
+        return read_latest(root)
+    if parse_step(spec) is not None and (root / spec).exists():
+        return root / spec
+    return Path(spec)
+
+
 def write_latest(root: Path, name: str) -> None:
     """Point ``LATEST`` at `name` atomically (write a temp file, fsync, rename)."""
     tmp = root / f"{TMP_PREFIX}{LATEST_FILE}"
@@ -130,8 +139,8 @@ def remove_stale(root: Path) -> None:
     for p in root.iterdir():
         if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             log.warning("removing %s left by an interrupted save", p)
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir() and not p.is_symlink():  # a link is removed itself, never its target
+                shutil.rmtree(p)
             else:
                 p.unlink(missing_ok=True)
 

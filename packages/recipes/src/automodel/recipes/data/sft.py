@@ -74,8 +74,20 @@ def encode_plain(tokenizer: Any, *, prompt: str, answer: str, answer_only: bool,
 
 
 def _render(hf: Any, messages: list[dict], *, generation_prompt: bool, tools: Any = None) -> str:
+    """The chat template's text; a row the template refuses (``raise_exception``: roles that do not
+    alternate under a Llama-2/Mistral-style template) is skipped and counted, not fatal. A template
+    that cannot be parsed at all is a config error and still raises."""
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
     kwargs = {"tools": tools} if tools else {}
-    return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
+    try:
+        return hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+        )
+    except TemplateSyntaxError:
+        raise
+    except TemplateError as e:
+        raise SkippedExample(f"refused by the chat template ({e.message or e})") from None
 
 
 def encode_chat(

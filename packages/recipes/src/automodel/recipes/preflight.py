@@ -1,0 +1,122 @@
+"""Checks that `recipes train` runs before any rank starts, for mistakes the ranks would otherwise
+meet minutes later, once per rank, as tracebacks: optimizer arguments, ``checkpoint.restore_from``,
+truncated pretrained weights and unreadable data rows. Each raises `ConfigError` naming the key, or
+`DataError` naming the file and line (exit 2, one line).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from automodel.recipes.errors import ConfigError
+
+#: Optimizer options whose validity depends on the device of the parameters: not tried on CPU here.
+DEVICE_DEPENDENT_OPTIONS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
+def check_optimizer_kwargs(section: Any) -> None:
+    """Build the optimizer once on a dummy parameter; a failure names the ``optimizer.<key>`` at fault.
+
+    An unknown keyword (``weight_decayy``) gets a did-you-mean; a bad value (``betas: [0.9]``,
+    ``eps: -1``) is found by trying each key alone.
+    """
+    import torch
+
+    from automodel.recipes.instantiate import locate
+
+    cls = locate("optimizer._target_", section.target)
+    kwargs = {k: v for k, v in section.kwargs.items() if k not in DEVICE_DEPENDENT_OPTIONS}
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        accepted = [n for n in params if n not in ("self", "params")]
+        for key, value in kwargs.items():
+            if key not in params:
+                close = difflib.get_close_matches(key, accepted, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ConfigError(
+                    f"optimizer.{key}",
+                    value,
+                    f"is not an argument of {cls.__name__}; {hint}accepted: {', '.join(accepted)}",
+                )
+
+    def build(options: dict[str, Any]) -> None:
+        cls([torch.nn.Parameter(torch.zeros(2))], **options)
+
+    try:
+        build(kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever the class raises for a bad value
+        why = f"{type(e).__name__}: {e}"
+        for key, value in kwargs.items():
+            try:
+                build({"lr": kwargs.get("lr", 1e-3), key: value})
+            except Exception as alone:  # noqa: BLE001
+                raise ConfigError(
+                    f"optimizer.{key}",
+                    value,
+                    f"is refused by {cls.__name__} ({type(alone).__name__}: {alone})",
+                ) from None
+        raise ConfigError("optimizer", section.kwargs, f"is refused by {cls.__name__} ({why})") from None
+
+
+def check_restore_from(cfg: Any) -> None:
+    """``checkpoint.restore_from`` names a complete checkpoint (or the run may start fresh)."""
+    from automodel.recipes.checkpoint.paths import (
+        CheckpointError,
+        check_complete,
+        list_step_dirs,
+        resolve_restore_spec,
+    )
+
+    section = cfg.checkpoint
+    if not section.enabled or section.restore_from is None:
+        return
+    root = Path(section.checkpoint_dir) if section.checkpoint_dir else Path(cfg.output_dir) / "checkpoints"
+    try:
+        check_complete(resolve_restore_spec(root, section.restore_from))
+    except CheckpointError as e:
+        there = ", ".join(p.name for _, p in list_step_dirs(root)) or "none"
+        raise ConfigError(
+            "checkpoint.restore_from", section.restore_from, f"{e} (checkpoints in {root}: {there})"
+        ) from None
+
+
+def check_safetensors_files(directory: Path, *, key: str) -> None:
+    """Every ``*.safetensors`` in `directory` is as long as its header says (not truncated)."""
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > size:
+                    raise ValueError(f"its header claims {n} bytes")
+                header = json.loads(f.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as e:
+            raise ConfigError(
+                key, str(directory), f"{path} is not a readable safetensors file ({e})"
+            ) from None
+        if size != 8 + n + end:
+            raise ConfigError(
+                key,
+                str(directory),
+                f"{path} is truncated or corrupt: {size} bytes, its header needs {8 + n + end}",
+            )
+
+
+def check_before_launch(cfg: Any) -> None:
+    """Every check above, for `cfg` (the launcher runs them before starting any rank)."""
+    check_optimizer_kwargs(cfg.optimizer)
+    check_restore_from(cfg)
+    from automodel.recipes.data.file_check import check_section_files
+
+    check_section_files(cfg.dataset)
+    check_section_files(cfg.validation_dataset)
+    if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
+        from automodel.recipes.model import pretrained_dir
+
+        check_safetensors_files(pretrained_dir(cfg.model), key=cfg.model.pretrained_key)
