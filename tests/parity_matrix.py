@@ -19,39 +19,20 @@ from typing import Any
 
 import yaml
 
+from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
 RTOL = 1e-5
 LAUNCH_TIMEOUT_S = 900
 
-DENSE_MODEL: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+DENSE_MODEL: dict[str, Any] = {"model_type": "llama", **TINY_SIZES, "num_hidden_layers": 4}
 MOE_MODEL: dict[str, Any] = {
     "model_type": "qwen3_moe",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    **TINY_SIZES,
     "head_dim": 16,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
+    **TINY_MOE_SIZES,
     "norm_topk_prob": True,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
 }
 
 
