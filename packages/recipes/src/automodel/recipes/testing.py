@@ -200,9 +200,16 @@ def check_tp(reports: list[Report], tp: int, *, sequence_parallel: bool) -> None
 
 def check_pp(reports: list[Report], *, layers: int, dp_copies: int) -> None:
     """Each rank holds stage modules with a strict subset of the layers; each layer lives on
-    `dp_copies` ranks (the data-parallel replicas of its stage); embedding first, head last."""
+    `dp_copies` ranks (the data-parallel replicas of its stage); stages hold the layers in order
+    (every layer of stage s before every layer of stage s + 1); embedding first, head last."""
     held = Counter(i for report in reports for i in _layers(report))
     assert held == Counter({i: dp_copies for i in range(layers)}), f"layers per rank count: {held}"
+    by_stage: dict[int, set[int]] = defaultdict(set)
+    for report in reports:
+        for part in report["parts"]:
+            by_stage[part["stage_ids"][0]].update(part["layers"])
+    ordered = [sorted(by_stage[s]) for s in sorted(by_stage)]
+    assert all(a[-1] < b[0] for a, b in zip(ordered, ordered[1:]) if a and b), f"layers by stage: {ordered}"
     last_stage = max(s for report in reports for part in report["parts"] for s in part["stage_ids"])
     for report in reports:
         assert len(_layers(report)) < layers, f"rank {report['rank']} holds every layer: {_layers(report)}"
