@@ -296,7 +296,7 @@ def make_loss(
     if "liger" in parts:
         liger = importlib.import_module("liger_kernel.transformers")
         fused = liger.LigerFusedLinearCrossEntropyLoss(reduction="sum")
-        head_weight = model.lm_head.weight
+        head_weight = model.get_parameter("lm_head.weight")
 
         def liger_loss(ids: torch.Tensor) -> torch.Tensor:
             labels = shifted(ids)

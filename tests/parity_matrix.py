@@ -13,45 +13,26 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
+from automodel.recipes.testing import LAYOUTS, Layout, check_layout_applied
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
 RTOL = 1e-5
 LAUNCH_TIMEOUT_S = 900
 
-DENSE_MODEL: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+DENSE_MODEL: dict[str, Any] = {"model_type": "llama", **TINY_SIZES, "num_hidden_layers": 4}
 MOE_MODEL: dict[str, Any] = {
     "model_type": "qwen3_moe",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    **TINY_SIZES,
     "head_dim": 16,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
+    **TINY_MOE_SIZES,
     "norm_topk_prob": True,
-    "vocab_size": 256,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
 }
 
 
@@ -69,70 +50,6 @@ def base_config(model: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    ranks: int
-    distributed: dict[str, Any]
-    model: str = "dense"  # "dense" | "moe"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def size(self, key: str) -> int:
-        return int(self.distributed.get(key) or 1)
-
-    @property
-    def dp(self) -> int:
-        return self.ranks // (self.size("tp_size") * self.size("pp_size") * self.size("cp_size"))
-
-
-def _pp(schedule: str) -> dict[str, Any]:
-    return {"pp_size": 2, "pipeline": {"pp_schedule": schedule, "pp_microbatch_size": 1}}
-
-
-#: Llama's own plan written out, with the embedding split by vocabulary rows and the head gathered.
-EXPLICIT_TP_PLAN = {
-    "model.embed_tokens": "embedding_rowwise",
-    **{f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_gather_output",
-}
-
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
-
-LAYOUTS: list[Layout] = [
-    Layout("ddp2", 2, {"strategy": "ddp"}),
-    Layout("fsdp2_dp2", 2, {}),
-    Layout("fsdp2_dp4", 4, {}),
-    Layout("hsdp_2x2", 4, {"dp_replicate_size": 2}),
-    Layout("tp2", 2, {"tp_size": 2}),
-    Layout("tp2_sp", 2, {"tp_size": 2, "sequence_parallel": True}),
-    Layout("fsdp2xtp_2x2", 4, {"tp_size": 2}),
-    *[Layout(f"pp2_{s}", 2, _pp(s)) for s in PP_SCHEDULES if s != "dualpipev"],
-    # DualPipeV needs at least as many micro-batches as its 4 stages: 4 rows of 1 per micro-step.
-    Layout("pp2_dualpipev", 2, _pp("dualpipev"), extra={"step_scheduler": {"local_batch_size": 4}}),
-    Layout("pp2xfsdp2", 4, _pp("1f1b")),
-    Layout("pp2xtp2", 4, {**_pp("1f1b"), "tp_size": 2}),
-    # a user's explicit plan naming modules only the last stage holds (lm_head, the final norm)
-    Layout("pp2xtp2_plan", 4, {**_pp("1f1b"), "tp_size": 2, "tp_plan": EXPLICIT_TP_PLAN}),
-    # the sequence-sharded residual stream crosses the stages as local shards, rebuilt as DTensors
-    Layout("pp2xtp2_sp", 4, {**_pp("1f1b"), "tp_size": 2, "sequence_parallel": True}),
-    Layout("cp2", 2, {"cp_size": 2}),
-    Layout("cp2xfsdp2", 4, {"cp_size": 2}),
-    # each stage's attention is context parallel; the schedule runs inside the CP context
-    Layout("pp2xcp2", 4, {**_pp("1f1b"), "cp_size": 2}),
-    Layout("ep2", 2, {"ep_size": 2}, model="moe"),
-    Layout("ep2xfsdp2", 4, {"ep_size": 2}, model="moe"),
-    # TP shards attention of the MoE model; experts are replicated over tp (EP shards them).
-    Layout("tp2_moe", 2, {"tp_size": 2}, model="moe"),
-    Layout("ep2xtp2", 4, {"ep_size": 2, "tp_size": 2}, model="moe"),
-    # each stage's experts split over the ep ranks of its dp group (the stage's FSDP units first
-    # probe the experts on a later stage's placeholder hidden states)
-    Layout("pp2xep2", 4, {**_pp("1f1b"), "ep_size": 2}, model="moe"),
-    Layout("pp2xtp2xdp2", 8, {**_pp("1f1b"), "tp_size": 2}),
-]
 #: The references compute today's full-logits loss (`masked_cross_entropy_sum`); every layout runs
 #: the default chunked linear cross-entropy, so each row also checks it against the full logits.
 FULL_LOGITS = {"loss_fn": "automodel.recipes.loss.masked_cross_entropy_sum"}
@@ -224,8 +141,6 @@ def read_reports(layout: Layout, workdir: Path) -> list[dict[str, Any]]:
 
 def check_reports(layout: Layout, reports: list[dict[str, Any]]) -> None:
     """Raise AssertionError unless every rank holds what `layout` asks for."""
-    from placement_checks import check_layout_applied
-
     model = MOE_MODEL if layout.model == "moe" else DENSE_MODEL
     check_layout_applied(
         name=layout.name,
@@ -256,7 +171,7 @@ def write_table(results: list[tuple[Layout, float, str, float]], path: Path) -> 
         "`tests/test_parity_matrix.py`.",
         "",
         '"placed": every rank\'s `layout/rank_<N>.json` (what it really holds, written by `recipes train`) passes',
-        "`tests/placement_checks.py`: FSDP dim-0 shards over dp_shard_cp, HSDP replicas, TP col/row shards, SP norms",
+        "`automodel.recipes.testing`: FSDP dim-0 shards over dp_shard_cp, HSDP replicas, TP col/row shards, SP norms",
         "on the tp mesh, disjoint pipeline stages, experts per ep rank, the DDP reducer, the CP ring backend. The",
         "single-process run fails every one of these checks (a test), so parity alone cannot pass a layout.",
         "",

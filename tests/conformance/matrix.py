@@ -24,6 +24,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from automodel.recipes.testing import check_applied_any_architecture
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
@@ -298,89 +300,15 @@ def within_tolerance(
 
 
 # ---- what each rank holds ----------------------------------------------------------------------
-def _placement(entry: dict[str, Any], axis: str) -> str | None:
-    mesh = entry["mesh"] or []
-    return entry["placements"][mesh.index(axis)] if axis in mesh else None
-
-
-def _params(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {name: entry for part in report["parts"] for name, entry in part["parameters"].items()}
-
-
-def _layer_of(name: str, layers_fqn: str) -> int | None:
-    if not name.startswith(layers_fqn + "."):
-        return None
-    head = name[len(layers_fqn) + 1 :].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
 def check_applied(
     layout: str, reports: list[dict[str, Any]], *, num_layers: int, num_experts: int | None
 ) -> None:
-    """AssertionError unless every rank holds what `layout` asks for (generic over architectures);
-    a composed layout gets the check of each of its axes."""
+    """AssertionError unless every rank holds what conformance `layout` asks for (the shared
+    architecture-generic check, `automodel.recipes.testing.check_applied_any_architecture`)."""
     ranks, distributed = LAYOUTS[layout]
-    tp, pp, cp, ep = (int(distributed.get(k) or 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size"))
-    dp = ranks // (tp * pp * cp)
-    for report in reports:
-        params = _params(report)
-        layers_fqn = next((p["layers_fqn"] for p in report["parts"] if p.get("layers_fqn")), None)
-        assert layers_fqn, f"rank {report['rank']}: no decoder layer list found in its report"
-        held = sorted({i for part in report["parts"] for i in part["layers"]})
-        if dp > 1 and ep == 1:
-            for name, entry in params.items():
-                if "experts" not in name:
-                    placement = _placement(entry, "dp_shard_cp") or ""
-                    split = entry["local_shape"][0] < entry["shape"][0] or entry["shape"][0] < 2
-                    assert placement.startswith(("S(0)", "_S(0,")) and split, (
-                        f"{name} not FSDP-sharded: {entry}"
-                    )
-        if tp > 1:
-            for i in held:
-                sharded = [
-                    n
-                    for n, e in params.items()
-                    if _layer_of(n, layers_fqn) == i and (_placement(e, "tp") or "").startswith("S(")
-                ]
-                assert sharded, f"rank {report['rank']}: nothing in layer {i} is sharded over tp"
-            norms = [
-                n for n, e in params.items() if _layer_of(n, layers_fqn) is not None and len(e["shape"]) == 1
-            ]
-            if distributed.get("sequence_parallel") and norms:  # (OLMo's norms have no weights to place)
-                on_tp = [n for n in norms if _placement(params[n], "tp") == "R"]
-                assert on_tp, f"rank {report['rank']}: no norm weight on the tp mesh under SP"
-        if pp > 1:
-            assert 0 < len(held) < num_layers, f"rank {report['rank']} holds layers {held} of {num_layers}"
-            if distributed.get("activation_checkpointing"):
-                assert all(part["checkpointed"] for part in report["parts"]), f"rank {report['rank']}: no AC"
-        if cp > 1:
-            assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']}"
-        if ep > 1:
-            # expert parameters: under an `experts` module, or split over ep wherever they live (JetMoE's
-            # mlp.input_linear.weight)
-            experts = {
-                n: e for n, e in params.items() if ".experts." in f".{n}" or _placement(e, "ep") is not None
-            }
-            assert experts and num_experts, f"rank {report['rank']}: no expert parameters"
-            ep_shard = dp * cp // ep  # the ranks holding the same experts, which FSDP2 shards them over
-            for name, entry in experts.items():
-                if _placement(entry, "ep") is not None:
-                    rows = entry["shape"][0]  # E rows, or E blocks of k rows (DBRX's mlp.w1 [E*F, H])
-                    on_dim0 = (_placement(entry, "ep_shard") or "").startswith(("S(0)", "_S(0,"))
-                    split = ep * (ep_shard if on_dim0 else 1)  # FSDP2 may shard dim 1 instead
-                    local = entry["local_shape"][0]
-                    assert rows % num_experts == 0 and local in (rows // split, -(-rows // split)), (
-                        name,
-                        entry,
-                    )
-            assert any(_placement(e, "ep") == "S(0)" for e in experts.values()), "no expert is split over ep"
-    if pp > 1:  # the pp coordinates hold disjoint layers, together all of them; a stage's ranks alike
-        by_stage: dict[int, set[int]] = {}
-        for r in reports:
-            layers = {i for part in r["parts"] for i in part["layers"]}
-            assert by_stage.setdefault(r["coordinates"]["pp"], layers) == layers, (r["rank"], layers)
-        stages = list(by_stage.values())
-        assert sum(len(x) for x in stages) == len(set().union(*stages)) == num_layers, by_stage
+    check_applied_any_architecture(
+        reports, ranks=ranks, distributed=distributed, num_layers=num_layers, num_experts=num_experts
+    )
 
 
 # ---- one model, all its cases --------------------------------------------------------------------

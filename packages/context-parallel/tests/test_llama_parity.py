@@ -19,9 +19,10 @@ from automodel.context_parallel import apply_context_parallel, make_cp_batch_and
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.reduction import set_unit_gradient_divide_factor
 from automodel.mesh.testing import run_on_ranks
+from automodel.mesh.tiny_model import tiny_causal_lm, tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cp_testlib import VOCAB, ce_sum, tiny_llama  # noqa: E402
+from cp_testlib import VOCAB, ce_sum  # noqa: E402
 
 RTOL = 1e-5
 
@@ -80,7 +81,7 @@ def _run_cp_only(
 ) -> dict[str, float]:
     world = dist.get_world_size()
     mesh = MeshContext.build(ParallelismSizes(cp_size=world))
-    ref_model = tiny_llama(family)
+    ref_model = tiny_causal_lm(family)
     model = copy.deepcopy(ref_model)
     batch = _batch(1, 2, seq_len)
     ref_loss, ref_grads = _reference(ref_model, [batch])

@@ -8,7 +8,7 @@ layout must reproduce the single-process run exactly (fp32, rel 1e-5).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -18,74 +18,51 @@ from torch.distributed.tensor import DTensor
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
     LlamaForCausalLM,
-    Qwen3Config,
     Qwen3ForCausalLM,
-    Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 
 import automodel.fsdp2  # noqa: F401 - imported once here so forked ranks inherit it
+from automodel.mesh.tiny_model import TINY_SIZES, tiny_causal_lm
 
-VOCAB, SEQ, GBS, STEPS = 256, 16, 8, 5
+VOCAB: int = TINY_SIZES["vocab_size"]
+SEQ, GBS, STEPS = 16, 8, 5
 GLOBAL_TOKENS = GBS * (SEQ - 1)
-
-
-def tiny_config(*, layers: int = 2, family: str = "llama", heads: int = 4, kv_heads: int = 2):
-    if family == "gpt2":  # decoder layers at transformer.h, tied embeddings, Conv1D projections
-        cfg = GPT2Config(
-            n_embd=64,
-            n_layer=layers,
-            n_head=heads,
-            vocab_size=VOCAB,
-            n_positions=64,
-            use_cache=False,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        cfg.bos_token_id = cfg.eos_token_id = 0
-        cfg._attn_implementation = "sdpa"
-        return cfg
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[family]
-    moe = (
-        {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
-        if family == "qwen3_moe"
-        else {}
-    )
-    cfg = cls(
-        **moe,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=16,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    cfg._attn_implementation = "sdpa"
-    return cfg
 
 
 def tiny_model(
     *, layers: int = 2, family: str = "llama", meta: bool = False, seed: int = 0
 ) -> LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM | GPT2LMHeadModel:
-    torch.manual_seed(seed)
-    cls = {
-        "llama": LlamaForCausalLM,
-        "qwen3": Qwen3ForCausalLM,
-        "qwen3_moe": Qwen3MoeForCausalLM,
-        "gpt2": GPT2LMHeadModel,
-    }[family]
-    cfg = tiny_config(layers=layers, family=family)
-    if meta:
-        with torch.device("meta"):
-            return cls(cfg)
-    return cls(cfg)
+    """The shared tiny model (`automodel.mesh.tiny_model`) of `family`, or a GPT-2 of the same width."""
+    if family == "gpt2":
+        torch.manual_seed(seed)
+        if meta:
+            with torch.device("meta"):
+                return GPT2LMHeadModel(_gpt2_config(layers))
+        return GPT2LMHeadModel(_gpt2_config(layers))
+    if family not in ("llama", "qwen3", "qwen3_moe"):
+        raise KeyError(family)
+    model = tiny_causal_lm(family, layers=layers, seed=seed, meta=meta, use_cache=False)
+    return cast("LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM", model)
+
+
+def _gpt2_config(layers: int) -> GPT2Config:
+    """Decoder layers at transformer.h, tied embeddings, Conv1D projections."""
+    cfg = GPT2Config(
+        n_embd=64,
+        n_layer=layers,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    cfg.bos_token_id = cfg.eos_token_id = 0
+    cfg._attn_implementation = "sdpa"
+    return cfg
 
 
 def batch(step: int) -> torch.Tensor:

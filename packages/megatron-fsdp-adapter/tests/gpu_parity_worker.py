@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,9 +21,7 @@ from automodel.megatron_fsdp import (
     resolve_unit_modules,
 )
 from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import tiny_llama  # noqa: E402
+from automodel.mesh.tiny_model import tiny_llama
 
 
 def batches(ctx: MeshContext, steps: int) -> list[torch.Tensor]:

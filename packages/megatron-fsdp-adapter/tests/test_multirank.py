@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from automodel.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPManager, MegatronFSDPUnavailableError
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import cuda_device_count, run_on_ranks
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import tiny_llama  # noqa: E402
+from automodel.mesh.tiny_model import tiny_llama
 
 TIMEOUT_S = 300
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -16,9 +13,7 @@ from automodel.megatron_fsdp import (
     rebind_param_groups,
     resolve_unit_modules,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_model import tiny_llama  # noqa: E402
+from automodel.mesh.tiny_model import tiny_llama
 
 
 def test_units_default_to_no_split_modules() -> None:

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.reduction import set_unit_gradient_divide_factor
 from automodel.mesh.testing import run_on_ranks
+from automodel.mesh.tiny_model import tiny_llama
 from automodel.pipeline import AutoPipeline, PipelineConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,7 +73,7 @@ def _compose_ranks(mode: str, schedule: str) -> dict:
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=H.BATCH, pp_microbatch_size=H.MICRO)
     tokens = [0]
     pipe = AutoPipeline(mesh=mesh, config=config).build(
-        H.tiny_llama(LAYERS),
+        tiny_llama(layers=LAYERS),
         loss_fn=lambda logits, labels: H.token_loss(logits, labels, tokens[0]),
         parallelize_fn=parallelize,
     )

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers import T5Config, T5ForConditionalGeneration
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
+from automodel.mesh.tiny_model import tiny_llama
 from automodel.pipeline import (
     AutoPipeline,
     PipelineConfig,
@@ -23,21 +24,6 @@ from automodel.pipeline import (
     stage_ids_this_rank,
     validate_hf_model_for_pipeline_support,
 )
-
-
-def tiny_llama(layers: int = 4, **overrides) -> LlamaForCausalLM:
-    kwargs = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**kwargs))
 
 
 # ---- config -----------------------------------------------------------------------------
@@ -154,7 +140,7 @@ def test_num_stages_rules() -> None:
 
 # ---- HF models --------------------------------------------------------------------------
 def test_hf_fqns_embed_first_head_last_rotary_everywhere() -> None:
-    parts = hf_module_fqns_per_stage(tiny_llama(5), num_stages=2)
+    parts = hf_module_fqns_per_stage(tiny_llama(layers=5), num_stages=2)
     assert parts == [
         ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.rotary_emb"],
         ["model.layers.3", "model.layers.4", "model.norm", "lm_head", "model.rotary_emb"],
@@ -162,7 +148,7 @@ def test_hf_fqns_embed_first_head_last_rotary_everywhere() -> None:
 
 
 def test_split_keeps_fqns_and_shares_modules() -> None:
-    model = tiny_llama(4)
+    model = tiny_llama(layers=4)
     stage = split_module(model, fqns=["model.layers.2", "model.layers.3", "model.norm", "lm_head"])
     names = {n for n, _ in stage.named_parameters()}
     assert names == {
@@ -177,7 +163,7 @@ def test_split_keeps_fqns_and_shares_modules() -> None:
 
 
 def test_tied_embedding_is_held_by_first_and_last_stage() -> None:
-    tied = tiny_llama(4, tie_word_embeddings=True)
+    tied = tiny_llama(layers=4, tie_word_embeddings=True)
     structure = validate_hf_model_for_pipeline_support(tied)
     assert structure.tied_fqns == ("model.embed_tokens", "lm_head")
     parts = hf_module_fqns_per_stage(tied, num_stages=3, structure=structure)
@@ -200,13 +186,13 @@ def test_validate_rejects_encoder_decoder_and_layerless() -> None:
     )
     with pytest.raises(ValueError, match="encoder-decoder"):
         validate_hf_model_for_pipeline_support(t5)
-    no_layers = tiny_llama(2)
+    no_layers = tiny_llama(layers=2)
     setattr(no_layers.model, "layers", nn.Sequential(*no_layers.model.layers))  # noqa: B010 - not a ModuleList, on purpose
     with pytest.raises(ValueError, match="no ModuleList of decoder layers"):
         validate_hf_model_for_pipeline_support(no_layers)
     with pytest.raises(ValueError, match="no .config"):
         validate_hf_model_for_pipeline_support(nn.Linear(2, 2))
-    validate_hf_model_for_pipeline_support(tiny_llama(2))
+    validate_hf_model_for_pipeline_support(tiny_llama(layers=2))
 
 
 def test_parameter_coverage_errors() -> None:
@@ -223,7 +209,9 @@ def test_parameter_coverage_errors() -> None:
 # ---- AutoPipeline layout errors on a real pp group ---------------------------------------
 def _build_error(config_kwargs: dict, model_kind: str) -> str:
     mesh = MeshContext.build(ParallelismSizes(pp_size=2))
-    model = tiny_llama(4) if model_kind == "llama" else nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    model = (
+        tiny_llama(layers=4) if model_kind == "llama" else nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    )
     try:
         AutoPipeline(mesh=mesh, config=PipelineConfig(**config_kwargs)).build(model, loss_fn=None)
     except ValueError as e:

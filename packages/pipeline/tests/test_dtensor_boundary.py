@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import RankFailure, run_on_ranks
+from automodel.mesh.tiny_model import tiny_llama
 from automodel.pipeline import AutoPipeline, BoundaryLayout, PipelineConfig
 from automodel.pipeline.dtensor_boundary import attach_boundary_layouts
 
@@ -79,7 +80,7 @@ def _sp_ranks(schedule: str, declare: bool) -> dict:
     config = PipelineConfig(pp_schedule=schedule, pp_batch_size=H.BATCH, pp_microbatch_size=H.MICRO)
     tokens = [0]
     pipe = AutoPipeline(mesh=mesh, config=config).build(
-        H.tiny_llama(LAYERS),
+        tiny_llama(layers=LAYERS),
         loss_fn=lambda logits, labels: H.token_loss(logits, labels, tokens[0]),
         parallelize_fn=parallelize,
         boundary_layouts=BoundaryLayout(mesh=tp_mesh, placements=(SEQ,)) if declare else None,

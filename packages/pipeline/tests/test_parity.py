@@ -13,32 +13,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
+from automodel.mesh.tiny_model import TINY_SIZES, tiny_llama
 from automodel.pipeline import AutoPipeline, PipelineConfig
 
-VOCAB, SEQ, BATCH, MICRO = 256, 16, 8, 2
+VOCAB: int = TINY_SIZES["vocab_size"]
+SEQ, BATCH, MICRO = 16, 8, 2
 TIMEOUT = 300
 LR = 0.5
 STEPS = 2
-
-
-def tiny_llama(layers: int, *, attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = attn
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).float()
 
 
 def make_batch(step: int, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +47,7 @@ def reference(
     layers: int, *, attn: str = "sdpa", rows: int = BATCH
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Whole-batch single-process losses and gradients for STEPS SGD steps."""
-    model = tiny_llama(layers, attn=attn)
+    model = tiny_llama(layers=layers, attn=attn)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
     for step in range(STEPS):
@@ -91,7 +76,7 @@ def _train_ranks(
     """Rank body: pipeline-only layout (world == pp), STEPS steps; returns losses and grads by FQN."""
     mesh = MeshContext.build(ParallelismSizes(pp_size=pp_size))
     config = PipelineConfig(pp_batch_size=BATCH, pp_microbatch_size=MICRO, **config_kwargs)
-    model = tiny_llama(layers, attn=attn)
+    model = tiny_llama(layers=layers, attn=attn)
     pipe = AutoPipeline(mesh=mesh, config=config).build(
         model, loss_fn=lambda logits, labels: token_loss(logits, labels, pipe_tokens[0])
     )
@@ -170,7 +155,7 @@ def test_pp4_matches_single_process_and_eval(schedule: str) -> None:
     )
     _assert_parity(results, ref_losses, ref_grads)
     # eval of batch 0 after STEPS updates: compare with the reference model at the same point
-    model = tiny_llama(8)
+    model = tiny_llama(layers=8)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         ids, labels = make_batch(step)

@@ -5,21 +5,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
+
 TINY: dict[str, Any] = {
     "seed": 7,
-    "model": {
-        "config": {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 256,
-            "max_position_embeddings": 64,
-            "tie_word_embeddings": False,
-        }
-    },
+    "model": {"config": {"model_type": "llama", **TINY_SIZES}},
     "dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 40000},
     "validation_dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 8000},
     "step_scheduler": {"global_batch_size": 8, "local_batch_size": 2, "max_steps": 3, "val_every_steps": 3},
@@ -32,25 +22,7 @@ TINY: dict[str, Any] = {
 
 
 #: The tiny MoE model of the recipes tests (Qwen3-MoE, 4 experts, top-2).
-MOE_MODEL = {
-    "config": {
-        "model_type": "qwen3_moe",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": 256,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    }
-}
+MOE_MODEL = {"config": {"model_type": "qwen3_moe", **TINY_SIZES, "head_dim": 16, **TINY_MOE_SIZES}}
 
 RTOL = 1e-5
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from automodel.mesh.testing import RankFailure, run_on_ranks
+from automodel.recipes.testing import Q_PROJ, Layout, check_layout_applied, layouts_named, placement_on
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import MOE_MODEL, RTOL, TINY, assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
@@ -32,75 +33,35 @@ def test_reference_is_independent_of_accumulation(reference: list[float], tmp_pa
     assert_losses_close(losses, reference)
 
 
-LAYOUTS = {
-    "fsdp2_dp2": (2, {"strategy": "fsdp2"}),
-    "ddp_dp2": (2, {"strategy": "ddp"}),
-    "tp2": (2, {"strategy": "fsdp2", "tp_size": 2}),
-    "tp2_sp": (2, {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True}),
-    "hsdp_2x2": (4, {"strategy": "fsdp2", "dp_replicate_size": 2}),
-    "fsdp2_dp2_tp2": (4, {"strategy": "fsdp2", "tp_size": 2}),
-    "pp2_1f1b": (
-        2,
-        {"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_schedule": "1f1b", "pp_microbatch_size": 1}},
+#: The parity matrix's layouts on the recipes tests' 2-layer model, plus two it does not run.
+LAYOUTS = [
+    *layouts_named("fsdp2_dp2", "ddp2", "tp2", "tp2_sp", "hsdp_2x2", "fsdp2xtp_2x2", "pp2_1f1b", "cp2"),
+    Layout(
+        "pp2xfsdp2_gpipe", 4, {"pp_size": 2, "pipeline": {"pp_schedule": "gpipe", "pp_microbatch_size": 1}}
     ),
-    "pp2_dp2": (
-        4,
-        {"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_schedule": "gpipe", "pp_microbatch_size": 1}},
-    ),
-    "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
-    "fsdp2_dp2_ac": (2, {"strategy": "fsdp2", "activation_checkpointing": True}),
-}
+    Layout("fsdp2_dp2_ac", 2, {"activation_checkpointing": True}),
+]
 
 
-def _placement(report: dict, fqn: str, axis: str) -> str | None:
-    entry = report["parts"][0]["parameters"][fqn]
-    mesh = entry["mesh"] or []
-    return entry["placements"][mesh.index(axis)] if axis in mesh else None
-
-
-Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
-NORM = "model.layers.0.input_layernorm.weight"
-#: What each layout must leave on its ranks (read from ``layout/rank_<N>.json``): with the
-#: parallelism switched off every one of these fails.
-APPLIED = {
-    "fsdp2_dp2": lambda r: _placement(r, Q_PROJ, "dp_shard_cp") == "S(0)",
-    "ddp_dp2": lambda r: (
-        r["parts"][0]["wrapper"] == "DistributedDataParallel" and r["parts"][0]["ddp"]["reducer"]
-    ),
-    "tp2": lambda r: _placement(r, Q_PROJ, "tp") == "S(0)" and _placement(r, NORM, "tp") is None,
-    "tp2_sp": lambda r: _placement(r, Q_PROJ, "tp") == "S(0)" and _placement(r, NORM, "tp") == "R",
-    "hsdp_2x2": lambda r: (
-        _placement(r, NORM, "dp_replicate") == "R" and _placement(r, NORM, "dp_shard_cp") == "S(0)"
-    ),
-    "fsdp2_dp2_tp2": lambda r: (
-        _placement(r, Q_PROJ, "tp") == "S(0)" and _placement(r, NORM, "dp_shard_cp") == "S(0)"
-    ),
-    "pp2_1f1b": lambda r: r["parts"][0]["layers"] == [r["coordinates"]["pp"]],
-    "pp2_dp2": lambda r: (
-        r["parts"][0]["layers"] == [r["coordinates"]["pp"]]
-        and _placement(r, f"model.layers.{r['coordinates']['pp']}.input_layernorm.weight", "dp_shard_cp")
-        == "S(0)"
-    ),
-    "cp2": lambda r: r["cp_backend"] == "ring" and _placement(r, NORM, "dp_shard_cp") == "S(0)",
-    "fsdp2_dp2_ac": lambda r: (
-        r["parts"][0]["checkpointed"] == ["model.layers.0", "model.layers.1"]
-        and _placement(r, NORM, "dp_shard_cp") == "S(0)"
-    ),
-}
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name: str, reference: list[float], tmp_path: Path) -> None:
-    world, dist_section = LAYOUTS[name]
-    cfg = tiny_config(str(tmp_path), distributed=dist_section, logging={"layout_report": "all"})
-    results = run_on_ranks(train_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+def test_layout_matches_single_process(layout: Layout, reference: list[float], tmp_path: Path) -> None:
+    cfg = tiny_config(str(tmp_path), distributed=layout.distributed, logging={"layout_report": "all"})
+    results = run_on_ranks(train_on_rank, world_size=layout.ranks, args=(cfg,), timeout_s=TIMEOUT)
     for rank_losses in results:
         assert_losses_close(rank_losses, reference)
-    for rank in range(world):
-        report = json.loads((tmp_path / "layout" / f"rank_{rank}.json").read_text())
-        assert APPLIED[name](report), (
-            f"{name}: rank {rank} does not hold the layout: {report['parts'][0]['wrapper']}"
-        )
+    reports = [
+        json.loads((tmp_path / "layout" / f"rank_{rank}.json").read_text()) for rank in range(layout.ranks)
+    ]
+    # what every rank holds: with the parallelism switched off these checks fail
+    check_layout_applied(
+        name=layout.name,
+        reports=reports,
+        ranks=layout.ranks,
+        distributed={**TINY["distributed"], **layout.distributed},
+        dp=layout.dp,
+        layers=TINY["model"]["config"]["num_hidden_layers"],
+        num_experts=0,
+    )
 
 
 def test_moe_ep2_matches_single_process(tmp_path: Path) -> None:
@@ -244,8 +205,8 @@ def test_tied_embeddings_under_tp_match_single_process(
         report = json.loads((tmp_path / "tp" / "layout" / f"rank_{rank}.json").read_text())
         params = report["parts"][0]["parameters"]
         assert "lm_head.weight" not in params  # still the embedding's parameter (listed once)
-        assert _placement(report, "model.embed_tokens.weight", "tp") is None
-        assert _placement(report, Q_PROJ, "tp") == "S(0)"
+        assert placement_on(params["model.embed_tokens.weight"], "tp") is None
+        assert placement_on(params[Q_PROJ.format(i=0)], "tp") == "S(0)"
 
 
 @pytest.mark.parametrize(

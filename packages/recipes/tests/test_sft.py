@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from automodel.mesh.tiny_model import tiny_causal_lm
 from automodel.recipes.data import ByteTokenizer, build_packed_dataset, build_tokenizer
 from automodel.recipes.data.sft import IGNORE_INDEX, encode_chat, format_plain_prompt
 from automodel.recipes.errors import ConfigError
@@ -113,24 +114,6 @@ def test_plain_format_without_chat_template(tmp_path: Path) -> None:
         )
 
 
-def _tiny_model(attn: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(
-        "llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-    )
-    cfg._attn_implementation = attn
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_row_equals_documents_one_by_one(tmp_path: Path, attn: str) -> None:
     path = write_arithmetic_jsonl(tmp_path / "d.jsonl", n=12)
@@ -142,7 +125,7 @@ def test_packed_row_equals_documents_one_by_one(tmp_path: Path, attn: str) -> No
     single = build_packed_dataset(_section(**kw, seq_length=16), ByteTokenizer(), packed_sequence_size=0)
     packed = build_packed_dataset(_section(**kw, seq_length=16), ByteTokenizer(), packed_sequence_size=64)
     assert len(single) == 12 and len(packed) < len(single)
-    model = _tiny_model(attn)
+    model = tiny_causal_lm(attn=attn).eval()
 
     def token_losses(ids, labels, pos):
         with torch.no_grad():

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from automodel.context_parallel.backends import BACKENDS, cp_submesh, resolve_backend
 from automodel.context_parallel.layout import load_balanced_indices
@@ -114,9 +115,9 @@ def _torch_cp_context(cp_mesh: DeviceMesh, seq_len_global: int, kv_rotation: str
 
     @contextlib.contextmanager
     def ctx():
+        # torch's own CP runs on CUDA only (and `_attention` is private): imported where it runs
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import set_rotate_method
-        from torch.nn.attention import SDPBackend, sdpa_kernel
 
         set_rotate_method("alltoall" if kv_rotation == "p2p" else "allgather")
         dummy = torch.zeros(1, seq_len_global, device=cp_mesh.device_type)

@@ -14,6 +14,7 @@ def patch_is_packed_sequence() -> bool:
     Only for non-packed training. Returns False when transformers (or the function) is absent.
     """
     try:
+        # optional dependency of this package
         from transformers import modeling_flash_attention_utils as fa_utils
     except ImportError:
         return False

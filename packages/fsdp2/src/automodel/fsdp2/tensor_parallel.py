@@ -77,6 +77,7 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
         raise ValueError(
             f"enable_async_tensor_parallel needs a CUDA mesh, got device_type={tp_mesh.device_type!r}"
         )
+    # async TP only: inductor's config is slow to import, symmetric memory private and CUDA-only
     import torch._inductor.config as inductor_config
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 

@@ -8,7 +8,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def is_megatron_fsdp(module: nn.Module) -> bool:
@@ -37,6 +39,7 @@ def microbatch_grad_sync(model: nn.Module, *, is_last_microbatch: bool) -> Itera
 def model_state_dict(model: nn.Module) -> dict[str, Any]:
     """FQN -> DTensor of the wrapped module (Hugging Face names, no ``module.`` prefix), with the
     chunk metadata DCP needs for megatron-fsdp's uneven shards."""
+    # optional (CUDA-only) dependency
     from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 
     model._replace_param_with_distributed_if_needed()  # pyright: ignore[reportCallIssue]  # megatron-fsdp's method
@@ -45,6 +48,7 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
 
 def prepare_state_dict_for_dcp(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Attach uneven-shard chunk metadata to every DTensor of `state_dict` (collective)."""
+    # optional (CUDA-only) dependency
     from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 
     return preprocess_state_dict_for_uneven_dtensor(state_dict)
@@ -52,8 +56,7 @@ def prepare_state_dict_for_dcp(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a megatron-fsdp DTensor (uneven shards gathered; collective)."""
-    from torch.distributed.tensor import DTensor
-
+    # optional (CUDA-only) dependency
     from megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
 
     return uneven_dtensor_to_full_tensor(t) if isinstance(t, DTensor) else t
@@ -70,9 +73,6 @@ def clip_grad_norm(
     group, tp-replicated sums divided by `tp_size` — the same number of collectives on every rank,
     whatever each one holds. Returns the norm before clipping.
     """
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate
-
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cuda", torch.cuda.current_device())
     sums = torch.zeros(2, dtype=torch.float32, device=device)  # [sharded, tp-replicated]

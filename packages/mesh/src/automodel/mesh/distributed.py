@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,6 @@ def free_process_groups() -> None:
     go. The destructors run without the GIL, so a worker still freeing tensors finishes first.
     Objects frozen by ``gc.freeze()`` (a forked rank's inheritance) are not touched.
     """
-    from torch.distributed.device_mesh import DeviceMesh
-
     for obj in gc.get_objects():
         # By type, not isinstance(): some torch objects warn when their class is inspected.
         if DeviceMesh in type(obj).__mro__:
@@ -248,6 +247,7 @@ def fake_world(world_size: int, *, rank: int = 0) -> Iterator[None]:
     Meshes and groups are created as for a real job, so layouts far beyond this machine can be
     built and checked; collectives do nothing. Used by `recipes validate` and layout planning.
     """
+    # torch's test-internal module: start-up time, only for fake worlds
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():

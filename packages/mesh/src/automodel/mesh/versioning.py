@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -56,7 +57,6 @@ class Distribution:
         path = self._version_file.parents[3] / "pyproject.toml"
         if not path.is_file():
             return None
-        import tomllib
 
         data = tomllib.loads(path.read_text(encoding="utf-8")).get("project", {})
         return data if data.get("name") == self.name else None

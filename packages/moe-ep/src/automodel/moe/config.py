@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from automodel.mesh import parse_dtype
 
@@ -38,8 +39,6 @@ class MoEParallelizerConfig:
                 raise ValueError(f"{key} must be a bool, got {value!r} ({type(value).__name__})")
         self.lm_head_precision = parse_dtype(self.lm_head_precision, key="lm_head_precision")
         if self.mp_policy is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
             if not isinstance(self.mp_policy, MixedPrecisionPolicy):
                 raise ValueError(
                     f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got {self.mp_policy!r}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
@@ -31,12 +33,14 @@ def tiny_config(
     )
     moe = dict(num_experts_per_tok=top_k, router_aux_loss_coef=aux_loss_coef, output_router_logits=True)
     if family == "mixtral":
+        # optional dependency of this package
         from transformers import MixtralConfig
 
         cfg = MixtralConfig(
             intermediate_size=expert_intermediate, num_local_experts=num_experts, **moe, **common
         )
     elif family == "qwen3_moe":
+        # optional dependency of this package
         from transformers import Qwen3MoeConfig
 
         cfg = Qwen3MoeConfig(
@@ -49,6 +53,7 @@ def tiny_config(
             **common,
         )
     elif family == "qwen2_moe":
+        # optional dependency of this package
         from transformers import Qwen2MoeConfig
 
         cfg = Qwen2MoeConfig(
@@ -62,6 +67,7 @@ def tiny_config(
             **common,
         )
     elif family == "llama":
+        # optional dependency of this package
         from transformers import LlamaConfig
 
         cfg = LlamaConfig(intermediate_size=2 * hidden, **common)
@@ -73,6 +79,7 @@ def tiny_config(
 
 def build_tiny_model(family: str, *, seed: int = 0, **config_kwargs: object) -> nn.Module:
     """A seeded fp32 causal LM of `family`; identical on every rank for the same seed."""
+    # optional dependency of this package
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -85,8 +92,6 @@ def preload(families: tuple[str, ...] = (*MOE_FAMILIES, "llama")) -> None:
     Otherwise every forked rank imports them itself, which on a small machine costs far more
     than the test.
     """
-    import importlib
-
     import torch._dynamo  # noqa: F401  (FSDP2 and checkpoint import it lazily)
     import torch.distributed.fsdp  # noqa: F401
 

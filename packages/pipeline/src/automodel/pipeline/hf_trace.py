@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from automodel.pipeline.hf_boundary import (
     INSIDE,
@@ -166,7 +167,6 @@ def _trace_forward(twin: nn.Module, *, events: list, io: LayerIO, tracker: Sourc
         tracker.clear()
     finally:
         tracker.shortcut = None
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     # A data-dependent shape (an MoE block's loop over the experts that got tokens, found with
     # nonzero) has no fake answer: the trace takes "no tokens routed", which skips work inside a

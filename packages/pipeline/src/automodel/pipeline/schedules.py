@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed.pipelining.schedules as torch_schedules
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, _Action
 
 #: Schedules that place two stages per rank in a V (rank r holds stages r and 2p-1-r).
 V_SHAPE_SCHEDULES: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
@@ -93,8 +93,6 @@ def read_csv_stage_layout(path: str | Path, *, pp_size: int) -> dict[int, list[i
     Rows are lists of actions such as ``0F0``, ``1B0``, ``2W1`` (stage, type, micro-batch); empty
     cells are idle steps. The layout decides which stages each rank builds.
     """
-    from torch.distributed.pipelining.schedules import _Action
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"pp_schedule_csv={str(path)!r} does not exist or is not a file")

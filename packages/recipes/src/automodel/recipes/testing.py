@@ -1,0 +1,380 @@
+"""The layout table and the applied-layout checks the parity tests share (recipes package, parity
+matrix, conformance).
+
+Parity alone cannot tell a layout from one process: a run with the parallelism silently off
+reproduces the reference losses too. These checks read what every rank really holds (written
+by `recipes train` to ``layout/rank_<N>.json``, see `layout_report`) and fail unless each strategy
+of the layout was applied: FSDP shards on dim 0 over ``dp_shard_cp``, HSDP replicates over
+``dp_replicate``, TP shards attention and MLP per the plan, SP puts the norms on the tp mesh,
+pipeline stages hold disjoint layers, experts are split over ``ep``, DDP wraps the model with a
+reducer, CP runs the ring backend, activation checkpointing wraps every decoder layer.
+
+`check_layout_applied` knows the tiny Llama / Qwen3-MoE parameter names (the parity matrix's
+models) and checks each placement exactly; `check_applied_any_architecture` is the same idea
+generic over model families (the conformance sweep), found from each report's ``layers_fqn``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+Report = dict[str, Any]
+
+
+# ---- the layout table -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """A named ``distributed`` section on `ranks` ranks, for the `model` ("dense" or "moe") of the
+    parity tests; `extra` overrides other sections (merged into them)."""
+
+    name: str
+    ranks: int
+    distributed: dict[str, Any]
+    model: str = "dense"  # "dense" | "moe"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def size(self, key: str) -> int:
+        return int(self.distributed.get(key) or 1)
+
+    @property
+    def dp(self) -> int:
+        return self.ranks // (self.size("tp_size") * self.size("pp_size") * self.size("cp_size"))
+
+
+def _pp(schedule: str) -> dict[str, Any]:
+    return {"pp_size": 2, "pipeline": {"pp_schedule": schedule, "pp_microbatch_size": 1}}
+
+
+#: Llama's own plan written out, with the embedding split by vocabulary rows and the head gathered.
+EXPLICIT_TP_PLAN = {
+    "model.embed_tokens": "embedding_rowwise",
+    **{f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+
+LAYOUTS: list[Layout] = [
+    Layout("ddp2", 2, {"strategy": "ddp"}),
+    Layout("fsdp2_dp2", 2, {}),
+    Layout("fsdp2_dp4", 4, {}),
+    Layout("hsdp_2x2", 4, {"dp_replicate_size": 2}),
+    Layout("tp2", 2, {"tp_size": 2}),
+    Layout("tp2_sp", 2, {"tp_size": 2, "sequence_parallel": True}),
+    Layout("fsdp2xtp_2x2", 4, {"tp_size": 2}),
+    *[Layout(f"pp2_{s}", 2, _pp(s)) for s in PP_SCHEDULES if s != "dualpipev"],
+    # DualPipeV needs at least as many micro-batches as its 4 stages: 4 rows of 1 per micro-step.
+    Layout("pp2_dualpipev", 2, _pp("dualpipev"), extra={"step_scheduler": {"local_batch_size": 4}}),
+    Layout("pp2xfsdp2", 4, _pp("1f1b")),
+    Layout("pp2xtp2", 4, {**_pp("1f1b"), "tp_size": 2}),
+    # a user's explicit plan naming modules only the last stage holds (lm_head, the final norm)
+    Layout("pp2xtp2_plan", 4, {**_pp("1f1b"), "tp_size": 2, "tp_plan": EXPLICIT_TP_PLAN}),
+    # the sequence-sharded residual stream crosses the stages as local shards, rebuilt as DTensors
+    Layout("pp2xtp2_sp", 4, {**_pp("1f1b"), "tp_size": 2, "sequence_parallel": True}),
+    Layout("cp2", 2, {"cp_size": 2}),
+    Layout("cp2xfsdp2", 4, {"cp_size": 2}),
+    # each stage's attention is context parallel; the schedule runs inside the CP context
+    Layout("pp2xcp2", 4, {**_pp("1f1b"), "cp_size": 2}),
+    Layout("ep2", 2, {"ep_size": 2}, model="moe"),
+    Layout("ep2xfsdp2", 4, {"ep_size": 2}, model="moe"),
+    # TP shards attention of the MoE model; experts are replicated over tp (EP shards them).
+    Layout("tp2_moe", 2, {"tp_size": 2}, model="moe"),
+    Layout("ep2xtp2", 4, {"ep_size": 2, "tp_size": 2}, model="moe"),
+    # each stage's experts split over the ep ranks of its dp group (the stage's FSDP units first
+    # probe the experts on a later stage's placeholder hidden states)
+    Layout("pp2xep2", 4, {**_pp("1f1b"), "ep_size": 2}, model="moe"),
+    Layout("pp2xtp2xdp2", 8, {**_pp("1f1b"), "tp_size": 2}),
+]
+
+
+def layouts_named(*names: str) -> list[Layout]:
+    """The `LAYOUTS` entries of `names`, in that order (KeyError naming an unknown one)."""
+    by_name = {layout.name: layout for layout in LAYOUTS}
+    return [copy.deepcopy(by_name[name]) for name in names]
+
+
+Q_PROJ = "model.layers.{i}.self_attn.q_proj.weight"
+O_PROJ = "model.layers.{i}.self_attn.o_proj.weight"
+NORM = "model.layers.{i}.input_layernorm.weight"
+EXPERTS = "model.layers.{i}.mlp.experts.gate_up_proj"
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+
+
+def placement_on(entry: dict[str, Any], axis: str) -> str | None:
+    """The placement of a reported tensor on mesh `axis` (None: not distributed over it)."""
+    mesh = entry["mesh"] or []
+    return entry["placements"][mesh.index(axis)] if axis in mesh else None
+
+
+def _is_dim0_shard(placement: str | None) -> bool:
+    # "S(0)" is a plain dim-0 shard; "_S(0, k)" the strided dim-0 shard FSDP uses on top of TP.
+    return placement is not None and (placement.startswith("S(0)") or placement.startswith("_S(0,"))
+
+
+def _params(report: Report) -> dict[str, dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {}
+    for part in report["parts"]:
+        merged.update(part["parameters"])
+    return merged
+
+
+def _layers(report: Report) -> list[int]:
+    return sorted(i for part in report["parts"] for i in part["layers"])
+
+
+def check_ddp(reports: list[Report], ranks: int) -> None:
+    for report in reports:
+        (part,) = report["parts"]
+        assert part["wrapper"] == "DistributedDataParallel", (
+            f"rank {report['rank']}: not DDP-wrapped: {part['wrapper']}"
+        )
+        assert part["ddp"] == {"reducer": True, "group_size": ranks}, f"rank {report['rank']}: {part['ddp']}"
+        for name, entry in part["parameters"].items():
+            assert entry["mesh"] is None and entry["local_shape"] == entry["shape"], (
+                report["rank"],
+                name,
+                entry,
+            )
+
+
+def check_fsdp(reports: list[Report], shards: int, *, replicate: int = 1) -> None:
+    """Every parameter dim-0 sharded over ``dp_shard_cp`` (`shards` ranks), replicated over ``dp_replicate``."""
+    for report in reports:
+        for name, entry in _params(report).items():
+            on_shard = placement_on(entry, "dp_shard_cp")
+            if "experts" in name:
+                continue  # expert weights are sharded over ep_shard / ep (check_ep)
+            assert _is_dim0_shard(on_shard), (
+                f"rank {report['rank']}: {name} not sharded on dp_shard_cp: {entry}"
+            )
+            if shards > 1 and entry["shape"][0] >= shards:
+                assert entry["local_shape"][0] < entry["shape"][0], (report["rank"], name, entry)
+            if replicate > 1:
+                assert placement_on(entry, "dp_replicate") == "R", (report["rank"], name, entry)
+        for part in report["parts"]:
+            units = set(part["fsdp_units"])
+            expected = {"<root>"} | {f"model.layers.{i}" for i in part["layers"]}
+            assert expected <= units, (
+                f"rank {report['rank']}: FSDP units {sorted(units)} miss {sorted(expected - units)}"
+            )
+    if shards > 1:
+        # Ranks that differ only in their dp_shard / cp coordinates hold different slices.
+        offsets: dict[tuple[int, int, int], list[tuple[int, ...]]] = defaultdict(list)
+        for report in reports:
+            c = report["coordinates"]
+            norm = _params(report)[NORM.format(i=_layers(report)[0])]
+            offsets[(c["pp"], c["tp"], c["dp_replicate"])].append(tuple(norm["offset"]))
+        for key, found in offsets.items():
+            assert len(found) == shards and len(set(found)) == shards, (
+                f"(pp, tp, dp_replicate)={key}: {found}"
+            )
+
+
+def check_tp(reports: list[Report], tp: int, *, sequence_parallel: bool) -> None:
+    """Attention column-/row-sharded over ``tp``; norms on the tp mesh only with SP."""
+    for report in reports:
+        params = _params(report)
+        for i in _layers(report):
+            q, o, norm = params[Q_PROJ.format(i=i)], params[O_PROJ.format(i=i)], params[NORM.format(i=i)]
+            assert placement_on(q, "tp") == "S(0)", f"rank {report['rank']}: q_proj not colwise on tp: {q}"
+            assert placement_on(o, "tp") == "S(1)", f"rank {report['rank']}: o_proj not rowwise on tp: {o}"
+            assert q["local_shape"][0] * tp <= q["shape"][0], (report["rank"], q)
+            assert o["local_shape"][1] * tp == o["shape"][1], (report["rank"], o)
+            if sequence_parallel:
+                assert placement_on(norm, "tp") == "R", (
+                    f"rank {report['rank']}: SP norm not on the tp mesh: {norm}"
+                )
+            else:
+                assert placement_on(norm, "tp") is None, (
+                    f"rank {report['rank']}: norm on tp without SP: {norm}"
+                )
+
+
+def check_pp(reports: list[Report], *, layers: int, dp_copies: int) -> None:
+    """Each rank holds stage modules with a strict subset of the layers; each layer lives on
+    `dp_copies` ranks (the data-parallel replicas of its stage); stages hold the layers in order
+    (every layer of stage s before every layer of stage s + 1); embedding first, head last."""
+    held = Counter(i for report in reports for i in _layers(report))
+    assert held == Counter({i: dp_copies for i in range(layers)}), f"layers per rank count: {held}"
+    by_stage: dict[int, set[int]] = defaultdict(set)
+    for report in reports:
+        for part in report["parts"]:
+            by_stage[part["stage_ids"][0]].update(part["layers"])
+    ordered = [sorted(by_stage[s]) for s in sorted(by_stage)]
+    assert all(a[-1] < b[0] for a, b in zip(ordered, ordered[1:]) if a and b), f"layers by stage: {ordered}"
+    last_stage = max(s for report in reports for part in report["parts"] for s in part["stage_ids"])
+    for report in reports:
+        assert len(_layers(report)) < layers, f"rank {report['rank']} holds every layer: {_layers(report)}"
+        for part in report["parts"]:
+            (stage,) = part["stage_ids"]
+            assert (EMBED in part["parameters"]) == (stage == 0), (
+                report["rank"],
+                stage,
+                sorted(part["parameters"]),
+            )
+            assert (HEAD in part["parameters"]) == (stage == last_stage), (report["rank"], stage)
+
+
+def check_cp(reports: list[Report]) -> None:
+    for report in reports:
+        assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']!r}"
+
+
+def check_ep(reports: list[Report], ep: int, *, num_experts: int, ep_shard: int) -> None:
+    """Each rank holds experts of ``[e * E/ep, (e+1) * E/ep)`` for its ep coordinate e; with
+    ``ep_shard`` > 1 FSDP splits those E/ep experts further over the ep_shard ranks."""
+    local = num_experts // ep
+    for report in reports:
+        params, e = _params(report), report["coordinates"]["ep"]
+        for i in _layers(report):
+            entry = params[EXPERTS.format(i=i)]
+            assert placement_on(entry, "ep") == "S(0)", (
+                f"rank {report['rank']}: experts not sharded on ep: {entry}"
+            )
+            assert entry["local_shape"][0] * ep_shard == local, (report["rank"], ep_shard, entry)
+            assert e * local <= entry["offset"][0] < (e + 1) * local, (report["rank"], entry)
+            if ep_shard > 1:
+                assert _is_dim0_shard(placement_on(entry, "ep_shard")), (report["rank"], entry)
+
+
+def check_activation_checkpointing(reports: list[Report]) -> None:
+    """Every decoder layer a rank holds is activation-checkpointed (and nothing else)."""
+    for report in reports:
+        for part in report["parts"]:
+            expected = sorted(f"model.layers.{i}" for i in part["layers"])
+            assert part["checkpointed"] == expected, (
+                f"rank {report['rank']}: checkpointed {part['checkpointed']}, expected {expected}"
+            )
+
+
+def check_experts_replicated(reports: list[Report], *, num_experts: int) -> None:
+    for report in reports:
+        params = _params(report)
+        for i in _layers(report):
+            entry = params[EXPERTS.format(i=i)]
+            assert placement_on(entry, "tp") is None and entry["local_shape"][0] == num_experts, entry
+
+
+def check_layout_applied(
+    *,
+    name: str,
+    reports: list[Report],
+    ranks: int,
+    distributed: dict[str, Any],
+    dp: int,
+    layers: int,
+    num_experts: int,
+) -> None:
+    """Dispatch the checks that the sizes and strategy of a layout call for."""
+    tp, pp, cp, ep = (int(distributed.get(k) or 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size"))
+    replicate = int(distributed.get("dp_replicate_size") or 1)
+    assert len(reports) == ranks, f"{name}: {len(reports)} reports for {ranks} ranks"
+    if distributed.get("activation_checkpointing"):
+        check_activation_checkpointing(reports)
+    if distributed.get("strategy") == "ddp":
+        check_ddp(reports, ranks)
+        return
+    if dp * cp > 1:
+        check_fsdp(reports, dp * cp // replicate, replicate=replicate)
+    if tp > 1:
+        check_tp(reports, tp, sequence_parallel=bool(distributed.get("sequence_parallel")))
+    if pp > 1:
+        check_pp(reports, layers=layers, dp_copies=dp * cp * tp)
+    if cp > 1:
+        check_cp(reports)
+    if ep > 1:
+        check_ep(reports, ep, num_experts=num_experts, ep_shard=ranks // (pp * tp * ep))
+    elif num_experts:
+        check_experts_replicated(reports, num_experts=num_experts)
+
+
+# ---- any architecture (the conformance sweep) ----------------------------------------------
+def _layer_of(name: str, layers_fqn: str) -> int | None:
+    if not name.startswith(layers_fqn + "."):
+        return None
+    head = name[len(layers_fqn) + 1 :].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def check_applied_any_architecture(
+    reports: list[Report],
+    *,
+    ranks: int,
+    distributed: dict[str, Any],
+    num_layers: int,
+    num_experts: int | None,
+) -> None:
+    """AssertionError unless every rank holds what the layout (`ranks`, `distributed`) asks for,
+    generic over architectures (the decoder layers found from each report's ``layers_fqn``); a
+    composed layout gets the check of each of its axes."""
+    tp, pp, cp, ep = (int(distributed.get(k) or 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size"))
+    dp = ranks // (tp * pp * cp)
+    for report in reports:
+        params = _params(report)
+        layers_fqn = next((p["layers_fqn"] for p in report["parts"] if p.get("layers_fqn")), None)
+        assert layers_fqn, f"rank {report['rank']}: no decoder layer list found in its report"
+        held = sorted({i for part in report["parts"] for i in part["layers"]})
+        if dp > 1 and ep == 1:
+            for name, entry in params.items():
+                if "experts" not in name:
+                    placement = placement_on(entry, "dp_shard_cp") or ""
+                    split = entry["local_shape"][0] < entry["shape"][0] or entry["shape"][0] < 2
+                    assert placement.startswith(("S(0)", "_S(0,")) and split, (
+                        f"{name} not FSDP-sharded: {entry}"
+                    )
+        if tp > 1:
+            for i in held:
+                sharded = [
+                    n
+                    for n, e in params.items()
+                    if _layer_of(n, layers_fqn) == i and (placement_on(e, "tp") or "").startswith("S(")
+                ]
+                assert sharded, f"rank {report['rank']}: nothing in layer {i} is sharded over tp"
+            norms = [
+                n for n, e in params.items() if _layer_of(n, layers_fqn) is not None and len(e["shape"]) == 1
+            ]
+            if distributed.get("sequence_parallel") and norms:  # (OLMo's norms have no weights to place)
+                on_tp = [n for n in norms if placement_on(params[n], "tp") == "R"]
+                assert on_tp, f"rank {report['rank']}: no norm weight on the tp mesh under SP"
+        if pp > 1:
+            assert 0 < len(held) < num_layers, f"rank {report['rank']} holds layers {held} of {num_layers}"
+            if distributed.get("activation_checkpointing"):
+                assert all(part["checkpointed"] for part in report["parts"]), f"rank {report['rank']}: no AC"
+        if cp > 1:
+            assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']}"
+        if ep > 1:
+            # expert parameters: under an `experts` module, or split over ep wherever they live (JetMoE's
+            # mlp.input_linear.weight)
+            experts = {
+                n: e for n, e in params.items() if ".experts." in f".{n}" or placement_on(e, "ep") is not None
+            }
+            assert experts and num_experts, f"rank {report['rank']}: no expert parameters"
+            ep_shard = dp * cp // ep  # the ranks holding the same experts, which FSDP2 shards them over
+            for name, entry in experts.items():
+                if placement_on(entry, "ep") is not None:
+                    rows = entry["shape"][0]  # E rows, or E blocks of k rows (DBRX's mlp.w1 [E*F, H])
+                    on_dim0 = (placement_on(entry, "ep_shard") or "").startswith(("S(0)", "_S(0,"))
+                    split = ep * (ep_shard if on_dim0 else 1)  # FSDP2 may shard dim 1 instead
+                    local = entry["local_shape"][0]
+                    assert rows % num_experts == 0 and local in (rows // split, -(-rows // split)), (
+                        name,
+                        entry,
+                    )
+            assert any(placement_on(e, "ep") == "S(0)" for e in experts.values()), (
+                "no expert is split over ep"
+            )
+    if pp > 1:  # the pp coordinates hold disjoint layers, together all of them; a stage's ranks alike
+        by_stage: dict[int, set[int]] = {}
+        for r in reports:
+            layers = {i for part in r["parts"] for i in part["layers"]}
+            assert by_stage.setdefault(r["coordinates"]["pp"], layers) == layers, (r["rank"], layers)
+        stages = list(by_stage.values())
+        assert sum(len(x) for x in stages) == len(set().union(*stages)) == num_layers, by_stage
