@@ -45,7 +45,7 @@ def _eval_logits_every_schedule() -> dict[str, list | None]:
     ids, _ = make_batch(0)
     out = {}
     for schedule in SCHEDULES:
-        pipe = _pipe(schedule, tiny_llama(4))
+        pipe = _pipe(schedule, tiny_llama(layers=4))
         logits = pipe.eval(ids)  # built with a loss_fn, called without labels
         out[schedule] = None if logits is None else logits.tolist()
     dist.barrier()
@@ -55,7 +55,7 @@ def _eval_logits_every_schedule() -> dict[str, list | None]:
 def test_eval_without_labels_gives_logits_on_every_schedule() -> None:
     ids, _ = make_batch(0)
     with torch.no_grad():
-        ref = tiny_llama(4)(input_ids=ids).logits
+        ref = tiny_llama(layers=4)(input_ids=ids).logits
     results = run_on_ranks(_eval_logits_every_schedule, world_size=2, timeout_s=TIMEOUT)
     for schedule in SCHEDULES:
         got = [r[schedule] for r in results if r[schedule] is not None]
@@ -64,7 +64,7 @@ def test_eval_without_labels_gives_logits_on_every_schedule() -> None:
 
 
 def _stage_error_then_recover(schedule: str) -> list[str]:
-    pipe = _pipe(schedule, tiny_llama(4))
+    pipe = _pipe(schedule, tiny_llama(layers=4))
     ids, labels = make_batch(0)
     seen = []
     last_part = (
@@ -101,7 +101,7 @@ def test_a_stage_error_is_raised_on_every_rank(schedule: str) -> None:
 
 def _tied_grads(schedule: str, accumulate: int, call_sync: bool) -> dict[str, list]:
     """Rank body: the gradient of every copy of the tied weight this rank holds (one per stage)."""
-    model = tiny_llama(4)
+    model = tiny_llama(layers=4)
     model.config.tie_word_embeddings = True
     model.tie_weights()
     pipe = _pipe(schedule, model)
@@ -122,7 +122,7 @@ def _tied_grads(schedule: str, accumulate: int, call_sync: bool) -> dict[str, li
 @pytest.mark.parametrize(("schedule", "call_sync"), [("1F1B", False), ("ZBVZeroBubble", True)])
 def test_tied_gradients_are_synced_inside_step(schedule: str, call_sync: bool) -> None:
     """Two accumulating `step` calls on a tied model equal one process, without `sync_tied_gradients`."""
-    model = tiny_llama(4)
+    model = tiny_llama(layers=4)
     model.config.tie_word_embeddings = True
     model.tie_weights()
     for step in range(2):
