@@ -1,5 +1,7 @@
-"""install_alone smoke for automodel-pipeline (torch + automodel-mesh only): the README's example,
-a 2-stage GPipe schedule on 2 CPU ranks under torchrun, reproduces the single-process loss.
+"""install_alone smoke for automodel-pipeline (torch + automodel-mesh only): the README's plain-torch
+example (its first whole script, one that calls init_distributed and needs no transformers, which the
+package does not depend on), a 2-stage GPipe schedule on 2 CPU ranks under torchrun, reproduces the
+single-process loss.
 
 Usage: python smoke_pipeline.py README.md   (run in an empty directory; writes example.py there)
 """
@@ -28,8 +30,12 @@ def reference_loss() -> float:
 
 
 if __name__ == "__main__":
-    blocks = re.findall(r"```python\n(.*?)```", Path(sys.argv[1]).read_text(), flags=re.S)
-    assert blocks, "the README has no python example"
+    blocks = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", Path(sys.argv[1]).read_text(), flags=re.S)
+        if "init_distributed()" in block and "transformers" not in block
+    ]
+    assert blocks, "the README has no plain-torch python example (a script calling init_distributed())"
     Path("example.py").write_text(blocks[0])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "example.py"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
