@@ -60,6 +60,10 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
                 ) from None
             raise
         _refuse_quantized(cfg, section)
+        overrides = getattr(section, "config_overrides", None) or {}
+        check_config_keys(cfg, overrides, prefix="model.config_overrides")
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
         for value in layer_values(cfg, key):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -71,7 +75,7 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
     return cfg
 
 
-def check_config_keys(cfg: Any, given: dict[str, Any]) -> None:
+def check_config_keys(cfg: Any, given: dict[str, Any], *, prefix: str = "model.config") -> None:
     """Refuse a ``model.config`` key that the config class neither declares nor converts.
 
     transformers keeps any unknown keyword as a plain attribute, so a typo (``num_hidden_layer``)
@@ -100,7 +104,7 @@ def check_config_keys(cfg: Any, given: dict[str, Any]) -> None:
         close = difflib.get_close_matches(key, public, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(
-            f"model.config.{key}",
+            f"{prefix}.{key}",
             value,
             f"is not a key of {type(cfg).__name__} (model_type {cfg.model_type!r}); {hint}"
             "transformers would keep it as an unused attribute and train with the default instead",

@@ -90,11 +90,25 @@ class ModelSection:
     # trust_remote_code: true; pickled weights (*.bin) load only with allow_pickle_weights: true.
     trust_remote_code: bool = False
     allow_pickle_weights: bool = False
+    # Fields set on the pretrained model's config.json before it is built (each checked against its
+    # config class, as model.config's keys): AutoModel's from_pretrained(config=...) overrides.
+    config_overrides: dict | None = None
 
     def __post_init__(self) -> None:
         for key in ("trust_remote_code", "allow_pickle_weights"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"model.{key}", getattr(self, key), "must be true or false")
+        if self.config_overrides is not None:
+            if not isinstance(self.config_overrides, dict) or not all(
+                isinstance(k, str) for k in self.config_overrides
+            ):
+                raise ConfigError("model.config_overrides", self.config_overrides, "must be a mapping of keys")
+            if self.config is not None:
+                raise ConfigError(
+                    "model.config_overrides",
+                    self.config_overrides,
+                    "applies to a pretrained model's config; with model.config, put the keys there",
+                )
         if self.pretrained_model_name_or_path is not None and self.pretrained_path is not None:
             raise ConfigError(
                 "model.pretrained_path",
@@ -339,6 +353,7 @@ class StepSchedulerSection:
     ckpt_every_steps: int | None = None
     val_batches: int = 2
     gc_every_steps: int | None = None  # gc.collect() every N steps (AutoModel's key; None: never)
+    save_checkpoint_every_epoch: bool = False  # also a checkpoint at each epoch's last step (AutoModel's key)
 
     def __post_init__(self) -> None:
         s = self.SECTION
@@ -346,6 +361,10 @@ class StepSchedulerSection:
             _positive(s, name, getattr(self, name))
         for name in ("max_steps", "val_every_steps", "ckpt_every_steps", "gc_every_steps"):
             _positive(s, name, getattr(self, name), allow_none=True)
+        if not isinstance(self.save_checkpoint_every_epoch, bool):
+            raise ConfigError(
+                f"{s}.save_checkpoint_every_epoch", self.save_checkpoint_every_epoch, "must be true or false"
+            )
         if self.global_batch_size % self.local_batch_size != 0:
             raise ConfigError(
                 f"{s}.global_batch_size",

@@ -217,6 +217,7 @@ class Trainer:
             )
         )
         steps_per_epoch = sampler.steps_per_epoch
+        self.steps_per_epoch = steps_per_epoch
         total = steps_per_epoch * ss.num_epochs
         self.total_steps = min(total, ss.max_steps) if ss.max_steps is not None else total
 
@@ -530,8 +531,11 @@ class Trainer:
                 validate = self.val_dataset is not None and (
                     (ss.val_every_steps and self.step % ss.val_every_steps == 0) or final
                 )
+                epoch_end = ss.save_checkpoint_every_epoch and self.step % self.steps_per_epoch == 0
                 saving = ckpt is not None and (
-                    ckpt.preempted or (ss.ckpt_every_steps and self.step % ss.ckpt_every_steps == 0)
+                    ckpt.preempted
+                    or epoch_end
+                    or (ss.ckpt_every_steps and self.step % ss.ckpt_every_steps == 0)
                 )
                 if validate or saving or final:
                     finish(validate=validate)  # checked before any checkpoint of this step is written
@@ -540,6 +544,8 @@ class Trainer:
                 if ckpt is not None:
                     state.step = self.step
                     ckpt.maybe_save(state, every_steps=ss.ckpt_every_steps)
+                    if epoch_end and not final:
+                        ckpt.save(state)  # the final step is saved once below, as the last one
                     if ckpt.preempted:
                         ckpt.save(state)
                         break

@@ -212,6 +212,8 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
         how = match("model", model.pop("_target_"), key="model._target_")
         if how == "from_pretrained" and "pretrained_model_name_or_path" not in model:
             raise ConfigError("model.pretrained_model_name_or_path", None, "is required by from_pretrained")
+        if how == "from_pretrained" and isinstance(model.get("config"), dict):
+            _pretrained_config_overrides(model)
         if how == "from_pretrained" and not load_base:  # the architecture only, randomly initialized
             source = model.pop("pretrained_model_name_or_path")
             model["config"] = _config_dict(
@@ -233,6 +235,44 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
             )
         value = model.pop("torch_dtype")
         model["dtype"] = _auto_dtype(model) if value == "auto" else value
+
+
+def _pretrained_config_overrides(model: dict) -> None:
+    """``from_pretrained`` with ``config: {_target_: AutoConfig.from_pretrained, <same checkpoint>, k: v}``:
+    the checkpoint's own config with those fields set (``model.config_overrides``)."""
+    config = dict(model.pop("config"))
+    target = config.pop("_target_", None)
+    if not (isinstance(target, str) and target.endswith(".from_pretrained")):
+        raise ConfigError(
+            "model.config._target_",
+            target,
+            "next to model.pretrained_model_name_or_path only AutoConfig.from_pretrained of the same "
+            "checkpoint is read (its fields then override that checkpoint's config)",
+        )
+    source = config.pop("pretrained_model_name_or_path", None)
+    if source not in (None, model.get("pretrained_model_name_or_path")):
+        raise ConfigError(
+            "model.config.pretrained_model_name_or_path",
+            source,
+            f"must name the model's checkpoint {model.get('pretrained_model_name_or_path')!r}: "
+            "its weights are read with their own config",
+        )
+    trust = config.pop("trust_remote_code", None)
+    if trust is not None and trust != model.get("trust_remote_code", False):
+        raise ConfigError(
+            "model.config.trust_remote_code", trust, "must equal model.trust_remote_code (one setting here)"
+        )
+    attn = config.pop("_attn_implementation", None)
+    if attn is not None:
+        if model.get("attn_implementation", attn) != attn:
+            raise ConfigError(
+                "model.config._attn_implementation",
+                attn,
+                f"differs from model.attn_implementation={model['attn_implementation']!r}; give one",
+            )
+        model["attn_implementation"] = attn
+    if config:
+        model["config_overrides"] = config
 
 
 def _config_dict(config: Any) -> dict:
@@ -484,8 +524,6 @@ def _step_scheduler(out: dict, notes: list[str]) -> None:
     if not isinstance(steps, dict):
         return
     steps.pop("log_remote_every_steps", None)  # of AutoModel's remote loggers (wandb, mlflow): none here
-    if steps.get("save_checkpoint_every_epoch") is False:
-        del steps["save_checkpoint_every_epoch"]  # as here: checkpoints by step only
     if "loss_average_window_steps" in steps:
         window = steps.pop("loss_average_window_steps")
         notes.append(
