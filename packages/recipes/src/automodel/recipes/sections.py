@@ -197,12 +197,25 @@ class TokenizerSection:
     # own tokenizer files are used (the byte tokenizer when its directory has none).
     pretrained_model_name_or_path: str | None = None
     trust_remote_code: bool = False  # run Python files of the tokenizer directory (auto_map)
+    # AutoModel's keys. add_bos_token: BOS before each plain-text example (checked on the loaded
+    # tokenizer; None: its own setting). add_eos_token: every example and document ends with EOS here.
+    add_bos_token: bool | None = None
+    add_eos_token: bool | None = None
 
     def __post_init__(self) -> None:
         from pathlib import Path
 
         if not isinstance(self.trust_remote_code, bool):
             raise ConfigError("tokenizer.trust_remote_code", self.trust_remote_code, "must be true or false")
+        for key in ("add_bos_token", "add_eos_token"):
+            if getattr(self, key) not in (None, True, False):
+                raise ConfigError(f"tokenizer.{key}", getattr(self, key), "must be true or false")
+        if self.add_eos_token is False:
+            raise ConfigError(
+                "tokenizer.add_eos_token",
+                False,
+                "every example and document ends with EOS here (its label ends the answer); only true",
+            )
         if self.path is not None and self.pretrained_model_name_or_path is not None:
             raise ConfigError(
                 "tokenizer.pretrained_model_name_or_path",
@@ -410,9 +423,13 @@ class PackedSequenceSection:
 
     SECTION: ClassVar[str] = "packed_sequence"
     packed_sequence_size: int = 0
+    max_packs: int | None = None  # only the first N packed rows, train and validation (AutoModel's key)
 
     def __post_init__(self) -> None:
         _positive(self.SECTION, "packed_sequence_size", self.packed_sequence_size, minimum=0)
+        _positive(self.SECTION, "max_packs", self.max_packs, allow_none=True)
+        if self.max_packs is not None and self.packed_sequence_size == 0:
+            raise ConfigError("packed_sequence.max_packs", self.max_packs, "needs packed_sequence_size > 0")
         if 0 < self.packed_sequence_size < 2:
             raise ConfigError(
                 "packed_sequence.packed_sequence_size", self.packed_sequence_size, "must be 0 or >= 2"

@@ -31,6 +31,7 @@ from automodel.recipes.data import (
     build_packed_dataset,
     build_tokenizer,
 )
+from automodel.recipes.data.first_rows import first_rows
 from automodel.recipes.data.loader import Batch, build_sampler
 from automodel.recipes.environment import check_environment
 from automodel.recipes.errors import ConfigError
@@ -182,7 +183,9 @@ class Trainer:
         layout = self.mesh.layout
         self.hf_config = build_hf_config(cfg.model)
         self.tokenizer = build_tokenizer(
-            cfg.tokenizer.path, trust_remote_code=cfg.tokenizer.trust_remote_code
+            cfg.tokenizer.path,
+            trust_remote_code=cfg.tokenizer.trust_remote_code,
+            add_bos_token=cfg.tokenizer.add_bos_token,
         )
         text = text_config(self.hf_config)  # a multimodal model's text decoder
         if self.tokenizer.vocab_size > text.vocab_size:
@@ -195,7 +198,10 @@ class Trainer:
             )
         ss = cfg.step_scheduler
         seq = cfg.packed_sequence.packed_sequence_size
-        dataset = build_packed_dataset(cfg.dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed)
+        limit = cfg.packed_sequence.max_packs
+        dataset = first_rows(
+            build_packed_dataset(cfg.dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed), limit
+        )
         try:
             sampler = build_sampler(
                 dataset,
@@ -212,8 +218,11 @@ class Trainer:
         self.val_dataset = (
             None
             if cfg.validation_dataset is None
-            else build_packed_dataset(
-                cfg.validation_dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed
+            else first_rows(
+                build_packed_dataset(
+                    cfg.validation_dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed
+                ),
+                limit,
             )
         )
         steps_per_epoch = sampler.steps_per_epoch

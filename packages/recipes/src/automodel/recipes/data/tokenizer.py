@@ -40,7 +40,7 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local `transformers` tokenizer directory behind the same two-method interface."""
 
-    def __init__(self, path: str, *, trust_remote_code: bool = False) -> None:
+    def __init__(self, path: str, *, trust_remote_code: bool = False, add_bos_token: bool | None = None) -> None:
         from transformers import AutoTokenizer
 
         if not Path(path).is_dir():
@@ -48,8 +48,9 @@ class HFTokenizer:
         if trust_remote_code:
             announce_remote_code(key="tokenizer.trust_remote_code", path=path)
         try:
+            extra = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
             self._tok = AutoTokenizer.from_pretrained(
-                path, local_files_only=True, trust_remote_code=trust_remote_code
+                path, local_files_only=True, trust_remote_code=trust_remote_code, **extra
             )
         except ValueError as e:
             if not trust_remote_code and "trust_remote_code" in str(e):
@@ -74,6 +75,20 @@ class HFTokenizer:
         pad = self._tok.pad_token_id
         self.pad_token_id = self.eos_token_id if pad is None else int(pad)
         self.bos_token_id = self._tok.bos_token_id
+        if add_bos_token is not None and self.prepends_bos() != add_bos_token:
+            raise ConfigError(
+                "tokenizer.add_bos_token",
+                add_bos_token,
+                f"is not honoured by {type(self._tok).__name__} at {path} "
+                f"(bos_token_id {self.bos_token_id}); leave it unset to use the tokenizer's own setting",
+            )
+
+    def prepends_bos(self) -> bool:
+        """Whether the tokenizer puts BOS before a text when it adds its special tokens (Llama does)."""
+        if self.bos_token_id is None:
+            return False
+        ids = self._tok("a", add_special_tokens=True)["input_ids"]
+        return bool(ids) and ids[0] == self.bos_token_id
 
     @property
     def hf(self) -> Any:
@@ -94,6 +109,15 @@ class HFTokenizer:
         return self._tok.save_pretrained(str(directory))
 
 
-def build_tokenizer(path: str | None, *, trust_remote_code: bool = False) -> ByteTokenizer | HFTokenizer:
-    """The byte tokenizer, or the local HF tokenizer at `path` (its own code runs only if trusted)."""
-    return ByteTokenizer() if path is None else HFTokenizer(path, trust_remote_code=trust_remote_code)
+def build_tokenizer(
+    path: str | None, *, trust_remote_code: bool = False, add_bos_token: bool | None = None
+) -> ByteTokenizer | HFTokenizer:
+    """The byte tokenizer, or the local HF tokenizer at `path` (its own code runs only if trusted);
+    `add_bos_token` (YAML ``tokenizer.add_bos_token``) is set on it and checked, never assumed."""
+    if path is None:
+        if add_bos_token:
+            raise ConfigError(
+                "tokenizer.add_bos_token", True, "the byte tokenizer has no BOS; set tokenizer.path or leave it unset"
+            )
+        return ByteTokenizer()
+    return HFTokenizer(path, trust_remote_code=trust_remote_code, add_bos_token=add_bos_token)
