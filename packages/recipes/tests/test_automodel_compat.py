@@ -36,8 +36,6 @@ REFUSED = {
     "model.num_nextn_predict_layers": "multi-token prediction (launch refusal)",
     "model.kda_mode": "Kimi linear attention option",
     "model.n_": "gpt2 builder keys, checked with its _target_",
-    "model.config._attn_implementation": "remote-code config overrides of a pretrained model",
-    "model.config.attn_implementation_new": "remote-code config overrides of a pretrained model",
     "model.config.kda_": "Kimi linear attention options",
     "model.bos_token_id": "gpt2 builder keys",
     "model.eos_token_id": "gpt2 builder keys",
@@ -45,11 +43,8 @@ REFUSED = {
     "model._target_": "Seq2Seq / unknown builders",
     "optimizer._target_": "optimizers that cannot be imported here (flashoptim, dion)",
     "optimizer.": "options of those optimizers",
-    "tokenizer.add_": "tokenizer special-token options",
     "peft.moe_rank_scaling": "not implemented",
-    "packed_sequence.max_packs": "not implemented",
     "dataloader.collate_fn": "prefix-tree collate",
-    "step_scheduler.save_checkpoint_every_epoch": "per-epoch checkpoints",
     "dataset.": "dataset factories not read here (agent chat, xlam, mock, seq2seq) and their keys",
     "validation_dataset.": "likewise",
     "distributed.dp_replicate_size": "needs a matching layout",
@@ -238,6 +233,8 @@ def config_with(path: str, value: Any, facts: dict, model_dir: str) -> dict:
         steps.update(local_batch_size=value, global_batch_size=4 * value)
     if path == "distributed.pp_size" and value != 1:
         cfg["distributed"]["pipeline"] = {"pp_microbatch_size": 1}
+    if path == "packed_sequence.max_packs":
+        cfg["packed_sequence"]["packed_sequence_size"] = 64
     if path == "packed_sequence.packed_sequence_size" and isinstance(value, int) and value > 0:
         cfg["step_scheduler"]["local_batch_size"] = 1
     return cfg

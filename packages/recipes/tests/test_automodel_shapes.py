@@ -297,3 +297,20 @@ def test_megatron_fsdp_case_set_up_on_cpu(stand_ins: dict[str, str], tmp_path: P
     assert cmd[-2:] == [str(run.config_path), "--nproc-per-node=1"]
     parsed = load_config(run.config_path)
     assert parsed.distributed.strategy == "megatron_fsdp" and parsed.output_dir == str(run.out)
+
+
+def test_max_packs_and_a_checkpoint_per_epoch(stand_ins: dict[str, str], tmp_path: Path) -> None:
+    """``packed_sequence.max_packs`` caps the packed rows (2 steps per epoch of 2 rows each) and
+    ``save_checkpoint_every_epoch`` writes one at each epoch's last step, not only the final one."""
+    cfg = shape(
+        stand_ins,
+        tmp_path / "run",
+        packed_sequence={"packed_sequence_size": 128, "packing_strategy": "thd", "max_packs": 4},
+        step_scheduler={"global_batch_size": 2, "local_batch_size": 1, "max_steps": None, "num_epochs": 2,
+                        "ckpt_every_steps": 50, "save_checkpoint_every_epoch": True},  # fmt: skip
+        checkpoint={"enabled": True, "checkpoint_dir": str(tmp_path / "ckpt")},
+    )
+    (losses,) = run_on_ranks(train_on_rank, world_size=1, args=(cfg,), timeout_s=TIMEOUT)
+    assert len(losses) == 4, losses  # 2 epochs x (4 rows / 2 per step)
+    steps = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
+    assert steps == ["step_2", "step_4"], steps

@@ -238,11 +238,11 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
 
 
 def _pretrained_config_overrides(model: dict) -> None:
-    """``from_pretrained`` with ``config: {_target_: AutoConfig.from_pretrained, <same checkpoint>, k: v}``:
-    the checkpoint's own config with those fields set (``model.config_overrides``)."""
+    """``from_pretrained`` with ``config: {k: v}`` (optionally ``_target_: AutoConfig.from_pretrained`` of
+    the same checkpoint): the checkpoint's own config with those fields set (``model.config_overrides``)."""
     config = dict(model.pop("config"))
     target = config.pop("_target_", None)
-    if not (isinstance(target, str) and target.endswith(".from_pretrained")):
+    if target is not None and not (isinstance(target, str) and target.endswith(".from_pretrained")):
         raise ConfigError(
             "model.config._target_",
             target,
