@@ -339,3 +339,72 @@ def test_train_refuses_unimplemented_features_before_launch(model_dir: str) -> N
     cfg = load_config({**base, "model": {**base["model"], "backend": {"linear": "te", "attn": "te"}}})
     assert any("model.backend: linear=te, attn=te" in line for line in cfg.notes)
     check_environment(cfg)  # kernel choices: same math, a start-up line, no refusal
+
+
+def test_pretrained_config_overrides(model_dir: str) -> None:
+    """AutoModel's ``config: {_target_: AutoConfig.from_pretrained, <same checkpoint>, k: v}`` next to
+    ``pretrained_model_name_or_path``: the checkpoint's config with those fields set, each checked."""
+    from automodel.recipes.model import build_hf_config
+
+    raw = automodel_base(model_dir)
+    raw["output_dir"] = "/tmp/unused"
+    raw["model"]["config"] = {
+        "_target_": "transformers.AutoConfig.from_pretrained",
+        "pretrained_model_name_or_path": model_dir,
+        "max_position_embeddings": 96,
+        "_attn_implementation": "eager",
+    }
+    cfg = load_config(copy.deepcopy(raw))
+    assert cfg.model.config_overrides == {"max_position_embeddings": 96}
+    assert cfg.model.attn_implementation == "eager"
+    hf = build_hf_config(cfg.model)
+    assert hf.max_position_embeddings == 96 and hf.hidden_size == 64
+    raw["model"]["config"]["max_position_embedding"] = 96  # a typo: refused by name, not kept unused
+    with pytest.raises(ConfigError, match=r"model\.config_overrides\.max_position_embedding\b"):
+        build_hf_config(load_config(copy.deepcopy(raw)).model)
+    raw["model"]["config"]["pretrained_model_name_or_path"] = "/elsewhere"
+    with pytest.raises(ConfigError, match=r"model\.config\.pretrained_model_name_or_path"):
+        load_config(raw)
+
+
+def test_tokenizer_add_bos_token_is_set_and_checked(tmp_path: Path, model_dir: str) -> None:
+    """``tokenizer.add_bos_token`` reaches the HF tokenizer and is checked after loading; a tokenizer
+    that ignores it, or the byte tokenizer, is refused by name; ``add_eos_token: false`` too."""
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaTokenizerFast
+
+    from automodel.recipes.data.tokenizer import build_tokenizer
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "a", "b"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    llama = tmp_path / "llama_tok"
+    LlamaTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", add_bos_token=False
+    ).save_pretrained(str(llama))
+    assert not build_tokenizer(str(llama)).prepends_bos()  # pyright: ignore[reportAttributeAccessIssue]
+    on = build_tokenizer(str(llama), add_bos_token=True)
+    assert on.prepends_bos() and on.bos_token_id == 1  # pyright: ignore[reportAttributeAccessIssue]
+    assert not build_tokenizer(str(llama), add_bos_token=False).prepends_bos()  # pyright: ignore[reportAttributeAccessIssue]
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _sft_helpers import save_chat_tokenizer
+
+    save_chat_tokenizer(tmp_path / "no_bos")
+    with pytest.raises(ConfigError, match=r"tokenizer\.add_bos_token=True: is not honoured"):
+        build_tokenizer(str(tmp_path / "no_bos"), add_bos_token=True)
+    with pytest.raises(ConfigError, match=r"tokenizer\.add_bos_token=True: the byte tokenizer"):
+        build_tokenizer(None, add_bos_token=True)
+    raw = automodel_base(model_dir)
+    raw["output_dir"] = "/tmp/unused"
+    raw["tokenizer"] = {
+        "pretrained_model_name_or_path": str(llama),
+        "add_bos_token": True,
+        "add_eos_token": True,
+    }
+    assert load_config(copy.deepcopy(raw)).tokenizer.add_bos_token is True
+    raw["tokenizer"]["add_eos_token"] = False
+    with pytest.raises(ConfigError, match=r"tokenizer\.add_eos_token=False"):
+        load_config(raw)

@@ -306,8 +306,14 @@ def test_max_packs_and_a_checkpoint_per_epoch(stand_ins: dict[str, str], tmp_pat
         stand_ins,
         tmp_path / "run",
         packed_sequence={"packed_sequence_size": 128, "packing_strategy": "thd", "max_packs": 4},
-        step_scheduler={"global_batch_size": 2, "local_batch_size": 1, "max_steps": None, "num_epochs": 2,
-                        "ckpt_every_steps": 50, "save_checkpoint_every_epoch": True},  # fmt: skip
+        step_scheduler={
+            "global_batch_size": 2,
+            "local_batch_size": 1,
+            "max_steps": None,
+            "num_epochs": 2,
+            "ckpt_every_steps": 50,
+            "save_checkpoint_every_epoch": True,
+        },  # fmt: skip
         checkpoint={"enabled": True, "checkpoint_dir": str(tmp_path / "ckpt")},
     )
     (losses,) = run_on_ranks(train_on_rank, world_size=1, args=(cfg,), timeout_s=TIMEOUT)

@@ -102,7 +102,9 @@ class ModelSection:
             if not isinstance(self.config_overrides, dict) or not all(
                 isinstance(k, str) for k in self.config_overrides
             ):
-                raise ConfigError("model.config_overrides", self.config_overrides, "must be a mapping of keys")
+                raise ConfigError(
+                    "model.config_overrides", self.config_overrides, "must be a mapping of keys"
+                )
             if self.config is not None:
                 raise ConfigError(
                     "model.config_overrides",

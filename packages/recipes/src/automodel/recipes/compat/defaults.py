@@ -31,6 +31,8 @@ def startup_notes(cfg: Any, raw: dict) -> list[str]:
         )
     if every is not None and not cfg.checkpoint.enabled:
         notes.append(f"step_scheduler.ckpt_every_steps={every} has no effect: checkpointing is off")
+    if cfg.step_scheduler.save_checkpoint_every_epoch and not cfg.checkpoint.enabled:
+        notes.append("step_scheduler.save_checkpoint_every_epoch=true has no effect: checkpointing is off")
     if "num_epochs" not in steps and cfg.step_scheduler.max_steps is None:
         notes.append(
             f"step_scheduler: neither max_steps nor num_epochs: 1 epoch here (AutoModel: {AUTOMODEL_NUM_EPOCHS})"

@@ -40,7 +40,9 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local `transformers` tokenizer directory behind the same two-method interface."""
 
-    def __init__(self, path: str, *, trust_remote_code: bool = False, add_bos_token: bool | None = None) -> None:
+    def __init__(
+        self, path: str, *, trust_remote_code: bool = False, add_bos_token: bool | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         if not Path(path).is_dir():
@@ -117,7 +119,9 @@ def build_tokenizer(
     if path is None:
         if add_bos_token:
             raise ConfigError(
-                "tokenizer.add_bos_token", True, "the byte tokenizer has no BOS; set tokenizer.path or leave it unset"
+                "tokenizer.add_bos_token",
+                True,
+                "the byte tokenizer has no BOS; set tokenizer.path or leave it unset",
             )
         return ByteTokenizer()
     return HFTokenizer(path, trust_remote_code=trust_remote_code, add_bos_token=add_bos_token)
