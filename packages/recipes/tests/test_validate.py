@@ -254,3 +254,30 @@ def test_per_layer_feature_on_a_model_without_layers_is_refused(flag: str, tmp_p
     no_layers = nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4))
     with pytest.raises(ConfigError, match=f"distributed.{flag}.*no ModuleList of decoder layers"):
         check_layout_rules(cfg, layout, build_hf_config(cfg.model), model=no_layers)
+
+
+def test_validate_reports_what_train_would_refuse_on_this_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """nccl without CUDA: validate still plans (it may target a cluster) and says train refuses here."""
+    import yaml
+
+    from automodel.mesh.testing import cuda_device_count
+    from automodel.recipes.cli import run_cli
+
+    if cuda_device_count() > 0:
+        pytest.skip("checks a machine without CUDA")
+    cfg = {
+        "model": {"config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "vocab_size": 256, "max_position_embeddings": 64}},
+        "dataset": {"source": "embedded", "seq_length": 32, "max_bytes": 40000},
+        "step_scheduler": {"global_batch_size": 8, "local_batch_size": 2, "max_steps": 3},
+        "dist_env": {"backend": "nccl"},
+    }  # fmt: skip
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert run_cli(["validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "peak" in out
+    assert "recipes train on this machine refuses before launch: dist_env.backend='nccl': needs CUDA" in out

@@ -10,7 +10,8 @@ from automodel.recipes.strategies import get_strategy
 def check_environment(cfg: RecipeConfig) -> None:
     """`ConfigError` naming the key when the configured strategy cannot run here.
 
-    `recipes validate` does not call this: it plans layouts for clusters it is not running on.
+    `recipes validate` plans layouts for clusters it is not running on: it reports this error as a
+    line ("recipes train on this machine refuses before launch: ...") instead of refusing.
     """
     _check_attention(cfg.model.attn_implementation)
     if cfg.refusals:  # AutoModel settings that parse but are not implemented here (compat.translate)
