@@ -256,7 +256,7 @@ def test_bad_data_row_is_one_line_naming_file_and_line(tmp_path, capsys, content
     assert not (tmp_path / "out").exists()
 
 
-def test_bad_rows_skip_trains_on_the_good_rows(tmp_path, capsys):
+def test_bad_rows_skip_trains_on_the_good_rows(tmp_path, capfd):
     """``dataset.bad_rows: skip``: one bad row of each kind is skipped and counted (rank 0 prints
     the counts once) and `recipes train` runs to its last step on the good rows."""
     from _recipe_helpers import tiny_config
@@ -274,7 +274,7 @@ def test_bad_rows_skip_trains_on_the_good_rows(tmp_path, capsys):
     )
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     assert run_cli(["train", str(tmp_path / "cfg.yaml"), "--nproc-per-node=2"]) == 0
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     line = (
         "dataset: 40 rows read; skipped 4 of 44 (1 encoding, 1 malformed_json, 1 not_an_object, 1 wrong_type)"
     )
