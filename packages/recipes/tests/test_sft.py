@@ -357,7 +357,7 @@ def test_bad_rows_skip_validation_section_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not .*d.parquet"):
         _section(**kw, path_or_dataset_id=str(tmp_path / "d.parquet"), bad_rows="skip")
     only_bad = tmp_path / "bad.jsonl"
-    only_bad.write_bytes(b"\"x\"\n{\n")
+    only_bad.write_bytes(b'"x"\n{\n')
     with pytest.raises(DataError, match="no good rows .skipped 1 malformed_json, 1 not_an_object"):
         build_packed_dataset(
             _section(**kw, path_or_dataset_id=str(only_bad), bad_rows="skip"),
