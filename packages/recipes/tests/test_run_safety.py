@@ -254,3 +254,28 @@ def test_bad_data_row_is_one_line_naming_file_and_line(tmp_path, capsys, content
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: {data}") and says in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_rows_skip_trains_on_the_good_rows(tmp_path, capfd):
+    """``dataset.bad_rows: skip``: one bad row of each kind is skipped and counted (rank 0 prints
+    the counts once) and `recipes train` runs to its last step on the good rows."""
+    from _recipe_helpers import tiny_config
+
+    from automodel.recipes.cli import run_cli
+
+    data = tmp_path / "train.jsonl"
+    good = b"".join(b'{"text": "row %d of some training text"}\n' % i for i in range(40))
+    data.write_bytes(good + b"".join(r[1].split(b"\n")[-2] + b"\n" for r in BAD_ROWS[:4]))
+    cfg = tiny_config(
+        str(tmp_path / "out"),
+        dataset={"source": "json", "path": str(data), "bad_rows": "skip"},
+        validation_dataset=None,
+        step_scheduler={"val_every_steps": None},
+    )
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert run_cli(["train", str(tmp_path / "cfg.yaml"), "--nproc-per-node=2"]) == 0
+    err = capfd.readouterr().err
+    line = (
+        "dataset: 40 rows read; skipped 4 of 44 (1 encoding, 1 malformed_json, 1 not_an_object, 1 wrong_type)"
+    )
+    assert err.count(line) == 1, err

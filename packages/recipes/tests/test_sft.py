@@ -299,3 +299,68 @@ def test_stdlib_docstrings_examples() -> None:
     import textwrap
 
     assert dedent["answer"] == textwrap.dedent.__doc__.strip().splitlines()[0]
+
+
+BAD_FILE_ROWS = [
+    ("encoding", b'{"q": "caf\xe9", "a": "x"}\n'),
+    ("malformed_json", b'{"q": "2+2=", "a": \n'),
+    ("not_an_object", b'["2+2=", "4"]\n'),
+    ("wrong_type", b'{"q": "2+2=", "a": 4}\n'),
+]
+
+
+@pytest.mark.parametrize(("reason", "bad"), BAD_FILE_ROWS, ids=[r[0] for r in BAD_FILE_ROWS])
+def test_bad_file_row_is_skipped_and_counted_with_bad_rows_skip(
+    tmp_path: Path, capsys: pytest.CaptureFixture, reason: str, bad: bytes
+) -> None:
+    """``bad_rows: skip``: the bad row is counted under its reason and the rows are exactly those of
+    the good rows alone; the default (error) names the file and line."""
+    from automodel.recipes.data.file_check import check_section_files
+    from automodel.recipes.errors import DataError
+
+    good = [{"q": "1+1=", "a": "2"}, {"q": "3+3=", "a": "6"}]
+    lines = [json.dumps(r).encode() + b"\n" for r in good]
+    path, clean = tmp_path / "d.jsonl", tmp_path / "clean.jsonl"
+    path.write_bytes(lines[0] + bad + lines[1])
+    clean.write_bytes(b"".join(lines))
+    kw = {"source": "instruction", "column_mapping": {"question": "q", "answer": "a"}, "seq_length": 16}
+    with pytest.raises(DataError, match=f"{path}:2: "):
+        check_section_files(_section(**kw, path_or_dataset_id=str(path)))
+    section = _section(**kw, path_or_dataset_id=str(path), bad_rows="skip")
+    check_section_files(section)  # the pre-launch check leaves the row to the reader
+    ds = build_packed_dataset(section, ByteTokenizer(), packed_sequence_size=0)
+    assert ds.stats["skipped"] == {reason: 1} and ds.stats["records"] == 3
+    assert f"skipped 1 of 3 (1 {reason})" in capsys.readouterr().err
+    ref = build_packed_dataset(
+        _section(**kw, path_or_dataset_id=str(clean)), ByteTokenizer(), packed_sequence_size=0
+    )
+    assert len(ds) == len(ref) == 2
+    for a, b in zip(ds.batch([0, 1]), ref.batch([0, 1]), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_rows_skip_validation_section_and_refusals(tmp_path: Path) -> None:
+    """The validation section reads the same key; skip on a non-JSON source or a file of only bad
+    rows is refused with the key or the file named."""
+    from automodel.recipes.errors import DataError
+
+    path = tmp_path / "v.jsonl"
+    path.write_bytes(b'{"q": "1+1=", "a": "2"}\n{"q": 1, "a": "2"}\n')
+    kw = {"source": "instruction", "column_mapping": {"question": "q", "answer": "a"}, "seq_length": 16}
+    val = build_section(
+        SFTValidationDatasetSection, {**kw, "path_or_dataset_id": str(path), "bad_rows": "skip"}
+    )
+    ds = build_packed_dataset(val, ByteTokenizer(), packed_sequence_size=0)
+    assert len(ds) == 1 and ds.stats["skipped"] == {"wrong_type": 1}
+    with pytest.raises(ConfigError, match="dataset.bad_rows"):
+        _section(**kw, path_or_dataset_id=str(path), bad_rows="drop")
+    with pytest.raises(ConfigError, match="not .*d.parquet"):
+        _section(**kw, path_or_dataset_id=str(tmp_path / "d.parquet"), bad_rows="skip")
+    only_bad = tmp_path / "bad.jsonl"
+    only_bad.write_bytes(b'"x"\n{\n')
+    with pytest.raises(DataError, match="no good rows .skipped 1 malformed_json, 1 not_an_object"):
+        build_packed_dataset(
+            _section(**kw, path_or_dataset_id=str(only_bad), bad_rows="skip"),
+            ByteTokenizer(),
+            packed_sequence_size=0,
+        )

@@ -169,9 +169,14 @@ class DatasetSection:
     split: str = "train"
     max_bytes: int = 2_000_000
     max_rows: int | None = None
+    # error: a bad JSON row stops the run naming file:line; skip: it is left out, counted per reason
+    bad_rows: str = "error"
 
     def __post_init__(self) -> None:
+        from automodel.recipes.data.file_check import check_bad_rows_key
+
         s = self.SECTION
+        check_bad_rows_key(self, self.path)
         if self.source not in DATA_SOURCES:
             raise ConfigError(f"{s}.source", self.source, f"must be one of {', '.join(DATA_SOURCES)}")
         if self.source != "embedded" and self.path is None:
@@ -283,11 +288,16 @@ class SFTDatasetSection:
     # AutoModel's per-dataset tokenizer: becomes the run's tokenizer (a different one is an error)
     tokenizer: dict | None = None
     shuffle_seed: int | None = None  # shuffle the rows with this seed before limit_dataset_samples
+    # error: a bad JSON row stops the run naming file:line; skip: it is left out, counted per reason
+    bad_rows: str = "error"
 
     PATH_KEY: ClassVar[str] = "path_or_dataset_id"
 
     def __post_init__(self) -> None:
+        from automodel.recipes.data.file_check import check_bad_rows_key
+
         s = self.SECTION
+        check_bad_rows_key(self, self.path_or_dataset_id)
         check_padding(s, padding=self.padding, pad_to_max_length=self.pad_to_max_length)
         if self.source not in SFT_SOURCES:
             raise ConfigError(f"{s}.source", self.source, f"must be one of {', '.join(SFT_SOURCES)}")

@@ -9,18 +9,33 @@ whole file, and an empty file surfaced as a ``global_batch_size`` problem. Here 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from automodel.recipes.errors import DataError
+from automodel.recipes.errors import ConfigError, DataError
 
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
 
 
+BAD_ROWS = ("error", "skip")
+#: Why a row was skipped under ``bad_rows: skip`` (the counted reasons).
+REASONS = ("encoding", "malformed_json", "not_an_object", "wrong_type")
+
+
+class BadRow(DataError):
+    """One bad row: `reason` is one of `REASONS`, the message names its file and line."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def _rows(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
-    """``(line number, parsed row)`` of a JSON-lines file (or of a .json file holding one array)."""
+    """``(line number, parsed row or BadRow)`` of a JSON-lines file (or of a .json file holding one
+    array, which is one document: a bad byte or bracket in it is fatal, never a skippable row)."""
     raw = path.read_bytes()
     if raw.lstrip()[:1] == b"[":  # one JSON array, not JSON lines
         text = _decode(path, raw, line_offset=0)
@@ -34,11 +49,19 @@ def _rows(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
     for lineno, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
             continue
-        text = _decode(path, line, line_offset=lineno)
         try:
-            yield lineno, json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            text = _decode(path, line, line_offset=lineno)
+            try:
+                yield lineno, json.loads(text)
+            except json.JSONDecodeError as e:
+                yield (
+                    lineno,
+                    BadRow(
+                        "malformed_json", f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})"
+                    ),
+                )
+        except BadRow as bad:
+            yield lineno, bad
         count += 1
         if limit is not None and count >= limit:
             return
@@ -50,37 +73,117 @@ def _decode(path: Path, data: bytes, *, line_offset: int) -> str:
     except UnicodeDecodeError as e:
         line = line_offset or data[: e.start].count(b"\n") + 1
         where = f"{path}:{line}"
-        raise DataError(
+        raise BadRow(
+            "encoding",
             f"{where}: not UTF-8 (byte 0x{data[e.start]:02x} at column {e.start + 1}); "
-            "re-encode the file as UTF-8"
+            "re-encode the file as UTF-8",
         ) from None
 
 
-def check_json_rows(path: Path, *, text_columns: tuple[str, ...], limit: int | None = None) -> int:
+def _check_row(
+    path: Path, lineno: int, row: Any, *, text_columns: tuple[str, ...], list_columns: tuple[str, ...]
+) -> None:
+    if isinstance(row, BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise BadRow(
+            "not_an_object", f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}"
+        )
+    for column in text_columns:
+        value = row.get(column)
+        if value is not None and not isinstance(value, str):
+            raise BadRow(
+                "wrong_type",
+                f"{path}:{lineno}: column {column!r} holds {type(value).__name__} {value!r:.40}, not text",
+            )
+    for column in list_columns:
+        value = row.get(column)
+        if value is not None and not isinstance(value, list):
+            raise BadRow(
+                "wrong_type",
+                f"{path}:{lineno}: column {column!r} holds {type(value).__name__} {value!r:.40}, not a list",
+            )
+
+
+def read_json_rows(
+    path: Path,
+    *,
+    text_columns: tuple[str, ...],
+    list_columns: tuple[str, ...] = (),
+    limit: int | None = None,
+    skip: bool = False,
+) -> tuple[list[dict[str, Any]], Counter[str]]:
+    """The good rows of `path` and, with `skip`, the bad ones counted per reason (`REASONS`);
+    without it the first bad row raises `DataError` naming the file and line. An empty file raises."""
+    good: list[dict[str, Any]] = []
+    skipped: Counter[str] = Counter()
+    for lineno, row in _rows(path, limit):
+        try:
+            _check_row(path, lineno, row, text_columns=text_columns, list_columns=list_columns)
+        except BadRow as bad:
+            if not skip:
+                raise DataError(str(bad)) from None
+            skipped[bad.reason] += 1
+            continue
+        good.append(row)
+    if not good and not skipped:
+        raise DataError(f"{path} holds no rows (an empty file)")
+    return good, skipped
+
+
+def check_json_rows(
+    path: Path,
+    *,
+    text_columns: tuple[str, ...],
+    list_columns: tuple[str, ...] = (),
+    limit: int | None = None,
+    skip: bool = False,
+) -> int:
     """Every row of `path` is a JSON object whose `text_columns` (where present) hold text.
 
-    Returns the number of rows; raises `DataError` naming the file and line of the first bad one.
+    Returns the number of good rows; raises `DataError` naming the file and line of the first bad
+    one (with `skip`, bad rows are left for the reader to skip and count).
     """
-    n = 0
-    for lineno, row in _rows(path, limit):
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
-        for column in text_columns:
-            value = row.get(column)
-            if value is not None and not isinstance(value, str):
-                raise DataError(
-                    f"{path}:{lineno}: column {column!r} holds {type(value).__name__} {value!r:.40}, not text"
-                )
-        n += 1
-    if n == 0:
-        raise DataError(f"{path} holds no rows (an empty file)")
-    return n
+    good, _ = read_json_rows(
+        path, text_columns=text_columns, list_columns=list_columns, limit=limit, skip=skip
+    )
+    return len(good)
+
+
+def check_bad_rows_key(section: Any, paths: Any) -> None:
+    """``bad_rows`` is error or skip; skip is honoured for local JSON-lines files only (others are
+    read whole by `datasets`, which cannot leave one row out)."""
+    key = f"{section.SECTION}.bad_rows"
+    if section.bad_rows not in BAD_ROWS:
+        raise ConfigError(key, section.bad_rows, "must be error or skip")
+    if section.bad_rows == "skip":
+        names = [str(p) for p in (paths if isinstance(paths, list) else [paths]) if p is not None]
+        other = [n for n in names if not n.endswith(JSON_SUFFIXES)]
+        if other or not names:
+            raise ConfigError(
+                key,
+                "skip",
+                f"applies to local .jsonl/.json files only, not {other[0] if other else 'this source'}",
+            )
+
+
+def section_columns(section: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(text columns, list columns) a section's JSON rows must hold where present."""
+    if hasattr(section, "path_or_dataset_id"):  # SFT
+        mapping = section.column_mapping or {}
+        if section.source == "instruction":
+            return tuple(str(c) for c in mapping.values()), ()
+        return (), (str(mapping.get("messages", "messages")),)
+    return ((section.text_key,) if section.source == "json" else ()), ()
 
 
 def check_text_file(path: Path) -> None:
     """A plain text file: UTF-8 and not empty."""
     raw = path.read_bytes()
-    _decode(path, raw, line_offset=0)
+    try:
+        _decode(path, raw, line_offset=0)
+    except BadRow as bad:
+        raise DataError(str(bad)) from None
     if not raw.strip():
         raise DataError(f"{path} holds no text (an empty file)")
 
@@ -93,19 +196,37 @@ def check_section_files(section: Any) -> None:
     if hasattr(section, "path_or_dataset_id"):  # SFT
         src = section.path_or_dataset_id
         files = [Path(p).expanduser() for p in (src if isinstance(src, list) else [src])]
-        mapping = section.column_mapping or {}
-        columns = tuple(str(c) for c in mapping.values()) if section.source == "instruction" else ()
         limit = section.limit_dataset_samples
     else:
         if section.path is None:
             return
         files = [Path(p) for p in (section.path if isinstance(section.path, list) else [section.path])]
-        columns = (section.text_key,) if section.source == "json" else ()
         limit = None
+    skip = getattr(section, "bad_rows", "error") == "skip"
+    text_columns, list_columns = section_columns(section)
+    list_columns = list_columns if skip else ()  # `error`: a non-list is the encoder's counted skip
     for f in files:
         if not f.is_file():
             continue  # a directory or a Hub id: read by `datasets` itself
         if f.suffix in JSON_SUFFIXES:
-            check_json_rows(f, text_columns=columns, limit=limit)
+            check_json_rows(f, text_columns=text_columns, list_columns=list_columns, limit=limit, skip=skip)
         elif f.suffix in TEXT_SUFFIXES or source == "text":
             check_text_file(f)
+
+
+def read_good_rows(section: Any, files: list[Path]) -> tuple[list[dict[str, Any]], Counter[str]]:
+    """``bad_rows: skip``: the good rows of the section's JSON files, in order, with every row's
+    columns (missing ones None), and the bad ones counted per reason. `datasets`' JSON reader
+    rejects a whole file on one bad row, so the good rows are read here instead."""
+    text_columns, list_columns = section_columns(section)
+    rows: list[dict[str, Any]] = []
+    skipped: Counter[str] = Counter()
+    for f in files:
+        good, bad = read_json_rows(f, text_columns=text_columns, list_columns=list_columns, skip=True)
+        rows += good
+        skipped += bad
+    if not rows:
+        why = ", ".join(f"{n} {r}" for r, n in sorted(skipped.items()))
+        raise DataError(f"{', '.join(map(str, files))} holds no good rows (skipped {why})")
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    return [{c: row.get(c) for c in columns} for row in rows], skipped

@@ -63,6 +63,12 @@ def _local_documents(section: Any) -> list[str]:
     check_text_paths(section)
     paths = section.path if isinstance(section.path, list) else [section.path]
     builder = {"json": "json", "text": "text", "parquet": "parquet"}[section.source]
+    if section.bad_rows == "skip":  # the good rows only (`datasets` rejects a file on one bad row)
+        from automodel.recipes.data.file_check import read_good_rows
+
+        rows, skipped = read_good_rows(section, [Path(p) for p in paths])
+        _report_skipped(section, rows=len(rows), skipped=skipped)
+        return _documents([row.get(section.text_key) for row in rows], max_bytes=section.max_bytes)
     try:
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
     except Exception as e:  # noqa: BLE001 - a file datasets cannot read is a config problem
@@ -74,14 +80,36 @@ def _local_documents(section: Any) -> list[str]:
         raise ConfigError(
             f"{key}.text_key", text_key, f"is not a column; columns: {', '.join(ds.column_names)}"
         )
+    return _documents(ds[text_key], max_bytes=section.max_bytes)
+
+
+def _documents(texts: Any, *, max_bytes: int) -> list[str]:
+    """The non-empty texts, in order, up to `max_bytes` characters."""
     docs, total = [], 0
-    for text in ds[text_key]:
+    for text in texts:
         if isinstance(text, str) and text:
             docs.append(text)
             total += len(text)
-            if total >= section.max_bytes:
+            if total >= max_bytes:
                 break
     return docs
+
+
+def _report_skipped(section: Any, *, rows: int, skipped: Any) -> None:
+    """Rank 0: how many rows were read and how many bad ones were skipped, and why."""
+    import sys
+
+    import torch.distributed as dist
+
+    if not skipped or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
+    total = rows + sum(skipped.values())
+    print(
+        f"{section.SECTION}: {rows} rows read; skipped {sum(skipped.values())} of {total} ({why})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def build_packed_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int = 0) -> Any:

@@ -19,7 +19,9 @@ context parallelism reads the same boundaries (``cu_seqlens`` from the restarts)
 
 Bad rows are skipped and counted (rank 0 prints the counts): an empty answer, no prompt, a
 conversation without an assistant turn, an example longer than a row (unless ``truncation``). A
-missing column or a template that cannot be split into turns is a `ConfigError`.
+missing column or a template that cannot be split into turns is a `ConfigError`. A bad row of a
+local JSON file (not UTF-8, malformed, not an object, a wrong type) stops the run naming its file
+and line, or with ``bad_rows: skip`` is skipped and counted like these (`file_check`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-from automodel.recipes.errors import ConfigError
+from automodel.recipes.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
 _EXTENSION_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -304,8 +306,9 @@ def build_rows(
 
 
 # ---- records ---------------------------------------------------------------------------------
-def _load_table(section: Any) -> Any:
-    """A `datasets.Dataset` from local files, a local directory or a cached Hub dataset id."""
+def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
+    """A `datasets.Dataset` from local files, a local directory or a cached Hub dataset id; with
+    ``bad_rows: skip`` bad JSON rows are left out and counted into `skipped`."""
     import datasets
 
     from automodel.recipes.hub_cache import resolve_local_or_cached
@@ -327,11 +330,15 @@ def _load_table(section: Any) -> Any:
         kind, data_files = None, None
         directory = resolve_local_or_cached(src, key=key, repo_type="dataset")
     try:
-        if directory is None:
+        if directory is None and getattr(section, "bad_rows", "error") == "skip":
+            ds = _good_rows_table(section, local, split=split, skipped=skipped)
+        elif directory is None:
             assert kind is not None  # local files: their builder was checked above
             ds = datasets.load_dataset(kind, data_files=data_files, split=split)
         else:  # a folder of data files (a Hub snapshot): datasets' file readers, no loading script
             ds = datasets.load_dataset(str(directory), name=section.name, split=section.split)
+    except DataError:
+        raise
     except Exception as e:  # noqa: BLE001 - any unreadable source is a config problem
         what = f"split {section.split!r} of {directory}" if directory is not None else f"{kind} files"
         raise ConfigError(
@@ -344,8 +351,25 @@ def _load_table(section: Any) -> Any:
     return ds
 
 
-def load_records(section: Any) -> list[dict[str, Any]]:
-    """The section's examples as dicts with role keys (context / question / answer, or messages)."""
+def _good_rows_table(section: Any, files: list[Path], *, split: str, skipped: Counter[str] | None) -> Any:
+    """The good rows of local JSON files as a `datasets.Dataset` (``split`` slice applied)."""
+    import datasets
+
+    from automodel.recipes.data.file_check import read_good_rows
+
+    rows, bad = read_good_rows(section, files)
+    if skipped is not None:
+        skipped.update(bad)
+    ds = datasets.Dataset.from_list(rows)
+    if "[" in split:
+        (part,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(ds)})
+        ds = ds.select(range(part.from_, part.to))
+    return ds
+
+
+def load_records(section: Any, *, skipped: Counter[str] | None = None) -> list[dict[str, Any]]:
+    """The section's examples as dicts with role keys (context / question / answer, or messages);
+    bad file rows skipped under ``bad_rows: skip`` are counted into `skipped`."""
     if section.source == "stdlib_docstrings":
         from automodel.recipes.data.stdlib_docstrings import stdlib_docstring_examples
 
@@ -353,7 +377,7 @@ def load_records(section: Any) -> list[dict[str, Any]]:
         if section.limit_dataset_samples is not None:
             records = records[: section.limit_dataset_samples]
         return records
-    ds = _load_table(section)
+    ds = _load_table(section, skipped=skipped)
     default = {"messages": "messages"} if section.source == "chat" else {}
     mapping = dict(section.column_mapping or default)
     if section.source == "chat" and "messages" not in mapping:
@@ -393,11 +417,12 @@ def build_sft_dataset(
     """Read, encode, fit and lay out the section's examples (see the module docstring); `records`
     (role -> value) replace reading the section's columns (a dataset factory's own reader)."""
     encoder = ExampleEncoder(section, tokenizer)
-    records = load_records(section) if records is None else records
+    skipped: Counter[str] = Counter()  # bad file rows (bad_rows: skip), then unusable examples
+    records = load_records(section, skipped=skipped) if records is None else records
+    bad_file_rows = sum(skipped.values())
     packed = packed_sequence_size > 0
     row_length = packed_sequence_size if packed else section.seq_length
     examples: list[Example] = []
-    skipped: Counter[str] = Counter()
     for record in records:
         try:
             example = encoder(record)
@@ -418,7 +443,7 @@ def build_sft_dataset(
         packed=packed,
     )
     stats = {
-        "records": len(records),
+        "records": len(records) + bad_file_rows,
         "examples": len(examples),
         "skipped": dict(skipped),
         "rows": ids.shape[0],
