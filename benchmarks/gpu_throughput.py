@@ -270,7 +270,7 @@ def apply_levers(model: torch.nn.Module, parts: set[str]) -> None:
 
 
 def make_loss(
-    model: torch.nn.Module, parts: set[str], *, meta_model: torch.nn.Module
+    model: torch.nn.Module, parts: set[str], *, meta_model: torch.nn.Module | None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """``loss(ids)``: the mean next-token CE of the model on `ids`, by the variant's loss path.
 
@@ -281,6 +281,8 @@ def make_loss(
         return lambda ids: model(input_ids=ids, labels=ids).loss
     from automodel.recipes.loss import LinearCrossEntropy, masked_cross_entropy_sum
     from automodel.recipes.output_head import build_head_loss
+
+    assert meta_model is not None, "the chunked loss needs the meta-device model to probe"
 
     # the recipes' path: the whole (FSDP root) forward runs with the head recording its input
     head_loss = build_head_loss(LinearCrossEntropy(), model=meta_model, logits_loss=masked_cross_entropy_sum)
@@ -357,7 +359,8 @@ def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: tor
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab_size"], (args.batch_size, args.seq_len), generator=gen).to(device)
 
-    loss_of = make_loss(model, parts, meta_model=build_model(shape, args.seq_len, torch.device("meta")))
+    meta_model = build_model(shape, args.seq_len, torch.device("meta")) if "chunked" in parts else None
+    loss_of = make_loss(model, parts, meta_model=meta_model)
     # clipped like the recipes loop (megatron-fsdp clips through its own optimizer wrapper)
     params = [] if "megatron" in parts else [p for p in model.parameters() if p.requires_grad]
 
