@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from automodel.mesh.tiny_model import TINY_SIZES
 from automodel.recipes.api import load_config
 from automodel.recipes.errors import ConfigError
 
@@ -53,21 +54,7 @@ REFUSED = {
 
 def _model_dir(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "vocab_size": 256,
-                "max_position_embeddings": 64,
-                "tie_word_embeddings": False,
-            }
-        )
-    )
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", **TINY_SIZES}))
     return root
 
 
