@@ -9,9 +9,12 @@
 ``examples/llm_finetune`` and ``examples/llm_pretrain``, the number of files using it, the values
 that occur (up to 16, long strings shortened) and, for dataset keys, the dataset classes used with
 them. ``count`` loads each file unchanged except every ``pretrained_model_name_or_path``, which is
-pointed at the local model directory ``--model``, and prints how many load (``load_config``), how
-many of those `recipes train` would refuse before launch on any machine (``refusals``), and the
-first error of each file that does not load.
+pointed at the local model directory ``--model``, and prints two counts: how many parse
+(``load_config`` succeeds: `recipes validate` prints their plan) and how many of those run without
+edits (no setting that `recipes train` and `recipes validate` refuse before launch on any machine,
+``RecipeConfig.refusals``: a feature not implemented here, such as FP8 or a transformer-engine
+kernel). Machine checks (``dist_env.backend: nccl`` needs CUDA) are not counted: the files target
+GPU clusters. Then the files per refused key, and with ``--verbose`` each file's first error.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def count(repo: Path, model_dir: str, *, verbose: bool) -> int:
 
     files = recipe_files(repo)
     loaded, refused, errors = 0, 0, collections.Counter()
+    refused_keys: collections.Counter[str] = collections.Counter()
     lines = []
     for f in files:
         raw = point_at(load_yaml(f.read_text()), model_dir)
@@ -120,13 +124,26 @@ def count(repo: Path, model_dir: str, *, verbose: bool) -> int:
         loaded += 1
         if cfg.refusals:
             refused += 1
-            lines.append(f"{f.relative_to(repo)}: loads; train refuses {cfg.refusals[0]}")
-    print(f"{loaded} of {len(files)} load; {refused} of them are refused by `recipes train` before launch")
+            refused_keys.update({_refused_key(e.key, e.value) for e in cfg.refusals})
+            lines.append(f"{f.relative_to(repo)}: parses; refused before launch: {cfg.refusals[0]}")
+    print(
+        f"{loaded} of {len(files)} parse; {loaded - refused} of {len(files)} run without edits "
+        f"({refused} parse and are refused before launch, naming the key)"
+    )
+    print("files refused when parsed, by key:")
     for key, n in errors.most_common():
+        print(f"{n:4d} {key}")
+    print("files refused before launch, by key:")
+    for key, n in refused_keys.most_common():
         print(f"{n:4d} {key}")
     if verbose:
         print("\n".join(lines))
     return 0
+
+
+def _refused_key(key: str, value: Any) -> str:
+    """The key, with the value where it says which feature (``model.backend.attn: te``)."""
+    return f"{key}: {value}" if key.startswith("model.backend.") and isinstance(value, str) else key
 
 
 def main(argv: list[str] | None = None) -> int:

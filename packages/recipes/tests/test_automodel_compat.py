@@ -26,8 +26,6 @@ REFUSED = {
     "skypilot": "SkyPilot launcher",
     "benchmark": "benchmark recipe",
     "tool_call_eval": "tool-call evaluator",
-    "embedding_row_repair": "not implemented",
-    "prewarm": "not implemented",
     "quantization": "QLoRA (launch refusal)",
     "qat": "QAT (launch refusal)",
     "neftune": "NEFTune (launch refusal)",
@@ -35,7 +33,8 @@ REFUSED = {
     "model.backend.te_fp8": "FP8 (launch refusal)",
     "model.backend.fake_balanced_gate": "benchmark gate (launch refusal)",
     "model.num_nextn_predict_layers": "multi-token prediction (launch refusal)",
-    "model.kda_mode": "Kimi linear attention option",
+    "embedding_row_repair": "not implemented (launch refusal)",
+    "peft.moe_rank_scaling": "LoRA on MoE experts (launch refusal)",
     "model.n_": "gpt2 builder keys, checked with its _target_",
     "model.config.kda_": "Kimi linear attention options",
     "model.bos_token_id": "gpt2 builder keys",
@@ -44,12 +43,14 @@ REFUSED = {
     "model._target_": "Seq2Seq / unknown builders",
     "optimizer._target_": "optimizers that cannot be imported here (flashoptim, dion)",
     "optimizer.": "options of those optimizers",
-    "peft.moe_rank_scaling": "not implemented",
     "dataloader.collate_fn": "prefix-tree collate",
     "dataset.": "dataset factories not read here (agent chat, xlam, mock, seq2seq) and their keys",
     "validation_dataset.": "likewise",
     "distributed.dp_replicate_size": "needs a matching layout",
 }
+#: (key path, value) pairs that load and are refused before launch although other values of the
+#: key are not: transformer-engine kernels, which this project never runs
+REFUSED_VALUES = {(f"model.backend.{key}", "te") for key in ("attn", "linear", "rms_norm", "experts")}
 
 
 def _model_dir(root: Path) -> Path:
@@ -265,6 +266,11 @@ def test_every_recorded_key_path_loads_or_is_refused_by_name(model_dir: str) -> 
             refused += 1
             continue
         loaded += 1
+        by_value = (path, value) in REFUSED_VALUES if isinstance(value, str) else False
+        if cfg.refusals and expected is None and not by_value:
+            failures.append(f"{path}={value!r}: refused before launch: {cfg.refusals[0]}")
+        if by_value and not any(r.key == path for r in cfg.refusals):
+            failures.append(f"{path}={value!r}: not refused before launch")
         if expected is not None and cfg.refusals:
             assert any(
                 path.startswith(r.key.split("[")[0].rsplit(".", 0)[0]) or r.key.startswith(path.split(".")[0])
@@ -323,9 +329,63 @@ def test_train_refuses_unimplemented_features_before_launch(model_dir: str) -> N
     cfg = load_config({**base, "fp8": {"enabled": True, "recipe_name": "tensorwise"}})
     with pytest.raises(ConfigError, match=r"^fp8.enabled=True: FP8 training is not implemented"):
         check_environment(cfg)
-    cfg = load_config({**base, "model": {**base["model"], "backend": {"linear": "te", "attn": "te"}}})
-    assert any("model.backend: linear=te, attn=te" in line for line in cfg.notes)
-    check_environment(cfg)  # kernel choices: same math, a start-up line, no refusal
+    # kernels of other libraries, same math: one start-up line; torch's own: no line at all
+    backend = {"_target_": "nemo_automodel.components.models.common.BackendConfig"}
+    cfg = load_config({**base, "model": {**base["model"], "backend": {**backend, "experts": "gmm"}}})
+    assert any(line.startswith("model.backend: experts=gmm") for line in cfg.notes)
+    check_environment(cfg)
+    same = {"attn": "sdpa", "linear": "torch", "rms_norm": "torch_fp32", "experts": "torch"}
+    cfg = load_config({**base, "model": {**base["model"], "backend": {**backend, **same}}})
+    assert not [line for line in cfg.notes if "backend" in line] and not cfg.refusals
+    # AutoModel's kda_mode is a config field (from_pretrained hands it on): checked when the model is built
+    kda = load_config({**base, "model": {**base["model"], "kda_mode": "chunk"}})
+    assert kda.model.config_overrides == {"kda_mode": "chunk"}
+    # prewarm only tunes kernels: a line; embedding_row_repair changes weights: refused before launch
+    cfg = load_config(
+        {**base, "prewarm": {"mamba_ssd_autotune": True}, "embedding_row_repair": {"min_norm": 1e-4}}
+    )
+    assert any(line.startswith("prewarm: ") for line in cfg.notes)
+    with pytest.raises(ConfigError, match=r"^embedding_row_repair="):
+        check_environment(cfg)
+    assert load_config({**base, "embedding_row_repair": {"enabled": False}}).refusals == ()
+
+
+def test_transformer_engine_backend_is_refused_by_validate_and_train(
+    tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture
+) -> None:
+    """No kernel of this project's training path is transformer-engine's, so ``te`` is never honoured:
+    both commands exit 2 before launch naming every such key and what to write instead; validate
+    prints its plan first, and the file still loads (the compatibility count's "parses")."""
+    import yaml
+
+    from automodel.recipes.cli import run_cli
+
+    raw = automodel_base(model_dir)
+    raw["output_dir"] = str(tmp_path / "run")
+    raw["dataset"]["dataset_name"] = str(tmp_path / "squad.jsonl")
+    (tmp_path / "squad.jsonl").write_text(
+        json.dumps({"context": "c", "question": "q", "answers": {"text": ["a"], "answer_start": [0]}}) + "\n"
+    )
+    raw["model"]["backend"] = {"attn": "te", "linear": "te", "rms_norm": "torch_fp32", "experts": "te"}
+    cfg = load_config(copy.deepcopy(raw))
+    assert [(e.key, e.value) for e in cfg.refusals] == [
+        ("model.backend.attn", "te"),
+        ("model.backend.linear", "te"),
+        ("model.backend.experts", "te"),
+    ]
+    path = tmp_path / "te.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    for command in ("validate", "train"):
+        capsys.readouterr()
+        assert run_cli([command, str(path)]) == 2, command
+        out, err = capsys.readouterr()
+        assert err.startswith("error: model.backend.attn='te': transformer-engine kernels are never used"), (
+            err
+        )
+        assert "write model.backend.attn: sdpa" in err and "write model.backend.linear: torch" in err
+        assert "model.backend.experts='te'" in err and "write model.backend.experts: torch" in err
+        assert ("peak" in out) == (command == "validate")  # validate shows the plan, then refuses
+    assert not (tmp_path / "run").exists()  # train refused before any rank started
 
 
 def test_pretrained_config_overrides(model_dir: str) -> None:

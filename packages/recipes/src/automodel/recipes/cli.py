@@ -325,15 +325,15 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
     _check_load_factor(args.moe_load_factor)
     _, _, lines = plan_layout(cfg, world_size=world, expert_load_factor=args.moe_load_factor)
     lines += [f"note: {line}" for line in cfg.notes]  # what differs from NeMo AutoModel (compat)
-    lines += [f"recipes train refuses before launch: {e}" for e in cfg.refusals]
-    from automodel.recipes.environment import check_environment
+    from automodel.recipes.environment import check_machine, refusal_error
 
     try:  # validate plans for any machine, so what this one cannot run is reported, not refused
-        check_environment(cfg)
+        check_machine(cfg)
     except ConfigError as e:
-        if e not in cfg.refusals:  # those are listed above
-            lines.append(f"recipes train on this machine refuses before launch: {e}")
+        lines.append(f"recipes train on this machine refuses before launch: {e}")
     print("\n".join(lines))
+    if cfg.refusals:  # runs on no machine: refused like train does, after the plan is shown
+        raise refusal_error(cfg.refusals)
     return 0
 
 

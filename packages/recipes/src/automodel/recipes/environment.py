@@ -8,16 +8,31 @@ from automodel.recipes.strategies import get_strategy
 
 
 def check_environment(cfg: RecipeConfig) -> None:
-    """`ConfigError` naming the key when the configured strategy cannot run here.
+    """`ConfigError` naming the key when the config cannot run here: first the settings that parse
+    but run on no machine (`RecipeConfig.refusals`, all of them named), then `check_machine`."""
+    if cfg.refusals:  # AutoModel settings that parse but are not implemented here (compat.translate)
+        raise refusal_error(cfg.refusals)
+    check_machine(cfg)
+
+
+def check_machine(cfg: RecipeConfig) -> None:
+    """`ConfigError` naming the key when the configured strategy cannot run on this machine.
 
     `recipes validate` plans layouts for clusters it is not running on: it reports this error as a
     line ("recipes train on this machine refuses before launch: ...") instead of refusing.
     """
     _check_attention(cfg.model.attn_implementation)
-    if cfg.refusals:  # AutoModel settings that parse but are not implemented here (compat.translate)
-        raise cfg.refusals[0]
     _check_backend(cfg.dist_env.backend)
     get_strategy(cfg.distributed.strategy).check_environment()
+
+
+def refusal_error(refusals: tuple[ConfigError, ...]) -> ConfigError:
+    """The first refusal, naming the others too: one run of `recipes train` lists every key to edit."""
+    first, rest = refusals[0], refusals[1:]
+    if not rest:
+        return first
+    also = "; ".join(str(e) for e in rest)
+    return ConfigError(first.key, first.value, f"{first.message} (also refused: {also})")
 
 
 def _check_attention(requested: str) -> None:

@@ -1,9 +1,13 @@
 """``model.backend``: AutoModel's kernel choices for its own model implementations.
 
 This project trains the transformers model's own modules, so these choices select no kernel
-here. The math is the same (a TE or grouped-GEMM linear computes the same product as torch's), so
-they are accepted, and listed in one start-up line when they name a kernel other than torch's.
-Values that change the math (``fake_balanced_gate: true``, an FP8 recipe) are refused.
+here. Kernels of other libraries that compute the same math (grouped GEMM, DeepEP, TileLang, ...)
+are accepted and listed in one start-up line. transformer-engine (``te``) is refused by
+`recipes train` and `recipes validate` before launch, naming the key and the value to write:
+no module of this project's training path calls a TE kernel (the only TE code, context-parallel's
+``backend="te"``, is never selected by a recipe), so it cannot be honoured on any machine, with or
+without transformer-engine installed. Values that change the math (``fake_balanced_gate: true``,
+an FP8 recipe) are refused the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ FLAGS = (
     "dispatcher_share_token_dispatcher",
     "dispatcher_async_dispatch",
 )
+#: per key, the value that names what runs here (what to write instead of ``te``)
+INSTEAD_OF_TE = {"attn": "sdpa", "linear": "torch", "rms_norm": "torch_fp32", "experts": "torch"}
 #: what the transformers modules compute, per key (a choice equal to it needs no note)
 HERE = {
     "attn": "sdpa",
@@ -59,7 +65,17 @@ def read_backend(data: Any, *, refusals: list[ConfigError]) -> str | None:
         if key in CHOICES:
             if value not in CHOICES[key]:
                 raise ConfigError(k, value, f"must be one of {', '.join(CHOICES[key])}")
-            if value not in (HERE[key], "torch", "sdpa", "eager", "torch_fp32"):
+            if value == "te":
+                refusals.append(
+                    ConfigError(
+                        k,
+                        value,
+                        "transformer-engine kernels are never used by this project (the transformers "
+                        "model's own modules run, whether or not transformer-engine is installed); "
+                        f"write model.backend.{key}: {INSTEAD_OF_TE[key]}",
+                    )
+                )
+            elif value not in (HERE[key], "torch", "sdpa", "eager", "torch_fp32"):
                 noted.append(f"{key}={value}")
         elif key in FLAGS:
             if not isinstance(value, bool):

@@ -22,6 +22,11 @@ from automodel.recipes.errors import ConfigError
 METADATA = ("ci",)
 #: top-level sections AutoModel's training recipe (train_ft) does not read either: accepted with a line
 UNREAD = ("autopipeline", "longalign", "distributed_config")
+#: top-level sections that only speed up AutoModel's own kernels: accepted with a line
+SPEED_ONLY = {
+    "prewarm": "autotunes AutoModel's Mamba SSD Triton kernels before the first step; nothing to warm up "
+    "here (kernels tune on first use), the same numbers",
+}
 #: top-level sections of AutoModel tools that are not part of this project (refused when parsed)
 NOT_HERE = {
     "skypilot": "AutoModel's SkyPilot launcher is not part of this project; run `recipes train` on the machine",
@@ -34,15 +39,17 @@ NOT_IMPLEMENTED = {
     "quantization": "quantized (QLoRA / bitsandbytes) training is not implemented in this project",
     "qat": "quantization-aware training is not implemented in this project",
     "neftune": "NEFTune embedding noise is not implemented in this project",
+    "embedding_row_repair": "repairing near-zero input-embedding rows after loading is not implemented in "
+    "this project",
 }
 
 
 @dataclass(frozen=True)
 class Translation:
     """`translate`'s result: the mapping the sections read, the start-up lines of what differs
-    here, and the settings `recipes train` refuses before launch (`environment.check_environment`):
-    valid AutoModel settings this project cannot honour on any machine, kept out of the parse so
-    `recipes validate` still plans the rest of the file."""
+    here, and the settings `recipes train` and `recipes validate` refuse before launch
+    (`environment.check_environment`): valid AutoModel settings this project cannot honour on any
+    machine, kept out of the parse so the file loads and `recipes validate` shows its plan first."""
 
     raw: dict
     notes: list[str] = field(default_factory=list)
@@ -57,7 +64,7 @@ def translate(raw: dict) -> Translation:
     _top_level(out, notes, result.refusals)
     _model(out, notes, result.refusals)
     _tokenizer(out)
-    _peft(out, notes)
+    _peft(out, notes, result.refusals)
     _distributed(out, notes)
     for name in ("dataset", "validation_dataset"):
         _dataset(out, name)
@@ -92,6 +99,11 @@ def _top_level(out: dict, notes: list[str], refusals: list[ConfigError]) -> None
         if key in out:
             out.pop(key)
             notes.append(f"{key}: not read by AutoModel's training recipe either; not used here")
+    for key, why in SPEED_ONLY.items():
+        if key in out:
+            if not isinstance(out.pop(key), dict):
+                raise ConfigError(key, "...", "must be a mapping")
+            notes.append(f"{key}: {why}")
     for key, why in NOT_HERE.items():
         if key in out:
             raise ConfigError(key, "...", why)
@@ -175,6 +187,9 @@ def _compile(section: dict, out: dict) -> None:
 # ---- model ----------------------------------------------------------------------------------
 #: AutoModel's multi-token-prediction keys (meaningful only with num_nextn_predict_layers > 0)
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer")
+#: ``model`` keys AutoModel's from_pretrained passes on as config fields (``model.config_overrides``
+#: here, each checked against the model's config class when it is built)
+CONFIG_KWARGS = ("kda_mode",)
 
 
 def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
@@ -208,6 +223,7 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
                     f"model.{key}", model[key], f"only {same} is supported here (the transformers model runs)"
                 )
             del model[key]
+    how = None
     if "_target_" in model:
         how = match("model", model.pop("_target_"), key="model._target_")
         if how == "from_pretrained" and "pretrained_model_name_or_path" not in model:
@@ -228,6 +244,13 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
                 if k not in ("torch_dtype", "dtype", "attn_implementation")
             }
             model["config"] = {"model_type": "gpt2", **fields}
+    for key in CONFIG_KWARGS:  # AutoModel's from_pretrained hands these to the model's config
+        if key in model:
+            config = model.get("config")
+            target = config if how == "from_config" and isinstance(config, dict) else None
+            if target is None:
+                target = model.setdefault("config_overrides", {})
+            target[key] = model.pop(key)
     if "torch_dtype" in model:
         if "dtype" in model:
             raise ConfigError(
@@ -333,12 +356,24 @@ def _tokenizer(out: dict) -> None:
         match("tokenizer", tok.pop("_target_"), key="tokenizer._target_")
 
 
-def _peft(out: dict, notes: list[str]) -> None:
+def _peft(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
     peft = out.get("peft")
     if not isinstance(peft, dict):
         return
     if "_target_" in peft:
         match("peft", peft.pop("_target_"), key="peft._target_")
+    scaling = peft.pop("moe_rank_scaling", False)
+    if not isinstance(scaling, bool):
+        raise ConfigError("peft.moe_rank_scaling", scaling, "must be true or false")
+    if scaling:  # AutoModel: the experts' LoRA rank is dim // experts per token
+        refusals.append(
+            ConfigError(
+                "peft.moe_rank_scaling",
+                True,
+                "LoRA on MoE experts is not implemented here (transformers keeps expert weights as stacked "
+                "3-D parameters), so there is no expert rank to scale; set it to false and exclude the experts",
+            )
+        )
     kernels = []
     for key in ("use_triton", "use_memory_efficient_lora"):
         if key in peft:
