@@ -431,10 +431,24 @@ def test_tokenizer_add_bos_token_is_set_and_checked(tmp_path: Path, model_dir: s
     LlamaTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", add_bos_token=False
     ).save_pretrained(str(llama))
-    assert not build_tokenizer(str(llama)).prepends_bos()  # pyright: ignore[reportAttributeAccessIssue]
+    assert not build_tokenizer(str(llama)).prepends_bos()
     on = build_tokenizer(str(llama), add_bos_token=True)
-    assert on.prepends_bos() and on.bos_token_id == 1  # pyright: ignore[reportAttributeAccessIssue]
-    assert not build_tokenizer(str(llama), add_bos_token=False).prepends_bos()  # pyright: ignore[reportAttributeAccessIssue]
+    assert on.prepends_bos() and on.bos_token_id == 1
+    assert not build_tokenizer(str(llama), add_bos_token=False).prepends_bos()
+    # one rule (data.tokenizer.bos_prefix) for every place that writes BOS: SFT rows, shards, prompts
+    from automodel.recipes.data.sft import ExampleEncoder
+    from automodel.recipes.data.tokenizer import bos_prefix
+    from automodel.recipes.generate import prompt_ids
+    from automodel.recipes.sections import SFTDatasetSection
+
+    off = build_tokenizer(str(llama))
+    assert bos_prefix(on) == [1] and bos_prefix(off) == [] and bos_prefix(build_tokenizer(None)) == []
+    assert prompt_ids(on, "a")[0] == 1 and prompt_ids(off, "a")[0] != 1
+    row = {"question": "a", "answer": "b"}
+    mapping = {"question": "question", "answer": "answer"}
+    section = SFTDatasetSection(path_or_dataset_id="rows.jsonl", column_mapping=mapping)
+    assert ExampleEncoder(section, on)(row).ids[0] == 1
+    assert ExampleEncoder(section, off)(row).ids[0] != 1
 
     sys.path.insert(0, str(Path(__file__).parent))
     from _sft_helpers import save_chat_tokenizer

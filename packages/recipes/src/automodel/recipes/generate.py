@@ -90,7 +90,8 @@ def _tokenizer(directory: Path) -> Any:
 def prompt_ids(tokenizer: Any, prompt: str, *, raw: bool = False) -> list[int]:
     """Token ids the model continues: chat template (user turn + generation prompt), else the
     plain SFT prompt format; `raw` encodes `prompt` as it is."""
-    from automodel.recipes.data.sft import _bos_prefix, format_plain_prompt
+    from automodel.recipes.data.sft import format_plain_prompt
+    from automodel.recipes.data.tokenizer import bos_prefix
 
     if raw:
         return tokenizer.encode(prompt)
@@ -99,7 +100,7 @@ def prompt_ids(tokenizer: Any, prompt: str, *, raw: bool = False) -> list[int]:
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
         return list(tokenizer.hf(text, add_special_tokens=False)["input_ids"])
-    return _bos_prefix(tokenizer) + tokenizer.encode(format_plain_prompt(context=None, question=prompt))
+    return bos_prefix(tokenizer) + tokenizer.encode(format_plain_prompt(context=None, question=prompt))
 
 
 def generate(

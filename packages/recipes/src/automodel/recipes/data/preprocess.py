@@ -23,18 +23,10 @@ from typing import Any
 from automodel.recipes.data.megatron_writer import token_dtype_for_vocab
 from automodel.recipes.data.preprocess_inputs import Task, input_files, plan_tasks
 from automodel.recipes.data.preprocess_worker import TokenizerSpec, init_worker, run_task
-from automodel.recipes.data.tokenizer import TOKENIZER_FILES, build_tokenizer
+from automodel.recipes.data.tokenizer import TOKENIZER_FILES, bos_prefix, build_tokenizer
 from automodel.recipes.errors import ConfigError
 
 MANIFEST = "manifest.json"
-
-
-def prepends_bos(tok: Any) -> bool:
-    """Whether the tokenizer puts BOS before a text when it adds its special tokens (Llama does)."""
-    if tok.hf is None or tok.bos_token_id is None:
-        return False
-    ids = tok.hf("a", add_special_tokens=True)["input_ids"]
-    return bool(ids) and ids[0] == tok.bos_token_id
 
 
 def tokenizer_identity(tok: Any, path: str | None, *, prepend_bos: bool) -> dict:
@@ -96,7 +88,7 @@ def preprocess(
         raise ConfigError("--shard-size-mb", shard_bytes, "must be > 0")
     tok = build_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
     spec = TokenizerSpec(
-        path=tokenizer_path, trust_remote_code=trust_remote_code, prepend_bos=prepends_bos(tok)
+        path=tokenizer_path, trust_remote_code=trust_remote_code, prepend_bos=bool(bos_prefix(tok))
     )
     dtype = token_dtype_for_vocab(tok.vocab_size)
     tasks = plan_tasks(input_files(inputs), shard_bytes=shard_bytes)

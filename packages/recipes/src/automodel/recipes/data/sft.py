@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from automodel.recipes.data.tokenizer import bos_prefix
 from automodel.recipes.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
@@ -58,16 +59,6 @@ class SkippedExample(Exception):
 
 
 # ---- encoding --------------------------------------------------------------------------------
-def _bos_prefix(tokenizer: Any) -> list[int]:
-    """[bos] when the tokenizer adds a BOS to plain text by itself (Llama-style), else []."""
-    hf = tokenizer.hf
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if hf is None or bos is None:
-        return []
-    ids = hf("a", add_special_tokens=True)["input_ids"]
-    return [int(bos)] if ids and ids[0] == bos else []
-
-
 def encode_plain(tokenizer: Any, *, prompt: str, answer: str, answer_only: bool, bos: list[int]) -> Example:
     """``bos + prompt + answer + EOS``; the answer and its EOS are the labels."""
     p = list(bos) + tokenizer.encode(prompt)
@@ -180,7 +171,7 @@ class ExampleEncoder:
             if use is True and not has_template:
                 raise ConfigError(self.key, True, need)
             self.use_template = has_template if use is None else use
-        self.bos = [] if self.use_template else _bos_prefix(tokenizer)
+        self.bos = [] if self.use_template else bos_prefix(tokenizer)
 
     def __call__(self, record: dict[str, Any]) -> Example:
         answer_only = self.section.answer_only_loss_mask

@@ -12,6 +12,18 @@ from automodel.recipes.trust import announce_remote_code
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def bos_prefix(tokenizer: Any) -> list[int]:
+    """``[bos]`` when the tokenizer puts BOS before a text as it adds its special tokens (Llama does),
+    else ``[]``. The one rule for where this project writes BOS itself: plain SFT examples,
+    pretraining shards (`recipes preprocess`) and generation prompts all encode without special
+    tokens and prepend this, so they start the way the tokenizer's own encoding does."""
+    hf, bos = getattr(tokenizer, "hf", None), getattr(tokenizer, "bos_token_id", None)
+    if hf is None or bos is None:
+        return []
+    ids = hf("a", add_special_tokens=True)["input_ids"]
+    return [int(bos)] if ids and ids[0] == bos else []
+
+
 def has_tokenizer_files(directory: str | Path) -> bool:
     """Whether `directory` holds a Hugging Face tokenizer (else a model directory carries none)."""
     return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
@@ -32,6 +44,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
+
+    def prepends_bos(self) -> bool:
+        return False  # no BOS token
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Nothing to save: the byte tokenizer is fully described by its class."""
@@ -86,11 +101,8 @@ class HFTokenizer:
             )
 
     def prepends_bos(self) -> bool:
-        """Whether the tokenizer puts BOS before a text when it adds its special tokens (Llama does)."""
-        if self.bos_token_id is None:
-            return False
-        ids = self._tok("a", add_special_tokens=True)["input_ids"]
-        return bool(ids) and ids[0] == self.bos_token_id
+        """Whether the tokenizer puts BOS before a text when it adds its special tokens (`bos_prefix`)."""
+        return bool(bos_prefix(self))
 
     @property
     def hf(self) -> Any:
