@@ -148,6 +148,43 @@ def test_sft_squad_and_hellaswag_with_validation(stand_ins: dict[str, str], tmp_
     assert len(losses) == STEPS + 1  # the validation loss at the end
 
 
+def _validate_on_rank(raw: dict[str, Any]) -> tuple[int, dict[str, float]]:
+    """Rank function: build the run, then validate with val_batches None (all), all by number, 1."""
+    from automodel.recipes import load_config
+    from automodel.recipes.trainer import Trainer
+
+    cfg = load_config(raw)
+    trainer = Trainer(cfg)
+    trainer.build()
+    assert trainer.val_dataset is not None
+    n = len(trainer.val_dataset) // cfg.step_scheduler.global_batch_size
+    losses = {}
+    for value in (None, n, 1):
+        cfg.step_scheduler.val_batches = value
+        losses[str(value)] = trainer.validate()
+    return n, losses
+
+
+def test_validation_over_all_of_the_set_as_automodel(stand_ins: dict[str, str], tmp_path: Path) -> None:
+    """AutoModel evaluates the whole validation set: ``val_batches: null`` does that here; without
+    the key the start-up line says what differs (the first val_batches global batches)."""
+    from automodel.recipes import load_config
+
+    squad = {
+        "_target_": PREFIX + "squad.make_squad_dataset",
+        "dataset_name": stand_ins["squad"],
+        "seq_length": 96,
+    }
+    cfg = shape(stand_ins, tmp_path / "val", validation_dataset={**squad, "split": "train"})
+    note = [line for line in load_config(cfg).notes if line.startswith("validation: ")]
+    assert note and "val_batches=2 global batches" in note[0] and "val_batches: null for all" in note[0]
+    cfg["step_scheduler"]["val_batches"] = None
+    assert not [line for line in load_config(cfg).notes if line.startswith("validation: ")]
+    ((n, losses),) = run_on_ranks(_validate_on_rank, world_size=1, args=(cfg,), timeout_s=TIMEOUT)
+    assert n == 48 // 8
+    assert losses["None"] == losses[str(n)] and losses["None"] != losses["1"], losses
+
+
 def test_peft_column_mapped_and_chat(stand_ins: dict[str, str], tmp_path: Path) -> None:
     peft = {
         "_target_": "nemo_automodel.components._peft.lora.PeftConfig",

@@ -376,15 +376,15 @@ class StepSchedulerSection:
     num_epochs: int = 1
     val_every_steps: int | None = None
     ckpt_every_steps: int | None = None
-    val_batches: int = 2
+    val_batches: int | None = 2  # global batches per validation; None: all of validation_dataset
     gc_every_steps: int | None = None  # gc.collect() every N steps (AutoModel's key; None: never)
     save_checkpoint_every_epoch: bool = False  # also a checkpoint at each epoch's last step (AutoModel's key)
 
     def __post_init__(self) -> None:
         s = self.SECTION
-        for name in ("global_batch_size", "local_batch_size", "num_epochs", "val_batches"):
+        for name in ("global_batch_size", "local_batch_size", "num_epochs"):
             _positive(s, name, getattr(self, name))
-        for name in ("max_steps", "val_every_steps", "ckpt_every_steps", "gc_every_steps"):
+        for name in ("max_steps", "val_every_steps", "ckpt_every_steps", "gc_every_steps", "val_batches"):
             _positive(s, name, getattr(self, name), allow_none=True)
         if not isinstance(self.save_checkpoint_every_epoch, bool):
             raise ConfigError(

@@ -416,13 +416,16 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean token CE over the first `val_batches` global batches of the validation rows."""
+        """Mean token CE over the first `val_batches` global batches of the validation rows (all of
+        them when None, as AutoModel; a last partial global batch is left out)."""
         assert self.val_dataset is not None
         ss = self.cfg.step_scheduler
         for part in self.pm.parts:
             part.eval()
         gbs, dp = ss.global_batch_size, self.mesh.layout.dp
-        n_batches = min(ss.val_batches, len(self.val_dataset) // gbs)
+        n_batches = len(self.val_dataset) // gbs
+        if ss.val_batches is not None:
+            n_batches = min(ss.val_batches, n_batches)
         if n_batches == 0:
             raise ConfigError(
                 "validation_dataset", len(self.val_dataset), f"has fewer rows than global_batch_size={gbs}"

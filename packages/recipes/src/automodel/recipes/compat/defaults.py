@@ -39,8 +39,9 @@ def startup_notes(cfg: Any, raw: dict) -> list[str]:
         )
     if cfg.validation_dataset is not None and "val_batches" not in steps:
         notes.append(
-            f"validation: the first step_scheduler.val_batches={cfg.step_scheduler.val_batches} global "
-            "batches of validation_dataset are evaluated (AutoModel evaluates all of it)"
+            "validation: every step_scheduler.val_every_steps steps and at the last, on the first "
+            f"val_batches={cfg.step_scheduler.val_batches} global batches of validation_dataset (AutoModel: "
+            "also at each ckpt_every_steps step, on all of it; step_scheduler.val_batches: null for all)"
         )
     if not cfg.dataloader.drop_last:
         notes.append(
