@@ -177,7 +177,11 @@ def test_validation_over_all_of_the_set_as_automodel(stand_ins: dict[str, str], 
     }
     cfg = shape(stand_ins, tmp_path / "val", validation_dataset={**squad, "split": "train"})
     note = [line for line in load_config(cfg).notes if line.startswith("validation: ")]
-    assert note and "val_batches=2 global batches" in note[0] and "val_batches: null for all" in note[0]
+    assert (
+        note
+        and "val_batches=2 global batches" in note[0]
+        and "val_batches: null: all full global batches" in note[0]
+    )
     cfg["step_scheduler"]["val_batches"] = None
     assert not [line for line in load_config(cfg).notes if line.startswith("validation: ")]
     ((n, losses),) = run_on_ranks(_validate_on_rank, world_size=1, args=(cfg,), timeout_s=TIMEOUT)

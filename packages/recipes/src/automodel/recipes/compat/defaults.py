@@ -41,7 +41,7 @@ def startup_notes(cfg: Any, raw: dict) -> list[str]:
         notes.append(
             "validation: every step_scheduler.val_every_steps steps and at the last, on the first "
             f"val_batches={cfg.step_scheduler.val_batches} global batches of validation_dataset (AutoModel: "
-            "also at each ckpt_every_steps step, on all of it; step_scheduler.val_batches: null for all)"
+            "also at each ckpt_every_steps step, on all of it; step_scheduler.val_batches: null: all full global batches)"
         )
     if not cfg.dataloader.drop_last:
         notes.append(
