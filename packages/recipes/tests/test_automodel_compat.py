@@ -350,6 +350,38 @@ def test_train_refuses_unimplemented_features_before_launch(model_dir: str) -> N
     assert load_config({**base, "embedding_row_repair": {"enabled": False}}).refusals == ()
 
 
+def test_keys_that_mean_the_same_are_silent_and_validate_checks_the_optimizer(
+    tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture
+) -> None:
+    """AutoModel's keys that mean what they mean here add no start-up line (only real differences do);
+    `recipes validate` builds the optimizer with its arguments, as train would (exit 2 naming the key)."""
+    import yaml
+
+    from automodel.recipes.cli import run_cli
+
+    raw = automodel_base(model_dir)
+    raw["output_dir"] = str(tmp_path / "run")
+    raw.update(
+        ci={"recipe_owner": "someone", "time": "00:10:00"},
+        compile={"enabled": False, "mode": "default", "fullgraph": False, "dynamic": True, "backend": None},
+        wandb={"enable": False, "project": "p"},
+        dataset={**raw["dataset"], "seq_length": 64},
+        step_scheduler={k: v for k, v in raw["step_scheduler"].items() if k != "ckpt_every_steps"},
+    )
+    raw["model"]["backend"] = {
+        "_target_": "nemo_automodel.components.models.common.BackendConfig",
+        "attn": "sdpa", "linear": "torch", "rms_norm": "torch_fp32", "rope_fusion": False,
+        "enable_hf_state_dict_adapter": True, "fake_balanced_gate": False,
+    }  # fmt: skip
+    cfg = load_config(copy.deepcopy(raw))
+    assert cfg.notes == () and cfg.refusals == (), cfg.notes
+    raw["optimizer"]["adam_w_mode"] = True  # a FusedAdam argument left on torch's Adam
+    path = tmp_path / "adam.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert run_cli(["validate", str(path)]) == 2
+    assert capsys.readouterr().err.startswith("error: optimizer.adam_w_mode=True: is not an argument of Adam")
+
+
 def test_transformer_engine_backend_is_refused_by_validate_and_train(
     tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture
 ) -> None:
