@@ -303,6 +303,9 @@ def test_automodel_numbers_and_defaults(model_dir: str) -> None:
     assert any(
         "val_every_steps=10 has no effect" in n for n in load_config({**base, "step_scheduler": steps}).notes
     )
+    bare = load_config({k: v for k, v in base.items() if k not in ("dataloader", "checkpoint")})
+    assert bare.dataloader.shuffle is True  # AutoModel's default with no dataloader section
+    assert any(n.startswith("checkpoint: no section, so no checkpoints are written") for n in bare.notes)
     shuffled = load_config({**base, "dataloader": {**base["dataloader"], "shuffle": False}})
     assert shuffled.dataloader.shuffle is False
     with pytest.raises(ConfigError, match="distributed.backend"):
