@@ -23,6 +23,9 @@ def check_machine(cfg: RecipeConfig) -> None:
     """
     _check_attention(cfg.model.attn_implementation)
     _check_backend(cfg.dist_env.backend)
+    from automodel.recipes.kernels.checks import check_kernels_environment
+
+    check_kernels_environment(cfg)
     get_strategy(cfg.distributed.strategy).check_environment()
 
 

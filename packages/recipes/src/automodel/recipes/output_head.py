@@ -218,6 +218,17 @@ class HeadLoss:
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._active = False
         self._held: nn.Module | None = None  # the real head while the recording one stands in
+        #: the chunked path's loss on (hidden, weight, labels): ours, or Liger's fused kernel
+        #: (``kernels.liger``: fused_linear_cross_entropy), with `linear_ce.linear_cross_entropy_sum`'s contract
+        self.linear_loss: Callable[..., torch.Tensor] = linear_cross_entropy_sum
+        self.linear_loss_name = ""
+
+    def describe(self) -> str:
+        """The start-up line of the loss path (the plan's, naming a replaced linear loss)."""
+        line = self.plan.describe()
+        if self.plan.chunked and self.linear_loss_name:
+            line = line.replace("chunked linear cross-entropy", self.linear_loss_name)
+        return line
 
     def bind(self, parts: list[nn.Module], *, unwrap: Callable[[nn.Module], nn.Module] = lambda m: m) -> None:
         """Find the head among this rank's model parts (a pipeline rank without the last stage has
@@ -288,7 +299,7 @@ class HeadLoss:
             )
         hidden = self.take_hidden(output)
         head = self._head
-        loss = linear_cross_entropy_sum(
+        loss = self.linear_loss(
             hidden,
             head.weight,
             labels,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from automodel.recipes._dist_setup import DistributedSection, parse_distributed_section
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import locate
+from automodel.recipes.kernels import FP8Section, KernelsSection, parse_kernels_sections
 from automodel.recipes.peft.config import PeftSection
 from automodel.recipes.sections import (
     CONSTANT_LR,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # the checkpoint package imports torch.distributed.checkpoint
 TOP_LEVEL_KEYS = (
     "model", "dataset", "validation_dataset", "tokenizer", "step_scheduler", "optimizer", "lr_scheduler",
     "loss_fn", "distributed", "packed_sequence", "checkpoint", "logging", "seed", "output_dir", "dist_env",
-    "clip_grad_norm", "peft", "dataloader", "validation_dataloader", "rng",
+    "clip_grad_norm", "peft", "dataloader", "validation_dataloader", "rng", "kernels", "fp8",
 )  # fmt: skip
 DEFAULT_LOSS_FN = "automodel.recipes.loss.LinearCrossEntropy"
 #: NeMo AutoModel's loss targets, so its configs carry over: its masked CE reads full logits, its
@@ -90,6 +91,8 @@ class RecipeConfig:
     dataloader: DataloaderSection = field(default_factory=DataloaderSection)
     validation_dataloader: ValidationDataloaderSection = field(default_factory=ValidationDataloaderSection)
     rng: RngSection = field(default_factory=RngSection)
+    kernels: KernelsSection = field(default_factory=KernelsSection)  # Liger's kernels (kernels/)
+    fp8: FP8Section = field(default_factory=FP8Section)  # torchao float8 training (kernels/)
     #: start-up lines: what this run does differently from NeMo AutoModel (`compat.defaults`)
     notes: tuple[str, ...] = ()
     #: valid settings `recipes train` refuses before launch (`compat.translate.Translation`)
@@ -202,6 +205,7 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         validation_dataloader=build_section(ValidationDataloaderSection, raw.get("validation_dataloader")),
         rng=build_section(RngSection, raw.get("rng")),
     )
+    cfg.kernels, cfg.fp8 = parse_kernels_sections(raw)
     from automodel.recipes.data.pretrain_sections import adopt_dataset_tokenizer
 
     adopt_dataset_tokenizer(cfg.tokenizer, [cfg.dataset, cfg.validation_dataset])

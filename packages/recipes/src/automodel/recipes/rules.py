@@ -168,6 +168,9 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
         _check_no_backward_recompute(model, hf_config, strategy=d.strategy)
         _check_per_layer_features(model, hf_config, cfg=cfg, layout=layout)
     check_model_supports_layout(cfg, layout, hf_config, model=model)
+    from automodel.recipes.kernels.checks import check_kernels_rules
+
+    check_kernels_rules(cfg, layout, hf_config, model=model)
 
 
 #: Strategy flags applied to each decoder layer (`automodel.mesh.model_parts.find_layer_list`).

@@ -169,6 +169,8 @@ class Trainer:
         self.cfg = cfg
         self.step = 0  # optimizer steps done (restored from a checkpoint by `train`)
         self.pipeline_loss = StepScaledLoss(cfg.loss_fn)
+        #: run after every optimizer step (fp8: the float8 scales of the next all-gathers)
+        self.post_step_hooks: list[Callable[[], None]] = []
 
     # ---- construction --------------------------------------------------------------------
     def build(self) -> None:
@@ -244,6 +246,9 @@ class Trainer:
             self.lora = apply_lora(model, section=cfg.peft)
         self.position_offset = position_id_offset(model)
         self.head_loss = self._build_head_loss(model)
+        from automodel.recipes.kernels.apply import apply_kernels, check_linear_loss_bound
+
+        kernel_lines = apply_kernels(model, cfg=cfg, layout=layout, head_loss=self.head_loss)
         self.pm = parallelize_model(
             model,
             mesh=self.mesh,
@@ -272,8 +277,13 @@ class Trainer:
         # swaps module parameters between forward and step; the optimizer holds the stepped ones).
         self.params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
         self.head_loss.bind(self.pm.parts, unwrap=lambda part: getattr(part, "module", part))
+        check_linear_loss_bound(self.head_loss)
+        if cfg.fp8.enabled and cfg.fp8.precompute_float8_dynamic_scale_for_fsdp:
+            from automodel.recipes.kernels.float8 import precompute_scales
+
+            self.post_step_hooks.append(precompute_scales(self.pm.parts))
         if self.rank == 0:
-            print(self.head_loss.plan.describe(), file=sys.stderr, flush=True)
+            print("\n".join([*kernel_lines, self.head_loss.describe()]), file=sys.stderr, flush=True)
         self._report_layout()
         if cfg.rng.ranked:  # dropout masks per data-parallel replica (AutoModel's StatefulRNG ranked)
             torch.manual_seed(cfg.seed + dp_rank_of(self.mesh))
@@ -402,6 +412,8 @@ class Trainer:
         grad_norm = self._clip_grad_norm()
         for opt in self.optimizers:
             opt.step()
+        for hook in self.post_step_hooks:
+            hook()
         for sched in self.schedulers:
             sched.step()
         for opt in self.optimizers:

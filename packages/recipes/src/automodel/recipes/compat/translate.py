@@ -134,12 +134,7 @@ def _top_level(out: dict, notes: list[str], refusals: list[ConfigError]) -> None
         section = out.pop("compile")
         if _enabled("compile", section):
             _compile(section, out)
-    if "fp8" in out and _enabled("fp8", out.pop("fp8")):
-        refusals.append(
-            ConfigError(
-                "fp8.enabled", True, "FP8 training is not implemented in this project; set it to false"
-            )
-        )
+    # fp8: AutoModel's keys and defaults are this project's (kernels.sections.FP8Section)
     if "parallelizer" in out:  # AutoModel's MoE parallelizer: expert parallelism is distributed.ep_size here
         par = out.pop("parallelizer")
         if not isinstance(par, dict):
@@ -216,7 +211,9 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
     load_base = model.pop("load_base_model", True)
     if not isinstance(load_base, bool):
         raise ConfigError("model.load_base_model", load_base, "must be true or false")
-    for key, same in (("force_hf", True), ("use_liger_kernel", False), ("use_sdpa_patching", False)):
+    if "use_liger_kernel" in model:
+        _use_liger_kernel(out, model.pop("use_liger_kernel"))
+    for key, same in (("force_hf", True), ("use_sdpa_patching", False)):
         if key in model:
             if model[key] is not same:
                 raise ConfigError(
@@ -258,6 +255,27 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
             )
         value = model.pop("torch_dtype")
         model["dtype"] = _auto_dtype(model) if value == "auto" else value
+
+
+def _use_liger_kernel(out: dict, value: Any) -> None:
+    """``model.use_liger_kernel: true`` -> ``kernels.liger: auto``: AutoModel applies Liger where it
+    can and falls back otherwise, so here too, with a start-up line when not applied. false, like
+    the key absent (AutoModel's default is true), leaves the kernels off without a line."""
+    if not isinstance(value, bool):
+        raise ConfigError("model.use_liger_kernel", value, "must be true or false")
+    if not value:
+        return
+    kernels = out.get("kernels")
+    if kernels is None:
+        kernels = out["kernels"] = {}
+    if isinstance(kernels, dict):
+        if "liger" in kernels:
+            raise ConfigError(
+                "model.use_liger_kernel",
+                True,
+                "is AutoModel's name of kernels.liger (auto); give one of them",
+            )
+        kernels["liger"] = "auto"
 
 
 def _pretrained_config_overrides(model: dict) -> None:

@@ -1,0 +1,83 @@
+"""What `kernels:` and `fp8:` refuse before launch: the machine (`check_kernels_environment`) and
+the model and layout (`check_kernels_rules`). ``kernels.liger: auto`` is never refused: the ranks
+say in one line why it was not applied (`apply.apply_kernels`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.kernels.float8 import fp8_unavailable
+from automodel.recipes.kernels.liger import KEY, liger_unavailable, resolve_patches
+
+
+def check_kernels_environment(cfg: Any) -> None:
+    """`ConfigError` naming the key when this machine cannot run the requested kernels or float8."""
+    if cfg.kernels.required and (why := liger_unavailable()):
+        raise ConfigError(KEY, _shown(cfg.kernels.liger), why)
+    if cfg.fp8.enabled and (refusal := fp8_unavailable(cfg.fp8)):
+        raise ConfigError(refusal[0], True, refusal[1])
+
+
+def liger_layout_refusal(layout: Any) -> str | None:
+    """Why Liger's kernels are not applied in this layout (None: they are)."""
+    if layout.tp > 1:
+        return (
+            f"is not wired with tensor parallelism (distributed.tp_size={layout.tp}): Liger's kernels take "
+            "plain tensors, sequence parallelism hands them DTensors, and its fused linear cross-entropy "
+            "has no vocabulary-sharded head"
+        )
+    return None
+
+
+def chunked_head_refusal(cfg: Any, model: Any) -> str | None:
+    """Why this run's loss does not read the head's weight (None: the chunked path is used)."""
+    if cfg.distributed.strategy == "megatron_fsdp":
+        return "distributed.strategy megatron_fsdp keeps the full logits"
+    from automodel.recipes.loss import masked_cross_entropy_sum
+    from automodel.recipes.output_head import build_head_loss
+
+    plan = build_head_loss(cfg.loss_fn, model=model, logits_loss=masked_cross_entropy_sum).plan
+    return None if plan.chunked else plan.reason
+
+
+def check_kernels_rules(cfg: Any, layout: Any, hf_config: Any, *, model: Any = None) -> None:
+    """`ConfigError` naming the key when the model or layout cannot take the requested kernels
+    (the fused linear CE's head is checked when `model`, the meta-device model, is given)."""
+    section = cfg.kernels
+    if section.required:
+        why = liger_layout_refusal(layout)
+        if why:
+            raise ConfigError(KEY, _shown(section.liger), why)
+        if importlib.util.find_spec("liger_kernel") is not None:  # else check_kernels_environment says so
+            head = chunked_head_refusal(cfg, model) if model is not None else None
+            resolve_patches(section, model_type=hf_config.model_type, chunked_head=head)
+    fp8 = cfg.fp8
+    if not fp8.enabled:
+        return
+    if layout.tp > 1:
+        raise ConfigError(
+            "fp8.enabled",
+            True,
+            f"is not wired with tensor parallelism (distributed.tp_size={layout.tp}): float8 linears need "
+            "torchao's float8 TP styles, which this project's TP plans do not use",
+        )
+    if cfg.peft is not None:
+        raise ConfigError(
+            "fp8.enabled", True, "is not wired with peft (LoRA's frozen base weights); remove one"
+        )
+    if cfg.distributed.strategy == "megatron_fsdp":
+        raise ConfigError(
+            "fp8.enabled", True, "is not wired with distributed.strategy megatron_fsdp; use fsdp2 or ddp"
+        )
+    if fp8.enable_fsdp_float8_all_gather and cfg.distributed.strategy != "fsdp2":
+        raise ConfigError(
+            "fp8.enable_fsdp_float8_all_gather",
+            True,
+            f"is an FSDP2 option; distributed.strategy is {cfg.distributed.strategy}",
+        )
+
+
+def _shown(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
