@@ -3,7 +3,7 @@ parallelism; returns the start-up lines saying what was applied."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -24,7 +24,7 @@ from automodel.recipes.output_head import HeadLoss
 
 def _liger(model: nn.Module, *, cfg: Any, layout: Any, head_loss: HeadLoss) -> str:
     section = cfg.kernels
-    model_type = model.config.model_type
+    model_type = cast(Any, model).config.model_type
     why = liger_unavailable() or liger_layout_refusal(layout)
     if why is None and not section.required and family_patches(model_type) is None:
         why = f"Liger has no kernels for model_type {model_type!r}"

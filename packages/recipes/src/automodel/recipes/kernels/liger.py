@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -111,7 +111,7 @@ def apply_liger_kernels(model: nn.Module, *, patches: tuple[str, ...]) -> list[s
             done = any(n.startswith("Liger") and n.endswith(_MODULE_NAMES[patch]) for n in names)
         if not done:
             raise RuntimeError(
-                f"{KEY}: Liger's patch for model_type {model.config.model_type!r} did not apply {patch!r}"
+                f"{KEY}: Liger's patch for model_type {cast(Any, model).config.model_type!r} did not apply {patch!r}"
             )
     return replaced
 
@@ -137,7 +137,7 @@ def liger_linear_cross_entropy_sum(
     if scale is not None:
         flat = flat * scale
         bias = None if bias is None else bias * scale
-    return liger_fused_linear_cross_entropy(
+    loss = liger_fused_linear_cross_entropy(
         flat,
         weight,
         labels.reshape(-1),
@@ -147,3 +147,4 @@ def liger_linear_cross_entropy_sum(
         softcap=softcap,
         accum_dtype=torch.float32,
     )
+    return cast(torch.Tensor, loss)  # only the loss without z-loss / accuracy outputs
