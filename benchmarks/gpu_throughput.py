@@ -19,11 +19,16 @@ Levers (parts added to base/compile/ac variants, e.g. `compile+chunked+liger`):
               `recipes train`: no [tokens, vocab] logits) instead of HF's full-logits loss.
     sync      read the loss and the clipped gradient norm on the host every step, as the recipes
               loop did before it fetched them one step late (every variant clips the norm).
-    liger     Liger kernels (RMSNorm, RoPE, SwiGLU) patched into HF Llama via liger_kernel's
-              own `apply_liger_kernel_to_llama`; with `chunked`, Liger's fused linear CE instead
-              of ours. Refused before any variant runs when liger_kernel is not importable.
-    fp8       torchao float8 training (tensorwise scaling) on every nn.Linear but lm_head;
-              refused when torchao is not importable or the GPU is below compute capability 8.9.
+    liger     `kernels: {liger: true}` of `recipes train`, by the same code
+              (automodel.recipes.kernels.liger): Liger's RMSNorm, RoPE and SwiGLU through its
+              `_apply_liger_kernel_to_instance`; with `chunked`, Liger's fused linear CE replaces
+              ours in the recipes' head loss. Refused before any variant runs where the recipe
+              refuses it (no CUDA, liger-kernel not importable); the family patch is undone after
+              the variant (it is process-wide), so later variants run HF's own modules.
+    fp8       `fp8:` of `recipes train` with NeMo AutoModel's example section (tensorwise, float8
+              all-gather, precomputed scales after each optimizer step, weight recomputed in
+              backward, lm_head kept), by the same code (automodel.recipes.kernels.float8);
+              refused where the recipe refuses it (torchao missing, compute capability < 8.9).
 
 Random init (no download). Each variant builds a fresh model, runs `--warmup` untimed steps and
 `--steps` timed steps and reports the median. On GPU each step is timed by CUDA events read once
@@ -232,41 +237,54 @@ def clip_local_grads(params: list[torch.nn.Parameter], *, max_norm: float) -> to
 
 
 LEVERS = {"chunked", "sync", "liger", "fp8"}
+#: the fp8 lever's section: NeMo AutoModel's example recipes' (llama3_1_8b_hellaswag_fp8.yaml)
+AUTOMODEL_FP8 = {
+    "enabled": True,
+    "recipe_name": "tensorwise",
+    "enable_fsdp_float8_all_gather": True,
+    "precompute_float8_dynamic_scale_for_fsdp": True,
+    "force_recompute_fp8_weight_in_bwd": True,
+    "filter_fqns": ["lm_head"],
+}
 
 
 def check_levers(variants: list[str], device: torch.device) -> None:
-    """Refuse (SystemExit) before any variant runs what cannot run here: a missing package, fp8
-    on CPU or below compute capability 8.9."""
+    """Refuse (SystemExit) before any variant runs what `recipes train` refuses on this machine
+    (the recipes' own checks): Liger without CUDA or its package, fp8 without torchao or below
+    compute capability 8.9."""
     parts = set().union(*(variant_parts(v) for v in variants))
     if "liger" in parts:
-        try:
-            importlib.import_module("liger_kernel.transformers")
-        except ImportError as err:
-            raise SystemExit(f"variant part 'liger' needs liger_kernel importable ({err})") from err
+        from automodel.recipes.kernels.liger import liger_unavailable
+
+        if why := liger_unavailable():
+            raise SystemExit(f"variant part 'liger': {why}")
     if "fp8" in parts:
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        from automodel.recipes.kernels import FP8Section
+        from automodel.recipes.kernels.float8 import fp8_unavailable
+
+        if device.type != "cuda":
             raise SystemExit("variant part 'fp8' needs a CUDA GPU of compute capability >= 8.9")
-        try:
-            importlib.import_module("torchao.float8")
-        except ImportError as err:
-            raise SystemExit(f"variant part 'fp8' needs torchao importable ({err})") from err
+        if refusal := fp8_unavailable(FP8Section(**AUTOMODEL_FP8)):
+            raise SystemExit(f"variant part 'fp8': {refusal[1]}")
 
 
-def apply_levers(model: torch.nn.Module, parts: set[str]) -> None:
-    """Liger kernels and float8 on the model before it is sharded."""
+def apply_levers(model: torch.nn.Module, parts: set[str]) -> Callable[[], None]:
+    """Liger's kernels and the float8 conversion on the model before it is sharded, by the
+    recipes' code; returns what undoes Liger's process-wide patch of modeling_llama."""
+    undo: Callable[[], None] = lambda: None  # noqa: E731
     if "liger" in parts:
-        liger = importlib.import_module("liger_kernel.transformers")
-        liger.apply_liger_kernel_to_llama(
-            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
-            model=model,
-        )  # fmt: skip
+        from automodel.recipes.kernels import KernelsSection
+        from automodel.recipes.kernels.liger import apply_liger_kernels, resolve_patches
+
+        head = None if "chunked" in parts else "HF's full-logits loss (no chunked part)"
+        patches = resolve_patches(KernelsSection(liger=True), model_type="llama", chunked_head=head)
+        undo = apply_liger_kernels(model, patches=patches).undo
     if "fp8" in parts:
-        float8 = importlib.import_module("torchao.float8")
-        float8.convert_to_float8_training(
-            model,
-            config=float8.Float8LinearConfig(),
-            module_filter_fn=lambda module, fqn: fqn != "lm_head",
-        )
+        from automodel.recipes.kernels import FP8Section
+        from automodel.recipes.kernels.float8 import convert_to_fp8
+
+        convert_to_fp8(model, section=FP8Section(**AUTOMODEL_FP8), keep=("lm_head",))
+    return undo
 
 
 def make_loss(
@@ -295,19 +313,10 @@ def make_loss(
         labels[:, :-1] = ids[:, 1:]
         return labels
 
-    if "liger" in parts:
-        liger = importlib.import_module("liger_kernel.transformers")
-        fused = liger.LigerFusedLinearCrossEntropyLoss(reduction="sum")
-        head_weight = model.get_parameter("lm_head.weight")
+    if "liger" in parts:  # as `recipes train` with kernels.liger: true (kernels.apply)
+        from automodel.recipes.kernels.liger import liger_linear_cross_entropy_sum
 
-        def liger_loss(ids: torch.Tensor) -> torch.Tensor:
-            labels = shifted(ids)
-            with head_loss.capturing():
-                hidden = head_loss.take_hidden(model(input_ids=ids).logits)
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            return fused(head_weight, flat, labels.reshape(-1)) / (labels != -100).sum()
-
-        return liger_loss
+        head_loss.linear_loss = liger_linear_cross_entropy_sum
 
     def chunked_loss(ids: torch.Tensor) -> torch.Tensor:
         labels = shifted(ids)
@@ -347,7 +356,7 @@ def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: tor
     model = build_model(shape, args.seq_len, device)
     flops = flops_per_token(model, shape, args.seq_len)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    apply_levers(model, parts)
+    undo_liger = apply_levers(model, parts)
     how = apply(model, dtype=dtype, compile_layers="compile" in parts, ac="ac" in parts)
     model = model.__dict__.pop("_benchmark_wrapper", model)
     # foreach AdamW for both strategies (megatron-fsdp's uneven DTensor shards are not tested with fused).
@@ -363,6 +372,11 @@ def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: tor
     loss_of = make_loss(model, parts, meta_model=meta_model)
     # clipped like the recipes loop (megatron-fsdp clips through its own optimizer wrapper)
     params = [] if "megatron" in parts else [p for p in model.parameters() if p.requires_grad]
+    after_step: Callable[[], None] = lambda: None  # noqa: E731
+    if "fp8" in parts:  # the recipes' after-step hook (fp8.precompute_float8_dynamic_scale_for_fsdp)
+        from automodel.recipes.kernels.float8 import precompute_scales
+
+        after_step = precompute_scales([model])
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -372,11 +386,15 @@ def run_variant(variant: str, args: argparse.Namespace, shape: dict, device: tor
         if "sync" in parts:  # what the loop did every step before: wait for both on the host
             _ = float(loss), float(norm)
         optimizer.step()
+        after_step()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    time_steps(step, count=args.warmup, device=device)
-    times = time_steps(step, count=args.steps, device=device)
+    try:
+        time_steps(step, count=args.warmup, device=device)
+        times = time_steps(step, count=args.steps, device=device)
+    finally:
+        undo_liger()
     median = statistics.median(times)
     tokens_per_s = args.batch_size * args.seq_len / median
     achieved = flops * tokens_per_s

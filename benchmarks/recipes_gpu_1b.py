@@ -14,6 +14,12 @@ Variants (comma list):
                   precision (bf16 compute, fp32 gradient reduction), per-layer compile
     bf16          model.dtype bfloat16: weights, gradients and optimizer state in bf16, compiled
     *-eager       the same without compile
+    bf16-liger    bf16 with ``kernels: {liger: true}`` (Liger's RMSNorm, RoPE, SwiGLU and fused
+                  linear CE instead of the chunked one; needs liger-kernel: automodel-recipes[kernels])
+    bf16-fp8      bf16 with NeMo AutoModel's example ``fp8:`` section (torchao float8 tensorwise,
+                  float8 all-gather, precomputed scales, lm_head kept; needs torchao:
+                  automodel-recipes[fp8], compute capability >= 8.9)
+    bf16-fp8-liger  both
 
 The figures are the run's own `metrics.jsonl` (tokens_per_s, peak_mem_bytes per step): median
 tokens/s over the steps after `--warmup`, the largest peak. MFU = tokens/s x FLOPs/token / peak
@@ -37,7 +43,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpu_throughput import H100_SXM_BF16_DENSE_TFLOPS, LLAMA_3_2_1B, TINY  # noqa: E402
 
-VARIANTS = ("fp32-master", "bf16", "fp32-master-eager", "bf16-eager")
+VARIANTS = (
+    "fp32-master", "bf16", "fp32-master-eager", "bf16-eager", "bf16-liger", "bf16-fp8", "bf16-fp8-liger",
+)  # fmt: skip
+#: NeMo AutoModel's fp8 section as its example recipes write it (llama3_1_8b_hellaswag_fp8.yaml)
+AUTOMODEL_FP8 = {
+    "enabled": True,
+    "recipe_name": "tensorwise",
+    "enable_fsdp_float8_all_gather": True,
+    "precompute_float8_dynamic_scale_for_fsdp": True,
+    "force_recompute_fp8_weight_in_bwd": True,
+    "filter_fqns": ["lm_head"],
+    "emulate": False,
+}
 
 
 def model_config(shape: dict[str, Any], seq_len: int) -> dict[str, Any]:
@@ -71,7 +89,13 @@ def recipe(variant: str, *, out: Path, shape: dict[str, Any], seq_len: int, step
     if variant not in VARIANTS:
         raise ValueError(f"--variants: unknown variant {variant!r}; use {', '.join(VARIANTS)}")
     bf16 = variant.startswith("bf16")
+    speedups: dict[str, Any] = {}
+    if "-liger" in variant:
+        speedups["kernels"] = {"liger": True}
+    if "-fp8" in variant:
+        speedups["fp8"] = dict(AUTOMODEL_FP8)
     return {
+        **speedups,
         "seed": 0,
         "output_dir": str(out),
         "model": {

@@ -143,3 +143,43 @@ def test_chunked_lever_runs_on_cpu() -> None:
     (report,) = run_on_ranks(_run_chunked, world_size=1, timeout_s=300)
     assert [r["variant"] for r in report["results"]] == ["base", "base+chunked"]
     assert all(r["tokens_per_s_per_gpu"] > 0 for r in report["results"])
+
+
+def test_liger_and_fp8_levers_are_the_recipes_code() -> None:
+    """The liger and fp8 levers refuse what `recipes train` refuses on this machine, with its
+    messages, and apply the recipes' code: Liger's patches on the tiny Llama (undone after the
+    variant: modeling_llama is patched process-wide), float8 on every linear but lm_head, Liger's
+    fused linear CE in the recipes' head loss. Nothing of Liger runs here (Triton needs a GPU)."""
+    import pytest
+    from torchao.float8.float8_linear import Float8Linear
+    from transformers.models.llama import modeling_llama
+
+    from automodel.recipes.kernels.liger import liger_linear_cross_entropy_sum
+
+    bench = _load()
+    cpu = torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="variant part 'liger': Liger's kernels are Triton GPU kernels"):
+            bench.check_levers(["compile+liger"], cpu)
+    with pytest.raises(SystemExit, match="variant part 'fp8' needs a CUDA GPU"):
+        bench.check_levers(["base+fp8"], cpu)
+    before = dict(vars(modeling_llama))
+    model = bench.build_model(bench.TINY, 32, cpu)
+    undo = bench.apply_levers(model, {"liger", "chunked", "fp8"})
+    try:
+        assert modeling_llama.apply_rotary_pos_emb is not before["apply_rotary_pos_emb"]
+        assert {type(m).__name__ for m in model.modules() if m._get_name().startswith("Liger")} == {
+            "LlamaRMSNorm",
+            "LlamaMLP",
+        }
+        converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+        assert len(converted) == 14 and "lm_head" not in converted
+        meta = bench.build_model(bench.TINY, 32, torch.device("meta"))
+        loss_of = bench.make_loss(model, {"chunked", "liger"}, meta_model=meta)
+        head_loss = next(
+            c.cell_contents for c in loss_of.__closure__ or () if hasattr(c.cell_contents, "plan")
+        )
+        assert head_loss.linear_loss is liger_linear_cross_entropy_sum
+    finally:
+        undo()
+    assert all(vars(modeling_llama)[k] is v for k, v in before.items())

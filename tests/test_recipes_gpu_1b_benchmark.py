@@ -30,9 +30,13 @@ def test_flops_per_token_matches_the_model_count() -> None:
     assert bench.flops_per_token(bench.LLAMA_3_2_1B, 4096) == expected == 9_025_499_136
 
 
-@pytest.mark.parametrize("variant", ["fp32-master", "bf16", "fp32-master-eager", "bf16-eager"])
+@pytest.mark.parametrize(
+    "variant",
+    ["fp32-master", "bf16", "fp32-master-eager", "bf16-eager", "bf16-liger", "bf16-fp8", "bf16-fp8-liger"],
+)
 def test_every_variant_is_a_valid_recipes_config(variant: str, tmp_path: Path) -> None:
     from automodel.recipes import load_config
+    from automodel.recipes.plan import plan_layout
 
     bench = _load("recipes_gpu_1b")
     raw = bench.recipe(variant, out=tmp_path, shape=bench.LLAMA_3_2_1B, seq_len=4096, steps=20, device="cuda")
@@ -40,6 +44,9 @@ def test_every_variant_is_a_valid_recipes_config(variant: str, tmp_path: Path) -
     assert cfg.model.dtype == ("bfloat16" if variant.startswith("bf16") else "float32")
     assert raw["distributed"]["enable_compile"] is (not variant.endswith("-eager"))
     assert cfg.optimizer.kwargs["fused"] is True
+    assert cfg.kernels.required is ("liger" in variant) and cfg.fp8.enabled is ("fp8" in variant)
+    if "liger" in variant or "fp8" in variant:  # the model rules of the kernels pass on the 1B shape
+        plan_layout(cfg, world_size=1, on_gpu=True)
 
 
 def test_summary_is_the_median_after_warmup() -> None:

@@ -436,6 +436,9 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def run_cli(argv: Sequence[str]) -> int:
     """Parse and run one command; returns the exit code (2 for config errors, one line on stderr)."""
+    from automodel.recipes._quiet import quiet_known_notices
+
+    quiet_known_notices()
     parser = _parser()
     try:
         args, extra = parser.parse_known_args(list(argv))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, cast
 
 import torch
@@ -88,25 +90,41 @@ def resolve_patches(section: KernelsSection, *, model_type: str, chunked_head: s
     return section.liger
 
 
-def apply_liger_kernels(model: nn.Module, *, patches: tuple[str, ...]) -> list[str]:
+@dataclass
+class ModelingPatch:
+    """The globals of a family's modeling module that Liger replaced, with their previous values:
+    `undo` restores them (a process that builds other models of the family afterwards, e.g. the
+    next benchmark variant or test; a training run keeps them)."""
+
+    module: ModuleType | None = None
+    previous: dict[str, Any] = field(default_factory=dict)
+
+    def undo(self) -> None:
+        for name, value in self.previous.items():
+            setattr(self.module, name, value)
+
+
+def apply_liger_kernels(model: nn.Module, *, patches: tuple[str, ...]) -> ModelingPatch:
     """Patch `model` (any device, meta included) with Liger's kernels for `patches` through
-    ``_apply_liger_kernel_to_instance``; returns the names of the modeling module's globals it
-    replaced. RuntimeError when a requested patch left the model unchanged (never a silent no-op)."""
+    ``_apply_liger_kernel_to_instance``; returns what it replaced in the family's modeling module.
+    RuntimeError when a requested patch left the model unchanged (never a silent no-op)."""
     from liger_kernel.transformers import monkey_patch
 
     module_patches = [p for p in patches if p != FLCE]
     if not module_patches:
-        return []
+        return ModelingPatch()
     flags: dict[str, Any] = {p: p in patches for p in LIGER_PATCHES if p != FLCE}
     flags.update(cross_entropy=False, fused_linear_cross_entropy=False)  # the loss is ours (HeadLoss)
     modeling = sys.modules[type(model).__module__]
     before = dict(vars(modeling))
     monkey_patch._apply_liger_kernel_to_instance(model=model, **flags)
-    replaced = sorted(k for k, v in vars(modeling).items() if before.get(k) is not v)
+    replaced = ModelingPatch(
+        modeling, {k: before.get(k) for k, v in vars(modeling).items() if before.get(k) is not v}
+    )
     names = [m._get_name() for m in model.modules()]
     for patch in module_patches:
         if patch == "rope":
-            done = any("rotary" in k or "rope" in k.lower() for k in replaced)
+            done = any("rotary" in k or "rope" in k.lower() for k in replaced.previous)
         else:
             done = any(n.startswith("Liger") and n.endswith(_MODULE_NAMES[patch]) for n in names)
         if not done:
