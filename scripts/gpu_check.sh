@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU check for a runner with torch preinstalled and no uv, nox or package index:
 #   1. every packages/*/src on PYTHONPATH (nothing is installed into the interpreter);
-#   2. wheels found in .whl/ (e.g. megatron-fsdp, pure Python) installed into a temporary
+#   2. wheels found in .whl/ (e.g. megatron-fsdp, liger-kernel, torchao: pure Python) installed into a temporary
 #      directory with `pip install --no-index --no-deps --target` and prepended to PYTHONPATH;
 #   3. the environment printed (python, torch, CUDA, GPUs, transformers, megatron-fsdp, ...);
 #   4. `python -m pytest -m gpu -p no:cacheprovider -rs` over the repository's test paths;
 #   5. benchmarks/gpu_throughput.py, short settings: plain torch vs ours in one run (tokens/s, MFU);
 #   6. benchmarks/recipes_gpu_1b.py: `recipes train` at the Llama-3.2-1B shape, seq 4096, compiled,
-#      fp32 master weights and all-bf16 (tokens/s, MFU, peak memory);
+#      fp32 master weights and all-bf16 (tokens/s, MFU, peak memory); `--recipes-args "--variants
+#      bf16,bf16-liger,bf16-fp8"` adds Liger's kernels / FP8 (liger-kernel, torchao wheels in .whl/);
 #   7. NeMo AutoModel 0.7.0's one-GPU default on the same shape, where its peer folder (with the
 #      wheels its get_wheels.sh downloads in whl/) is present: .peers/automodel in the checkout, else
 #      ../shared/peers/automodel beside it;
@@ -154,6 +155,8 @@ for dist, module in [
     ("transformer-engine", "transformer_engine"),
     ("einops", "einops"),
     ("pytest", "pytest"),
+    ("liger-kernel", "liger_kernel.transformers"),  # kernels.liger, the liger lever (.whl/)
+    ("torchao", "torchao.float8"),  # fp8, the fp8 lever (.whl/)
 ]:
     print(f"{dist}: {version(dist, module)}")
 print(f"automodel packages: {', '.join(sorted(p for p in sys.path if p.endswith('/src')))}")
@@ -162,7 +165,7 @@ cat "$OUT/env.txt"
 echo "wheels: $WHEEL_NOTE"
 GPUS="$(sed -n 's/^gpus: \([0-9]*\).*/\1/p' "$OUT/env.txt")"
 GPUS="${GPUS:-0}"
-ENV_LINE="$(grep -E '^(torch|gpus|transformers|megatron-fsdp):' "$OUT/env.txt" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
+ENV_LINE="$(grep -E '^(torch|gpus|transformers|megatron-fsdp|liger-kernel|torchao):' "$OUT/env.txt" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
 
 # 4. the gpu tests
 stamp "python -m pytest -m gpu -p no:cacheprovider -rs ${PYTEST_EXTRA[*]}"

@@ -89,8 +89,9 @@ def test_cp_worker_parses_every_backends_arguments(tmp_path: Path) -> None:
 def _recipes_gpu_runs(tmp_path: Path) -> dict[str, list]:
     """Every `recipes train` run of the recipes' GPU tests, by test, built by the tests' own set-up."""
     base = ROOT / "packages/recipes/tests"
-    gpu, megatron, lora = (
-        _load(base / f) for f in ("test_gpu.py", "test_gpu_megatron.py", "test_lora_gpu.py")
+    gpu, megatron, lora, kernels = (
+        _load(base / f)
+        for f in ("test_gpu.py", "test_gpu_megatron.py", "test_lora_gpu.py", "test_kernels_gpu.py")
     )
     return {
         "test_fsdp2_on_gpus_matches_the_cpu_run_and_bf16_stays_close": [
@@ -106,6 +107,9 @@ def _recipes_gpu_runs(tmp_path: Path) -> dict[str, list]:
             tmp_path / "resume"
         ),
         "test_lora_megatron_fsdp_matches_fsdp2_on_one_gpu": [*lora.lora_runs(tmp_path / "lora").values()],
+        "test_liger_kernels_reproduce_the_fp32_run / test_fp8_follows_the_bf16_run": [
+            *kernels.kernels_runs(tmp_path / "kernels").values()
+        ],
     }
 
 

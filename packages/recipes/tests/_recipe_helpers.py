@@ -26,6 +26,17 @@ MOE_MODEL = {"config": {"model_type": "qwen3_moe", **TINY_SIZES, "head_dim": 16,
 
 RTOL = 1e-5
 
+#: NeMo AutoModel's fp8 section as its example recipes write it (llama3_1_8b_hellaswag_fp8.yaml)
+AUTOMODEL_FP8: dict[str, Any] = {
+    "enabled": True,
+    "recipe_name": "tensorwise",
+    "enable_fsdp_float8_all_gather": True,
+    "precompute_float8_dynamic_scale_for_fsdp": True,
+    "force_recompute_fp8_weight_in_bwd": True,
+    "filter_fqns": ["lm_head"],
+    "emulate": False,
+}
+
 
 def assert_losses_close(got: list[float], ref: list[float]) -> None:
     """Per-step losses equal the reference to RTOL (fp32 parity with one process)."""

@@ -15,7 +15,7 @@ import yaml
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _recipe_helpers import preload, tiny_config, train_on_rank  # noqa: E402
+from _recipe_helpers import AUTOMODEL_FP8, preload, tiny_config, train_on_rank  # noqa: E402
 
 from automodel.mesh.testing import cuda_device_count, run_on_ranks  # noqa: E402
 from automodel.mesh.tiny_model import TINY_SIZES, tiny_llama  # noqa: E402
@@ -25,16 +25,6 @@ from automodel.recipes.errors import ConfigError  # noqa: E402
 from automodel.recipes.kernels import FP8Section, KernelsSection  # noqa: E402
 
 NO_CUDA = pytest.mark.skipif(cuda_device_count() > 0, reason="checks the refusals of machines without CUDA")
-#: NeMo AutoModel's fp8 section as its example recipes write it (llama3_1_8b_hellaswag_fp8.yaml)
-AUTOMODEL_FP8 = {
-    "enabled": True,
-    "recipe_name": "tensorwise",
-    "enable_fsdp_float8_all_gather": True,
-    "precompute_float8_dynamic_scale_for_fsdp": True,
-    "force_recompute_fp8_weight_in_bwd": True,
-    "filter_fqns": ["lm_head"],
-    "emulate": False,
-}
 SHORT = {"validation_dataset": None, "step_scheduler": {"val_every_steps": None}}
 
 
