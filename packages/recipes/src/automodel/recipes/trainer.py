@@ -33,9 +33,9 @@ from automodel.recipes.data import (
 )
 from automodel.recipes.data.first_rows import first_rows
 from automodel.recipes.data.loader import Batch, build_sampler
-from automodel.recipes.environment import check_environment
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
+from automodel.recipes.launch_check import check_launch, launch_world_size
 from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
@@ -44,7 +44,6 @@ from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.recipe_config import RecipeConfig
-from automodel.recipes.rules import check_layout_rules
 
 
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
@@ -175,7 +174,9 @@ class Trainer:
         # the machine-dependent defaults are this machine's (the YAML was parsed machine-neutral)
         distributed = resolve_machine_defaults(self.cfg.distributed, cuda=torch.cuda.is_available())
         cfg = self.cfg = dataclasses.replace(self.cfg, distributed=distributed)
-        check_environment(cfg)
+        # every pre-launch check (the CLI's, `recipes validate`'s rules and this machine's), before
+        # the process group: the Python API reaches here without the CLI
+        check_launch(cfg, world_size=launch_world_size(), this_machine=True)
         setup = setup_distributed(
             cfg.distributed, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes
         )
@@ -234,9 +235,6 @@ class Trainer:
         model = build_meta_model(
             self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
         )
-        # every rule `recipes validate` runs, the model-dependent ones included (the Python API
-        # reaches here without the CLI's pre-launch check)
-        check_layout_rules(cfg, layout, self.hf_config, model=model)
         self.lora = None
         if cfg.peft is not None:  # LoRA on the meta model: every parallelism below composes with it
             from automodel.recipes.peft import apply_lora
