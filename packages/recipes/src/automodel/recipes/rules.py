@@ -10,6 +10,7 @@ from automodel.mesh import ResolvedLayout
 from automodel.mesh.model_parts import find_layer_list, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_meta_model, num_experts
+from automodel.recipes.strategies import get_strategy
 
 
 def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
@@ -209,8 +210,8 @@ def check_layout_rules(
     check_model_supports_layout(cfg, layout, hf_config, model=model, memo=memo)
 
 
-#: Strategy flags applied to each decoder layer (`automodel.mesh.model_parts.find_layer_list`).
-_PER_LAYER_FLAGS = {
+#: What each per-layer flag does to a decoder layer (the flags are the strategy's `layer_flags`).
+_PER_LAYER_VERBS = {
     "activation_checkpointing": "checkpoints",
     "enable_compile": "compiles",
     "enable_fsdp2_prefetch": "chains the prefetches of",
@@ -218,12 +219,13 @@ _PER_LAYER_FLAGS = {
 
 
 def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: ResolvedLayout) -> None:
-    """Rule: activation checkpointing, per-layer compile and prefetch chains act on the decoder
-    layers, found by structure as every package finds them (GPT-2's ``transformer.h`` too); a
-    model without a layer list is refused here rather than in the ranks. megatron_fsdp checkpoints
-    the MLPs of its unit modules instead (checked by the adapter)."""
+    """Rule: the flags a strategy applies to each decoder layer (`Strategy.layer_flags`: activation
+    checkpointing, per-layer compile, prefetch chains) act on the decoder layers, found by structure
+    as every package finds them (GPT-2's ``transformer.h`` too); a model without a layer list is
+    refused here rather than in the ranks."""
     d = cfg.distributed
-    if d.strategy == "megatron_fsdp":
+    flags = [f for f in get_strategy(d.strategy).layer_flags if getattr(d.strategy_config, f, False)]
+    if not flags:
         return
     if layout.ep > 1:  # automodel.moe's finder (the shared one, else the blocks holding the experts)
         from automodel.moe import find_decoder_layers
@@ -233,14 +235,13 @@ def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: R
         has_layers = find_layer_list(model) is not None
     if has_layers:
         return
-    for flag, verb in _PER_LAYER_FLAGS.items():
-        if getattr(d.strategy_config, flag, False):
-            raise ConfigError(
-                f"distributed.{flag}",
-                True,
-                f"{verb} each decoder layer, but model_type {hf_config.model_type!r} has no ModuleList of "
-                "decoder layers; set it to false",
-            )
+    flag = flags[0]
+    raise ConfigError(
+        f"distributed.{flag}",
+        True,
+        f"{_PER_LAYER_VERBS.get(flag, 'applies to')} each decoder layer, but model_type "
+        f"{hf_config.model_type!r} has no ModuleList of decoder layers; set it to false",
+    )
 
 
 def _check_no_backward_recompute(model: Any, hf_config: Any, *, strategy: str) -> None:

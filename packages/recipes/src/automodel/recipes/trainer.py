@@ -44,6 +44,7 @@ from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.recipe_config import RecipeConfig
+from automodel.recipes.strategies import get_strategy
 
 
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
@@ -281,9 +282,9 @@ class Trainer:
     def _build_head_loss(self, model: torch.nn.Module) -> HeadLoss:
         """The loss (chunked over the head's weight, or on logits) for the loop and the pipeline."""
         head_loss = build_head_loss(self.cfg.loss_fn, model=model, logits_loss=masked_cross_entropy_sum)
-        if self.cfg.distributed.strategy == "megatron_fsdp" and head_loss.plan.chunked:
-            # megatron-fsdp unshards the head only inside its own forward (CUDA only, unchecked here)
-            head_loss.plan = HeadPlan(None, reason="distributed.strategy megatron_fsdp")
+        strategy = self.cfg.distributed.strategy
+        if not get_strategy(strategy).head_weight_readable and head_loss.plan.chunked:
+            head_loss.plan = HeadPlan(None, reason=f"distributed.strategy {strategy}")
         self.pipeline_loss.loss_fn = head_loss
         return head_loss
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from automodel.mesh import MeshContext
+from automodel.recipes.planning.memory import StrategyMemory
 
 if TYPE_CHECKING:
     from automodel.recipes._dist_setup import DistributedSection
@@ -57,6 +58,11 @@ class Strategy(ABC):
     name: ClassVar[str]
     #: Flags whose default depends on the machine (see `machine_defaults`).
     machine_keys: ClassVar[tuple[str, ...]] = ("backend",)
+    #: Flags it applies to each decoder layer (`rules.py` refuses them on a model without a layer list).
+    layer_flags: ClassVar[tuple[str, ...]] = ()
+    #: Whether the loss may read the LM head's weight outside the model's forward (the chunked
+    #: linear cross-entropy, `output_head`); False keeps full logits.
+    head_weight_readable: ClassVar[bool] = True
 
     @abstractmethod
     def config_class(self) -> type:
@@ -80,6 +86,10 @@ class Strategy(ABC):
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
         """Rules across this strategy and the layout sizes (`ConfigError` naming the key); none by default."""
         return None
+
+    @abstractmethod
+    def memory_model(self, config: Any) -> StrategyMemory:
+        """What it keeps per rank and moves, for `config` (the memory planner's terms, `planning.memory`)."""
 
     @abstractmethod
     def parallelize(
