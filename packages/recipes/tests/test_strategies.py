@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import tiny_config  # noqa: E402
 
 
-def test_the_three_strategies_are_registered_in_order() -> None:
-    assert strategy_names() == ("fsdp2", "megatron_fsdp", "ddp")
+def test_the_strategies_are_registered_in_order() -> None:
+    assert strategy_names() == ("fsdp2", "megatron_fsdp", "ddp", "single")
     assert all(get_strategy(n).name == n for n in strategy_names())
     with pytest.raises(ValueError, match="registered twice"):
         register_strategy(get_strategy("ddp"))
@@ -81,5 +81,5 @@ def test_the_memory_planner_reads_a_registered_strategy_through_its_memory_model
 
 
 def test_unknown_strategy_lists_the_registered_ones() -> None:
-    with pytest.raises(ConfigError, match="must be one of fsdp2, megatron_fsdp, ddp"):
+    with pytest.raises(ConfigError, match="must be one of fsdp2, megatron_fsdp, ddp, single"):
         parse_distributed_section({"strategy": "zero"})

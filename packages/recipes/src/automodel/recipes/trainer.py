@@ -173,7 +173,12 @@ class Trainer:
     # ---- construction --------------------------------------------------------------------
     def build(self) -> None:
         # the machine-dependent defaults are this machine's (the YAML was parsed machine-neutral)
-        distributed = resolve_machine_defaults(self.cfg.distributed, cuda=torch.cuda.is_available())
+        distributed = resolve_machine_defaults(
+            self.cfg.distributed,
+            cuda=torch.cuda.is_available(),
+            world_size=launch_world_size(),
+            param_dtype=self.cfg.model.dtype,
+        )
         cfg = self.cfg = dataclasses.replace(self.cfg, distributed=distributed)
         # every pre-launch check (the CLI's, `recipes validate`'s rules and this machine's), before
         # the process group: the Python API reaches here without the CLI
@@ -305,7 +310,11 @@ class Trainer:
             axis: layout.axis_size(axis)
             for axis in ("pp", "tp", "cp", "ep", "ep_shard", "dp_shard_cp", "dp_shard", "dp_replicate")
         }
-        print("\n".join(summary_lines(report, axis_sizes=sizes)), file=sys.stderr, flush=True)
+        lines = summary_lines(report, axis_sizes=sizes)
+        section = self.cfg.distributed
+        if section.chosen_because is not None:  # the YAML did not name the strategy: say why this one
+            lines.append(f"[rank {self.rank}] strategy {section.strategy}: {section.chosen_because}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
         which = self.cfg.logging.layout_report
         if which == "all" or (which == "rank0" and self.rank == 0):
             write_rank_report(report, output_dir=Path(self.cfg.output_dir))

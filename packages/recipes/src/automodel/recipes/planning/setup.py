@@ -46,7 +46,9 @@ def step_setup(
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
     # the flags the YAML left to the machine, as the run on that machine resolves them
-    d = resolve_machine_defaults(cfg.distributed, cuda=on_gpu)
+    d = resolve_machine_defaults(
+        cfg.distributed, cuda=on_gpu, world_size=layout.world_size, param_dtype=cfg.model.dtype
+    )
     strategy = get_strategy(d.strategy)
     storage = _elem(cfg.model.dtype, 4, key="model.dtype")
     mp = getattr(d.strategy_config, "mp_policy", None)

@@ -102,6 +102,12 @@ class FSDP2Strategy(Strategy):
             options["mp_policy"] = default_mp_policy() if cuda else MixedPrecisionPolicy()
         return options
 
+    def needed_alone(self, config: Any, *, param_dtype: torch.dtype) -> bool:
+        """Alone, FSDP2 matters only through its mixed precision: compute in another dtype than the
+        parameters' (bf16 over fp32 weights on CUDA by default)."""
+        compute = getattr(config.mp_policy, "param_dtype", None)
+        return compute is not None and compute != param_dtype
+
     def memory_model(self, config: Any) -> StrategyMemory:
         """Sharded over dp_shard x cp (experts over ep_shard), one unit per layer; deferred sync
         accumulates unsharded gradients."""
