@@ -20,5 +20,27 @@ def patch_is_packed_sequence() -> bool:
         return False
     if not hasattr(fa_utils, "_is_packed_sequence"):
         return False
+    if fa_utils._is_packed_sequence is not _never_packed:
+        fa_utils._automodel_original_is_packed_sequence = fa_utils._is_packed_sequence
     fa_utils._is_packed_sequence = _never_packed
     return True
+
+
+def restore_is_packed_sequence() -> None:
+    """Undo `patch_is_packed_sequence` (a later run in this process may pack its rows)."""
+    try:
+        from transformers import modeling_flash_attention_utils as fa_utils
+    except ImportError:
+        return
+    original = getattr(fa_utils, "_automodel_original_is_packed_sequence", None)
+    if original is not None:
+        fa_utils._is_packed_sequence = original
+
+
+def is_packed_sequence_patched() -> bool:
+    """Whether transformers' packed-sequence probe is the constant False of `patch_is_packed_sequence`."""
+    try:
+        from transformers import modeling_flash_attention_utils as fa_utils
+    except ImportError:
+        return False
+    return getattr(fa_utils, "_is_packed_sequence", None) is _never_packed

@@ -145,6 +145,8 @@ class DistributedSection:
     machine_keys: frozenset[str] = frozenset()
     pipeline_config: Any = None
     moe_config: Any = None
+    #: The strategy flags the YAML set (the others are the config class's defaults).
+    explicit_flags: frozenset[str] = frozenset()
     #: False when the YAML named no strategy and no strategy flag (a world of one may then get the
     #: world-of-one strategy, `resolve_machine_defaults`).
     strategy_given: bool = True
@@ -244,6 +246,7 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
         if pipeline is None
         else build_pipeline_config(pipeline, local_batch_size=local_batch_size),
         moe_config=build_moe_config(moe) if ep > 1 else None,
+        explicit_flags=frozenset(options),
         strategy_given="strategy" in data or any(k != "backend" for k in options),
     )
 

@@ -42,6 +42,7 @@ from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
 from automodel.recipes.model import build_hf_config, build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
+from automodel.recipes.packed_probe import apply_packed_probe
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.strategies import get_strategy
@@ -183,6 +184,9 @@ class Trainer:
         # every pre-launch check (the CLI's, `recipes validate`'s rules and this machine's), before
         # the process group: the Python API reaches here without the CLI
         check_launch(cfg, world_size=launch_world_size(), this_machine=True)
+        apply_packed_probe(
+            cfg
+        )  # transformers' per-layer packed-row probe: constant False when no row is packed
         setup = setup_distributed(
             cfg.distributed, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes
         )
