@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+#: Where `patch_is_packed_sequence` keeps transformers' own probe (an attribute of its module).
+_ORIGINAL = "_automodel_original_is_packed_sequence"
+
 
 def _never_packed(position_ids, batch_size) -> bool:  # noqa: ARG001 - signature of the patched function
     return False
@@ -21,7 +24,7 @@ def patch_is_packed_sequence() -> bool:
     if not hasattr(fa_utils, "_is_packed_sequence"):
         return False
     if fa_utils._is_packed_sequence is not _never_packed:
-        fa_utils._automodel_original_is_packed_sequence = fa_utils._is_packed_sequence
+        setattr(fa_utils, _ORIGINAL, fa_utils._is_packed_sequence)  # for restore_is_packed_sequence
     fa_utils._is_packed_sequence = _never_packed
     return True
 
@@ -32,7 +35,7 @@ def restore_is_packed_sequence() -> None:
         from transformers import modeling_flash_attention_utils as fa_utils
     except ImportError:
         return
-    original = getattr(fa_utils, "_automodel_original_is_packed_sequence", None)
+    original = getattr(fa_utils, _ORIGINAL, None)
     if original is not None:
         fa_utils._is_packed_sequence = original
 
