@@ -68,7 +68,7 @@ def in_process_phases() -> list[dict[str, float]]:
     start = time.process_time()
     import automodel.pipeline as pipeline
     from automodel.mesh import MeshContext
-    from automodel.recipes import plan
+    from automodel.recipes import launch_check, plan
     from automodel.recipes.api import load_config
 
     runs = []
@@ -78,9 +78,9 @@ def in_process_phases() -> list[dict[str, float]]:
             totals[IMPORTS] = time.process_time() - start
         build = MeshContext.__dict__["build"]
         patches = {
-            (plan, "build_hf_config"): "HF config",
-            (plan, "_meta_model"): "meta-device model",
-            (plan, "check_layout_rules"): "rules (incl. pipeline split trace)",
+            (launch_check, "build_hf_config"): "HF config",
+            (launch_check, "build_meta_model"): "meta-device model",
+            (launch_check, "check_layout_rules"): "rules (incl. pipeline split trace)",
             (pipeline, "validate_hf_model_for_pipeline_support"): "  of which the pipeline split trace",
             (plan, "estimate_memory"): "memory estimate",
         }

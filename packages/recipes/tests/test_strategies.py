@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from automodel.recipes._dist_setup import parse_distributed_section
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies import Strategy, get_strategy, register_strategy, registry, strategy_names
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _recipe_helpers import tiny_config  # noqa: E402
 
-def test_the_three_strategies_are_registered_in_order() -> None:
-    assert strategy_names() == ("fsdp2", "megatron_fsdp", "ddp")
+
+def test_the_strategies_are_registered_in_order() -> None:
+    assert strategy_names() == ("fsdp2", "megatron_fsdp", "ddp", "single")
     assert all(get_strategy(n).name == n for n in strategy_names())
     with pytest.raises(ValueError, match="registered twice"):
         register_strategy(get_strategy("ddp"))
@@ -35,6 +41,9 @@ class _ToyStrategy(Strategy):
         if sizes["tp_size"] != 1:
             raise ConfigError("distributed.tp_size", sizes["tp_size"], "toy is data parallel only")
 
+    def memory_model(self, config: Any) -> StrategyMemory:
+        return StrategyMemory(shard_over="none", gathered_weights="none", reduce_scatter_in_flight=False)
+
     def parallelize(self, model, **_: Any):  # type: ignore[override]
         raise NotImplementedError
 
@@ -52,6 +61,25 @@ def test_a_registered_strategy_is_selectable_with_its_own_flags_and_rules(
         parse_distributed_section({"toy_flag": 1})
 
 
+def test_the_memory_planner_reads_a_registered_strategy_through_its_memory_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`recipes validate`'s estimate of a new strategy comes from its `memory_model` alone: a
+    replicated toy holds every parameter on each rank, as DDP does (no name is matched anywhere)."""
+    from automodel.recipes import load_config
+    from automodel.recipes.plan import plan_layout
+
+    monkeypatch.setattr(registry, "_STRATEGIES", dict(registry._STRATEGIES))
+    register_strategy(_ToyStrategy())
+    mems = {
+        name: plan_layout(
+            load_config(tiny_config(str(tmp_path), distributed={"strategy": name})), world_size=2
+        )[1]
+        for name in ("toy", "ddp", "fsdp2")
+    }
+    assert mems["toy"].param_bytes == mems["ddp"].param_bytes == 2 * mems["fsdp2"].param_bytes
+
+
 def test_unknown_strategy_lists_the_registered_ones() -> None:
-    with pytest.raises(ConfigError, match="must be one of fsdp2, megatron_fsdp, ddp"):
+    with pytest.raises(ConfigError, match="must be one of fsdp2, megatron_fsdp, ddp, single"):
         parse_distributed_section({"strategy": "zero"})

@@ -20,10 +20,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, init_distributed
+import torch
+
+from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, init_distributed, parse_dtype
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import instantiate
-from automodel.recipes.strategies import get_strategy, strategy_names
+from automodel.recipes.strategies import get_strategy, strategy_names, world_of_one_strategy
 
 SIZE_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "pp_size", "cp_size", "ep_size")
 COMMON_KEYS = ("strategy", *SIZE_KEYS, "pipeline", "moe")
@@ -62,16 +64,36 @@ def build_strategy_config(strategy: str, options: dict[str, Any]) -> Any:
         raise config_error("distributed", options, e) from None
 
 
-def resolve_machine_defaults(section: DistributedSection, *, cuda: bool) -> DistributedSection:
+def resolve_machine_defaults(
+    section: DistributedSection, *, cuda: bool, world_size: int | None = None, param_dtype: Any = None
+) -> DistributedSection:
     """The one place machine-dependent defaults are decided, at launch on the machine that runs:
     the flags the YAML left out (`DistributedSection.machine_keys`) get this machine's values
-    (FSDP2: bf16 mixed precision on CUDA, full precision on CPU; backend nccl with CUDA, else gloo)."""
-    if not section.machine_keys:
+    (FSDP2: bf16 mixed precision on CUDA, full precision on CPU; backend nccl with CUDA, else gloo).
+
+    A world of one (`world_size` 1) whose YAML names no strategy and no strategy flag gets the
+    registered world-of-one strategy (`strategies.single`: no FSDP wrapping) when the default
+    strategy would change nothing there (`Strategy.needed_alone` for parameters of `param_dtype`,
+    ``model.dtype``); `DistributedSection.chosen_because` says why."""
+    if section.machine_keys:
+        config = get_strategy(section.strategy).with_machine_defaults(
+            section.strategy_config, keys=section.machine_keys, cuda=cuda
+        )
+        section = dataclasses.replace(section, strategy_config=config, machine_keys=frozenset())
+    alone = world_of_one_strategy()
+    if section.strategy_given or world_size != 1 or alone is None:
         return section
-    config = get_strategy(section.strategy).with_machine_defaults(
-        section.strategy_config, keys=section.machine_keys, cuda=cuda
+    dtype = parse_dtype(param_dtype, key="model.dtype") or torch.float32
+    if get_strategy(section.strategy).needed_alone(section.strategy_config, param_dtype=dtype):
+        return section
+    backend = getattr(section.strategy_config, "backend", None)
+    return dataclasses.replace(
+        section,
+        strategy=alone.name,
+        strategy_config=alone.config_class()(**({} if backend is None else {"backend": backend})),
+        chosen_because=f"a world of one shards nothing, so no {section.strategy} wrapping "
+        f"(distributed.strategy unset; set it to {section.strategy} to wrap)",
     )
-    return dataclasses.replace(section, strategy_config=config, machine_keys=frozenset())
 
 
 def build_moe_config(moe: dict[str, Any] | None) -> Any:
@@ -123,6 +145,13 @@ class DistributedSection:
     machine_keys: frozenset[str] = frozenset()
     pipeline_config: Any = None
     moe_config: Any = None
+    #: The strategy flags the YAML set (the others are the config class's defaults).
+    explicit_flags: frozenset[str] = frozenset()
+    #: False when the YAML named no strategy and no strategy flag (a world of one may then get the
+    #: world-of-one strategy, `resolve_machine_defaults`).
+    strategy_given: bool = True
+    #: Why `resolve_machine_defaults` chose the strategy, when the YAML did not (the start-up line).
+    chosen_because: str | None = None
 
     @property
     def sequence_parallel(self) -> bool:
@@ -217,19 +246,23 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
         if pipeline is None
         else build_pipeline_config(pipeline, local_batch_size=local_batch_size),
         moe_config=build_moe_config(moe) if ep > 1 else None,
+        explicit_flags=frozenset(options),
+        strategy_given="strategy" in data or any(k != "backend" for k in options),
     )
 
 
 def resolve_layout(section: DistributedSection, world_size: int) -> ResolvedLayout:
     """Every divisibility rule of the sizes against `world_size`, as a `ConfigError`."""
     try:
-        return section.sizes.resolve(world_size)
+        layout = section.sizes.resolve(world_size)
     except ValueError as e:
         s = section.sizes
         value = (
             f"tp={s.tp_size} pp={s.pp_size} cp={s.cp_size} ep={s.ep_size} dp={s.dp_size} world={world_size}"
         )
         raise ConfigError("distributed", value, str(e)) from None
+    get_strategy(section.strategy).check_layout(layout)
+    return layout
 
 
 @dataclass

@@ -7,8 +7,10 @@
     print(result.losses)
 
 `load_config` is the one path from YAML to a validated `RecipeConfig`, shared by the CLI's
-`train` and `validate`; `train` checks every layout rule against the model before it builds
-anything, then trains and tears the process group down (also on failure).
+`train` and `validate`; `train` runs the pre-launch checks every path shares
+(`launch_check.check_launch`: the same refusals, with the same messages, as `recipes train` and
+`recipes validate`) before it builds anything, then trains and tears the process group down (also
+on failure).
 """
 
 from __future__ import annotations

@@ -218,12 +218,14 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     if opts.nproc_per_node < 1:
         raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
-    cfg = _checked_config(args, overrides)
-    from automodel.recipes.plan import plan_layout
+    cfg = load_and_parse(args.config, overrides)
+    from automodel.recipes.launch_check import check_launch
     from automodel.recipes.run_lock import acquire_output_lock
 
     nnodes = int(opts.nnodes.split(":")[-1])
-    plan_layout(cfg, world_size=opts.nproc_per_node * nnodes)  # every rule, before any process starts
+    # every check, before any process starts or anything is written (each rank checks again in
+    # `Trainer.build`, for its own machine)
+    check_launch(cfg, world_size=opts.nproc_per_node * nnodes, this_machine=True)
     # One launcher per node: on a single node it holds the output_dir lock for the whole job
     # (restarts included); on several nodes rank 0 takes it, wherever it runs.
     lock = acquire_output_lock(cfg.output_dir) if nnodes == 1 else None
@@ -243,22 +245,6 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
             lock.release()
 
 
-def _checked_config(args: argparse.Namespace, overrides: list[str]):
-    """The validated config, its data paths and the environment checked (launcher and ranks alike)."""
-    cfg = load_and_parse(args.config, overrides)
-    from automodel.recipes.data.loader import check_data_paths
-
-    check_data_paths(cfg.dataset)
-    check_data_paths(cfg.validation_dataset)
-    from automodel.recipes.environment import check_environment
-
-    check_environment(cfg)
-    from automodel.recipes.preflight import check_before_launch
-
-    check_before_launch(cfg)
-    return cfg
-
-
 def _check_resume(cfg, *, allow_changes: bool) -> None:
     from automodel.recipes.resume_check import check_config_changes
 
@@ -275,7 +261,7 @@ def _train_rank(args: argparse.Namespace, overrides: list[str]) -> int:
         die_with_parent(expected_parent=args.launcher_pid)  # never outlive the launcher
 
     def config():
-        cfg = _checked_config(args, overrides)
+        cfg = load_and_parse(args.config, overrides)  # `Trainer.build` runs every check
         if args.launcher_pid is None and launch.rank == 0:  # no `recipes` launcher checked it
             _check_resume(cfg, allow_changes=args.resume_with_changes)
         return cfg
@@ -316,23 +302,16 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
     from automodel.recipes.plan import plan_layout
 
     cfg = load_and_parse(args.config, overrides)
-    from automodel.recipes.preflight import check_optimizer_kwargs
-
-    check_optimizer_kwargs(cfg.optimizer)
     world = args.world_size if args.world_size is not None else 1
     if isinstance(world, int) and world < 1:
         raise ConfigError("--world-size", world, "must be >= 1")
     _check_load_factor(args.moe_load_factor)
+    # validate plans for any machine: what this one cannot run is reported as a line, not refused
     _, _, lines = plan_layout(cfg, world_size=world, expert_load_factor=args.moe_load_factor)
-    lines += [f"note: {line}" for line in cfg.notes]  # what differs from NeMo AutoModel (compat)
-    from automodel.recipes.environment import check_machine, refusal_error
-
-    try:  # validate plans for any machine, so what this one cannot run is reported, not refused
-        check_machine(cfg)
-    except ConfigError as e:
-        lines.append(f"recipes train on this machine refuses before launch: {e}")
     print("\n".join(lines))
     if cfg.refusals:  # runs on no machine: refused like train does, after the plan is shown
+        from automodel.recipes.environment import refusal_error
+
         raise refusal_error(cfg.refusals)
     return 0
 

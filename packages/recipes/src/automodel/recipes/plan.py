@@ -1,22 +1,21 @@
 """`recipes validate`: resolve the config and the whole layout for W ranks without training.
 
-The meshes are built in one process through torch's fake process-group backend, every rule is
-checked, and the per-rank peak memory of a step is estimated (`planning.memory`): parameters,
+Every pre-launch check runs (`launch_check.check_launch`: the meshes are built in one process
+through torch's fake process-group backend, every rule is checked), and the per-rank peak memory of a step is estimated (`planning.memory`): parameters,
 gradients, optimizer state, activations by AC mode, logits and loss, in-flight pipeline
 micro-batches and communication buffers, from the meta-device model's sizes.
 """
 
 from __future__ import annotations
 
-from automodel.mesh import MeshContext, ResolvedLayout, fake_world
+from automodel.mesh import ResolvedLayout
 from automodel.mesh.model_parts import text_config
-from automodel.recipes._dist_setup import resolve_layout
-from automodel.recipes.model import build_hf_config, build_meta_model
+from automodel.recipes.launch_check import check_launch
+from automodel.recipes.model import build_meta_model
 from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
 from automodel.recipes.planning.shape import model_shape
 from automodel.recipes.recipe_config import RecipeConfig
-from automodel.recipes.rules import check_layout_rules, pipeline_stages
 
 
 def _trainable_params(cfg: RecipeConfig, model) -> int | None:
@@ -66,27 +65,23 @@ def _gib(x: float) -> str:
 def plan_layout(
     cfg: RecipeConfig, *, world_size: int, on_gpu: bool | None = None, expert_load_factor: float = 1.0
 ) -> tuple[ResolvedLayout, MemoryEstimate, list[str]]:
-    """Build every mesh for `world_size` fake ranks, check every rule; return the report lines.
+    """`launch_check.check_launch` for `world_size` ranks (every check `recipes train` runs, except
+    the files and the environment of this machine, which it reports as a line), then the memory
+    estimate; returns the report lines.
 
     `on_gpu` picks the default mixed precision the estimate assumes (None: this machine's);
     `expert_load_factor` the busiest EP rank's routed slots over the mean (1: balanced routing)."""
-    layout = resolve_layout(cfg.distributed, world_size)
-    hf_config = build_hf_config(cfg.model, announce=False)  # the run announces remote code once
     # One meta-device model per call, shared by the rules, the parameter counts and LoRA (in that
     # order: LoRA adds adapters in place). A 70B model costs ~0.2 s to build.
-    model = _meta_model(cfg, hf_config)
-    check_layout_rules(cfg, layout, hf_config, model=model)
-    with fake_world(world_size):
-        mesh = MeshContext.build(cfg.distributed.sizes, device_type="cpu")
-        assert mesh.layout == layout
-    stages = pipeline_stages(cfg, layout, hf_config) if layout.pp_enabled else 1
+    checked = check_launch(cfg, world_size=world_size, this_machine=False)
+    layout, hf_config, stages = checked.layout, checked.hf_config, checked.stages
     mem = estimate_memory(
         cfg,
         layout,
         hf_config,
         stages=stages,
         on_gpu=on_gpu,
-        model=model,
+        model=checked.model,
         expert_load_factor=expert_load_factor,
     )
     ss = cfg.step_scheduler
@@ -129,6 +124,8 @@ def plan_layout(
         f"  peak        {'':>16}           {_gib(mem.peak_bytes):>14}   "
         + ", ".join(f"{k} {_gib(v)}" for k, v in mem.peak_parts.items() if v),
     ]
+    lines += [f"note: {line}" for line in cfg.notes]  # what differs from NeMo AutoModel (compat)
+    lines += [f"recipes train on this machine refuses before launch: {e}" for e in checked.machine_refusals]
     return layout, mem, lines
 
 

@@ -108,9 +108,9 @@ def check_safetensors_files(directory: Path, *, key: str) -> None:
             )
 
 
-def check_before_launch(cfg: Any) -> None:
-    """Every check above, for `cfg` (the launcher runs them before starting any rank)."""
-    check_optimizer_kwargs(cfg.optimizer)
+def check_run_files(cfg: Any) -> None:
+    """The files a run reads on this machine: the checkpoint it restores, the data rows and the
+    pretrained weights (run by `launch_check.check_launch` with the optimizer check above)."""
     check_restore_from(cfg)
     from automodel.recipes.data.file_check import check_section_files
 

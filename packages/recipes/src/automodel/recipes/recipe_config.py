@@ -219,6 +219,14 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
             ss.local_batch_size,
             "must be 1 for packed sequences (packed_sequence_size > 0), or pipeline micro-batches of 1 row",
         )
+    packed_probe = getattr(cfg.distributed.strategy_config, "patch_is_packed_sequence", False)
+    if packed_probe and cfg.packed_sequence.packed_sequence_size > 0:
+        raise ConfigError(
+            "distributed.patch_is_packed_sequence",
+            True,
+            "makes transformers treat every row as one document, but packed_sequence.packed_sequence_size="
+            f"{cfg.packed_sequence.packed_sequence_size} packs several into a row; remove it",
+        )
     if ss.val_every_steps is not None and cfg.validation_dataset is None:
         raise ConfigError(
             "step_scheduler.val_every_steps", ss.val_every_steps, "needs a validation_dataset section"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from automodel.fsdp2.hf_config import positive_ints
@@ -9,6 +10,7 @@ from automodel.mesh import ResolvedLayout
 from automodel.mesh.model_parts import find_layer_list, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_meta_model, num_experts
+from automodel.recipes.strategies import get_strategy
 
 
 def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
@@ -30,12 +32,40 @@ def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
         raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
 
 
+#: Outcomes of the model-dependent checks of one meta-device model, by what they depend on (the
+#: error message, or None): `recipes plan` checks many layouts of one model and passes one memo.
+ModelChecks = dict[tuple[Any, ...], str | None]
+
+
+def _once(
+    memo: ModelChecks | None,
+    key: tuple[Any, ...],
+    check: Callable[[], Any],
+    *,
+    errors: type[Exception] = ValueError,
+) -> str | None:
+    """The message of the `errors` `check` raises (None if it passes), run once per `key` of `memo`."""
+    if memo is not None and key in memo:
+        return memo[key]
+    try:
+        check()
+        message = None
+    except errors as e:
+        message = str(e)
+    if memo is not None:
+        memo[key] = message
+    return message
+
+
 def check_model_supports_layout(
-    cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None
+    cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None, memo: ModelChecks | None = None
 ) -> None:
     """The checks the ranks run when they apply TP, CP and the pipeline split, run once on the
     meta-device model before launch: a model a strategy cannot be applied to exactly is refused
-    here, naming the model_type and why, instead of failing (or silently differing) in the ranks."""
+    here, naming the model_type and why, instead of failing (or silently differing) in the ranks.
+
+    `memo`: the outcomes for this `model` so far (each check depends on the model and a few flags,
+    not on the sizes); None checks afresh."""
     d = cfg.distributed
     needs_pp_split = layout.pp > 1 and d.pipeline_config.module_fqns_per_model_part is None
     if not (layout.tp > 1 or layout.cp > 1 or layout.ep > 1 or needs_pp_split):
@@ -51,19 +81,24 @@ def check_model_supports_layout(
             resolve_tp_plan,
         )
 
-        try:
+        def check_tp() -> None:
             plan = resolve_tp_plan(model, tp_plan=d.tp_plan, sequence_parallel=d.sequence_parallel)
             check_plan_matches_model(model, plan)
             check_plan_shards_every_layer(model, plan)
-        except ValueError as e:
-            raise ConfigError("distributed.tp_size", layout.tp, f"cannot be applied: {e}") from None
+
+        error = _once(memo, ("tp", repr(d.tp_plan), d.sequence_parallel), check_tp)
+        if error is not None:
+            raise ConfigError("distributed.tp_size", layout.tp, f"cannot be applied: {error}")
     if layout.cp > 1:
         from automodel.context_parallel import check_context_parallel_support
 
-        try:
-            check_context_parallel_support(model, seq_length=cfg.seq_length)
-        except ValueError as e:
-            raise ConfigError("distributed.cp_size", layout.cp, f"cannot be applied: {e}") from None
+        error = _once(
+            memo,
+            ("cp", cfg.seq_length),
+            lambda: check_context_parallel_support(model, seq_length=cfg.seq_length),
+        )
+        if error is not None:
+            raise ConfigError("distributed.cp_size", layout.cp, f"cannot be applied: {error}")
     if layout.ep > 1:
         # automodel.moe's own rule (the one apply_ep enforces in the ranks), run on the meta model
         from automodel.moe import check_expert_parallel_support, validate_moe_layout
@@ -80,14 +115,19 @@ def check_model_supports_layout(
     if needs_pp_split:
         from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
 
-        try:
-            validate_hf_model_for_pipeline_support(model)
-        except PipelineSplitError as e:
-            raise ConfigError("distributed.pp_size", layout.pp, f"cannot be applied: {e}") from None
+        error = _once(
+            memo, ("pp",), lambda: validate_hf_model_for_pipeline_support(model), errors=PipelineSplitError
+        )
+        if error is not None:
+            raise ConfigError("distributed.pp_size", layout.pp, f"cannot be applied: {error}")
 
 
-def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None) -> None:
-    """Every divisibility rule of the issue: heads vs tp, layers vs stages, experts vs ep, seq vs cp, batch."""
+def check_layout_rules(
+    cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None, memo: ModelChecks | None = None
+) -> None:
+    """Every rule that ties the layout to the model, data and batch: heads vs tp, layers vs
+    stages, experts vs ep, seq vs cp, batch, and what the model supports (`memo`: see
+    `check_model_supports_layout`)."""
     d = cfg.distributed
     tp, pp, cp, ep, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.dp
     text = text_config(hf_config)  # a multimodal model's text decoder
@@ -167,14 +207,14 @@ def check_layout_rules(cfg: Any, layout: ResolvedLayout, hf_config: Any, *, mode
     if model is not None:
         _check_no_backward_recompute(model, hf_config, strategy=d.strategy)
         _check_per_layer_features(model, hf_config, cfg=cfg, layout=layout)
-    check_model_supports_layout(cfg, layout, hf_config, model=model)
+    check_model_supports_layout(cfg, layout, hf_config, model=model, memo=memo)
     from automodel.recipes.kernels.checks import check_kernels_rules
 
     check_kernels_rules(cfg, layout, hf_config, model=model)
 
 
-#: Strategy flags applied to each decoder layer (`automodel.mesh.model_parts.find_layer_list`).
-_PER_LAYER_FLAGS = {
+#: What each per-layer flag does to a decoder layer (the flags are the strategy's `layer_flags`).
+_PER_LAYER_VERBS = {
     "activation_checkpointing": "checkpoints",
     "enable_compile": "compiles",
     "enable_fsdp2_prefetch": "chains the prefetches of",
@@ -182,12 +222,13 @@ _PER_LAYER_FLAGS = {
 
 
 def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: ResolvedLayout) -> None:
-    """Rule: activation checkpointing, per-layer compile and prefetch chains act on the decoder
-    layers, found by structure as every package finds them (GPT-2's ``transformer.h`` too); a
-    model without a layer list is refused here rather than in the ranks. megatron_fsdp checkpoints
-    the MLPs of its unit modules instead (checked by the adapter)."""
+    """Rule: the flags a strategy applies to each decoder layer (`Strategy.layer_flags`: activation
+    checkpointing, per-layer compile, prefetch chains) act on the decoder layers, found by structure
+    as every package finds them (GPT-2's ``transformer.h`` too); a model without a layer list is
+    refused here rather than in the ranks."""
     d = cfg.distributed
-    if d.strategy == "megatron_fsdp":
+    flags = [f for f in get_strategy(d.strategy).layer_flags if getattr(d.strategy_config, f, False)]
+    if not flags:
         return
     if layout.ep > 1:  # automodel.moe's finder (the shared one, else the blocks holding the experts)
         from automodel.moe import find_decoder_layers
@@ -197,14 +238,13 @@ def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: R
         has_layers = find_layer_list(model) is not None
     if has_layers:
         return
-    for flag, verb in _PER_LAYER_FLAGS.items():
-        if getattr(d.strategy_config, flag, False):
-            raise ConfigError(
-                f"distributed.{flag}",
-                True,
-                f"{verb} each decoder layer, but model_type {hf_config.model_type!r} has no ModuleList of "
-                "decoder layers; set it to false",
-            )
+    flag = flags[0]
+    raise ConfigError(
+        f"distributed.{flag}",
+        True,
+        f"{_PER_LAYER_VERBS.get(flag, 'applies to')} each decoder layer, but model_type "
+        f"{hf_config.model_type!r} has no ModuleList of decoder layers; set it to false",
+    )
 
 
 def _check_no_backward_recompute(model: Any, hf_config: Any, *, strategy: str) -> None:

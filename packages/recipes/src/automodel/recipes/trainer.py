@@ -33,18 +33,19 @@ from automodel.recipes.data import (
 )
 from automodel.recipes.data.first_rows import first_rows
 from automodel.recipes.data.loader import Batch, build_sampler
-from automodel.recipes.environment import check_environment
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
+from automodel.recipes.launch_check import check_launch, launch_world_size
 from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
 from automodel.recipes.model import build_hf_config, build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
+from automodel.recipes.packed_probe import apply_packed_probe
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.recipe_config import RecipeConfig
-from automodel.recipes.rules import check_layout_rules
+from automodel.recipes.strategies import get_strategy
 
 
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
@@ -175,9 +176,19 @@ class Trainer:
     # ---- construction --------------------------------------------------------------------
     def build(self) -> None:
         # the machine-dependent defaults are this machine's (the YAML was parsed machine-neutral)
-        distributed = resolve_machine_defaults(self.cfg.distributed, cuda=torch.cuda.is_available())
+        distributed = resolve_machine_defaults(
+            self.cfg.distributed,
+            cuda=torch.cuda.is_available(),
+            world_size=launch_world_size(),
+            param_dtype=self.cfg.model.dtype,
+        )
         cfg = self.cfg = dataclasses.replace(self.cfg, distributed=distributed)
-        check_environment(cfg)
+        # every pre-launch check (the CLI's, `recipes validate`'s rules and this machine's), before
+        # the process group: the Python API reaches here without the CLI
+        check_launch(cfg, world_size=launch_world_size(), this_machine=True)
+        apply_packed_probe(
+            cfg
+        )  # transformers' per-layer packed-row probe: constant False when no row is packed
         setup = setup_distributed(
             cfg.distributed, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes
         )
@@ -236,9 +247,6 @@ class Trainer:
         model = build_meta_model(
             self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
         )
-        # every rule `recipes validate` runs, the model-dependent ones included (the Python API
-        # reaches here without the CLI's pre-launch check)
-        check_layout_rules(cfg, layout, self.hf_config, model=model)
         self.lora = None
         if cfg.peft is not None:  # LoRA on the meta model: every parallelism below composes with it
             from automodel.recipes.peft import apply_lora
@@ -293,9 +301,9 @@ class Trainer:
     def _build_head_loss(self, model: torch.nn.Module) -> HeadLoss:
         """The loss (chunked over the head's weight, or on logits) for the loop and the pipeline."""
         head_loss = build_head_loss(self.cfg.loss_fn, model=model, logits_loss=masked_cross_entropy_sum)
-        if self.cfg.distributed.strategy == "megatron_fsdp" and head_loss.plan.chunked:
-            # megatron-fsdp unshards the head only inside its own forward (CUDA only, unchecked here)
-            head_loss.plan = HeadPlan(None, reason="distributed.strategy megatron_fsdp")
+        strategy = self.cfg.distributed.strategy
+        if not get_strategy(strategy).head_weight_readable and head_loss.plan.chunked:
+            head_loss.plan = HeadPlan(None, reason=f"distributed.strategy {strategy}")
         self.pipeline_loss.loss_fn = head_loss
         return head_loss
 
@@ -316,7 +324,11 @@ class Trainer:
             axis: layout.axis_size(axis)
             for axis in ("pp", "tp", "cp", "ep", "ep_shard", "dp_shard_cp", "dp_shard", "dp_replicate")
         }
-        print("\n".join(summary_lines(report, axis_sizes=sizes)), file=sys.stderr, flush=True)
+        lines = summary_lines(report, axis_sizes=sizes)
+        section = self.cfg.distributed
+        if section.chosen_because is not None:  # the YAML did not name the strategy: say why this one
+            lines.append(f"[rank {self.rank}] strategy {section.strategy}: {section.chosen_because}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
         which = self.cfg.logging.layout_report
         if which == "all" or (which == "rank0" and self.rank == 0):
             write_rank_report(report, output_dir=Path(self.cfg.output_dir))

@@ -43,9 +43,11 @@ def plan(
     """Rank the layouts of `model` on `gpus` GPUs; returns the candidates and the printed lines."""
     from dataclasses import replace
 
+    from automodel.recipes.model import build_meta_model
+    from automodel.recipes.planning.admit import admit_layouts, global_batch_of
     from automodel.recipes.planning.models import resolve_model_config
     from automodel.recipes.planning.roofline import Hardware
-    from automodel.recipes.planning.search import best_per_layout, enumerate_layouts
+    from automodel.recipes.planning.search import enumerate_layouts
     from automodel.recipes.planning.shape import model_shape
     from automodel.recipes.planning.table import format_memory, format_table, yaml_block
 
@@ -84,10 +86,30 @@ def plan(
             gpus,
             f"no layout fits {gpu_memory / 2**30:.0f} GiB per GPU for this model and --seq-len={seq_len}",
         )
-    best = best_per_layout(cands, top=top)
-    gb = global_batch or best[0].setup.local_batch * best[0].setup.dp_shard * best[0].setup.dp_replicate
-    lines += format_table(best) + [""] + format_memory(best[0]) + ["", "# paste into the recipe YAML:"]
-    lines += yaml_block(best[0], global_batch=gb)
+    # every proposed layout passes the pre-launch checks of `recipes validate` / `recipes train`
+    admission = admit_layouts(
+        cands,
+        top=top,
+        gpus=gpus,
+        hf_config=hf_config,
+        model=build_meta_model(hf_config),
+        seq_len=seq_len,
+        peft=peft,
+    )
+    best = admission.admitted
+    if not best:
+        first = admission.refusals[0][1]
+        raise ConfigError(
+            "--gpus",
+            gpus,
+            f"no layout that fits passes the checks recipes train runs before launch; first: {first}",
+        )
+    lines += format_table(best) + [""] + format_memory(best[0])
+    if admission.refusals:
+        lines += ["", "refused by the checks recipes train runs before launch (recipes validate's messages):"]
+        lines += admission.refusal_lines()
+    lines += ["", "# paste into the recipe YAML:"]
+    lines += yaml_block(best[0], global_batch=global_batch_of(best[0]))
     return best, lines
 
 

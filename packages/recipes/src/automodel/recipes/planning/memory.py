@@ -22,10 +22,43 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from automodel.recipes.planning.shape import ModelShape
 
 GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StrategyMemory:
+    """What a data-parallel strategy keeps on each rank and moves between them, as the estimate and
+    the roofline read it. Each strategy states its own (`Strategy.memory_model`); the defaults are
+    FSDP2's, which `recipes plan` proposes."""
+
+    #: The ranks parameters, gradients and optimizer state are sharded over (MeshContext's axis
+    #: names): ``dp_shard_cp`` (experts over ``ep_shard`` under EP), ``dp_cp`` (every data-parallel
+    #: and context-parallel rank, experts too), or ``none`` (replicated: gradients are all-reduced).
+    shard_over: Literal["dp_shard_cp", "dp_cp", "none"] = "dp_shard_cp"
+    #: Which of the three are sharded (ZeRO stages: 3 shards all, 2 not the parameters, 1 only the
+    #: optimizer state, 0 none).
+    params_sharded: bool = True
+    grads_sharded: bool = True
+    optimizer_sharded: bool = True
+    #: Bytes per gradient element (None: the storage dtype's).
+    grad_bytes: int | None = None
+    #: fp32 master weights kept beside the parameters.
+    fp32_master: bool = False
+    #: Flat gradient buckets allocated once, when more than one rank holds the model (DDP).
+    gradient_buckets: bool = False
+    #: Unsharded weights held during the step: ``layers`` (one FSDP unit per decoder layer, all but
+    #: the last resharded after forward, every one under PP or with ``reshard_after_forward``
+    #: false; the root unit stays unsharded; the next layer prefetched in backward), ``two_layers``
+    #: (two layers' buckets plus one prefetched), or ``none``.
+    gathered_weights: Literal["layers", "two_layers", "none"] = "layers"
+    #: The previous layer's gradient reduce-scatter is still in flight while a layer's gradients appear.
+    reduce_scatter_in_flight: bool = True
+    #: Gradient accumulation keeps unsharded gradients until the last micro-batch (FSDP2's deferred sync).
+    defer_unsharded_grads: bool = True
 
 
 @dataclass(frozen=True)
@@ -38,7 +71,7 @@ class StepSetup:
     ep: int = 1
     dp_shard: int = 1
     dp_replicate: int = 1
-    strategy: str = "fsdp2"
+    sharding: StrategyMemory = field(default_factory=StrategyMemory)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     seq_len: int = 2048
@@ -52,14 +85,10 @@ class StepSetup:
     reduce_bytes: int = 4
     optimizer_states: int = 2
     optimizer_impl: str = "foreach"  # foreach | fused | loop (per parameter)
-    defer_grad_sync: bool = True
     # FSDP2 units free their unsharded weights after forward: None = the recipes' default (all
     # layers but the last, none under PP); the MoE parallelizer takes distributed.moe's flag
     reshard_after_forward: bool | None = None
     trainable_params: int | None = None  # LoRA: only these have gradients and optimizer state
-    megatron_zero: int = 3
-    megatron_grad_fp32: bool = False
-    megatron_master_fp32: bool = False
     # routed (token, expert) slots the busiest EP rank computes, over the balanced share: the
     # router decides it at run time (an untrained router gives ~1.4 on 2 ranks, measured)
     expert_load_factor: float = 1.0
@@ -101,8 +130,6 @@ class StepSetup:
     def expert_load(self) -> float:
         """The busiest rank's routed slots over its balanced share: 1 without EP, at most ep."""
         return min(self.expert_load_factor, self.ep) if self.ep > 1 else 1.0
-        if self.strategy not in ("fsdp2", "ddp", "megatron_fsdp"):
-            raise ValueError(f"strategy must be fsdp2, ddp or megatron_fsdp, got {self.strategy!r}")
 
 
 @dataclass
@@ -231,36 +258,30 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     layer_mp = shape.layer_dense_params / tp + expert_mp  # elements of one layer on this rank
     root_mp = (shape.embed_params if first or shape.tied_embeddings and last else 0) / tp
     root_mp += (shape.head_params if last else 0) / tp
-    if s.strategy == "ddp":
+    sh = s.sharding
+    if sh.shard_over == "none":
         fs_dense = fs_expert = 1
-    elif s.strategy == "megatron_fsdp":
+    elif sh.shard_over == "dp_cp":
         fs_dense = fs_expert = s.dp_replicate * s.dp_shard * s.cp
     else:
         fs_dense = s.dp_shard_cp
         fs_expert = s.ep_shard if s.ep > 1 else fs_dense
     layer_shard = shape.layer_dense_params / tp / fs_dense + expert_mp / fs_expert
     root_shard = root_mp / fs_dense
-    params_rank = layers * layer_shard + root_shard
-    if s.strategy == "megatron_fsdp" and s.megatron_zero < 3:
-        params_rank = layers * layer_mp + root_mp
+    unsharded = layers * layer_mp + root_mp  # the model-parallel part, not data-parallel sharded
+    params_rank = layers * layer_shard + root_shard if sh.params_sharded else unsharded
     trainable_frac = 1.0 if s.trainable_params is None else s.trainable_params / max(shape.total_params, 1)
-    opt_shard = layers * layer_shard + root_shard
-    if s.strategy == "megatron_fsdp" and s.megatron_zero < 1:
-        opt_shard = layers * layer_mp + root_mp
-    grad_shard = (
-        opt_shard
-        if not (s.strategy == "megatron_fsdp" and s.megatron_zero < 2)
-        else (layers * layer_mp + root_mp)
-    )
-    grad_e = 4 if (s.strategy == "megatron_fsdp" and s.megatron_grad_fp32) else e_s
+    opt_shard = layers * layer_shard + root_shard if sh.optimizer_sharded else unsharded
+    grad_shard = opt_shard if sh.grads_sharded else unsharded
+    grad_e = sh.grad_bytes or e_s
     param_b = params_rank * e_s
     grad_b = grad_shard * grad_e * trainable_frac
     opt_b = opt_shard * 4 * s.optimizer_states * trainable_frac
-    if s.strategy == "megatron_fsdp" and s.megatron_master_fp32:
+    if sh.fp32_master:
         opt_b += opt_shard * 4
     static = param_b + opt_b
-    if s.strategy == "ddp" and s.dp_replicate * s.dp_shard > 1:
-        static += grad_shard * e_s * trainable_frac  # DDP's flat gradient buckets, allocated once
+    if sh.gradient_buckets and s.dp_replicate * s.dp_shard > 1:
+        static += grad_shard * e_s * trainable_frac  # flat gradient buckets, allocated once
 
     # ---- activations of one micro-batch --------------------------------------------------------
     rows = s.pp_microbatch if s.pp > 1 else s.local_batch
@@ -296,24 +317,26 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     w_root_u = root_mp * e_c
     head_grad_u = (shape.head_params / tp if last else 0.0) * e_c * trainable_frac
     keep_all = s.pp > 1 or s.reshard_after_forward is False
-    if s.strategy == "fsdp2":
+    if sh.gathered_weights == "layers":
         # layers reshard after forward except the last (none when keep_all); the root never
         held_fwd = (layers if keep_all else 1) * w_layer_u + w_root_u
         prefetch = w_layer_u
-    elif s.strategy == "megatron_fsdp":
+    elif sh.gathered_weights == "two_layers":
         held_fwd, prefetch = 2 * w_layer_u, w_layer_u
     else:
         held_fwd = prefetch = 0.0
         w_layer_u = 0.0
     # the previous layer's reduce-scatter input is still in flight while this layer's grads appear
     rs_in_flight = (
-        layer_mp * s.reduce_bytes * trainable_frac if s.strategy == "fsdp2" and s.dp_shard_cp > 1 else 0.0
+        layer_mp * s.reduce_bytes * trainable_frac
+        if sh.reduce_scatter_in_flight and s.dp_shard_cp > 1
+        else 0.0
     )
     p2p = 2 * e_c * shape.hidden * tokens * v if s.pp > 1 else 0.0
 
     # ---- gradients held from earlier micro-batches of the step ----------------------------
     accum = s.grad_accum * (n_mb if s.pp > 1 else 1)
-    unsharded_accum = s.strategy == "fsdp2" and s.defer_grad_sync and s.pp == 1 and s.grad_accum > 1
+    unsharded_accum = sh.defer_unsharded_grads and s.pp == 1 and s.grad_accum > 1
     layers_int = max(1, round(layers))
     phases: dict[str, dict[str, float]] = {}
 

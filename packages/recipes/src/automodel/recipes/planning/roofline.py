@@ -85,8 +85,9 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
         shape.embed_params + shape.head_params
     ) / s.tp / s.pp
     expert_rank = shape.layer_expert_params / (s.ep if s.ep > 1 else s.tp) * layers_rank
+    sharded = s.sharding.shard_over != "none"  # else replicated: gradients all-reduced over dp
     fsdp = 0.0
-    if s.strategy != "ddp" and fs > 1:
+    if sharded and fs > 1:
         bw = _bw(fs * s.tp, hw)
         # without PP a layer is gathered for forward and again for backward, unless it stays
         # gathered in between (moe.reshard_after_forward: false)
@@ -94,13 +95,13 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
         gathers = per_micro_batch * micro_batches if s.pp == 1 else 2 * s.grad_accum
         fsdp += (fs - 1) / fs * dense_rank * (gathers * e + s.reduce_bytes) / bw
     efs = s.ep_shard if s.ep > 1 else fs
-    if s.strategy != "ddp" and efs > 1 and expert_rank:
+    if sharded and efs > 1 and expert_rank:
         expert_gathers = (1 if s.reshard_after_forward is False else 2) * micro_batches
         fsdp += (efs - 1) / efs * expert_rank * (expert_gathers * e + s.reduce_bytes) / _bw(world, hw)
     exposed = 0.0
-    if s.dp_replicate > 1 or s.strategy == "ddp":
-        r = s.dp_replicate if s.strategy != "ddp" else dp
-        grads = (dense_rank / (fs if s.strategy != "ddp" else 1) + expert_rank / max(efs, 1)) * s.reduce_bytes
+    if s.dp_replicate > 1 or not sharded:
+        r = s.dp_replicate if sharded else dp
+        grads = (dense_rank / (fs if sharded else 1) + expert_rank / max(efs, 1)) * s.reduce_bytes
         exposed += 2 * (r - 1) / r * grads / _bw(world, hw) * 0.5  # half hidden behind backward
     if s.tp > 1:  # 2 collectives forward, 2 backward per layer (+2 for the recompute)
         n = (6 if s.activation_checkpointing else 4) * layers_rank * micro_batches

@@ -1,5 +1,5 @@
-"""`recipes plan`: enumerate the layouts a model allows on N GPUs, keep those whose estimated
-peak fits, rank them by estimated throughput."""
+"""`recipes plan`: enumerate the layouts of a model on N GPUs, keep those whose estimated peak
+fits, rank them by estimated throughput (`planning.admit` then keeps those `recipes train` accepts)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tp_ok(shape: ModelShape, tp: int) -> bool:
-    return shape.heads % tp == 0 and shape.kv_heads % tp == 0 and shape.vocab % tp == 0
-
-
 def enumerate_layouts(
     shape: ModelShape,
     *,
@@ -43,7 +39,10 @@ def enumerate_layouts(
     trainable_params: int | None = None,
     expert_load_factor: float = 1.0,
 ) -> list[Candidate]:
-    """Every layout the rules allow, with its estimates, best first (fitting ones only).
+    """Every layout of the search space whose estimated peak fits, with its estimates, best first.
+
+    Whether `recipes train` accepts a layout is not decided here: `planning.admit` runs the
+    pre-launch checks on the candidates, best first (the rules have one home, `rules.py`).
 
     `expert_load_factor`: the busiest EP rank's routed slots over the mean (1: balanced)."""
     if gpus < 1:
@@ -55,13 +54,11 @@ def enumerate_layouts(
     g = hardware.gpus_per_node
     capacity = hardware.memory_bytes * hardware.memory_headroom
     out: list[Candidate] = []
-    for tp in (t for t in _divisors(min(gpus, g)) if _tp_ok(shape, t)):
+    for tp in _divisors(min(gpus, g)):
         for pp in _divisors(gpus // tp):
             if pp > 1 and shape.layers < 2 * pp:
                 continue
             for cp in (c for c in _divisors(gpus // (tp * pp)) if c <= 8):
-                if cp > 1 and seq_len % (2 * cp):  # CP splits the sequence into 2 * cp chunks
-                    continue
                 dp = gpus // (tp * pp * cp)
                 eps = [1]
                 if shape.is_moe:
@@ -120,19 +117,4 @@ def _add_batches(out: list[Candidate], shape: ModelShape, hw: Hardware, capacity
                 out.append(Candidate(base, mem, estimate_step_time(shape, base, hw, world=k["gpus"])))
 
 
-def best_per_layout(cands: list[Candidate], *, top: int) -> list[Candidate]:
-    """The best candidate of each distinct (tp, pp, schedule, cp, ep, dp_shard, dp_replicate)."""
-    seen: set[tuple] = set()
-    out = []
-    for c in cands:
-        s = c.setup
-        key = (s.tp, s.pp, s.pp_schedule, s.cp, s.ep, s.dp_shard, s.dp_replicate)
-        if key not in seen:
-            seen.add(key)
-            out.append(c)
-        if len(out) == top:
-            break
-    return out
-
-
-__all__ = ["Candidate", "best_per_layout", "enumerate_layouts", "replace"]
+__all__ = ["Candidate", "enumerate_layouts", "replace"]

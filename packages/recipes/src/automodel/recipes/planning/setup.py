@@ -7,7 +7,9 @@ from typing import Any
 import torch
 
 from automodel.mesh import ResolvedLayout, parse_dtype
+from automodel.recipes._dist_setup import resolve_machine_defaults
 from automodel.recipes.planning.memory import StepSetup
+from automodel.recipes.strategies import get_strategy
 
 _ONE_STATE = ("sgd", "adagrad", "rmsprop")
 
@@ -37,20 +39,21 @@ def step_setup(
     expert_load_factor: float = 1.0,
 ) -> StepSetup:
     """What `recipes train` would run for `cfg` on `layout` (`on_gpu`: the machine the run's
-    defaults are resolved for, see `_dist_setup.resolve_machine_defaults`: FSDP2's mixed
-    precision is bf16 on CUDA and none on CPU unless the YAML sets mp_policy;
+    defaults are resolved for, by `_dist_setup.resolve_machine_defaults` as the run does: FSDP2's
+    mixed precision is bf16 on CUDA and none on CPU unless the YAML sets mp_policy; the strategy's
+    memory terms are its `Strategy.memory_model`;
     `expert_load_factor`: the busiest EP rank's routed slots over the mean, a run-time fact)."""
-    d = cfg.distributed
-    storage = _elem(cfg.model.dtype, 4, key="model.dtype")
-    # the YAML's policy; one it left to the machine is decided by on_gpu below
-    mp = None if "mp_policy" in d.machine_keys else getattr(d.strategy_config, "mp_policy", None)
     if on_gpu is None:
         on_gpu = torch.cuda.is_available()
-    if mp is None and on_gpu and d.strategy == "fsdp2":
-        compute, reduce = 2, 4
-    else:
-        compute = _elem(getattr(mp, "param_dtype", None), storage, key="distributed.mp_policy.param_dtype")
-        reduce = _elem(getattr(mp, "reduce_dtype", None), compute, key="distributed.mp_policy.reduce_dtype")
+    # the flags the YAML left to the machine, as the run on that machine resolves them
+    d = resolve_machine_defaults(
+        cfg.distributed, cuda=on_gpu, world_size=layout.world_size, param_dtype=cfg.model.dtype
+    )
+    strategy = get_strategy(d.strategy)
+    storage = _elem(cfg.model.dtype, 4, key="model.dtype")
+    mp = getattr(d.strategy_config, "mp_policy", None)
+    compute = _elem(getattr(mp, "param_dtype", None), storage, key="distributed.mp_policy.param_dtype")
+    reduce = _elem(getattr(mp, "reduce_dtype", None), compute, key="distributed.mp_policy.reduce_dtype")
     kwargs = cfg.optimizer.kwargs
     impl = "fused" if kwargs.get("fused") else "loop" if kwargs.get("foreach") is False else "foreach"
     if kwargs.get("foreach") is None and not kwargs.get("fused") and not on_gpu:
@@ -67,7 +70,7 @@ def step_setup(
         ep=layout.ep,
         dp_shard=layout.dp_shard,
         dp_replicate=layout.dp_replicate,
-        strategy=d.strategy,
+        sharding=strategy.memory_model(d.strategy_config),
         sequence_parallel=bool(_flag(d, "sequence_parallel", False)),
         activation_checkpointing=bool(_flag(d, "activation_checkpointing", False)),
         seq_len=cfg.seq_length,
@@ -81,24 +84,20 @@ def step_setup(
         reduce_bytes=reduce,
         optimizer_states=optimizer_states(cfg.optimizer.target),
         optimizer_impl=impl,
-        defer_grad_sync=d.strategy == "fsdp2" and bool(_flag(d, "defer_fsdp_grad_sync", True)),
         trainable_params=None if trainable is None else None,
         reshard_after_forward=bool(d.moe_config.reshard_after_forward) if layout.ep > 1 else None,
-        megatron_zero=int(_flag(d, "zero_dp_strategy", 3)),
-        megatron_grad_fp32=bool(_flag(d, "grad_reduce_in_fp32", False)),
-        megatron_master_fp32=bool(_flag(d, "preserve_fp32_weights", False)),
         expert_load_factor=expert_load_factor,
-        **_loss_fields(cfg, on_gpu=on_gpu),
+        **_loss_fields(cfg, on_gpu=on_gpu, head_weight_readable=strategy.head_weight_readable),
     )
 
 
-def _loss_fields(cfg: Any, *, on_gpu: bool) -> dict:
-    """The chunked loss's chunk (`LinearCrossEntropy`) or nothing (full logits); megatron_fsdp keeps
-    full logits (`Trainer._build_head_loss`)."""
+def _loss_fields(cfg: Any, *, on_gpu: bool, head_weight_readable: bool) -> dict:
+    """The chunked loss's chunk (`LinearCrossEntropy`) or nothing (full logits, as under a strategy
+    whose head weight the loss cannot read: `Strategy.head_weight_readable`)."""
     from automodel.recipes.linear_ce import CHUNK_ELEMENTS
     from automodel.recipes.output_head import is_linear_loss
 
-    if not is_linear_loss(cfg.loss_fn) or cfg.distributed.strategy == "megatron_fsdp":
+    if not is_linear_loss(cfg.loss_fn) or not head_weight_readable:
         return {}
     budget = CHUNK_ELEMENTS["accelerator" if on_gpu else "cpu"]
     return {"loss_chunk_elements": budget, "loss_chunk_tokens": getattr(cfg.loss_fn, "chunk_tokens", None)}

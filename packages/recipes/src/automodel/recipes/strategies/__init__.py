@@ -8,11 +8,18 @@ from automodel.recipes.strategies.base import Initialize, ParallelModel, Strateg
 from automodel.recipes.strategies.ddp import DDPStrategy
 from automodel.recipes.strategies.fsdp2 import FSDP2Strategy
 from automodel.recipes.strategies.megatron_fsdp import MegatronFSDPStrategy
-from automodel.recipes.strategies.registry import get_strategy, register_strategy, strategy_names
+from automodel.recipes.strategies.registry import (
+    get_strategy,
+    register_strategy,
+    strategy_names,
+    world_of_one_strategy,
+)
+from automodel.recipes.strategies.single import SingleStrategy
 
 register_strategy(FSDP2Strategy())
 register_strategy(MegatronFSDPStrategy())
 register_strategy(DDPStrategy())
+register_strategy(SingleStrategy())
 
 __all__ = [
     "Initialize",
@@ -21,4 +28,5 @@ __all__ = [
     "get_strategy",
     "register_strategy",
     "strategy_names",
+    "world_of_one_strategy",
 ]

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from automodel.mesh import MeshContext
+from automodel.mesh import MeshContext, ResolvedLayout
+from automodel.recipes.planning.memory import StrategyMemory
 
 if TYPE_CHECKING:
     from automodel.recipes._dist_setup import DistributedSection
@@ -57,6 +58,14 @@ class Strategy(ABC):
     name: ClassVar[str]
     #: Flags whose default depends on the machine (see `machine_defaults`).
     machine_keys: ClassVar[tuple[str, ...]] = ("backend",)
+    #: Flags it applies to each decoder layer (`rules.py` refuses them on a model without a layer list).
+    layer_flags: ClassVar[tuple[str, ...]] = ()
+    #: The strategy a world of one gets when the YAML names no strategy and the default would change
+    #: nothing there (`needed_alone`); at most one registered strategy sets it.
+    for_world_of_one: ClassVar[bool] = False
+    #: Whether the loss may read the LM head's weight outside the model's forward (the chunked
+    #: linear cross-entropy, `output_head`); False keeps full logits.
+    head_weight_readable: ClassVar[bool] = True
 
     @abstractmethod
     def config_class(self) -> type:
@@ -80,6 +89,19 @@ class Strategy(ABC):
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
         """Rules across this strategy and the layout sizes (`ConfigError` naming the key); none by default."""
         return None
+
+    def check_layout(self, layout: ResolvedLayout) -> None:
+        """Rules across this strategy and the resolved layout (the world size known); none by default."""
+        return None
+
+    def needed_alone(self, config: Any, *, param_dtype: torch.dtype) -> bool:
+        """Whether a world of one needs this strategy with `config` and parameters of `param_dtype`
+        (False: it would shard and reduce nothing and change no numerics); True by default."""
+        return True
+
+    @abstractmethod
+    def memory_model(self, config: Any) -> StrategyMemory:
+        """What it keeps per rank and moves, for `config` (the memory planner's terms, `planning.memory`)."""
 
     @abstractmethod
     def parallelize(

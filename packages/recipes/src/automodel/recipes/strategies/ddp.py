@@ -10,6 +10,7 @@ from torch import nn
 
 from automodel.mesh import MeshContext
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ class DDPStrategy(Strategy):
     """torch DDP through automodel.fsdp2's `DDPManager` (no wrapper at dp = 1)."""
 
     name = "ddp"
+    layer_flags = ("activation_checkpointing",)
 
     def config_class(self) -> type:
         from automodel.fsdp2 import DDPConfig
@@ -37,6 +39,16 @@ class DDPStrategy(Strategy):
             value = sizes[key]
             if value is not None and value > 1:
                 raise ConfigError(f"distributed.{key}", value, "ddp is data parallelism only (must be 1)")
+
+    def memory_model(self, config: Any) -> StrategyMemory:
+        """Replicated; gradients in flat buckets, all-reduced as they appear."""
+        return StrategyMemory(
+            shard_over="none",
+            gradient_buckets=True,
+            gathered_weights="none",
+            reduce_scatter_in_flight=False,
+            defer_unsharded_grads=False,
+        )
 
     def parallelize(
         self,

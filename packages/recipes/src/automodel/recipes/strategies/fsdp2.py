@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from automodel.mesh import MeshContext
+from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class FSDP2Strategy(Strategy):
 
     name = "fsdp2"
     machine_keys = ("backend", "mp_policy")
+    layer_flags = ("activation_checkpointing", "enable_compile", "enable_fsdp2_prefetch")
 
     def config_class(self) -> type:
         from automodel.fsdp2 import FSDP2Config
@@ -99,6 +101,19 @@ class FSDP2Strategy(Strategy):
 
             options["mp_policy"] = default_mp_policy() if cuda else MixedPrecisionPolicy()
         return options
+
+    def needed_alone(self, config: Any, *, param_dtype: torch.dtype) -> bool:
+        """Alone, FSDP2 matters only through its mixed precision: compute in another dtype than the
+        parameters' (bf16 over fp32 weights on CUDA by default)."""
+        compute = getattr(config.mp_policy, "param_dtype", None)
+        return compute is not None and compute != param_dtype
+
+    def memory_model(self, config: Any) -> StrategyMemory:
+        """Sharded over dp_shard x cp (experts over ep_shard), one unit per layer; deferred sync
+        accumulates unsharded gradients."""
+        return StrategyMemory(
+            shard_over="dp_shard_cp", defer_unsharded_grads=bool(config.defer_fsdp_grad_sync)
+        )
 
     def parallelize(
         self,

@@ -13,6 +13,7 @@ from torch import nn
 
 from automodel.mesh import MeshContext
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
@@ -23,6 +24,10 @@ class MegatronFSDPStrategy(Strategy):
     """automodel.megatron_fsdp's adapter around megatron-fsdp's ``fully_shard``."""
 
     name = "megatron_fsdp"
+    # it checkpoints the MLPs of its unit modules (checked by the adapter), not each decoder layer
+    layer_flags = ()
+    # it unshards the LM head only inside its own forward (CUDA only, unchecked on CPU)
+    head_weight_readable = False
 
     def config_class(self) -> type:
         from automodel.megatron_fsdp import MegatronFSDPConfig
@@ -33,6 +38,22 @@ class MegatronFSDPStrategy(Strategy):
         values = self.machine_defaults({}, cuda=cuda)
         # tp_plan is an init-only argument, kept as custom_tp_plan: hand it over again
         return dataclasses.replace(config, tp_plan=config.custom_tp_plan, **{k: values[k] for k in keys})
+
+    def memory_model(self, config: Any) -> StrategyMemory:
+        """Sharded over every dp and cp rank by ZeRO stage (``zero_dp_strategy``); fp32 gradients
+        and master weights when asked; two layers' buckets unsharded."""
+        zero = int(config.zero_dp_strategy)
+        return StrategyMemory(
+            shard_over="dp_cp",
+            params_sharded=zero >= 3,
+            grads_sharded=zero >= 2,
+            optimizer_sharded=zero >= 1,
+            grad_bytes=4 if config.grad_reduce_in_fp32 else None,
+            fp32_master=bool(config.preserve_fp32_weights),
+            gathered_weights="two_layers",
+            reduce_scatter_in_flight=False,
+            defer_unsharded_grads=False,
+        )
 
     def check_environment(self) -> None:
         """megatron-fsdp must import (it needs CUDA at run time)."""

@@ -1,0 +1,102 @@
+"""`recipes plan` proposes only layouts `recipes train` accepts: each one, as the recipe YAML it
+prints, goes through the pre-launch checks every path shares (`launch_check.check_launch`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from torch import nn
+
+from automodel.recipes.api import load_config
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.launch_check import check_launch
+from automodel.recipes.planning.search import Candidate
+from automodel.recipes.planning.table import yaml_block
+from automodel.recipes.rules import ModelChecks
+
+
+def global_batch_of(c: Candidate) -> int:
+    """The global batch of a candidate: local batch x data-parallel ranks x accumulation."""
+    s = c.setup
+    return s.local_batch * s.dp_shard * s.dp_replicate * s.grad_accum
+
+
+def layout_key(c: Candidate) -> tuple:
+    s = c.setup
+    return (s.tp, s.pp, s.pp_schedule, s.cp, s.ep, s.dp_shard, s.dp_replicate)
+
+
+def _model_section(hf_config: Any) -> dict[str, Any]:
+    """The model as a recipe's ``model.config``: the values that differ from the class's defaults
+    (what `model.build_hf_config` builds the same config from)."""
+    data = hf_config.to_diff_dict()
+    return {k: v for k, v in data.items() if not k.startswith("_") and k != "transformers_version"}
+
+
+def candidate_recipe(c: Candidate, *, hf_config: Any, seq_len: int, peft: str | None) -> dict[str, Any]:
+    """The recipe `recipes plan` stands for with `c`: its printed YAML block, the model and the
+    sequence length (``dataset.seq_length``), LoRA's default section with ``--peft lora``."""
+    raw = yaml.safe_load("\n".join(yaml_block(c, global_batch=global_batch_of(c))))
+    raw["model"] = {"config": _model_section(hf_config)}
+    raw["dataset"] = {"seq_length": seq_len}
+    raw["output_dir"] = "runs/plan"
+    if peft == "lora":
+        raw["peft"] = {}
+    return raw
+
+
+@dataclass
+class Admission:
+    """The admitted candidates (best first, one per layout) and the refusals met on the way."""
+
+    admitted: list[Candidate]
+    refusals: list[tuple[Candidate, ConfigError]]
+
+    def refusal_lines(self) -> list[str]:
+        """One line per distinct refusal message, with how many layouts it refused."""
+        counts = Counter(str(e) for _, e in self.refusals)
+        return [f"  {n} layout{'s' * (n > 1)}: {message}" for message, n in counts.items()]
+
+
+def admit_layouts(
+    cands: list[Candidate],
+    *,
+    top: int,
+    gpus: int,
+    hf_config: Any,
+    model: nn.Module,
+    seq_len: int,
+    peft: str | None,
+) -> Admission:
+    """The best candidate of each distinct layout that passes `check_launch` for `gpus` ranks
+    (as `recipes validate` runs it: for another machine), up to `top` of them.
+
+    `cands` are ranked best first; each layout is checked once (its best candidate's batch)."""
+    seen: set[tuple] = set()
+    model_checks: ModelChecks = {}  # one model: its checks depend on a few flags, not on the sizes
+    out = Admission(admitted=[], refusals=[])
+    for c in cands:
+        key = layout_key(c)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            cfg = load_config(candidate_recipe(c, hf_config=hf_config, seq_len=seq_len, peft=peft))
+            check_launch(
+                cfg,
+                world_size=gpus,
+                this_machine=False,
+                hf_config=hf_config,
+                model=model,
+                model_checks=model_checks,
+            )
+        except ConfigError as e:
+            out.refusals.append((c, e))
+            continue
+        out.admitted.append(c)
+        if len(out.admitted) == top:
+            break
+    return out

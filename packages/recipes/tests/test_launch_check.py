@@ -1,0 +1,110 @@
+"""One pre-launch validation entry (`launch_check.check_launch`): `recipes validate`, `recipes
+train`, the Python API and `recipes plan` refuse the same bad config with the same message."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from automodel.recipes import load_config
+from automodel.recipes.api import train
+from automodel.recipes.cli import run_cli
+from automodel.recipes.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _recipe_helpers import tiny_config  # noqa: E402
+
+# GPT-2 declares no tensor-parallel plan: tp_size=2 is refused by the model-dependent rules
+GPT2 = {
+    "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256, "n_positions": 64,
+    "bos_token_id": 0, "eos_token_id": 0,
+}  # fmt: skip
+
+
+def _write(tmp_path: Path, raw: dict) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _cli_error(args: list[str], capsys: pytest.CaptureFixture) -> str:
+    assert run_cli(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0].removeprefix("error: ")
+
+
+def _api_error(raw: dict, *, world_size: int, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`automodel.recipes.train` as a rank of a `world_size` job (torchrun's variables): refused
+    before its process group exists."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(ConfigError) as err:
+        train(load_config(raw))
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("sections", "world", "expected"),
+    [
+        (
+            {"optimizer": {"weight_decayy": 0.1}},
+            1,
+            "optimizer.weight_decayy=0.1: is not an argument of AdamW",
+        ),
+        (
+            {"model": {"config": GPT2}, "distributed": {"tp_size": 2}},
+            2,
+            "distributed.tp_size=2: cannot be applied: ",
+        ),
+    ],
+    ids=["optimizer_key", "model_rule"],
+)
+def test_every_path_refuses_with_the_same_message(
+    sections: dict,
+    world: int,
+    expected: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = tmp_path / "out"
+    raw = tiny_config(str(out), **sections)
+    path = _write(tmp_path, raw)
+    validate = _cli_error(["validate", str(path), f"--world-size={world}"], capsys)
+    launcher = _cli_error(["train", str(path), f"--nproc-per-node={world}"], capsys)
+    api = _api_error(raw, world_size=world, monkeypatch=monkeypatch)
+    assert expected in validate
+    assert validate == launcher == api
+    assert not out.exists()  # refused before anything is written
+
+
+def test_plan_proposes_only_what_train_accepts_and_shows_the_same_refusal(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`recipes plan` checks each layout it would propose with the same entry: GPT-2's tp=2 layout
+    fits in memory but is refused, with `recipes validate`'s message; the YAML it prints validates."""
+    model = tmp_path / "gpt2.json"
+    model.write_text(json.dumps(GPT2))
+    assert run_cli(["plan", "--model", str(model), "--gpus", "2", "--seq-len", "64"]) == 0
+    printed = capsys.readouterr().out
+    rows = [line.split() for line in printed.splitlines() if line[:2].strip().isdigit()]
+    assert rows and all(row[1] == "1" for row in rows), printed  # no tp=2 row
+    refusals = printed.split("refused by the checks recipes train runs before launch")[1]
+    refusals = refusals.split("# paste into the recipe YAML:")[0]
+
+    raw = tiny_config(str(tmp_path / "out"), model={"config": GPT2}, distributed={"tp_size": 2})
+    raw["dataset"] = {**raw["dataset"], "seq_length": 64}
+    validate = _cli_error(["validate", str(_write(tmp_path, raw)), "--world-size=2"], capsys)
+    assert f"layout: {validate}" in refusals or f"layouts: {validate}" in refusals, (validate, refusals)
+
+    block = yaml.safe_load(printed.split("# paste into the recipe YAML:")[1])
+    proposed = tiny_config(str(tmp_path / "out"), model={"config": GPT2}, **block)
+    proposed["dataset"] = {**proposed["dataset"], "seq_length": 64}
+    assert run_cli(["validate", str(_write(tmp_path, proposed)), "--world-size=2"]) == 0, (
+        capsys.readouterr().err
+    )
