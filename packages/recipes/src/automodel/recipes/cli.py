@@ -220,13 +220,17 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
     cfg = _checked_config(args, overrides)
     from automodel.recipes.plan import plan_layout
-    from automodel.recipes.run_lock import acquire_output_lock
+    from automodel.recipes.run_lock import acquire_run_lock, run_checkpoint_dir
 
     nnodes = int(opts.nnodes.split(":")[-1])
     plan_layout(cfg, world_size=opts.nproc_per_node * nnodes)  # every rule, before any process starts
     # One launcher per node: on a single node it holds the output_dir lock for the whole job
     # (restarts included); on several nodes rank 0 takes it, wherever it runs.
-    lock = acquire_output_lock(cfg.output_dir) if nnodes == 1 else None
+    lock = (
+        acquire_run_lock(output_dir=cfg.output_dir, checkpoint_dir=run_checkpoint_dir(cfg))
+        if nnodes == 1
+        else None
+    )
     try:
         if nnodes == 1:
             _check_resume(cfg, allow_changes=args.resume_with_changes)
