@@ -122,8 +122,8 @@ class _RaisesInBackward(torch.autograd.Function):
 
 
 def _step_error_then_step(schedule: str, phase: str) -> dict:
-    """Rank body: rank 1's first stage (or the loss) raises inside `step`; the caller catches the
-    error, restores the stage and steps again."""
+    """Rank body: rank 1's first stage (rank 0's for "forward_rank0", or the loss) raises inside
+    `step`; the caller catches the error, restores the stage and steps again."""
     mesh = MeshContext.build(ParallelismSizes(pp_size=2))
     cfg = PipelineConfig(pp_batch_size=BATCH, pp_microbatch_size=MICRO, pp_schedule=schedule)
     pipe = AutoPipeline(mesh=mesh, config=cfg).build(tiny_llama(layers=4), loss_fn=_failing_loss)
@@ -132,7 +132,8 @@ def _step_error_then_step(schedule: str, phase: str) -> dict:
         pipe.step(ids, labels=labels)
         for p in pipe.parameters():
             p.grad = None
-    part = pipe.model_parts[0] if dist.get_rank() == 1 else None
+    failing_rank = 0 if phase == "forward_rank0" else 1
+    part = pipe.model_parts[0] if dist.get_rank() == failing_rank else None
     forward = part.forward if part is not None else None
 
     def failing_forward(*args: object, **kwargs: object) -> object:
@@ -146,7 +147,7 @@ def _step_error_then_step(schedule: str, phase: str) -> dict:
         out = forward(*args, **kwargs)
         return _RaisesInBackward.apply(out) if isinstance(out, torch.Tensor) else out
 
-    if part is not None and phase in ("first", "forward"):
+    if part is not None and phase in ("first", "forward", "forward_rank0"):
         part.forward = failing_forward
     if part is not None and phase == "backward":
         part.forward = backward_fails
@@ -171,12 +172,13 @@ _STEP_CASES = [
     ("1F1B", "first"),
     ("1F1B", "forward"),
     ("Interleaved1F1B", "loss_fn"),
+    ("GPipe", "forward_rank0"),
     ("ZBVZeroBubble", "backward"),
 ]
 _STEP_CASES_ALL = [
     pytest.param(s, p, marks=pytest.mark.skipif(not FULL, reason="in `nox -s faults` (AUTOMODEL_FAULTS=all)"))
     for s in SCHEDULES
-    for p in ("first", "forward", "loss_fn", "backward")
+    for p in ("first", "forward", "forward_rank0", "loss_fn", "backward")
     if (s, p) not in _STEP_CASES
 ]
 
@@ -189,11 +191,13 @@ def test_a_stage_error_inside_step_is_raised_on_every_rank(schedule: str, phase:
     ref = token_loss(tiny_llama(layers=4)(input_ids=ids).logits, labels, 10).item()
     results = run_on_ranks(_step_error_then_step, world_size=2, args=(schedule, phase), timeout_s=TIMEOUT)
     v_shape = schedule in ("ZBVZeroBubble", "DualPipeV")
-    if phase == "loss_fn":  # the last stage: 3 of 4 on multi-stage schedules, on rank 0 when V-shaped
+    if phase == "forward_rank0":
+        stage, rank = 0, 0
+    elif phase == "loss_fn":  # the last stage: 3 of 4 on multi-stage schedules, on rank 0 when V-shaped
         stage, rank = (3 if schedule not in ("GPipe", "1F1B") else 1), (0 if v_shape else 1)
     else:
         stage, rank = 1, 1
-    where = "forward" if phase in ("first", "forward") else phase
+    where = "forward" if phase in ("first", "forward", "forward_rank0") else phase
     expected = (
         rf"pipeline stage {stage} \(pp rank {rank}\) failed in its {where}"
         + (": " if phase == "first" else r" during step\(\): ")  # "first": the forward-only check

@@ -171,29 +171,33 @@ def test_shared_checkpoint_dir_is_refused_naming_the_holder(tmp_path, first, sec
     lock.release()
 
 
-def test_shared_checkpoint_dir_is_refused_by_recipes_train(tmp_path, capsys):
-    """`recipes train` with another output_dir but a checkpoint_dir a live run holds: exit 2, one
-    line naming the key and the holder, before any rank starts."""
+@pytest.mark.parametrize("shared", ["output_dir", "checkpoint_dir"])
+def test_a_second_run_is_refused_and_leaves_the_live_runs_tmp_alone(tmp_path, capsys, shared):
+    """`recipes train` on the output_dir, or only the checkpoint_dir, of a live run: exit 2, one line
+    naming the key and the holder, before any rank starts; the live run's ``.tmp-step_N`` (a save
+    in progress) is not touched, and nothing is written."""
     from _recipe_helpers import tiny_config
 
     from automodel.recipes.cli import run_cli
 
-    proc = _run_holder(tmp_path / "a", tmp_path / "ckpt")
+    ckpt = tmp_path / "ckpt"
+    proc = _run_holder(tmp_path / "a", ckpt)
+    in_progress = ckpt / ".tmp-step_7"
+    in_progress.mkdir(parents=True)
+    (in_progress / "shard.distcp").write_bytes(b"half written")
     try:
-        cfg = tiny_config(
-            str(tmp_path / "b"), checkpoint={"enabled": True, "checkpoint_dir": str(tmp_path / "ckpt")}
-        )
+        out = tmp_path / ("a" if shared == "output_dir" else "b")
+        cfg = tiny_config(str(out), checkpoint={"enabled": True, "checkpoint_dir": str(ckpt)})
         (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
         assert run_cli(["train", str(tmp_path / "cfg.yaml"), "--nproc-per-node=2"]) == 2
     finally:
         proc.kill()
         proc.wait()
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert (
-        line.startswith("error: checkpoint.checkpoint_dir=")
-        and f"in use by another run: pid {proc.pid}" in line
-    )
-    assert not (tmp_path / "b" / "metrics.jsonl").exists()
+    key = "output_dir" if shared == "output_dir" else "checkpoint.checkpoint_dir"
+    assert line.startswith(f"error: {key}=") and f"in use by another run: pid {proc.pid}" in line, line
+    assert (in_progress / "shard.distcp").read_bytes() == b"half written"
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()
 
 
 def _cfg(out: Path, lr: float, max_steps: int = 5) -> SimpleNamespace:

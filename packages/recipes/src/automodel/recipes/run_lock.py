@@ -133,6 +133,8 @@ def acquire_run_lock(*, output_dir: str | Path, checkpoint_dir: str | Path | Non
     writes; None when the run saves no checkpoints). Refusals are `ConfigError`s naming the key
     (``output_dir`` or ``checkpoint.checkpoint_dir``) and the holder."""
     out = Path(output_dir)
+    if checkpoint_dir is not None and Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
+        raise ConfigError(CHECKPOINT_KEY, str(checkpoint_dir), "is a file, not a directory")
     held: list[OutputDirLock] = []
     try:
         lock = _acquire(out, key="output_dir")
