@@ -6,8 +6,10 @@ path, and refusals that name ``module_fqns_per_model_part`` for models that are 
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,7 +91,7 @@ def _stage_error_then_recover(schedule: str) -> list[str]:
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
-def test_a_stage_error_is_raised_on_every_rank(schedule: str) -> None:
+def test_a_stage_error_in_eval_is_raised_on_every_rank(schedule: str) -> None:
     results = run_on_ranks(_stage_error_then_recover, world_size=2, args=(schedule,), timeout_s=TIMEOUT)
     for seen in results:
         assert re.match(
@@ -97,6 +99,116 @@ def test_a_stage_error_is_raised_on_every_rank(schedule: str) -> None:
         )
         assert seen[1] == results[0][1]  # the pipeline still works afterwards, the same loss everywhere
         assert "labels is required on the rank that holds the last pipeline stage" in seen[2]
+
+
+FULL = os.environ.get("AUTOMODEL_FAULTS") == "all"
+_LOSS_FAILS = {"on": False}  # set inside a rank (each forked rank has its own copy)
+
+
+def _failing_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if _LOSS_FAILS["on"]:
+        raise ValueError("boom in the loss")
+    return token_loss(logits, labels, 10)
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, *grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in the backward")
+
+
+def _step_error_then_step(schedule: str, phase: str) -> dict:
+    """Rank body: rank 1's first stage (rank 0's for "forward_rank0", or the loss) raises inside
+    `step`; the caller catches the error, restores the stage and steps again."""
+    mesh = MeshContext.build(ParallelismSizes(pp_size=2))
+    cfg = PipelineConfig(pp_batch_size=BATCH, pp_microbatch_size=MICRO, pp_schedule=schedule)
+    pipe = AutoPipeline(mesh=mesh, config=cfg).build(tiny_llama(layers=4), loss_fn=_failing_loss)
+    ids, labels = make_batch(0)
+    if phase != "first":  # a good step first: the error comes from inside the schedule
+        pipe.step(ids, labels=labels)
+        for p in pipe.parameters():
+            p.grad = None
+    failing_rank = 0 if phase == "forward_rank0" else 1
+    part = pipe.model_parts[0] if dist.get_rank() == failing_rank else None
+    forward = part.forward if part is not None else None
+
+    def failing_forward(*args: object, **kwargs: object) -> object:
+        assert forward is not None
+        if phase == "first" or torch.is_grad_enabled():  # "forward": only inside the schedule
+            raise RuntimeError("boom in the stage")
+        return forward(*args, **kwargs)
+
+    def backward_fails(*args: object, **kwargs: object) -> object:
+        assert forward is not None
+        out = forward(*args, **kwargs)
+        return _RaisesInBackward.apply(out) if isinstance(out, torch.Tensor) else out
+
+    if part is not None and phase in ("first", "forward", "forward_rank0"):
+        part.forward = failing_forward
+    if part is not None and phase == "backward":
+        part.forward = backward_fails
+    _LOSS_FAILS["on"] = phase == "loss_fn"
+    start = time.perf_counter()
+    try:
+        pipe.step(ids, labels=labels)
+        error = "no error"
+    except PipelineStageError as e:
+        error = str(e)
+    elapsed = time.perf_counter() - start
+    _LOSS_FAILS["on"] = False
+    if part is not None:
+        setattr(part, "forward", forward)  # noqa: B010 - an instance attribute shadows the method
+    grads_dropped = all(p.grad is None for p in pipe.parameters())
+    again = pipe.reduce_loss(pipe.step(ids, labels=labels)).item()
+    dist.barrier()
+    return {"error": error, "elapsed": elapsed, "grads_dropped": grads_dropped, "again": again}
+
+
+_STEP_CASES = [
+    ("1F1B", "first"),
+    ("1F1B", "forward"),
+    ("Interleaved1F1B", "loss_fn"),
+    ("GPipe", "forward_rank0"),
+    ("ZBVZeroBubble", "backward"),
+]
+_STEP_CASES_ALL = [
+    pytest.param(s, p, marks=pytest.mark.skipif(not FULL, reason="in `nox -s faults` (AUTOMODEL_FAULTS=all)"))
+    for s in SCHEDULES
+    for p in ("first", "forward", "forward_rank0", "loss_fn", "backward")
+    if (s, p) not in _STEP_CASES
+]
+
+
+@pytest.mark.parametrize(("schedule", "phase"), [*_STEP_CASES, *_STEP_CASES_ALL])
+def test_a_stage_error_inside_step_is_raised_on_every_rank(schedule: str, phase: str) -> None:
+    """Not a wait until the process-group timeout: every rank raises the same error, naming the
+    stage and its rank, within seconds; the step's gradients are dropped and the next step is exact."""
+    ids, labels = make_batch(0)
+    ref = token_loss(tiny_llama(layers=4)(input_ids=ids).logits, labels, 10).item()
+    results = run_on_ranks(_step_error_then_step, world_size=2, args=(schedule, phase), timeout_s=TIMEOUT)
+    v_shape = schedule in ("ZBVZeroBubble", "DualPipeV")
+    if phase == "forward_rank0":
+        stage, rank = 0, 0
+    elif phase == "loss_fn":  # the last stage: 3 of 4 on multi-stage schedules, on rank 0 when V-shaped
+        stage, rank = (3 if schedule not in ("GPipe", "1F1B") else 1), (0 if v_shape else 1)
+    else:
+        stage, rank = 1, 1
+    where = "forward" if phase in ("first", "forward", "forward_rank0") else phase
+    expected = (
+        rf"pipeline stage {stage} \(pp rank {rank}\) failed in its {where}"
+        + (": " if phase == "first" else r" during step\(\): ")  # "first": the forward-only check
+        + r"\w+Error: boom in the"
+    )
+    for r in results:
+        assert re.match(expected, r["error"]), (expected, r["error"])
+        assert r["error"] == results[0]["error"]
+        assert r["elapsed"] < 10.0
+        assert r["grads_dropped"]
+        assert r["again"] == pytest.approx(ref, rel=1e-5)
 
 
 def _tied_grads(schedule: str, accumulate: int, call_sync: bool) -> dict[str, list]:

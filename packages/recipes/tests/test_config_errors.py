@@ -125,6 +125,11 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("megatron_meta_init", {"distributed.strategy": "megatron_fsdp", "distributed.init_fsdp_with_meta_device": True}, [], "distributed.init_fsdp_with_meta_device"),
     ("batch_vs_dp", {"step_scheduler.global_batch_size": 6}, ["--nproc-per-node=2"], "step_scheduler.global_batch_size"),
     ("layout_report", {"logging.layout_report": "rank1"}, [], "logging.layout_report"),
+    # issue 34, beyond the probe: bad_rows values and sources, a checkpoint_dir that is a file
+    ("bad_rows_value", {"dataset.bad_rows": "drop"}, [], "dataset.bad_rows"),
+    ("bad_rows_skip_embedded", {"dataset.bad_rows": "skip"}, [], "dataset.bad_rows"),
+    ("val_bad_rows_value", {"validation_dataset": {"bad_rows": "ignore"}}, [], "validation_dataset.bad_rows"),
+    ("checkpoint_dir_is_file", {"checkpoint": {"enabled": True, "checkpoint_dir": __file__}}, ["--nproc-per-node=2"], "checkpoint.checkpoint_dir"),
 ]  # fmt: skip
 
 
@@ -148,6 +153,18 @@ def test_bad_config_exits_2_with_one_line(case, tmp_path: Path, capsys: pytest.C
     assert code == 2, err
     assert len(errors) == 1 and "Traceback" not in "\n".join(err), err
     assert errors[0].startswith(f"error: {key}="), errors[0]
+    assert not out.exists()
+
+
+def test_model_config_typo_suggests_the_key(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``num_hidden_layer: 2`` trained transformers' default of 32 layers; now refused with a hint."""
+    path, out = _write(tmp_path, {"model.config.num_hidden_layer": 2})
+    assert run_cli(["train", str(path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        line.startswith("error: model.config.num_hidden_layer=2")
+        and "did you mean 'num_hidden_layers'" in line
+    )
     assert not out.exists()
 
 

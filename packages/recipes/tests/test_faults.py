@@ -135,6 +135,29 @@ def test_corrupt_latest_checkpoint_falls_back_when_configured(straight, tmp_path
     )
 
 
+@pytest.mark.parametrize("fault", ["shard_of_another_step", "truncated_shard", "missing_shard"])
+def test_every_checkpoint_load_error_names_the_file(straight, tmp_path, fault):
+    """A shard copied in from another step used to end in a bare JSONDecodeError naming no file; a
+    truncated or missing one in tracebacks. Each now names the checkpoint and the file."""
+    from automodel.recipes.checkpoint import integrity
+    from automodel.recipes.checkpoint.paths import CheckpointError
+
+    ref_dir, _ = straight
+    root = tmp_path / "checkpoints"
+    for step in (5, 10):
+        shutil.copytree(ref_dir / "checkpoints" / f"step_{step}", root / f"step_{step}")
+    shard = sorted((root / "step_10").glob("*.distcp"))[0]
+    if fault == "shard_of_another_step":
+        shutil.copyfile(root / "step_5" / shard.name, shard)
+    elif fault == "truncated_shard":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        shard.unlink()
+    with pytest.raises(CheckpointError) as info:
+        integrity.verified(root / "step_10", root=root, on_corrupt="error", explicit=False)
+    assert str(root / "step_10") in str(info.value) and shard.name in str(info.value), str(info.value)
+
+
 def test_resume_under_another_layout(straight, tmp_path):
     """Saved by FSDP2 dp=2, resumed with TP=2: steps 6-10 match the straight run to 1e-5."""
     ref_dir, ref_losses = straight

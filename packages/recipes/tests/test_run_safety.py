@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # _recipe_helpers
 from automodel.recipes.metrics import truncate_metrics
 from automodel.recipes.rank_errors import RankReport, classify, report_failure, summarize
 from automodel.recipes.resume_check import check_config_changes, config_differences
-from automodel.recipes.run_lock import acquire_output_lock
+from automodel.recipes.run_lock import acquire_output_lock, acquire_run_lock
 
 HOLD_LOCK = textwrap.dedent(
     """
@@ -103,6 +103,101 @@ def test_read_only_output_dir_is_refused(tmp_path):
             acquire_output_lock(out)
     finally:
         out.chmod(0o755)
+
+
+HOLD_RUN_LOCK = textwrap.dedent(
+    """
+    import sys, time
+    from automodel.recipes.run_lock import acquire_run_lock
+    lock = acquire_run_lock(output_dir=sys.argv[1], checkpoint_dir=sys.argv[2])
+    print("held", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def _run_holder(out: Path, ckpt: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_RUN_LOCK, str(out), str(ckpt)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "says"),
+    [
+        # two runs, different output_dirs, one checkpoint_dir outside both
+        (
+            ("a", "ckpt"),
+            ("b", "ckpt"),
+            r"checkpoint.checkpoint_dir='.*ckpt': is in use by another run: pid {pid} ",
+        ),
+        # the second run's checkpoint_dir is the first run's own (default) checkpoints directory
+        (
+            ("a", "a/checkpoints"),
+            ("b", "a/checkpoints"),
+            r"checkpoint.checkpoint_dir='.*a/checkpoints': is inside .*/a, the output_dir of another run: pid {pid} ",
+        ),
+        # the other way round: a run whose default checkpoints directory another run holds
+        (
+            ("b", "a/checkpoints"),
+            ("a", "a/checkpoints"),
+            r"checkpoint.checkpoint_dir='.*a/checkpoints': is the checkpoint_dir of another run: pid {pid} ",
+        ),
+        # a checkpoint_dir that is another run's output_dir
+        (
+            ("a", "a/checkpoints"),
+            ("b", "a"),
+            r"checkpoint.checkpoint_dir='.*/a': is in use by another run: pid {pid} ",
+        ),
+    ],
+    ids=["shared_outside", "inside_other_output", "held_as_outside", "other_output_dir"],
+)
+def test_shared_checkpoint_dir_is_refused_naming_the_holder(tmp_path, first, second, says):
+    proc = _run_holder(tmp_path / first[0], tmp_path / first[1])
+    try:
+        with pytest.raises(ConfigError, match=says.format(pid=proc.pid)):
+            acquire_run_lock(output_dir=tmp_path / second[0], checkpoint_dir=tmp_path / second[1])
+        # the refused run let go of its own output_dir again
+        mine = acquire_output_lock(tmp_path / second[0])
+        assert mine is not None
+        mine.release()
+    finally:
+        proc.kill()
+        proc.wait()
+    lock = acquire_run_lock(output_dir=tmp_path / second[0], checkpoint_dir=tmp_path / second[1])
+    assert len(lock.locks) == (1 if second[1].startswith(second[0] + "/") else 2)
+    lock.release()
+
+
+@pytest.mark.parametrize("shared", ["output_dir", "checkpoint_dir"])
+def test_a_second_run_is_refused_and_leaves_the_live_runs_tmp_alone(tmp_path, capsys, shared):
+    """`recipes train` on the output_dir, or only the checkpoint_dir, of a live run: exit 2, one line
+    naming the key and the holder, before any rank starts; the live run's ``.tmp-step_N`` (a save
+    in progress) is not touched, and nothing is written."""
+    from _recipe_helpers import tiny_config
+
+    from automodel.recipes.cli import run_cli
+
+    ckpt = tmp_path / "ckpt"
+    proc = _run_holder(tmp_path / "a", ckpt)
+    in_progress = ckpt / ".tmp-step_7"
+    in_progress.mkdir(parents=True)
+    (in_progress / "shard.distcp").write_bytes(b"half written")
+    try:
+        out = tmp_path / ("a" if shared == "output_dir" else "b")
+        cfg = tiny_config(str(out), checkpoint={"enabled": True, "checkpoint_dir": str(ckpt)})
+        (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+        assert run_cli(["train", str(tmp_path / "cfg.yaml"), "--nproc-per-node=2"]) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    key = "output_dir" if shared == "output_dir" else "checkpoint.checkpoint_dir"
+    assert line.startswith(f"error: {key}=") and f"in use by another run: pid {proc.pid}" in line, line
+    assert (in_progress / "shard.distcp").read_bytes() == b"half written"
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.yaml").exists()
 
 
 def _cfg(out: Path, lr: float, max_steps: int = 5) -> SimpleNamespace:

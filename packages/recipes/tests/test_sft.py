@@ -340,8 +340,8 @@ def test_bad_file_row_is_skipped_and_counted_with_bad_rows_skip(
 
 
 def test_bad_rows_skip_validation_section_and_refusals(tmp_path: Path) -> None:
-    """The validation section reads the same key; skip on a non-JSON source or a file of only bad
-    rows is refused with the key or the file named."""
+    """The validation section reads the same key; skip on a file it cannot read row by row or a
+    file of only bad rows is refused with the key or the file named."""
     from automodel.recipes.errors import DataError
 
     path = tmp_path / "v.jsonl"
@@ -354,8 +354,9 @@ def test_bad_rows_skip_validation_section_and_refusals(tmp_path: Path) -> None:
     assert len(ds) == 1 and ds.stats["skipped"] == {"wrong_type": 1}
     with pytest.raises(ConfigError, match="dataset.bad_rows"):
         _section(**kw, path_or_dataset_id=str(path), bad_rows="drop")
-    with pytest.raises(ConfigError, match="not .*d.parquet"):
-        _section(**kw, path_or_dataset_id=str(tmp_path / "d.parquet"), bad_rows="skip")
+    (tmp_path / "d.txt").write_text("x\n")
+    with pytest.raises(ConfigError, match="applies to .jsonl, .json, .csv, .parquet files, not .*d.txt"):
+        _section(**kw, path_or_dataset_id=str(tmp_path / "d.txt"), bad_rows="skip")
     only_bad = tmp_path / "bad.jsonl"
     only_bad.write_bytes(b'"x"\n{\n')
     with pytest.raises(DataError, match="no good rows .skipped 1 malformed_json, 1 not_an_object"):

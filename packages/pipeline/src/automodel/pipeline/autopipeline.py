@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
@@ -35,6 +34,13 @@ from automodel.pipeline.hf_structure import HFStructure
 from automodel.pipeline.layout import check_stages_per_rank, num_stages_for, stage_ids_this_rank
 from automodel.pipeline.schedules import read_csv_stage_layout
 from automodel.pipeline.split import check_parameter_coverage, modules_in_several_stages, split_module
+from automodel.pipeline.step_guard import (
+    GuardedStage,
+    OutputSpec,
+    StepErrors,
+    guard_loss,
+    raise_if_any_failed,
+)
 from automodel.pipeline.tied import TiedParameters
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -133,7 +139,8 @@ class AutoPipeline:
         shared = modules_in_several_stages(fqns_per_stage)
 
         parts: list[nn.Module] = []
-        stages: list[PipelineStage] = []
+        stages: list[GuardedStage] = []
+        errors = StepErrors()  # a stage error in `step` is recorded here and raised on every pp rank
         needs_token_ids = False
         # Taken before any stage of this rank is parallelized (wrapped modules cannot be copied).
         stand_ins = meta_stand_ins(model, structure=structure) if structure is not None else None
@@ -158,7 +165,9 @@ class AutoPipeline:
             attach_boundary_layouts(part, layouts=layouts, stage_index=stage_index, num_stages=num_stages)
             parts.append(part)
             stages.append(
-                PipelineStage(part, stage_index, num_stages, self.device, group=pp_mesh.get_group())
+                GuardedStage(
+                    part, stage_index, num_stages, self.device, group=pp_mesh.get_group(), errors=errors
+                )
             )
         tied_parameters = TiedParameters.build(
             mesh=self.mesh,
@@ -168,11 +177,14 @@ class AutoPipeline:
             part_stage_ids=list(ranks[pp_rank]),
         )
 
+        schedule_loss = (
+            guard_loss(loss_fn, errors=errors, last_stage=num_stages - 1) if loss_fn is not None else None
+        )
         if cfg.pp_schedule_csv is not None:
             schedule = _PipelineScheduleRuntime(
-                stages,
+                [st for st in stages],
                 n_microbatches=cfg.n_microbatches,
-                loss_fn=loss_fn,
+                loss_fn=schedule_loss,
                 scale_grads=cfg.scale_grads_in_schedule,
             )
             schedule._load_csv(cfg.pp_schedule_csv)
@@ -180,7 +192,7 @@ class AutoPipeline:
             schedule = spec.cls(
                 stages if spec.multi_stage else stages[0],
                 n_microbatches=cfg.n_microbatches,
-                loss_fn=loss_fn,
+                loss_fn=schedule_loss,
                 scale_grads=cfg.scale_grads_in_schedule,
             )
         return PipelineModel(
@@ -195,6 +207,7 @@ class AutoPipeline:
             device=self.device,
             tied_parameters=tied_parameters,
             needs_token_ids=needs_token_ids,
+            step_errors=errors,
         )
 
 
@@ -252,7 +265,7 @@ class PipelineModel:
         self,
         *,
         config: PipelineConfig,
-        stages: list[PipelineStage],
+        stages: list[GuardedStage],
         model_parts: list[nn.Module],
         schedule: Any,
         loss_fn: LossFn | None,
@@ -262,6 +275,7 @@ class PipelineModel:
         device: torch.device,
         tied_parameters: TiedParameters | None = None,
         needs_token_ids: bool = False,
+        step_errors: StepErrors | None = None,
     ) -> None:
         self.config = config
         self.stages = stages
@@ -277,6 +291,8 @@ class PipelineModel:
         self.needs_token_ids = needs_token_ids
         self._seq_len: int | None = config.pp_seq_len
         self._tied_synced = False  # the tied copies' gradients were summed by the last `step`
+        self._step_errors = step_errors or StepErrors()
+        self._checked_forward = False  # the first `step` runs one forward-only micro-batch first
 
     # ---- layout --------------------------------------------------------------------------
     @property
@@ -340,6 +356,10 @@ class PipelineModel:
         Returns the sum of the micro-batch losses on a rank holding the last stage and a zero on
         the others (`reduce_loss` makes it the loss on every pp rank). Gradients accumulate into
         the stage parameters; the optimizer step is the caller's.
+
+        A stage forward, `loss_fn` or backward that raises on one rank makes every pp rank raise
+        the same `PipelineStageError` (see `step_guard`) with the step's gradients dropped; the next
+        `step` runs normally. The first `step` checks one micro-batch forward-only beforehand.
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn: pass loss_fn= to AutoPipeline.build")
@@ -350,13 +370,37 @@ class PipelineModel:
             return self._prepare(input_ids, labels, position_ids, stage_kwargs)
 
         args, kwargs, target = self._agreed(prepare)
+        if not self._checked_forward:
+            self._check_forward(args, kwargs, target)
         losses: list[torch.Tensor] = []
         extra = {"return_outputs": False} if _STEP_TAKES_RETURN_OUTPUTS else {}
         self.tied_parameters.begin_accumulation()
+        self._step_errors.reset()
         self.schedule.step(*args, target=target, losses=losses, **extra, **kwargs)
+        raise_if_any_failed(
+            self._step_errors, group=self.pp_group, device=self.device, on_failure=self._drop_gradients
+        )
         self.tied_parameters.sync_gradients()
         self._tied_synced = True
         return self._sum_losses(losses)
+
+    def _check_forward(self, args: tuple, kwargs: dict[str, Any], target: torch.Tensor | None) -> None:
+        """One micro-batch forward-only (and its loss), with the RNG state restored: a stage that
+        fails outright fails on every rank here, and each stage learns its output shapes."""
+        specs = {st.stage_index: st for st in self.stages}
+
+        def record(stage_index: int, output: Any) -> None:
+            specs[stage_index].output_spec = OutputSpec.of(output) or specs[stage_index].output_spec
+
+        devices = [self.device] if self.device.type not in ("cpu", "meta") else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            self._forward_only(args, kwargs, target, use_loss=True, microbatches=1, on_output=record)
+        self._checked_forward = True
+
+    def _drop_gradients(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+        self._tied_synced = True
 
     @torch.no_grad()
     def eval(
@@ -377,29 +421,42 @@ class PipelineModel:
         args, kwargs, target = self._agreed(
             lambda: self._prepare(input_ids, labels if use_loss else None, position_ids, stage_kwargs)
         )
+        outs = self._forward_only(args, kwargs, target, use_loss=use_loss)
+        if use_loss:
+            return self._sum_losses(outs)
+        return _merge_outputs(outs) if self.has_last_stage else None
+
+    def _forward_only(
+        self,
+        args: tuple,
+        kwargs: dict[str, Any],
+        target: torch.Tensor | None,
+        *,
+        use_loss: bool,
+        microbatches: int | None = None,
+        on_output: Callable[[int, Any], None] | None = None,
+    ) -> list[Any]:
+        """`run_forward` over the first `microbatches` micro-batches (all by default)."""
         n = self.config.n_microbatches
         arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, n)
         last_fn: Callable[[int, Any], Any] | None = None
-        if use_loss and self.has_last_stage:
+        if use_loss and self.has_last_stage and self.loss_fn is not None:
             target_chunks, _ = split_args_kwargs_into_chunks((target,), None, n)
             target_mbs = [chunk[0] for chunk in target_chunks]
             loss_fn = self.loss_fn
-            assert loss_fn is not None
             last_fn = lambda mb, out: loss_fn(out, target_mbs[mb])  # noqa: E731
-
-        outs = run_forward(
+        k = n if microbatches is None else microbatches
+        return run_forward(
             parts={st.stage_index: part for st, part in zip(self.stages, self.model_parts)},
             owner_of_stage={s: r for r, ids in self.stage_ids_per_rank.items() for s in ids},
             num_stages=self.num_stages,
             pp_group=self.pp_group,
             device=self.device,
-            arg_mbs=arg_mbs,
-            kwarg_mbs=kwarg_mbs,
+            arg_mbs=arg_mbs[:k],
+            kwarg_mbs=kwarg_mbs[:k],
             last_stage_fn=last_fn,
+            on_output=on_output,
         )
-        if use_loss:
-            return self._sum_losses(outs)
-        return _merge_outputs(outs) if self.has_last_stage else None
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """All-reduce (sum) a `step` result over the pp group: the loss on every pp rank."""

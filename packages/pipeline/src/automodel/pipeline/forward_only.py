@@ -85,12 +85,14 @@ def run_forward(
     arg_mbs: Sequence[tuple],
     kwarg_mbs: Sequence[dict[str, Any]],
     last_stage_fn: Callable[[int, Any], Any] | None = None,
+    on_output: Callable[[int, Any], None] | None = None,
 ) -> list[Any]:
     """Run every micro-batch through the stages; return ``last_stage_fn(mb, output)`` per micro-batch
     on the rank holding the last stage (the raw output without it), ``[]`` elsewhere.
 
     `parts` maps this rank's stage ids to their modules; `owner_of_stage` gives each stage's pp rank.
     Collective over `pp_group`. Raises `PipelineStageError` on every rank when any stage failed.
+    ``on_output(stage, output)`` sees each good stage output (before `last_stage_fn`).
     """
     me = dist.get_rank(pp_group)
     n_mb = len(arg_mbs)
@@ -116,6 +118,8 @@ def run_forward(
             if inputs is not None and error is None:
                 try:
                     output = module(*inputs, **kwarg_mbs[mb])
+                    if on_output is not None:
+                        on_output(s, output)
                     if s == num_stages - 1 and last_stage_fn is not None:
                         output = last_stage_fn(mb, output)
                 except Exception as e:  # noqa: BLE001 - reported on every rank below

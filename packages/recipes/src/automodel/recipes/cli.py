@@ -220,7 +220,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
     cfg = load_and_parse(args.config, overrides)
     from automodel.recipes.launch_check import check_launch
-    from automodel.recipes.run_lock import acquire_output_lock
+    from automodel.recipes.run_lock import acquire_run_lock, run_checkpoint_dir
 
     nnodes = int(opts.nnodes.split(":")[-1])
     # every check, before any process starts or anything is written (each rank checks again in
@@ -228,7 +228,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     check_launch(cfg, world_size=opts.nproc_per_node * nnodes, this_machine=True)
     # One launcher per node: on a single node it holds the output_dir lock for the whole job
     # (restarts included); on several nodes rank 0 takes it, wherever it runs.
-    lock = acquire_output_lock(cfg.output_dir) if nnodes == 1 else None
+    lock = (
+        acquire_run_lock(output_dir=cfg.output_dir, checkpoint_dir=run_checkpoint_dir(cfg))
+        if nnodes == 1
+        else None
+    )
     try:
         if nnodes == 1:
             _check_resume(cfg, allow_changes=args.resume_with_changes)

@@ -68,6 +68,7 @@ def check_restore_from(cfg: Any) -> None:
     from automodel.recipes.checkpoint.paths import (
         CheckpointError,
         check_complete,
+        checkpoint_root,
         list_step_dirs,
         resolve_restore_spec,
     )
@@ -75,7 +76,7 @@ def check_restore_from(cfg: Any) -> None:
     section = cfg.checkpoint
     if not section.enabled or section.restore_from is None:
         return
-    root = Path(section.checkpoint_dir) if section.checkpoint_dir else Path(cfg.output_dir) / "checkpoints"
+    root = checkpoint_root(checkpoint_dir=section.checkpoint_dir, output_dir=cfg.output_dir)
     try:
         check_complete(resolve_restore_spec(root, section.restore_from))
     except CheckpointError as e:

@@ -9,6 +9,12 @@ by a holder that died is taken over with a line saying so.
 `recipes train` takes the lock in the launcher, before any rank starts; rank 0 takes it itself
 when the job was started some other way (torchrun directly, the Python API), and finds it already
 held by its own launcher otherwise (the holder is one of its ancestors).
+
+A ``checkpoint.checkpoint_dir`` outside ``output_dir`` is locked the same way (``<dir>/.lock``; names
+starting with ``.`` are never checkpoints), so two runs with different output_dirs cannot share one.
+A checkpoint directory inside ``output_dir`` is covered by the output_dir's lock; such a run still
+checks that no other run holds it as its outside checkpoint_dir, and a run whose outside
+checkpoint_dir lies inside another live run's output_dir is refused.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.lifetime import is_alive, is_ancestor
 
 LOCK_FILE = ".lock"
+CHECKPOINT_KEY = "checkpoint.checkpoint_dir"
 
 
 @dataclass(frozen=True)
@@ -80,14 +88,14 @@ class OutputDirLock:
         self._fd = None
 
 
-def _prepare_dir(output_dir: Path) -> None:
-    """`output_dir` as a writable directory, or a `ConfigError` saying why not (before any launch)."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError("output_dir", str(output_dir), "is a file, not a directory")
+def _prepare_dir(directory: Path, *, key: str) -> None:
+    """`directory` as a writable directory, or a `ConfigError` (key `key`) saying why not."""
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(key, str(directory), "is a file, not a directory")
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError("output_dir", str(output_dir), f"cannot be created: {e.strerror}") from None
+        raise ConfigError(key, str(directory), f"cannot be created: {e.strerror}") from None
 
 
 def acquire_output_lock(output_dir: str | Path) -> OutputDirLock | None:
@@ -96,27 +104,111 @@ def acquire_output_lock(output_dir: str | Path) -> OutputDirLock | None:
     Raises `ConfigError` (key ``output_dir``) when another live run holds it, when the directory is a
     file, or cannot be created or written (read-only file system, permissions, full disk).
     """
+    return _acquire(Path(output_dir), key="output_dir")
+
+
+def run_checkpoint_dir(cfg: Any) -> Path | None:
+    """The checkpoint root a run writes (None when checkpointing is off), for `acquire_run_lock`."""
+    from automodel.recipes.checkpoint.paths import checkpoint_root
+
+    if not cfg.checkpoint.enabled:
+        return None
+    return checkpoint_root(checkpoint_dir=cfg.checkpoint.checkpoint_dir, output_dir=cfg.output_dir)
+
+
+class RunLock:
+    """The locks of one run (output_dir, and an outside checkpoint_dir); `release` frees them all."""
+
+    def __init__(self, locks: list[OutputDirLock]) -> None:
+        self.locks = locks
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
+        self.locks = []
+
+
+def acquire_run_lock(*, output_dir: str | Path, checkpoint_dir: str | Path | None) -> RunLock:
+    """Lock `output_dir` and, when it lies outside it, `checkpoint_dir` (the checkpoint root this run
+    writes; None when the run saves no checkpoints). Refusals are `ConfigError`s naming the key
+    (``output_dir`` or ``checkpoint.checkpoint_dir``) and the holder."""
     out = Path(output_dir)
-    _prepare_dir(out)
+    if checkpoint_dir is not None and Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
+        raise ConfigError(CHECKPOINT_KEY, str(checkpoint_dir), "is a file, not a directory")
+    held: list[OutputDirLock] = []
+    try:
+        lock = _acquire(out, key="output_dir")
+        held += [lock] if lock is not None else []
+        if checkpoint_dir is None:
+            return RunLock(held)
+        root = Path(checkpoint_dir)
+        if _is_within(root, out):
+            _refuse_if_held(root / LOCK_FILE, root=root, why="is the checkpoint_dir of another run")
+            return RunLock(held)
+        for above in root.resolve().parents:
+            _refuse_if_held(
+                above / LOCK_FILE, root=root, why=f"is inside {above}, the output_dir of another run"
+            )
+        lock = _acquire(root, key=CHECKPOINT_KEY)
+        held += [lock] if lock is not None else []
+        return RunLock(held)
+    except BaseException:
+        RunLock(held).release()
+        raise
+
+
+def _is_within(path: Path, directory: Path) -> bool:
+    return path.resolve().is_relative_to(directory.resolve())
+
+
+def _refuse_if_held(lock_file: Path, *, root: Path, why: str) -> None:
+    """A `ConfigError` for `root` when another live run (not this process or its launcher) holds the
+    lock file `lock_file`; nothing when it does not exist, is free, or names no holder of ours."""
+    try:
+        fd = os.open(lock_file, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            if holder is None or _ours(holder):
+                return
+            raise ConfigError(
+                CHECKPOINT_KEY,
+                str(root),
+                f"{why}: {holder.describe()}. Wait for it to end, stop it, or pick another checkpoint_dir",
+            ) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _ours(holder: Holder) -> bool:
+    return holder.host == socket.gethostname() and (holder.pid == os.getpid() or is_ancestor(holder.pid))
+
+
+def _acquire(out: Path, *, key: str) -> OutputDirLock | None:
+    _prepare_dir(out, key=key)
     path = out / LOCK_FILE
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         why = "is on a read-only file system" if e.errno == errno.EROFS else f"is not writable: {e.strerror}"
-        raise ConfigError("output_dir", str(out), why) from None
+        raise ConfigError(key, str(out), why) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _read_holder(fd)
         os.close(fd)
-        ours = holder is not None and holder.host == socket.gethostname()
-        if ours and (holder.pid == os.getpid() or is_ancestor(holder.pid)):
+        if holder is not None and _ours(holder):
             return None  # our own launcher (or this process, training in place) holds it
         who = holder.describe() if holder else "another process (its lock file names no holder)"
         raise ConfigError(
-            "output_dir",
+            key,
             str(out),
-            f"is in use by another run: {who}. Wait for it to end, stop it, or pick another --output_dir",
+            f"is in use by another run: {who}. Wait for it to end, stop it, or pick another --{key}",
         ) from None
     previous = _read_holder(fd)
     if previous is not None:
@@ -136,20 +228,22 @@ def acquire_output_lock(output_dir: str | Path) -> OutputDirLock | None:
     except OSError as e:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-        raise ConfigError("output_dir", str(out), f"is not writable: {e.strerror}") from None
+        raise ConfigError(key, str(out), f"is not writable: {e.strerror}") from None
     return OutputDirLock(path, fd)
 
 
 @contextlib.contextmanager
-def hold_output_dir(output_dir: str | Path, *, rank: int) -> Iterator[None]:
-    """Rank 0 holds the lock while the block runs (see `acquire_output_lock`). Collective: every
-    rank raises the same `ConfigError` when rank 0 cannot take it."""
+def hold_output_dir(
+    output_dir: str | Path, *, rank: int, checkpoint_dir: str | Path | None = None
+) -> Iterator[None]:
+    """Rank 0 holds the run's locks while the block runs (see `acquire_run_lock`). Collective: every
+    rank raises the same `ConfigError` when rank 0 cannot take them."""
     import torch.distributed as dist
 
     lock, error = None, None
     if rank == 0:
         try:
-            lock = acquire_output_lock(output_dir)
+            lock = acquire_run_lock(output_dir=output_dir, checkpoint_dir=checkpoint_dir)
         except ConfigError as e:
             error = (e.key, e.value, e.message)
     if dist.is_initialized() and dist.get_world_size() > 1:

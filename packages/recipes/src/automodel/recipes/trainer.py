@@ -476,9 +476,10 @@ class Trainer:
     # ---- the run -------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Resume (or start) and train to the end; rank 0 holds the output_dir lock meanwhile."""
-        from automodel.recipes.run_lock import hold_output_dir
+        from automodel.recipes.run_lock import hold_output_dir, run_checkpoint_dir
 
-        with hold_output_dir(self.cfg.output_dir, rank=self.rank):
+        cfg = self.cfg
+        with hold_output_dir(cfg.output_dir, rank=self.rank, checkpoint_dir=run_checkpoint_dir(cfg)):
             return self._train()
 
     def _train(self) -> TrainResult:

@@ -105,7 +105,7 @@ class Checkpointer:
         self.mesh = mesh
         self.lora = lora  # automodel.recipes.peft.LoRAInfo of a LoRA run
         self.base_model_name_or_path = base_model_name_or_path
-        self.root = Path(config.checkpoint_dir) if config.checkpoint_dir else Path(output_dir) / "checkpoints"
+        self.root = paths.checkpoint_root(checkpoint_dir=config.checkpoint_dir, output_dir=output_dir)
         self.last_saved_step: int | None = None
         self.restored_from: Path | None = None  # set by `restore`: the checkpoint this run resumed
         self._sigterm = False

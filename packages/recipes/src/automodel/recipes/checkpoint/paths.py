@@ -30,6 +30,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, partial or corrupt."""
 
 
+def checkpoint_root(*, checkpoint_dir: str | None, output_dir: str | Path) -> Path:
+    """Where a run's checkpoints live: ``checkpoint.checkpoint_dir``, else ``<output_dir>/checkpoints``."""
+    return Path(checkpoint_dir) if checkpoint_dir else Path(output_dir) / "checkpoints"
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step}"
 

@@ -14,15 +14,27 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from automodel.recipes.data.table_rows import (
+    CSV_SUFFIXES,
+    PARQUET_SUFFIXES,
+    check_parquet_columns,
+    read_csv_rows,
+    read_parquet_rows,
+    read_parquet_schema,
+    read_text_lines,
+)
 from automodel.recipes.errors import ConfigError, DataError
 
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
+SKIP_SUFFIXES = (*JSON_SUFFIXES, *CSV_SUFFIXES, *PARQUET_SUFFIXES)
 
 
 BAD_ROWS = ("error", "skip")
-#: Why a row was skipped under ``bad_rows: skip`` (the counted reasons).
-REASONS = ("encoding", "malformed_json", "not_an_object", "wrong_type")
+#: Why a row was skipped under ``bad_rows: skip`` (the counted reasons; `table_rows` for CSV/Parquet).
+REASONS = ("encoding", "malformed_json", "not_an_object", "wrong_type", "malformed_csv", "null_value")
+#: Pretraining sources whose rows `bad_rows: skip` reads itself (the others have no rows).
+SKIP_SOURCES = ("json", "text", "parquet")
 
 
 class BadRow(DataError):
@@ -151,20 +163,26 @@ def check_json_rows(
 
 
 def check_bad_rows_key(section: Any, paths: Any) -> None:
-    """``bad_rows`` is error or skip; skip is honoured for local JSON-lines files only (others are
-    read whole by `datasets`, which cannot leave one row out)."""
+    """``bad_rows`` is error or skip. Skip reads the rows itself (`datasets` rejects a whole file on
+    one bad row): JSON, CSV and Parquet files, a dataset folder or Hub id of such files (SFT), and
+    the json / text / parquet pretraining sources; anything else is refused here."""
     key = f"{section.SECTION}.bad_rows"
     if section.bad_rows not in BAD_ROWS:
         raise ConfigError(key, section.bad_rows, "must be error or skip")
-    if section.bad_rows == "skip":
-        names = [str(p) for p in (paths if isinstance(paths, list) else [paths]) if p is not None]
-        other = [n for n in names if not n.endswith(JSON_SUFFIXES)]
-        if other or not names:
+    if section.bad_rows != "skip":
+        return
+    names = [str(p) for p in (paths if isinstance(paths, list) else [paths]) if p is not None]
+    if not hasattr(section, "path_or_dataset_id"):  # pretraining: the rows' kind is the source's
+        if section.source not in SKIP_SOURCES:
             raise ConfigError(
-                key,
-                "skip",
-                f"applies to local .jsonl/.json files only, not {other[0] if other else 'this source'}",
+                key, "skip", f"applies to the {', '.join(SKIP_SOURCES)} sources, not {section.source}"
             )
+        return
+    if not names:
+        raise ConfigError(key, "skip", f"applies to data files, not the {section.source} source")
+    other = [n for n in names if Path(n).expanduser().is_file() and not n.endswith(SKIP_SUFFIXES)]
+    if other:
+        raise ConfigError(key, "skip", f"applies to {', '.join(SKIP_SUFFIXES)} files, not {other[0]}")
 
 
 def section_columns(section: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -174,7 +192,7 @@ def section_columns(section: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if section.source == "instruction":
             return tuple(str(c) for c in mapping.values()), ()
         return (), (str(mapping.get("messages", "messages")),)
-    return ((section.text_key,) if section.source == "json" else ()), ()
+    return ((section.text_key,) if section.source in ("json", "parquet") else ()), ()
 
 
 def check_text_file(path: Path) -> None:
@@ -191,7 +209,7 @@ def check_text_file(path: Path) -> None:
 def check_section_files(section: Any) -> None:
     """The local files of a dataset section (pretraining ``path`` or SFT ``path_or_dataset_id``)."""
     source = getattr(section, "source", None)  # kinds without one (megatron, nanogpt) read binary shards
-    if section is None or source not in ("instruction", "chat", "json", "text"):
+    if section is None or source not in ("instruction", "chat", "json", "text", "parquet"):
         return
     if hasattr(section, "path_or_dataset_id"):  # SFT
         src = section.path_or_dataset_id
@@ -208,21 +226,42 @@ def check_section_files(section: Any) -> None:
     for f in files:
         if not f.is_file():
             continue  # a directory or a Hub id: read by `datasets` itself
-        if f.suffix in JSON_SUFFIXES:
+        if source == "parquet" or f.suffix in PARQUET_SUFFIXES:
+            if skip:  # a column of the wrong type cannot be skipped row by row: refused before launch
+                key = f"{section.SECTION}.{'path_or_dataset_id' if hasattr(section, 'path_or_dataset_id') else 'path'}"
+                schema = read_parquet_schema(f, key=key)
+                check_parquet_columns(
+                    f, schema, text_columns=text_columns, list_columns=list_columns, key=key
+                )
+        elif f.suffix in JSON_SUFFIXES:
             check_json_rows(f, text_columns=text_columns, list_columns=list_columns, limit=limit, skip=skip)
-        elif f.suffix in TEXT_SUFFIXES or source == "text":
+        elif (f.suffix in TEXT_SUFFIXES or source == "text") and not skip:
             check_text_file(f)
 
 
 def read_good_rows(section: Any, files: list[Path]) -> tuple[list[dict[str, Any]], Counter[str]]:
-    """``bad_rows: skip``: the good rows of the section's JSON files, in order, with every row's
-    columns (missing ones None), and the bad ones counted per reason. `datasets`' JSON reader
-    rejects a whole file on one bad row, so the good rows are read here instead."""
+    """``bad_rows: skip``: the good rows of the section's files, in order, with every row's
+    columns (missing ones None), and the bad ones counted per reason. `datasets` rejects a whole
+    file on one bad row, so the good rows are read here instead (JSON here, the rest `table_rows`)."""
     text_columns, list_columns = section_columns(section)
+    sft = hasattr(section, "path_or_dataset_id")
+    key = f"{section.SECTION}.{'path_or_dataset_id' if sft else 'path'}"
     rows: list[dict[str, Any]] = []
     skipped: Counter[str] = Counter()
     for f in files:
-        good, bad = read_json_rows(f, text_columns=text_columns, list_columns=list_columns, skip=True)
+        kind = f.suffix.lower() if sft else f".{section.source}"
+        if kind in (".text",):
+            good, bad = read_text_lines(f, column="text")
+        elif kind in (".parquet",):
+            good, bad = read_parquet_rows(f, text_columns=text_columns, list_columns=list_columns, key=key)
+        elif kind in CSV_SUFFIXES:
+            good, bad = read_csv_rows(f, columns=text_columns + list_columns, key=key)
+        elif kind in (*JSON_SUFFIXES, ".json"):
+            good, bad = read_json_rows(f, text_columns=text_columns, list_columns=list_columns, skip=True)
+        else:
+            raise ConfigError(
+                key, str(f), f"bad_rows: skip reads {', '.join(SKIP_SUFFIXES)} files, not this one"
+            )
         rows += good
         skipped += bad
     if not rows:

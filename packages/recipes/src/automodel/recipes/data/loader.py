@@ -63,19 +63,23 @@ def _local_documents(section: Any) -> list[str]:
     check_text_paths(section)
     paths = section.path if isinstance(section.path, list) else [section.path]
     builder = {"json": "json", "text": "text", "parquet": "parquet"}[section.source]
+    text_key = "text" if builder == "text" else section.text_key
     if section.bad_rows == "skip":  # the good rows only (`datasets` rejects a file on one bad row)
         from automodel.recipes.data.file_check import read_good_rows
 
         rows, skipped = read_good_rows(section, [Path(p) for p in paths])
-        _report_skipped(section, rows=len(rows), skipped=skipped)
-        return _documents([row.get(section.text_key) for row in rows], max_bytes=section.max_bytes)
+        texts = [row.get(text_key) for row in rows]
+        nulls = sum(t is None for t in texts)  # a row without its text: bad here, not a document
+        if nulls:
+            skipped["null_value"] += nulls
+        _report_skipped(section, rows=len(rows) - nulls, skipped=skipped)
+        return _documents(texts, max_bytes=section.max_bytes)
     try:
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
     except Exception as e:  # noqa: BLE001 - a file datasets cannot read is a config problem
         raise ConfigError(
             f"{key}.path", section.path, f"cannot be read as {builder} ({type(e).__name__})"
         ) from None
-    text_key = "text" if builder == "text" else section.text_key
     if text_key not in ds.column_names:
         raise ConfigError(
             f"{key}.text_key", text_key, f"is not a column; columns: {', '.join(ds.column_names)}"

@@ -299,7 +299,7 @@ def build_rows(
 # ---- records ---------------------------------------------------------------------------------
 def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
     """A `datasets.Dataset` from local files, a local directory or a cached Hub dataset id; with
-    ``bad_rows: skip`` bad JSON rows are left out and counted into `skipped`."""
+    ``bad_rows: skip`` bad rows of JSON / CSV / Parquet files are left out and counted into `skipped`."""
     import datasets
 
     from automodel.recipes.hub_cache import resolve_local_or_cached
@@ -321,8 +321,14 @@ def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
         kind, data_files = None, None
         directory = resolve_local_or_cached(src, key=key, repo_type="dataset")
     try:
-        if directory is None and getattr(section, "bad_rows", "error") == "skip":
-            ds = _good_rows_table(section, local, split=split, skipped=skipped)
+        if getattr(section, "bad_rows", "error") == "skip":  # rows read here, not by `datasets`
+            files = local
+            if directory is not None:  # a dataset folder (a Hub snapshot): its split's data files
+                from automodel.recipes.data.table_rows import split_data_files
+
+                files = split_data_files(directory, name=section.name, split=section.split, key=key)
+            sliced = "train" + section.split[section.split.index("[") :] if "[" in section.split else "train"
+            ds = _good_rows_table(section, files, split=sliced, skipped=skipped)
         elif directory is None:
             assert kind is not None  # local files: their builder was checked above
             ds = datasets.load_dataset(kind, data_files=data_files, split=split)
@@ -343,7 +349,7 @@ def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
 
 
 def _good_rows_table(section: Any, files: list[Path], *, split: str, skipped: Counter[str] | None) -> Any:
-    """The good rows of local JSON files as a `datasets.Dataset` (``split`` slice applied)."""
+    """The good rows of data files as a `datasets.Dataset` (``split`` slice applied)."""
     import datasets
 
     from automodel.recipes.data.file_check import read_good_rows
