@@ -421,7 +421,6 @@ def run_cli(argv: Sequence[str]) -> int:
     """Parse and run one command; returns the exit code (2 for config errors, one line on stderr)."""
     from automodel.recipes._quiet import quiet_known_notices
 
-    quiet_known_notices()
     parser = _parser()
     try:
         args, extra = parser.parse_known_args(list(argv))
@@ -431,6 +430,7 @@ def run_cli(argv: Sequence[str]) -> int:
         overrides = _split_overrides(args.command, extra)
         with warnings.catch_warnings():
             warnings.simplefilter("default")
+            quiet_known_notices()  # after: its warning filter must come first
             return {
                 "train": _train,
                 "validate": _validate,
