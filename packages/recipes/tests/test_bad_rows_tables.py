@@ -59,8 +59,10 @@ def test_csv_bad_rows_are_skipped_and_counted(tmp_path: Path, capsys: pytest.Cap
     _same_rows(
         ds, build_packed_dataset(_sft(_clean_jsonl(tmp_path)), ByteTokenizer(), packed_sequence_size=0)
     )
-    with pytest.raises(ConfigError, match=r"dataset.path_or_dataset_id=.*d.csv.: cannot be read as csv"):
-        build_packed_dataset(_sft(path), ByteTokenizer(), packed_sequence_size=0)  # error: datasets' reader
+    from automodel.recipes.errors import DataError
+
+    with pytest.raises(DataError, match=r"d\.csv:3: not UTF-8"):  # error: the first bad row, named
+        build_packed_dataset(_sft(path), ByteTokenizer(), packed_sequence_size=0)
 
 
 def test_parquet_null_values_are_counted_and_a_wrong_column_type_refused(tmp_path: Path) -> None:
@@ -183,3 +185,25 @@ def test_pretraining_parquet_and_text_sources_skip_bad_rows(
         ConfigError, match="dataset.bad_rows='skip': applies to the json, text, parquet sources, not embedded"
     ):
         DatasetSection(source="embedded", bad_rows="skip")
+
+
+def test_csv_reads_the_same_under_error_and_skip(tmp_path: Path) -> None:
+    """Digits and "NA" stay text in both modes (pandas would make them an int column and a null)."""
+    path = tmp_path / "d.csv"
+    path.write_text('q,a\n1+1=,2\nNA,4\n"2+5=","7"\n')
+    strict, skip = _sft(path), _sft(path, bad_rows="skip")
+    check_section_files(strict)
+    ds = build_packed_dataset(strict, ByteTokenizer(), packed_sequence_size=0)
+    assert ds.stats["records"] == 3
+    _same_rows(ds, build_packed_dataset(skip, ByteTokenizer(), packed_sequence_size=0))
+
+
+def test_csv_bad_row_under_error_names_file_and_line_before_launch(tmp_path: Path) -> None:
+    from automodel.recipes.errors import DataError
+
+    path = tmp_path / "d.csv"
+    path.write_text('q,a\n1+1=,2\n"a",b,c\n3+3=,6\n')
+    with pytest.raises(DataError, match=r"d\.csv:3: 3 fields where the header has 2"):
+        check_section_files(_sft(path))
+    with pytest.raises(DataError, match=r"d\.csv:3: "):
+        build_packed_dataset(_sft(path), ByteTokenizer(), packed_sequence_size=0)

@@ -233,6 +233,9 @@ def check_section_files(section: Any) -> None:
                 check_parquet_columns(
                     f, schema, text_columns=text_columns, list_columns=list_columns, key=key
                 )
+        elif f.suffix in CSV_SUFFIXES and not skip:  # the same strict reader the run uses
+            key = f"{section.SECTION}.{'path_or_dataset_id' if hasattr(section, 'path_or_dataset_id') else 'path'}"
+            read_csv_rows(f, columns=text_columns, key=key, strict=True)
         elif f.suffix in JSON_SUFFIXES:
             check_json_rows(f, text_columns=text_columns, list_columns=list_columns, limit=limit, skip=skip)
         elif (f.suffix in TEXT_SUFFIXES or source == "text") and not skip:

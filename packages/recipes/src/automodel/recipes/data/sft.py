@@ -329,6 +329,8 @@ def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
                 files = split_data_files(directory, name=section.name, split=section.split, key=key)
             sliced = "train" + section.split[section.split.index("[") :] if "[" in section.split else "train"
             ds = _good_rows_table(section, files, split=sliced, skipped=skipped)
+        elif directory is None and kind == "csv":  # one CSV reader for both modes (`table_rows`)
+            ds = _csv_table(section, local, split=split)
         elif directory is None:
             assert kind is not None  # local files: their builder was checked above
             ds = datasets.load_dataset(kind, data_files=data_files, split=split)
@@ -348,20 +350,45 @@ def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
     return ds
 
 
-def _good_rows_table(section: Any, files: list[Path], *, split: str, skipped: Counter[str] | None) -> Any:
-    """The good rows of data files as a `datasets.Dataset` (``split`` slice applied)."""
+def _csv_table(section: Any, files: list[Path], *, split: str) -> Any:
+    """Local CSV files as a `datasets.Dataset` of text values (`table_rows.read_csv_rows`, strict:
+    the first bad row is a `DataError` naming file and line)."""
+    from automodel.recipes.data.file_check import section_columns
+    from automodel.recipes.data.table_rows import read_csv_rows
+
+    text_columns, list_columns = section_columns(section)
+    key = f"{section.SECTION}.{section.PATH_KEY}"
+    rows: list[dict[str, Any]] = []
+    for f in files:
+        rows += read_csv_rows(f, columns=text_columns + list_columns, key=key, strict=True)[0]
+    return _sliced(_rows_dataset(rows), split)
+
+
+def _rows_dataset(rows: list[dict[str, Any]]) -> Any:
+    """Rows (dicts with the same keys) as a `datasets.Dataset`."""
     import datasets
 
+    return datasets.Dataset.from_list(rows)
+
+
+def _sliced(ds: Any, split: str) -> Any:
+    """`ds` cut to the slice of a split spec such as ``train[:100]`` (whole for ``train``)."""
+    import datasets
+
+    if "[" in split:
+        (part,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(ds)})
+        ds = ds.select(range(part.from_, part.to))
+    return ds
+
+
+def _good_rows_table(section: Any, files: list[Path], *, split: str, skipped: Counter[str] | None) -> Any:
+    """The good rows of data files as a `datasets.Dataset` (``split`` slice applied)."""
     from automodel.recipes.data.file_check import read_good_rows
 
     rows, bad = read_good_rows(section, files)
     if skipped is not None:
         skipped.update(bad)
-    ds = datasets.Dataset.from_list(rows)
-    if "[" in split:
-        (part,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(ds)})
-        ds = ds.select(range(part.from_, part.to))
-    return ds
+    return _sliced(_rows_dataset(rows), split)
 
 
 def load_records(section: Any, *, skipped: Counter[str] | None = None) -> list[dict[str, Any]]:

@@ -4,7 +4,9 @@
 
 - CSV: a row that is not UTF-8 (``encoding``) or whose field count differs from the header's
   (``malformed_csv``) is left out. Every CSV value is text, so a wrong type cannot occur; an empty
-  field is None (as `datasets` reads it).
+  field is None. ``bad_rows: error`` reads CSV here too (``strict``: the first bad row is a
+  `DataError` naming file and line), so a file reads the same in both modes (pandas, behind
+  `datasets`, would turn a column of digits into integers and "NA" into a null).
 - Parquet: a column's type holds for the whole file, so a column of the wrong type (or a missing
   column) is not a row to leave out: it is refused as a `ConfigError` naming the file and column.
   Null values are rows (counted by the caller where a value is required).
@@ -19,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from automodel.recipes.errors import ConfigError
+from automodel.recipes.errors import ConfigError, DataError
 
 CSV_SUFFIXES = (".csv",)
 PARQUET_SUFFIXES = (".parquet",)
@@ -32,25 +34,26 @@ def _not_utf8(text: str) -> bool:
     return any("\udc80" <= ch <= "\udcff" for ch in text)
 
 
-def _require_columns(path: Path, found: list[str], needed: tuple[str, ...], *, key: str) -> None:
+def _require_columns(
+    path: Path, found: list[str], needed: tuple[str, ...], *, key: str, strict: bool = False
+) -> None:
     missing = [c for c in needed if c not in found]
     if missing:
+        why = "" if strict else "; bad_rows: skip leaves out rows, not a column a whole file lacks"
         raise ConfigError(
-            key,
-            str(path),
-            f"has no column {missing[0]!r} (its columns: {', '.join(found)}); bad_rows: skip leaves out "
-            "rows, not a column a whole file lacks",
+            key, str(path), f"has no column {missing[0]!r} (its columns: {', '.join(found)}){why}"
         )
 
 
-def read_csv_rows(path: Path, *, columns: tuple[str, ...], key: str) -> Rows:
-    """The rows of a CSV file with a header line, and the bad ones counted (module docstring)."""
+def read_csv_rows(path: Path, *, columns: tuple[str, ...], key: str, strict: bool = False) -> Rows:
+    """The rows of a CSV file with a header line, and the bad ones counted (module docstring);
+    `strict` raises `DataError` naming the file and line at the first bad row instead."""
     text = path.read_bytes().decode("utf-8", errors="surrogateescape")
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, None)
     if header is None or _not_utf8("".join(header)):
         raise ConfigError(key, str(path), "has no UTF-8 header line (CSV files need one naming the columns)")
-    _require_columns(path, header, columns, key=key)
+    _require_columns(path, header, columns, key=key, strict=strict)
     rows: list[dict[str, Any]] = []
     skipped: Counter[str] = Counter()
     while True:
@@ -58,14 +61,22 @@ def read_csv_rows(path: Path, *, columns: tuple[str, ...], key: str) -> Rows:
             record = next(reader)
         except StopIteration:
             break
-        except csv.Error:  # e.g. a NUL byte: the rest of this record cannot be parsed
+        except csv.Error as e:  # e.g. a NUL byte: the rest of this record cannot be parsed
+            if strict:
+                raise DataError(f"{path}:{reader.line_num}: not a CSV record ({e})") from None
             skipped["malformed_csv"] += 1
             continue
         if not record:
             continue  # a blank line
         if len(record) != len(header):
+            if strict:
+                raise DataError(
+                    f"{path}:{reader.line_num}: {len(record)} fields where the header has {len(header)}"
+                )
             skipped["malformed_csv"] += 1
         elif any(_not_utf8(v) for v in record):
+            if strict:
+                raise DataError(f"{path}:{reader.line_num}: not UTF-8")
             skipped["encoding"] += 1
         else:
             rows.append({c: (v if v != "" else None) for c, v in zip(header, record, strict=True)})
