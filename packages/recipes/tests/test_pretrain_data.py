@@ -3,7 +3,6 @@ nanoGPT shards, windows, splits, blends, sample order and resume, and errors nam
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from automodel.recipes.data.blend import blend_counts
 from automodel.recipes.data.kinds import parse_section
 from automodel.recipes.data.loader import build_sampler
 from automodel.recipes.data.megatron_corpus import MegatronCorpus
@@ -81,100 +79,22 @@ def test_megatron_core_corpus_reads_here(tmp_path: Path) -> None:
     assert corpus.tokens(0, corpus.num_tokens).tolist() == flat
 
 
-def _megatron_core_gpt(prefixes, weights, *, split, sizes, seq) -> Any:
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-    class MTok:
-        eod, pad, vocab_size, unique_identifiers = 0, 0, 512, {"class": "test"}
-
-    cfg = GPTDatasetConfig(
-        random_seed=1,
-        sequence_length=seq,
-        blend=(prefixes, weights),
-        split=split,
-        tokenizer=MTok(),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        path_to_cache=None,
-    )
-    return cast(Any, BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, cfg).build())
-
-
-def test_samples_and_split_match_megatron_core_gpt_dataset(tmp_path: Path) -> None:
-    prefix = write_corpus(tmp_path / "a", random_docs(50))
-    train, val, _ = _megatron_core_gpt([prefix], None, split="90,10,0", sizes=[None, None, None], seq=16)
-    ours = build_megatron(
-        megatron(prefix, seq_length=16, split="90,10,0"), Tok(), packed_sequence_size=0, seed=1
-    )
-    ours_val = build_megatron(
-        MegatronPretrainingValidationSection(paths=prefix, seq_length=16, split="90,10,0"),
-        Tok(),
-        packed_sequence_size=0,
-        seed=1,
-    )
-    assert (len(ours), len(ours_val)) == (len(train), len(val)) == (70, 7)
-    corpus = ours.spans[0].source
-    assert (ours.spans[0].start, ours.spans[0].stop) == corpus.sequence_token_range(
-        0, int(train.indices.max()) + 1
-    )
-    assert ours_val.spans[0].start == corpus.sequence_token_range(int(val.indices.min()), 50)[0]
-    # one document: megatron-core's document shuffle is the identity, so its samples are ours
-    one = write_corpus(tmp_path / "one", [list(range(1, 200)) + [0]])
-    (train1, _, _) = _megatron_core_gpt([one], None, split="1,0,0", sizes=[None, 0, 0], seq=16)
-    theirs = sorted(
-        tuple(train1[i]["tokens"].tolist() + train1[i]["labels"][-1:].tolist()) for i in range(len(train1))
-    )
-    ours1 = build_megatron(megatron(one, seq_length=16, split="1,0,0"), Tok(), packed_sequence_size=0, seed=1)
-    assert sorted(tuple(ours1.sample(i).tolist()) for i in range(len(ours1))) == theirs
-
-
-def test_blend_counts_match_megatron_core(tmp_path: Path) -> None:
-    a = write_corpus(tmp_path / "a", random_docs(50))
-    b = write_corpus(tmp_path / "b", random_docs(80, seed=2))
-    train, val, _ = _megatron_core_gpt([a, b], [30.0, 70.0], split="90,10,0", sizes=[100, 20, 0], seq=16)
-    paths = ["30", a, "70", b]
-    ours = build_megatron(
-        megatron(paths, seq_length=16, split="90,10,0", num_train_samples=100),
-        Tok(),
-        packed_sequence_size=0,
-        seed=1,
-    )
-    ours_val = build_megatron(
-        MegatronPretrainingValidationSection(paths=paths, seq_length=16, split="90,10,0", num_val_samples=20),
-        Tok(),
-        packed_sequence_size=0,
-        seed=1,
-    )
-    assert ours.counts.tolist() == np.bincount(train.dataset_index).tolist() == [30, 70]
-    assert ours_val.counts.tolist() == np.bincount(val.dataset_index).tolist() == [6, 14]
-    # every blended sample is a real window of its corpus, each corpus's samples distinct (fewer than it has)
-    located = ours.locate(range(len(ours)))
-    for d in (0, 1):
-        mine = [j for c, j in located if c == d]
-        assert len(set(mine)) == len(mine) == ours.counts[d] and max(mine) < len(ours.parts[d])
-    rows = ours.batch([0, 99])[0]
-    assert torch.equal(rows[1], ours.parts[located[99][0]].batch([located[99][1]])[0][0])
-
-
-def test_blend_counts_formula_and_repeats() -> None:
-    assert blend_counts([1, 3], total=10) == [math.ceil(2.5), math.ceil(7.5)]
-    with pytest.raises(ValueError, match="> 0"):
-        blend_counts([1, 0], total=10)
-
-
 # ---- windows ----------------------------------------------------------------------------------------
 def test_windows_cross_documents_with_megatron_stride_and_reset_positions(tmp_path: Path) -> None:
     docs = random_docs(20, seed=3)
     prefix = write_corpus(tmp_path / "c", docs)
-    flat = np.array([t for d in docs for t in d])
     ds = build_megatron(megatron(prefix, seq_length=8, split="1,0,0"), Tok(), packed_sequence_size=0, seed=0)
-    assert len(ds) == (flat.size - 1) // 8
+    # the documents concatenated in megatron-core's shuffled document order; sample k of it is a
+    # window of 9 tokens at 8 * k, and position i reads window shuffle[i]
+    stream = np.concatenate([docs[d] for d in ds.order.document_index])
+    assert sorted(ds.order.document_index.tolist()) == list(range(20))
+    assert len(ds) == (stream.size - 1) // 8
     for i in (0, 1, len(ds) - 1):
-        assert ds.sample(i).tolist() == flat[i * 8 : i * 8 + 9].tolist()
-    ids, labels, pos = ds.batch([3, 0])
-    assert ids[1].tolist() == flat[:8].tolist() and labels[1].tolist() == flat[1:9].tolist()
+        k = int(ds.order.shuffle_index[i])
+        assert ds.sample(i).tolist() == stream[k * 8 : k * 8 + 9].tolist()
+    first = int(np.flatnonzero(ds.order.shuffle_index == 0)[0])
+    ids, labels, pos = ds.batch([3, first])
+    assert ids[1].tolist() == stream[:8].tolist() and labels[1].tolist() == stream[1:9].tolist()
     assert pos[0].tolist() == list(range(8))
     packed = build_megatron(
         megatron(prefix, seq_length=8, split="1,0,0"), Tok(), packed_sequence_size=64, seed=0
@@ -299,7 +219,7 @@ def test_automodel_megatron_section_parses(tmp_path: Path) -> None:
     assert isinstance(section, MegatronPretrainingValidationSection)
     assert section.split_name == "validation" and section.seq_length == 16
     ds = build_megatron(section, Tok(), packed_sequence_size=0, seed=0)
-    assert [s.name for s in ds.spans] == [prefix, str(tmp_path / "processed_data_1_text_document")]
+    assert [p.name for p in ds.parts] == [prefix, str(tmp_path / "processed_data_1_text_document")]
     nano = parse_section(
         {"_target_": "x.NanogptDataset", "file_pattern": "d/*.bin", "seq_len": 64, "shuffle_files": True},
         validation=False,

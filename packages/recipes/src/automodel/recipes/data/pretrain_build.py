@@ -8,18 +8,23 @@ truncated or mismatched file, a shard dtype too small for the tokenizer, or an e
 from __future__ import annotations
 
 import glob
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from automodel.recipes.data.blend import BlendedSamples, blend_counts
+from automodel.recipes.data.blend import MID_LEVEL_SURPLUS, BlendedSamples
+from automodel.recipes.data.blend_indices import blending_indices, normalize, size_per_dataset
 from automodel.recipes.data.corpus_error import CorpusError
+from automodel.recipes.data.index_cache import cached_arrays
 from automodel.recipes.data.megatron_corpus import MegatronCorpus
+from automodel.recipes.data.megatron_order import GptOrder, gpt_order
 from automodel.recipes.data.megatron_paths import parse_split, resolve_blend, split_range
+from automodel.recipes.data.megatron_samples import MegatronSamples
 from automodel.recipes.data.nanogpt_shard import NanogptShard
 from automodel.recipes.data.pretrain_sections import MegatronPretrainingSection, NanogptSection
-from automodel.recipes.data.sample_order import BlockShuffledOrder, SequentialOrder, ShuffledOrder
+from automodel.recipes.data.sample_order import BlockShuffledOrder, SequentialOrder, StoredThenShuffledOrder
 from automodel.recipes.data.token_windows import TokenSpan, TokenWindows
 from automodel.recipes.errors import ConfigError
 
@@ -46,65 +51,185 @@ def check_vocab_fits(*, dtype: np.dtype, vocab_size: int | None, path: str, key:
 
 
 # ---- Megatron ------------------------------------------------------------------------------------
-def megatron_spans(
+@dataclass(frozen=True)
+class CorpusSplit:
+    """One corpus and the documents ``[first, stop)`` of it this split reads."""
+
+    corpus: MegatronCorpus
+    first: int
+    stop: int
+    name: str
+
+    @property
+    def num_tokens(self) -> int:
+        return int(np.asarray(self.corpus.index.lengths[self.first : self.stop], dtype=np.int64).sum())
+
+
+def megatron_splits(
     section: MegatronPretrainingSection, *, vocab_size: int | None
-) -> tuple[list[TokenSpan], list[float] | None]:
-    """One span per corpus (its part for ``splits_to_build``), and the blend weights if any."""
+) -> tuple[list[CorpusSplit], list[float] | None]:
+    """Each corpus's documents for ``splits_to_build`` (megatron-core's split), and the blend weights."""
     key = f"{section.SECTION}.paths"
     split_name = section.split_name
     prefixes, weights, uses_split = resolve_blend(section.paths, split_name=split_name, key=key)
     ratios = parse_split(section.split, key=f"{section.SECTION}.split")
-    spans = []
+    out = []
     for prefix in prefixes:
         corpus = _open(MegatronCorpus, prefix, key=key)
         check_vocab_fits(dtype=corpus.dtype, vocab_size=vocab_size, path=str(corpus.bin_path), key=key)
         first, stop = (
             split_range(corpus.num_sequences, ratios, split_name) if uses_split else (0, corpus.num_sequences)
         )
-        start, end = corpus.sequence_token_range(first, stop)
-        spans.append(TokenSpan(source=corpus, start=start, stop=end, name=prefix))
-    return spans, weights
+        out.append(CorpusSplit(corpus=corpus, first=first, stop=stop, name=prefix))
+    return out, weights
+
+
+def _gpt_samples(
+    part: CorpusSplit,
+    *,
+    section: MegatronPretrainingSection,
+    seq: int,
+    seed: int,
+    num_samples: int | None,
+    eos_token_id: int,
+    document_boundaries: bool,
+) -> MegatronSamples:
+    """megatron-core's ``GPTDataset`` over `part` (its order cached in ``index_mapping_dir``)."""
+    idx = part.corpus.index.path
+    description = {
+        "corpus": str(Path(part.corpus.prefix).resolve()),
+        "idx_bytes": idx.stat().st_size,
+        "idx_mtime_ns": idx.stat().st_mtime_ns,
+        "documents": [part.first, part.stop],
+        "seq_length": seq,
+        "seed": seed,
+        "num_samples": num_samples,
+    }
+
+    def build() -> dict[str, np.ndarray]:
+        order = gpt_order(
+            part.corpus.index.lengths,
+            first=part.first,
+            stop=part.stop,
+            seq_length=seq,
+            seed=seed,
+            num_samples=num_samples,
+        )
+        return {
+            "document_index": order.document_index,
+            "document_starts": order.document_starts,
+            "shuffle_index": order.shuffle_index,
+        }
+
+    arrays = cached_arrays(
+        section.index_mapping_dir,
+        kind=f"GPTDataset-{section.split_name}",
+        description=description,
+        build=build,
+    )
+    return MegatronSamples(
+        part.corpus,
+        GptOrder(**arrays),
+        seq_length=seq,
+        eos_token_id=eos_token_id,
+        document_boundaries=document_boundaries,
+        name=part.name,
+    )
 
 
 def build_megatron(
     section: MegatronPretrainingSection, tokenizer: Any, *, packed_sequence_size: int, seed: int
 ) -> Any:
-    """Samples of ``seq_length + 1`` tokens (Megatron's stride), blended when ``paths`` has weights."""
+    """megatron-core's ``GPTDataset`` (one corpus) or ``BlendedDataset`` (several) for the split,
+    built as ``BlendedMegatronDatasetBuilder`` builds them, so position ``i`` is their sample ``i``
+    token for token. The training sampler reads that order for the first epoch, then reshuffles."""
     seq = packed_sequence_size or section.seq_length
-    spans, weights = megatron_spans(section, vocab_size=tokenizer.vocab_size)
-    common = dict(
-        seq_length=seq,
-        stride=seq,
-        eos_token_id=tokenizer.eos_token_id,
-        document_boundaries=packed_sequence_size > 0,
-    )
+    parts, weights = megatron_splits(section, vocab_size=tokenizer.vocab_size)
+    data_seed = section.seed if section.seed is not None else seed
     key = f"{section.SECTION}.paths"
-    sizes = [len(TokenWindows([span], **common)) for span in spans]
-    empty = [span for span, n in zip(spans, sizes) if n == 0]
-    if len(empty) == len(spans) or (weights is not None and empty):
-        span = empty[0]
-        raise ConfigError(
-            key,
-            span.name,
-            f"has {span.num_tokens} tokens in split {section.split_name!r}: fewer than one sample "
-            f"of seq_length + 1 = {seq + 1} (an empty corpus or split)",
+    for part in parts:
+        if part.num_tokens < seq + 1:
+            raise ConfigError(
+                key,
+                part.name,
+                f"has {part.num_tokens} tokens in split {section.split_name!r}: fewer than one sample "
+                f"of seq_length + 1 = {seq + 1} (an empty corpus or split)",
+            )
+    size = section.num_samples
+
+    def gpt(part: CorpusSplit, num_samples: int | None) -> MegatronSamples:
+        return _gpt_samples(
+            part,
+            section=section,
+            seq=seq,
+            seed=data_seed,
+            num_samples=num_samples,
+            eos_token_id=tokenizer.eos_token_id,
+            document_boundaries=packed_sequence_size > 0,
         )
-    if weights is None:
-        ds: Any = TokenWindows(spans, **common)
+
+    if len(parts) == 1 and weights is None:
+        ds: Any = gpt(parts[0], size)
     else:
-        parts = [TokenWindows([s], **common) for s in spans]
-        total = section.num_samples or sum(len(p) for p in parts)
-        ds = BlendedSamples(
-            parts,
-            counts=blend_counts(weights, total=total),
-            seed=section.seed if section.seed is not None else seed,
-        )
-    ds.sample_order = ShuffledOrder(len(ds), seed=seed)
+        ds = _blend(parts, weights, size=size, seq=seq, gpt=gpt, section=section)
+    ds.sample_order = StoredThenShuffledOrder(len(ds), seed=seed)
     return ds
 
 
-def check_megatron_paths(section: MegatronPretrainingSection) -> None:
-    megatron_spans(section, vocab_size=None)
+def _blend(
+    parts: list[CorpusSplit],
+    weights: list[float] | None,
+    *,
+    size: int | None,
+    seq: int,
+    gpt: Any,
+    section: MegatronPretrainingSection,
+) -> BlendedSamples:
+    """``BlendedMegatronDatasetBuilder``'s blend of `parts`. With weights and no sample count (which
+    megatron-core refuses), the count is the samples one pass over every corpus gives."""
+    if weights is not None:
+        w = normalize(weights)
+        if size is None:
+            size = sum((p.num_tokens - 1) // seq for p in parts)
+        targets = size_per_dataset(w, size=size)
+        margins = size_per_dataset(w, size=size, surplus=MID_LEVEL_SURPLUS)
+        sets = [gpt(p, n) for p, n in zip(parts, margins)]
+        blend_w, blend_size, caps = normalize(w), sum(targets), None
+    else:
+        sets = [gpt(p, None) for p in parts]
+        lengths = [len(s) for s in sets]
+        if size is None:
+            total = sum(lengths)
+            blend_w, blend_size, caps = [n / float(total) for n in lengths], total, lengths
+        else:
+            blend_w, blend_size, caps = normalize(lengths), min(size, sum(lengths)), None
+    description = {
+        "parts": [[str(Path(p.corpus.prefix).resolve()), len(s)] for p, s in zip(parts, sets)],
+        "weights": blend_w,
+        "size": blend_size,
+        "caps": caps,
+    }
+    arrays = cached_arrays(
+        section.index_mapping_dir,
+        kind=f"BlendedDataset-{section.split_name}",
+        description=description,
+        build=lambda: dict(
+            zip(
+                ("dataset_index", "dataset_sample_index"),
+                blending_indices(blend_w, size=blend_size, caps=caps),
+                strict=True,
+            )
+        ),
+    )
+    ds = BlendedSamples(sets, **arrays)
+    for d, n in enumerate(ds.counts.tolist()):
+        if n > len(sets[d]):
+            raise ConfigError(
+                f"{section.SECTION}.paths",
+                parts[d].name,
+                f"is asked for {n} samples of the blend but its split gives {len(sets[d])}",
+            )
+    return ds
 
 
 # ---- nanoGPT -------------------------------------------------------------------------------------

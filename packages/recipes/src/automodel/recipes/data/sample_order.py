@@ -6,6 +6,8 @@ ranks slice the same answer, so every layout sees the same global batches and a 
 cycle walking): index ``i`` maps to ``perm(i)`` without materialising the permutation, so neither
 start-up nor memory grows with the number of samples. `SequentialOrder` reads in stored order
 (optionally with its blocks, e.g. shard files, shuffled per epoch: `BlockShuffledOrder`).
+`StoredThenShuffledOrder` keeps a dataset's own order (megatron-core's, already shuffled) for the
+first pass and shuffles later passes.
 """
 
 from __future__ import annotations
@@ -94,6 +96,19 @@ class SequentialOrder:
 
     def indices(self, *, epoch: int, start: int, stop: int) -> list[int]:
         return list(range(start, stop))
+
+
+class StoredThenShuffledOrder:
+    """Epoch 0 in stored order (a dataset already in megatron-core's shuffled order, so a run
+    reads exactly what Megatron-LM would); every later epoch a keyed permutation of (seed, epoch)."""
+
+    def __init__(self, n: int, *, seed: int) -> None:
+        self.n, self.seed = n, seed
+
+    def indices(self, *, epoch: int, start: int, stop: int) -> list[int]:
+        if epoch == 0:
+            return list(range(start, stop))
+        return permute(np.arange(start, stop), n=self.n, seed=self.seed, epoch=epoch).tolist()
 
 
 class BlockShuffledOrder:
