@@ -232,6 +232,10 @@ def _blend(
     return ds
 
 
+def check_megatron_paths(section: MegatronPretrainingSection) -> None:
+    megatron_splits(section, vocab_size=None)
+
+
 # ---- nanoGPT -------------------------------------------------------------------------------------
 def nanogpt_files(section: NanogptSection) -> list[str]:
     key = f"{section.SECTION}.file_pattern"
