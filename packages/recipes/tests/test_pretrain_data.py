@@ -343,3 +343,25 @@ def _const_build(section, tokenizer, *, packed_sequence_size, seed):
 
 def _const_check(section):
     raise ConfigError("dataset", section.source, "checked")
+
+
+def test_nanogpt_seq_len_errors_name_seq_len(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A rule on the sequence length names the key the user wrote: nanoGPT's ``seq_len``."""
+    import sys
+
+    import yaml
+
+    from automodel.recipes.cli import run_cli
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _recipe_helpers import tiny_config
+
+    cfg = tiny_config(str(tmp_path / "out"))
+    cfg["dataset"] = {"source": "nanogpt", "file_pattern": str(tmp_path / "*.bin"), "seq_len": 30}
+    cfg["validation_dataset"] = None
+    cfg.setdefault("distributed", {})["cp_size"] = 2
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert run_cli(["validate", str(path), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "error: dataset.seq_len=30" in err and "dataset.seq_length" not in err, err

@@ -102,6 +102,13 @@ class RecipeConfig:
     def seq_length(self) -> int:
         return self.packed_sequence.packed_sequence_size or self.dataset.seq_length
 
+    @property
+    def seq_length_key(self) -> str:
+        """The YAML key `seq_length` comes from, as the user spells it (nanoGPT's is ``seq_len``)."""
+        if self.packed_sequence.packed_sequence_size:
+            return "packed_sequence.packed_sequence_size"
+        return f"dataset.{getattr(type(self.dataset), 'SEQ_LENGTH_KEY', 'seq_length')}"
+
 
 def _checkpoint_section(data: Any) -> CheckpointConfig:
     """The ``checkpoint:`` section built once (absent: checkpointing off); errors name the key."""

@@ -177,21 +177,13 @@ def check_layout_rules(
         )
     seq = cfg.seq_length
     if cp > 1 and seq % (2 * cp):
-        key = (
-            "packed_sequence.packed_sequence_size"
-            if cfg.packed_sequence.packed_sequence_size
-            else "dataset.seq_length"
-        )
+        key = cfg.seq_length_key
         raise ConfigError(
             key, seq, f"must be divisible by 2*cp_size = {2 * cp} (load-balanced context parallelism)"
         )
     if pp > 1 and tp > 1 and d.sequence_parallel and (seq // cp) % tp:
         # a stage sends its tp rank's equal share of the sequence-sharded hidden states
-        key = (
-            "packed_sequence.packed_sequence_size"
-            if cfg.packed_sequence.packed_sequence_size
-            else "dataset.seq_length"
-        )
+        key = cfg.seq_length_key
         raise ConfigError(
             key,
             seq,

@@ -141,6 +141,7 @@ class NanogptSection:
     """
 
     SECTION: ClassVar[str] = "dataset"
+    SEQ_LENGTH_KEY: ClassVar[str] = "seq_len"  # AutoModel's spelling, named in errors
     source: str = "nanogpt"
     file_pattern: str | list | None = None
     seq_len: int = 1024
