@@ -130,6 +130,7 @@ def check_layout_rules(
     `check_model_supports_layout`)."""
     d = cfg.distributed
     tp, pp, cp, ep, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.dp
+    _check_streaming(cfg)
     text = text_config(hf_config)  # a multimodal model's text decoder
     if tp > 1:
         # every layer's count (a heterogeneous config's layers may differ)
@@ -211,6 +212,24 @@ _PER_LAYER_VERBS = {
     "enable_compile": "compiles",
     "enable_fsdp2_prefetch": "chains the prefetches of",
 }
+
+
+def _check_streaming(cfg: Any) -> None:
+    """A stream has no length: the run's length must be set, and it has no rows to cap."""
+    if not getattr(type(cfg.dataset), "STREAMING", False):
+        return
+    if cfg.step_scheduler.max_steps is None:
+        raise ConfigError(
+            "step_scheduler.max_steps",
+            None,
+            "is required with dataset.source: streaming (a stream has no length)",
+        )
+    if cfg.packed_sequence.max_packs is not None:
+        raise ConfigError(
+            "packed_sequence.max_packs",
+            cfg.packed_sequence.max_packs,
+            "does not apply to a streaming dataset",
+        )
 
 
 def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: ResolvedLayout) -> None:

@@ -26,13 +26,9 @@ import yaml
 from automodel.mesh import MeshContext
 from automodel.mesh.model_parts import text_config
 from automodel.recipes._dist_setup import resolve_machine_defaults, setup_distributed
-from automodel.recipes.data import (
-    BatchLoader,
-    build_packed_dataset,
-    build_tokenizer,
-)
+from automodel.recipes.data import build_packed_dataset, build_tokenizer
 from automodel.recipes.data.first_rows import first_rows
-from automodel.recipes.data.loader import Batch, build_sampler
+from automodel.recipes.data.loader import Batch, build_train_loader
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.launch_check import check_launch, launch_world_size
@@ -212,12 +208,10 @@ class Trainer:
         ss = cfg.step_scheduler
         seq = cfg.packed_sequence.packed_sequence_size
         limit = cfg.packed_sequence.max_packs
-        dataset = first_rows(
-            build_packed_dataset(cfg.dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed), limit
-        )
+        dataset = build_packed_dataset(cfg.dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed)
         try:
-            sampler = build_sampler(
-                dataset,
+            self.loader = build_train_loader(
+                dataset if hasattr(dataset, "loader") else first_rows(dataset, limit),
                 global_batch_size=ss.global_batch_size,
                 local_batch_size=ss.local_batch_size,
                 dp_rank=dp_rank_of(self.mesh),
@@ -227,7 +221,6 @@ class Trainer:
             )
         except ValueError as e:
             raise ConfigError("step_scheduler.global_batch_size", ss.global_batch_size, str(e)) from None
-        self.loader = BatchLoader(dataset, sampler)
         self.val_dataset = (
             None
             if cfg.validation_dataset is None
@@ -238,7 +231,9 @@ class Trainer:
                 limit,
             )
         )
-        steps_per_epoch = sampler.steps_per_epoch
+        # a stream has no length: its run is max_steps long (required for it, `rules`)
+        steps_per_epoch = self.loader.steps_per_epoch or ss.max_steps
+        assert steps_per_epoch is not None
         self.steps_per_epoch = steps_per_epoch
         total = steps_per_epoch * ss.num_epochs
         self.total_steps = min(total, ss.max_steps) if ss.max_steps is not None else total

@@ -6,7 +6,9 @@ dotted name, e.g. ``...megatron_dataset.MegatronPretraining``). Each kind names:
 - ``section`` / ``validation_section``: the dataclasses that parse and validate its keys;
 - ``build``: ``"module:function"`` called as ``f(section, tokenizer, *, packed_sequence_size, seed)``
   -> a dataset with ``len`` and ``batch(indices) -> (input_ids, labels, position_ids)``, and
-  optionally ``sample_order`` (see `sample_order`) for the training sampler;
+  optionally ``sample_order`` (see `sample_order`) for the training sampler; or, for a stream
+  without a length, an object whose ``loader(global_batch_size=, local_batch_size=, dp_rank=,
+  dp_size=)`` gives the rank's stateful loader (``next_step``, ``state_dict``, ``load_state_dict``);
 - ``check_paths``: ``"module:function"`` called as ``f(section)`` in the launching process to
   refuse missing or unreadable files before any rank starts (``recipes validate`` skips it).
 
@@ -141,6 +143,11 @@ def _register_builtin() -> None:
     register(DatasetKind("nanogpt", ("nanogpt",), dict.fromkeys(("NanogptDataset", "NanogptDatasetConfig"), "nanogpt"),
                          NanogptSection, NanogptValidationSection,
                          f"{build}:build_nanogpt", f"{build}:check_nanogpt_paths"))  # fmt: skip
+    from automodel.recipes.data.streaming_section import StreamingSection, StreamingValidationSection
+
+    stream = "automodel.recipes.data.streaming"
+    register(DatasetKind("streaming", ("streaming",), {}, StreamingSection, StreamingValidationSection,
+                         f"{stream}:build_streaming", f"{stream}:check_streaming_paths"))  # fmt: skip
     from automodel.recipes.compat.datasets import register_kinds
 
     register_kinds()  # NeMo AutoModel's make_squad_dataset and HellaSwag

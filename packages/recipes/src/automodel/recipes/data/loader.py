@@ -174,12 +174,48 @@ def build_sampler(
     )
 
 
+def build_train_loader(
+    dataset: Any,
+    *,
+    global_batch_size: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    shuffle: bool = True,
+) -> Any:
+    """This rank's stateful loader: a stream's own (`streaming`), else a `BatchLoader` over the
+    global sampler. ``next_step()``, ``state_dict()``, ``load_state_dict()``, ``steps_per_epoch``
+    (None for a stream)."""
+    if hasattr(dataset, "loader"):
+        return dataset.loader(
+            global_batch_size=global_batch_size,
+            local_batch_size=local_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
+    sampler = build_sampler(
+        dataset,
+        global_batch_size=global_batch_size,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        shuffle=shuffle,
+    )
+    return BatchLoader(dataset, sampler)
+
+
 class BatchLoader:
     """Stateful per-step loader: `next_step()` -> this rank's micro-batches; checkpointable."""
 
     def __init__(self, dataset: PackedDataset, sampler: StatefulGlobalBatchSampler) -> None:
         self.dataset = dataset
         self.sampler = sampler
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
 
     def next_step(self) -> list[Batch]:
         return [Batch(*self.dataset.batch(ix)) for ix in self.sampler.next_step()]
