@@ -5,7 +5,10 @@
 2. Reader throughput: tokens per second one rank reads (random samples of seq_length + 1 through the
    sampler: index -> window -> int64 tensors), on one core, from the 2 GiB corpus.
 3. `recipes preprocess` (our workers -> Megatron shards) vs `datasets.load_dataset("json") + .map(tokenizer,
-   batched=True, num_proc=W)` on the same jsonl files, same tokenizer (a BPE trained here), same W.
+   batched=True, num_proc=W)` on the same jsonl files, same tokenizer (a BPE trained here), same W,
+   both single-threaded per worker (TOKENIZERS_PARALLELISM=false), whole commands (start-up
+   included), no Arrow cache hit; one warm-up round of each, then `--rounds` alternating rounds,
+   median.
 
     uv run --frozen python benchmarks/pretrain_data.py [--big-gib 2] [--work DIR] [--workers 2]
 """
@@ -153,7 +156,7 @@ def train_bpe(folder: Path, out: Path) -> None:
     ).save_pretrained(out)
 
 
-def preprocess_vs_datasets_map(work: Path, *, workers: int, mb: float, rounds: int = 2) -> dict:
+def preprocess_vs_datasets_map(work: Path, *, workers: int, mb: float, rounds: int = 5) -> dict:
     folder, tokdir = work / "text", work / "bpe"
     shutil.rmtree(folder, ignore_errors=True)
     text_corpus(folder, files=2 * workers, mb_per_file=mb / (2 * workers))
@@ -174,17 +177,25 @@ def preprocess_vs_datasets_map(work: Path, *, workers: int, mb: float, rounds: i
         f"num_proc={workers}, remove_columns=['text'])\n"
         "print(sum(len(x) for x in out['input_ids']))\n"
     )
-    timings: dict[str, float] = {}
-    for _ in range(rounds):  # alternating, best of each: the machine is shared
+    times: dict[str, list[float]] = {"preprocess": [], "datasets_map": []}
+    for r in range(rounds + 1):  # round 0 warms the page cache and bytecode; not counted
         for name, cmd in (("preprocess", ours_cmd), ("datasets_map", [sys.executable, "-c", theirs])):
             shutil.rmtree(work / "shards", ignore_errors=True)
-            shutil.rmtree(work / "hf_cache", ignore_errors=True)
+            shutil.rmtree(work / "hf_cache", ignore_errors=True)  # no Arrow cache hit for datasets
             t0 = time.perf_counter()
             subprocess.run(
                 cmd, check=True, env={**env, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True
             )
-            timings[name] = min(timings.get(name, float("inf")), time.perf_counter() - t0)
-    return {"input_mb": nbytes / 1e6, **timings, "speedup": timings["datasets_map"] / timings["preprocess"]}
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    med = {name: float(np.median(t)) for name, t in times.items()}
+    return {
+        "input_mb": nbytes / 1e6,
+        "rounds": rounds,
+        **{f"{name}_median_s": m for name, m in med.items()},
+        "all_s": {name: [round(x, 2) for x in t] for name, t in times.items()},
+        "speedup_median": med["datasets_map"] / med["preprocess"],
+    }
 
 
 def main() -> None:
@@ -193,6 +204,7 @@ def main() -> None:
     p.add_argument("--work", default=None)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--text-mb", type=float, default=20.0, help="jsonl input of the preprocess comparison")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds of the preprocess comparison (median)")
     p.add_argument("--skip", nargs="*", default=[], choices=["startup", "reader", "preprocess"])
     args = p.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="pretrain_bench_"))
@@ -215,7 +227,9 @@ def main() -> None:
     if "reader" not in args.skip:
         results["reader_tokens_per_s"] = reader_throughput(big)
     if "preprocess" not in args.skip:
-        results["preprocess"] = preprocess_vs_datasets_map(work, workers=args.workers, mb=args.text_mb)
+        results["preprocess"] = preprocess_vs_datasets_map(
+            work, workers=args.workers, mb=args.text_mb, rounds=args.rounds
+        )
     print(json.dumps(results, indent=1))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +56,27 @@ class MegatronWriter:
         self.bin_sha256.update(data)
         self._lengths.append(int(arr.size))
         self.num_tokens += int(arr.size)
+
+    def add_documents(self, docs: Sequence[Sequence[int] | np.ndarray], *, bos: int | None, eos: int) -> None:
+        """Each of `docs` as ``[bos] ids eos`` (bos when given), written with one write per call."""
+        if not docs:
+            return
+        head = [] if bos is None else [bos]
+        pieces: list[Any] = []
+        lengths = []
+        for ids in docs:
+            pieces += [head, ids, [eos]] if head else [ids, [eos]]
+            lengths.append(len(ids) + 1 + len(head))
+        flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
+        if int(flat.max()) > self._max or int(flat.min()) < 0:
+            raise ValueError(
+                f"{self.prefix}.bin: token id {int(flat.max())} does not fit the shard dtype {self.dtype}"
+            )
+        data = flat.astype(self.dtype).tobytes()
+        self._bin.write(data)
+        self.bin_sha256.update(data)
+        self._lengths += lengths
+        self.num_tokens += int(flat.size)
 
     @property
     def num_documents(self) -> int:

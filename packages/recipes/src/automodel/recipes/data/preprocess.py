@@ -22,7 +22,7 @@ from typing import Any
 
 from automodel.recipes.data.megatron_writer import token_dtype_for_vocab
 from automodel.recipes.data.preprocess_inputs import Task, input_files, plan_tasks
-from automodel.recipes.data.preprocess_worker import TokenizerSpec, init_worker, run_task
+from automodel.recipes.data.preprocess_worker import TokenizerSpec, adopt_tokenizer, init_worker, run_task
 from automodel.recipes.data.tokenizer import TOKENIZER_FILES, bos_prefix, build_tokenizer
 from automodel.recipes.errors import ConfigError
 
@@ -141,6 +141,7 @@ def preprocess(
     with contextlib.ExitStack() as stack:
         if bar is not None:
             stack.callback(bar.close)
+        adopt_tokenizer(spec, tok)  # forked workers inherit it: none loads its own
         if workers == 1 or len(pending) <= 1:
             init_worker(spec)
             results: Any = map(work, pending)

@@ -30,20 +30,35 @@ class TokenizerSpec:
 
 
 _TOKENIZER: Any = None
+_SPEC: TokenizerSpec | None = None
+
+
+def adopt_tokenizer(spec: TokenizerSpec, tok: Any) -> None:
+    """Use the launching process's tokenizer: forked workers inherit it instead of loading their own."""
+    global _TOKENIZER, _SPEC
+    _TOKENIZER, _SPEC = tok, spec
 
 
 def init_worker(spec: TokenizerSpec) -> None:
-    """Pool initializer: one tokenizer per worker process (no nested tokenizer threads)."""
-    global _TOKENIZER
+    """Pool initializer: one tokenizer per worker process (no nested tokenizer threads); a worker
+    forked after `adopt_tokenizer` keeps the inherited one."""
+    global _TOKENIZER, _SPEC
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
+    if _TOKENIZER is not None and _SPEC == spec:
+        return
     from automodel.recipes.data.tokenizer import build_tokenizer
 
-    _TOKENIZER = build_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code)
+    _TOKENIZER, _SPEC = build_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code), spec
 
 
 def encode_batch(tok: Any, texts: list[str]) -> list[Any]:
-    """Token ids of each text, without special tokens (a fast tokenizer encodes the batch at once)."""
+    """Token ids of each text, without special tokens. A fast tokenizer encodes the batch in one
+    call of its Rust backend, without the offsets and Python lists transformers' call builds."""
     if tok.hf is not None:
+        backend = getattr(tok.hf, "backend_tokenizer", None)
+        fast = getattr(backend, "encode_batch_fast", None)
+        if fast is not None:
+            return [np.asarray(e.ids, dtype=np.int64) for e in fast(texts, add_special_tokens=False)]
         return tok.hf(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     out = []
     for t in texts:
@@ -63,10 +78,9 @@ def run_task(task: Task, *, out_dir: str, text_key: str, dtype: str, spec: Token
     batch: list[str] = []
 
     def flush() -> None:
-        for ids in encode_batch(tok, batch):
-            doc = np.asarray(ids, dtype=np.int64)
-            parts = ([bos] if bos is not None else []), doc, [eos]
-            writer.add_document(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+        if batch:
+            docs = encode_batch(tok, batch)
+            writer.add_documents(docs, bos=bos, eos=eos)
         batch.clear()
 
     for text in read_documents(task, text_key=text_key):
