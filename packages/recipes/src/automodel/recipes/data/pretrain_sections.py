@@ -49,15 +49,17 @@ def _zipped_blend(blend: Any, *, key: str) -> list[str]:
 class MegatronPretrainingSection:
     """Megatron indexed corpora (``paths``), split by document ratios, optionally blended by weight.
 
-    Keys as in NeMo AutoModel's ``MegatronPretraining``. ``index_mapping_dir``,
-    ``num_dataset_builder_threads`` and ``mmap_bin_files`` are accepted so its configs load: the
-    sample map here is computed per index, so there is nothing to cache or build, and samples are
-    always read from the ``.bin`` with positioned reads (a memory map's read-around would grow
-    every rank's RSS with the samples read; the ``.idx`` is memory-mapped). ``tokenizer`` (AutoModel's per-dataset tokenizer) becomes the
-    run's tokenizer when the YAML has no ``tokenizer:`` section naming one (a different one is an
-    error). ``num_train_samples`` / ``num_val_samples`` / ``num_test_samples`` size a weighted
-    blend (default: the samples the corpora hold); ``seed`` picks a blend's samples (default: the
-    run's seed).
+    Keys as in NeMo AutoModel's ``MegatronPretraining``; the samples are megatron-core's
+    ``GPTDataset`` / ``BlendedDataset``'s, in their order (`megatron_order`, `blend_indices`).
+    ``index_mapping_dir`` caches that order (built once, then memory-mapped; without it every rank
+    builds it in memory). ``num_dataset_builder_threads`` and ``mmap_bin_files`` are accepted so
+    AutoModel's configs load: samples are always read from the ``.bin`` with positioned reads (a
+    memory map's read-around would grow every rank's RSS with the samples read; the ``.idx`` is
+    memory-mapped). ``tokenizer`` (AutoModel's per-dataset tokenizer) becomes the run's tokenizer
+    when the YAML has no ``tokenizer:`` section naming one (a different one is an error).
+    ``num_train_samples`` / ``num_val_samples`` / ``num_test_samples`` are megatron-core's sample
+    counts (more passes over a corpus when it holds fewer; a weighted blend's size, default one pass
+    over each corpus); ``seed`` is megatron-core's ``random_seed`` (default: the run's seed).
     """
 
     SECTION: ClassVar[str] = "dataset"

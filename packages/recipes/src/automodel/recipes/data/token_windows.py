@@ -1,9 +1,8 @@
 """Fixed-length samples of ``seq_length + 1`` tokens cut from token spans, read on demand.
 
-A span is a contiguous token range of one memory-mapped source (a Megatron corpus split, a
-nanoGPT shard). Sample ``i`` of a span starts ``i * stride`` tokens in: Megatron's GPT dataset
-uses ``stride = seq_length`` (consecutive samples share one token: the last label is the next
-input) and crosses document boundaries; modded-nanogpt uses ``stride = seq_length + 1``. With
+A span is a contiguous token range of one memory-mapped source (a nanoGPT shard; Megatron corpora
+have their own order, `megatron_samples`). Sample ``i`` of a span starts ``i * stride`` tokens in
+(modded-nanogpt uses ``stride = seq_length + 1``). With
 explicit ``starts`` (nanoGPT's ``align_to_bos``) each sample begins at a given offset instead.
 
 Nothing is precomputed beyond one count per span, so a dataset over any number of tokens opens
