@@ -91,12 +91,12 @@ class TokenStream:
     def __init__(
         self, section: StreamingSection, tokenizer: Any, *, seq_length: int, dp_rank: int, dp_size: int
     ) -> None:
-        from automodel.recipes.data.preprocess import prepends_bos
+        from automodel.recipes.data.tokenizer import bos_prefix
 
         self.section, self.tokenizer = section, tokenizer
         self.seq_length, self.dp_rank, self.dp_size = seq_length, dp_rank, dp_size
         self.text_key = "text" if stream_files(section)[1] == "text" else section.text_key
-        self.bos = tokenizer.bos_token_id if prepends_bos(tokenizer) else None
+        self.bos = (bos_prefix(tokenizer) or [None])[0]
         self.epoch = 0
         self.buffer = np.zeros(0, dtype=np.int64)
         self._open(None)
