@@ -146,7 +146,9 @@ def test_readme_flow_builds_the_example_datasets(tmp_path: Path) -> None:
     )
     over = [f"--dataset.paths={shards}", f"--validation_dataset.paths={shards}"]
     cfg = parse_recipe_config(load_config(example, over))
+    val_batches = cfg.step_scheduler.val_batches
+    assert val_batches is not None  # the example validates on a fixed number of batches
     for section in (cfg.dataset, cfg.validation_dataset):
         check_paths(section)
         ds = build_dataset(section, ByteTokenizer(), packed_sequence_size=0, seed=cfg.seed)
-        assert len(ds) >= cfg.step_scheduler.global_batch_size * cfg.step_scheduler.val_batches
+        assert len(ds) >= cfg.step_scheduler.global_batch_size * val_batches
