@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import (
-    GPT2Config,
     GPT2LMHeadModel,
     LlamaForCausalLM,
     Qwen3ForCausalLM,
@@ -34,35 +33,12 @@ GLOBAL_TOKENS = GBS * (SEQ - 1)
 def tiny_model(
     *, layers: int = 2, family: str = "llama", meta: bool = False, seed: int = 0
 ) -> LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM | GPT2LMHeadModel:
-    """The shared tiny model (`automodel.mesh.tiny_model`) of `family`, or a GPT-2 of the same width."""
-    if family == "gpt2":
-        torch.manual_seed(seed)
-        if meta:
-            with torch.device("meta"):
-                return GPT2LMHeadModel(_gpt2_config(layers))
-        return GPT2LMHeadModel(_gpt2_config(layers))
-    if family not in ("llama", "qwen3", "qwen3_moe"):
+    """The shared tiny model (`automodel.mesh.tiny_model`) of `family`; ``gpt2``: decoder layers at
+    transformer.h, tied embeddings, Conv1D projections."""
+    if family not in ("llama", "qwen3", "qwen3_moe", "gpt2"):
         raise KeyError(family)
     model = tiny_causal_lm(family, layers=layers, seed=seed, meta=meta, use_cache=False)
-    return cast("LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM", model)
-
-
-def _gpt2_config(layers: int) -> GPT2Config:
-    """Decoder layers at transformer.h, tied embeddings, Conv1D projections."""
-    cfg = GPT2Config(
-        n_embd=64,
-        n_layer=layers,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=64,
-        use_cache=False,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    cfg.bos_token_id = cfg.eos_token_id = 0
-    cfg._attn_implementation = "sdpa"
-    return cfg
+    return cast("LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM | GPT2LMHeadModel", model)
 
 
 def batch(step: int) -> torch.Tensor:

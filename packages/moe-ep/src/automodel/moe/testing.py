@@ -1,89 +1,50 @@
-"""Tiny Hugging Face MoE models for tests and benchmarks (transformers imported lazily)."""
+"""The tiny MoE models of the expert-parallel tests and benchmarks: the shared builder
+(`automodel.mesh.tiny_model`) with what these tests need on top (transformers imported lazily).
+
+On top of the shared tiny sizes: 8 experts by default (ep = 2, 4 and 8 split them evenly), the
+router's auxiliary loss in the output (its parity is part of the check), Qwen3-MoE's normalised
+top-k, positions up to 128.
+"""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from automodel.mesh.tiny_model import MOE_FAMILIES, moe_fields, tiny_causal_lm
 
-#: The MoE families parallelize_model is tested on.
-MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen3_moe", "qwen2_moe")
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["MOE_FAMILIES", "build_tiny_model", "preload"]
 
 
-def tiny_config(
+def build_tiny_model(
     family: str,
     *,
+    seed: int = 0,
     num_experts: int = 8,
     top_k: int = 2,
     layers: int = 2,
     hidden: int = 64,
     expert_intermediate: int = 32,
     aux_loss_coef: float = 0.01,
-) -> object:
-    """A small config of `family` ("mixtral", "qwen3_moe", "qwen2_moe" or the dense "llama")."""
-    common = dict(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    moe = dict(num_experts_per_tok=top_k, router_aux_loss_coef=aux_loss_coef, output_router_logits=True)
-    if family == "mixtral":
-        # optional dependency of this package
-        from transformers import MixtralConfig
-
-        cfg = MixtralConfig(
-            intermediate_size=expert_intermediate, num_local_experts=num_experts, **moe, **common
-        )
-    elif family == "qwen3_moe":
-        # optional dependency of this package
-        from transformers import Qwen3MoeConfig
-
-        cfg = Qwen3MoeConfig(
-            intermediate_size=2 * hidden,
-            moe_intermediate_size=expert_intermediate,
-            num_experts=num_experts,
-            norm_topk_prob=True,
-            head_dim=hidden // 4,  # pyright: ignore[reportCallIssue]  # configs take extra keys at run time
-            **moe,
-            **common,
-        )
-    elif family == "qwen2_moe":
-        # optional dependency of this package
-        from transformers import Qwen2MoeConfig
-
-        cfg = Qwen2MoeConfig(
-            intermediate_size=2 * hidden,
-            moe_intermediate_size=expert_intermediate,
-            shared_expert_intermediate_size=expert_intermediate,
-            num_experts=num_experts,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            **moe,
-            **common,
-        )
-    elif family == "llama":
-        # optional dependency of this package
-        from transformers import LlamaConfig
-
-        cfg = LlamaConfig(intermediate_size=2 * hidden, **common)
-    else:
+) -> PreTrainedModel:
+    """A seeded fp32 causal LM of `family` (one of `MOE_FAMILIES`, or the dense "llama"), identical
+    on every rank for the same seed; the dense MLPs are 2 * `hidden` wide."""
+    overrides: dict[str, object] = {
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "max_position_embeddings": 128,
+    }
+    if family in MOE_FAMILIES:
+        overrides |= moe_fields(family, experts=num_experts, top_k=top_k, expert_width=expert_intermediate)
+        overrides |= {"router_aux_loss_coef": aux_loss_coef, "output_router_logits": True}
+        if family == "qwen3_moe":
+            overrides["norm_topk_prob"] = True
+    elif family != "llama":
         raise ValueError(f"family must be one of {(*MOE_FAMILIES, 'llama')}, got {family!r}")
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
-def build_tiny_model(family: str, *, seed: int = 0, **config_kwargs: object) -> nn.Module:
-    """A seeded fp32 causal LM of `family`; identical on every rank for the same seed."""
-    # optional dependency of this package
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family, **config_kwargs)).float()
+    return tiny_causal_lm(family, layers=layers, seed=seed, **overrides)
 
 
 def preload(families: tuple[str, ...] = (*MOE_FAMILIES, "llama")) -> None:
