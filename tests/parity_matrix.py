@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
+from automodel.mesh.layout_check import check_layout_applied
+from automodel.mesh.layout_table import MATRIX_LAYOUTS, Layout
 from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
-from automodel.recipes.testing import LAYOUTS, Layout, check_layout_applied
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
@@ -143,11 +144,9 @@ def check_reports(layout: Layout, reports: list[dict[str, Any]]) -> None:
     """Raise AssertionError unless every rank holds what `layout` asks for."""
     model = MOE_MODEL if layout.model == "moe" else DENSE_MODEL
     check_layout_applied(
-        name=layout.name,
-        reports=reports,
+        reports,
         ranks=layout.ranks,
         distributed=layout.distributed,
-        dp=layout.dp,
         layers=model["num_hidden_layers"],
         num_experts=model.get("num_experts", 0),
     )
@@ -171,7 +170,7 @@ def write_table(results: list[tuple[Layout, float, str, float]], path: Path) -> 
         "`tests/test_parity_matrix.py`.",
         "",
         '"placed": every rank\'s `layout/rank_<N>.json` (what it really holds, written by `recipes train`) passes',
-        "`automodel.recipes.testing`: FSDP dim-0 shards over dp_shard_cp, HSDP replicas, TP col/row shards, SP norms",
+        "`automodel.mesh.layout_check`: FSDP dim-0 shards over dp_shard_cp, HSDP replicas, TP col/row shards, SP norms",
         "on the tp mesh, disjoint pipeline stages, experts per ep rank, the DDP reducer, the CP ring backend. The",
         "single-process run fails every one of these checks (a test), so parity alone cannot pass a layout.",
         "",
@@ -198,7 +197,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="parity_"))
     refs = {kind: run_layout(layout, work) for kind, layout in REFERENCES.items()}
     results = []
-    for layout in LAYOUTS:
+    for layout in MATRIX_LAYOUTS:
         start = time.monotonic()
         placed, diff = "no", float("inf")
         try:

@@ -1,5 +1,5 @@
 """The parity matrix as tests: each layout's config, trained by the recipes on forked ranks, reproduces
-the single-process losses, and every rank holds what the layout says (`automodel.recipes.testing`). The
+the single-process losses, and every rank holds what the layout says (`automodel.mesh.layout_check`). The
 same configs through the real CLI (torchrun): `python tests/parity_matrix.py` (docs/parity.md)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_matrix import (  # noqa: E402
-    LAYOUTS,
+    MATRIX_LAYOUTS,
     REFERENCES,
     RTOL,
     STEPS,
@@ -39,7 +39,7 @@ def references(reference_dir: Path) -> dict[str, list[float]]:
     return refs
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+@pytest.mark.parametrize("layout", MATRIX_LAYOUTS, ids=[layout.name for layout in MATRIX_LAYOUTS])
 def test_placement_checks_reject_a_run_with_the_parallelism_off(
     layout: Layout, references: dict[str, list[float]], reference_dir: Path
 ) -> None:
@@ -51,7 +51,7 @@ def test_placement_checks_reject_a_run_with_the_parallelism_off(
         check_reports(layout, stand_ins)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+@pytest.mark.parametrize("layout", MATRIX_LAYOUTS, ids=[layout.name for layout in MATRIX_LAYOUTS])
 def test_layout_reproduces_single_process_losses(
     layout: Layout, references: dict[str, list[float]], reference_dir: Path, tmp_path: Path
 ) -> None:

@@ -24,7 +24,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from automodel.recipes.testing import check_applied_any_architecture
+from automodel.mesh.layout_check import check_layout_applied
+from automodel.mesh.layout_table import layouts_named
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -45,47 +46,28 @@ RANK_TIMEOUT_S = 150
 #: Largest tiny model (parameters) a sweep builds; configs that nest big sub-configs stay larger.
 MAX_TINY_PARAMS = 10_000_000
 
-_PIPE_1F1B = {"pp_schedule": "1f1b", "pp_microbatch_size": 1}
+#: The sweep's layouts: docs/models.md's column names for shared layouts (`automodel.mesh.layout_table`),
+#: each with the strategy named (the composed 4-rank ones and pp2_ac are in the CPU suite's cases,
+#: not the sweep's columns; pp2_ac: two stages per rank with checkpointing inside them; ep2_pp2_ac:
+#: one layer per stage, so a stage may hold only dense layers, as DeepSeek-V3's first layers).
+_SHARED_NAMES = {
+    "fsdp2": "fsdp2_dp2",
+    "tp2": "tp2",
+    "tp2_sp": "tp2_sp",
+    "pp2": "pp2_1f1b",
+    "cp2": "cp2",
+    "pp2_ac": "pp2_ac",
+    "ep2": "ep2",
+    "tp2_pp2": "pp2xtp2",
+    "tp2_sp_pp2": "pp2xtp2_sp",
+    "cp2_pp2": "pp2xcp2",
+    "ep2_cp2": "ep2xcp2",
+    "ep2_pp2": "pp2xep2",
+    "ep2_pp2_ac": "pp2xep2_ac",
+}
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
-    "fsdp2": (2, {"strategy": "fsdp2"}),
-    "tp2": (2, {"strategy": "fsdp2", "tp_size": 2}),
-    "tp2_sp": (2, {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True}),
-    "pp2": (
-        2,
-        {"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_schedule": "1f1b", "pp_microbatch_size": 1}},
-    ),
-    "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
-    # two stages per rank and activation checkpointing inside them (not in the sweep's columns)
-    "pp2_ac": (
-        2,
-        {
-            "strategy": "fsdp2",
-            "pp_size": 2,
-            "activation_checkpointing": True,
-            "pipeline": {"pp_schedule": "interleaved1f1b", "pp_microbatch_size": 1},
-        },
-    ),
-    "ep2": (2, {"strategy": "fsdp2", "ep_size": 2}),
-    # composed layouts on 4 ranks (in the CPU suite's cases, not the sweep's columns)
-    "tp2_pp2": (4, {"strategy": "fsdp2", "tp_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
-    "tp2_sp_pp2": (
-        4,
-        {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True, "pp_size": 2, "pipeline": _PIPE_1F1B},
-    ),
-    "cp2_pp2": (4, {"strategy": "fsdp2", "cp_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
-    "ep2_cp2": (4, {"strategy": "fsdp2", "ep_size": 2, "cp_size": 2}),
-    "ep2_pp2": (4, {"strategy": "fsdp2", "ep_size": 2, "pp_size": 2, "pipeline": _PIPE_1F1B}),
-    # one layer per stage: a stage may hold only dense layers (DeepSeek-V3's first layers)
-    "ep2_pp2_ac": (
-        4,
-        {
-            "strategy": "fsdp2",
-            "ep_size": 2,
-            "pp_size": 2,
-            "activation_checkpointing": True,
-            "pipeline": {"pp_schedule": "interleaved1f1b", "pp_microbatch_size": 1},
-        },
-    ),
+    column: (shared.ranks, {"strategy": "fsdp2", **shared.distributed})
+    for column, shared in zip(_SHARED_NAMES, layouts_named(*_SHARED_NAMES.values()), strict=True)
 }
 DENSE_LAYOUTS = ("fsdp2", "tp2", "tp2_sp", "pp2", "cp2")
 MOE_LAYOUTS = ("fsdp2", "tp2", "pp2", "ep2")
@@ -304,10 +286,15 @@ def check_applied(
     layout: str, reports: list[dict[str, Any]], *, num_layers: int, num_experts: int | None
 ) -> None:
     """AssertionError unless every rank holds what conformance `layout` asks for (the shared
-    architecture-generic check, `automodel.recipes.testing.check_applied_any_architecture`)."""
+    checker, `automodel.mesh.layout_check.check_layout_applied`, generic over architectures)."""
     ranks, distributed = LAYOUTS[layout]
-    check_applied_any_architecture(
-        reports, ranks=ranks, distributed=distributed, num_layers=num_layers, num_experts=num_experts
+    check_layout_applied(
+        reports,
+        ranks=ranks,
+        distributed=distributed,
+        layers=num_layers,
+        num_experts=num_experts,
+        any_architecture=True,
     )
 
 

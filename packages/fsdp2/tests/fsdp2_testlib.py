@@ -23,6 +23,8 @@ from transformers import (
 )
 
 import automodel.fsdp2  # noqa: F401 - imported once here so forked ranks inherit it
+from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
+from automodel.mesh.layout_table import Layout
 from automodel.mesh.tiny_model import TINY_SIZES, tiny_causal_lm
 
 VOCAB: int = TINY_SIZES["vocab_size"]
@@ -39,6 +41,26 @@ def tiny_model(
         raise KeyError(family)
     model = tiny_causal_lm(family, layers=layers, seed=seed, meta=meta, use_cache=False)
     return cast("LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM | GPT2LMHeadModel", model)
+
+
+#: The ``distributed`` keys of a shared layout that are FSDP2Config / DDPConfig options.
+_LAYOUT_OPTIONS = ("sequence_parallel", "activation_checkpointing")
+
+
+def layout_spec(layout: Layout, **options: Any) -> dict[str, Any]:
+    """The `train_on_rank` spec of a shared layout (`automodel.mesh.layout_table`), with test
+    `options` on top (``accum``, ``offload``, ``meta``, ``layers``; ``config`` merged)."""
+    config = {k: layout.distributed[k] for k in _LAYOUT_OPTIONS if k in layout.distributed}
+    spec: dict[str, Any] = {
+        "tp": layout.size("tp_size"),
+        "dp_replicate": layout.distributed.get("dp_replicate_size"),
+        "family": "llama" if layout.model == "dense" else layout.model,
+        **options,
+        "config": {**config, **options.get("config", {})},
+    }
+    if layout.distributed.get("strategy") == "ddp":
+        spec["strategy"] = "ddp"
+    return spec
 
 
 def batch(step: int) -> torch.Tensor:
@@ -145,6 +167,8 @@ def train_on_rank(spec: dict[str, Any]) -> dict[str, Any]:
     if meta:
         materialize_meta_model(model, device="cpu", seed=0)
     fraction = local_numel_fraction(model)
+    part = describe_module(model, layers_fqn=default_layers_fqn(model))
+    report = rank_report(parts=[part], mesh=mesh, strategy=spec.get("strategy", "fsdp2"))
     optim = make_optimizer(model.parameters(), spec.get("opt", "adamw"))
     coords, layout = mesh.coordinates, mesh.layout
     dp_rank = coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
@@ -166,4 +190,9 @@ def train_on_rank(spec: dict[str, Any]) -> dict[str, Any]:
             dist.all_reduce(total, group=dp_group)
         losses.append(total.item())
     state = full_state(model) if spec.get("return_state") else None
-    return {"losses": losses, "state": state if dist.get_rank() == 0 else None, "local_fraction": fraction}
+    return {
+        "losses": losses,
+        "state": state if dist.get_rank() == 0 else None,
+        "local_fraction": fraction,
+        "report": report,  # what this rank holds (automodel.mesh.layout_report)
+    }

@@ -2,34 +2,42 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from fsdp2_testlib import reference, train_on_rank
+from fsdp2_testlib import layout_spec, reference, train_on_rank
 
+from automodel.mesh.layout_check import check_layout_applied
+from automodel.mesh.layout_table import LAYOUTS, Layout, layouts_named
 from automodel.mesh.testing import run_on_ranks
 
 TIMEOUT = 600
 
-LAYOUTS = {
-    "fsdp_dp2": (2, {}),
-    "fsdp_dp4": (4, {}),
-    "hsdp_2x2": (4, {"dp_replicate": 2}),
-    "tp2": (2, {"tp": 2}),
-    "tp2_sp": (2, {"tp": 2, "config": {"sequence_parallel": True}}),
-    "fsdp2x_tp2": (4, {"tp": 2}),
-    "fsdp2x_tp2_sp_qwen3": (4, {"tp": 2, "family": "qwen3", "config": {"sequence_parallel": True}}),
-    "ddp_dp2": (2, {"strategy": "ddp"}),
-    "grad_accum_deferred": (2, {"accum": 2}),
-    "ddp_grad_accum_deferred": (2, {"strategy": "ddp", "accum": 2}),
-    "activation_checkpointing": (2, {"config": {"activation_checkpointing": True}}),
-    "ddp_activation_checkpointing": (2, {"strategy": "ddp", "config": {"activation_checkpointing": True}}),
-    "ac_tp2_sp": (4, {"tp": 2, "config": {"activation_checkpointing": True, "sequence_parallel": True}}),
-    "cpu_offload": (2, {"offload": True}),
-    "meta_init_fsdp_tp": (4, {"tp": 2, "meta": True}),
+#: The shared layouts (`automodel.mesh.layout_table`) automodel-fsdp2 composes on its own: a dense
+#: model, no pipeline, CP or EP (those come from the other packages; they meet FSDP2 in the
+#: recipes' tests).
+FSDP2_LAYOUTS = [
+    layout for layout in LAYOUTS if layout.model != "moe" and not layout.axes & {"pp", "cp", "ep"}
+]
+#: FSDP2 / DDP features on a shared layout: (layout name, `layout_spec` options).
+FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "grad_accum_deferred": ("fsdp2_dp2", {"accum": 2}),
+    "ddp_grad_accum_deferred": ("ddp2", {"accum": 2}),
+    "cpu_offload": ("fsdp2_dp2", {"offload": True}),
+    "meta_init_fsdp_tp": ("fsdp2xtp_2x2", {"meta": True}),
     "prefetch": (
-        2,
+        "fsdp2_dp2",
         {"layers": 4, "config": {"enable_fsdp2_prefetch": True, "fsdp2_forward_prefetch_depth": 2}},
     ),
+}
+CASES: dict[str, tuple[Layout, dict[str, Any]]] = {
+    **{layout.name: (layout, layout_spec(layout)) for layout in FSDP2_LAYOUTS},
+    **{
+        name: (layout, layout_spec(layout, **options))
+        for name, (base, options) in FEATURES.items()
+        for layout in layouts_named(base)
+    },
 }
 
 
@@ -48,15 +56,24 @@ def _assert_losses(got: list[float], ref: list[float], rel: float = 1e-5) -> Non
         assert abs(g - r) <= rel * abs(r), f"step {step}: loss {g!r} vs single-process {r!r}"
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(CASES))
 def test_loss_parity_adamw(name: str) -> None:
-    world, spec = LAYOUTS[name]
-    results = run_on_ranks(train_on_rank, world_size=world, args=(spec,), timeout_s=TIMEOUT)
+    layout, spec = CASES[name]
+    results = run_on_ranks(train_on_rank, world_size=layout.ranks, args=(spec,), timeout_s=TIMEOUT)
     ref = reference(**_ref_kwargs(spec))
     for r in results:
         _assert_losses(r["losses"], ref["losses"])
     # The loss must actually move, or parity would prove nothing.
     assert abs(ref["losses"][-1] - ref["losses"][0]) > 1e-2
+    # and every rank holds what the layout says (parity alone passes with the parallelism off)
+    reports = [r["report"] for r in results]
+    check_layout_applied(
+        reports,
+        ranks=layout.ranks,
+        distributed=layout.distributed,
+        layers=spec.get("layers", 2),
+        num_experts=0,
+    )
 
 
 @pytest.mark.slow
@@ -68,20 +85,22 @@ def test_loss_parity_fsdp4_x_tp2_on_8_ranks() -> None:
         _assert_losses(r["losses"], ref["losses"])
 
 
-SGD_LAYOUTS = {
-    "fsdp_dp2": (2, {}),
-    "hsdp_2x2": (4, {"dp_replicate": 2}),
-    "tp2_sp": (2, {"tp": 2, "config": {"sequence_parallel": True}}),
-    "ddp_dp2_accum": (2, {"strategy": "ddp", "accum": 2}),
-    "meta_fsdp2x_tp2": (4, {"tp": 2, "meta": True}),
+#: Final weights after SGD: shared layouts with `layout_spec` options.
+SGD_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "fsdp2_dp2": ("fsdp2_dp2", {}),
+    "hsdp_2x2": ("hsdp_2x2", {}),
+    "tp2_sp": ("tp2_sp", {}),
+    "ddp2_accum": ("ddp2", {"accum": 2}),
+    "meta_fsdp2xtp_2x2": ("fsdp2xtp_2x2", {"meta": True}),
 }
 
 
-@pytest.mark.parametrize("name", list(SGD_LAYOUTS))
+@pytest.mark.parametrize("name", list(SGD_CASES))
 def test_sgd_final_weights_match(name: str) -> None:
-    world, spec = SGD_LAYOUTS[name]
-    spec = {**spec, "opt": "sgd", "return_state": True}
-    results = run_on_ranks(train_on_rank, world_size=world, args=(spec,), timeout_s=TIMEOUT)
+    base, options = SGD_CASES[name]
+    (layout,) = layouts_named(base)
+    spec = layout_spec(layout, **options, opt="sgd", return_state=True)
+    results = run_on_ranks(train_on_rank, world_size=layout.ranks, args=(spec,), timeout_s=TIMEOUT)
     ref = reference(**_ref_kwargs(spec))
     _assert_losses(results[0]["losses"], ref["losses"])
     got = results[0]["state"]

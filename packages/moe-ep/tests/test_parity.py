@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from automodel.mesh import MeshContext, ParallelismSizes
+from automodel.mesh.layout_check import check_layout_applied
+from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
+from automodel.mesh.layout_table import LAYOUTS
 from automodel.mesh.testing import run_on_ranks
 from automodel.moe import MoEParallelizerConfig, parallelize_model
 from automodel.moe.testing import build_tiny_model, preload
@@ -52,7 +55,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _parity_rank(
     family: str,
-    sizes: dict,
+    sizes: ParallelismSizes,
     *,
     model_kwargs: dict,
     config: dict,
@@ -60,7 +63,7 @@ def _parity_rank(
     pure_sum: bool = True,
     steps: int = 2,
 ) -> dict:
-    ctx = MeshContext.build(ParallelismSizes(**sizes))
+    ctx = MeshContext.build(sizes)
     dp, coords = ctx.layout.dp, ctx.coordinates
     dp_index = coords["dp_replicate"] * ctx.layout.dp_shard + coords["dp_shard"]
     model = build_tiny_model(family, **model_kwargs)
@@ -72,6 +75,10 @@ def _parity_rank(
         activation_checkpointing=ac,
         gradient_divide_factor=1.0 if pure_sum else None,
     )
+    # what this rank holds (automodel.mesh.layout_report), for the applied-layout check
+    report = rank_report(
+        parts=[describe_module(model, layers_fqn=default_layers_fqn(model))], mesh=ctx, strategy="fsdp2"
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_params = dict(ref.named_parameters())
@@ -80,6 +87,7 @@ def _parity_rank(
         "ref_loss": [],
         "grad_rel": [],
         "names": sorted(n for n, _ in model.named_parameters()),
+        "report": report,
     }
     for step in range(steps):
         ids = _batch(step, dp * PER_RANK)
@@ -122,28 +130,39 @@ def _check(results: list[dict]) -> None:
         assert r["names"] == results[0]["names"]
 
 
-LAYOUTS = {
-    "ep2": (2, {"ep_size": 2}),
-    "ep4": (4, {"ep_size": 4}),
-    "ep2xfsdp2": (4, {"ep_size": 2}),
+#: The shared layouts (`automodel.mesh.layout_table`) parallelize_model composes on its own: the
+#: MoE model split over ep and data parallelism only (pipeline, TP and CP come from the other
+#: packages; they meet EP in the recipes' tests).
+EP_LAYOUTS = {
+    layout.name: layout
+    for layout in LAYOUTS
+    if layout.model == "moe" and layout.axes <= {"ep", "dp_replicate"}
 }
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(EP_LAYOUTS))
 def test_parity_pure_sum(family: str, layout: str) -> None:
-    world, sizes = LAYOUTS[layout]
+    shared = EP_LAYOUTS[layout]
     results = run_on_ranks(
         _parity_rank,
-        world_size=world,
-        args=(family, sizes),
+        world_size=shared.ranks,
+        args=(family, shared.sizes()),
         kwargs={"model_kwargs": {}, "config": {}},
         timeout_s=300,
     )
     _check(results)
     # Each rank holds E/ep experts of the 8, whatever FSDP did on top.
-    ep = sizes["ep_size"]
+    ep = shared.size("ep_size")
     assert all(shape[0] <= 8 // ep for r in results for shape in r["expert_local_shape"])
+    # and holds what the layout says: experts split over ep (and ep_shard), the rest FSDP-sharded
+    check_layout_applied(
+        [r["report"] for r in results],
+        ranks=shared.ranks,
+        distributed=shared.distributed,
+        layers=2,
+        num_experts=8,
+    )
 
 
 def test_parity_averaging_qwen2_moe_shared_expert() -> None:
@@ -151,7 +170,7 @@ def test_parity_averaging_qwen2_moe_shared_expert() -> None:
     results = run_on_ranks(
         _parity_rank,
         world_size=4,
-        args=("qwen2_moe", {"ep_size": 2}),
+        args=("qwen2_moe", ParallelismSizes(ep_size=2)),
         kwargs={"model_kwargs": {}, "config": {}, "pure_sum": False},
         timeout_s=300,
     )
@@ -163,7 +182,7 @@ def test_parity_more_shards_than_local_experts_shards_dim1() -> None:
     results = run_on_ranks(
         _parity_rank,
         world_size=8,
-        args=("mixtral", {"ep_size": 2, "dp_replicate_size": 2}),
+        args=("mixtral", ParallelismSizes(ep_size=2, dp_replicate_size=2)),
         kwargs={"model_kwargs": {"num_experts": 4}, "config": {}, "steps": 1},
         timeout_s=400,
     )
@@ -178,7 +197,7 @@ def test_parity_activation_checkpointing(ignore_router_for_ac: bool) -> None:
     results = run_on_ranks(
         _parity_rank,
         world_size=4,
-        args=("qwen3_moe", {"ep_size": 2}),
+        args=("qwen3_moe", ParallelismSizes(ep_size=2)),
         kwargs={"model_kwargs": {}, "config": config, "ac": True},
         timeout_s=300,
     )
@@ -190,7 +209,7 @@ def test_parity_no_outer_wrap_fp32_head() -> None:
     results = run_on_ranks(
         _parity_rank,
         world_size=2,
-        args=("mixtral", {"ep_size": 2}),
+        args=("mixtral", ParallelismSizes(ep_size=2)),
         kwargs={"model_kwargs": {}, "config": config},
         timeout_s=300,
     )

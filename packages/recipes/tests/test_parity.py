@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from automodel.mesh.layout_check import Q_PROJ, check_layout_applied, placement_on
+from automodel.mesh.layout_table import Layout, layouts_named
 from automodel.mesh.testing import RankFailure, run_on_ranks
-from automodel.recipes.testing import Q_PROJ, Layout, check_layout_applied, layouts_named, placement_on
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import MOE_MODEL, RTOL, TINY, assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
@@ -33,14 +34,12 @@ def test_reference_is_independent_of_accumulation(reference: list[float], tmp_pa
     assert_losses_close(losses, reference)
 
 
-#: The parity matrix's layouts on the recipes tests' 2-layer model, plus two it does not run.
-LAYOUTS = [
-    *layouts_named("fsdp2_dp2", "ddp2", "tp2", "tp2_sp", "hsdp_2x2", "fsdp2xtp_2x2", "pp2_1f1b", "cp2"),
-    Layout(
-        "pp2xfsdp2_gpipe", 4, {"pp_size": 2, "pipeline": {"pp_schedule": "gpipe", "pp_microbatch_size": 1}}
-    ),
-    Layout("fsdp2_dp2_ac", 2, {"activation_checkpointing": True}),
-]
+#: The shared layouts (`automodel.mesh.layout_table`) on the recipes tests' 2-layer model: eight of
+#: the parity matrix's, and two it does not run.
+LAYOUTS = layouts_named(
+    "fsdp2_dp2", "ddp2", "tp2", "tp2_sp", "hsdp_2x2", "fsdp2xtp_2x2", "pp2_1f1b", "cp2",
+    "pp2xfsdp2_gpipe", "fsdp2_dp2_ac",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
@@ -54,11 +53,9 @@ def test_layout_matches_single_process(layout: Layout, reference: list[float], t
     ]
     # what every rank holds: with the parallelism switched off these checks fail
     check_layout_applied(
-        name=layout.name,
-        reports=reports,
+        reports,
         ranks=layout.ranks,
         distributed={**TINY["distributed"], **layout.distributed},
-        dp=layout.dp,
         layers=TINY["model"]["config"]["num_hidden_layers"],
         num_experts=0,
     )

@@ -1,9 +1,9 @@
 """What this rank actually holds after the layout was applied, as plain JSON-able data.
 
-The report is read off the live modules, not off the config: DTensor mesh axes, placements,
-global and local shapes and offsets of every parameter; FSDP2 units; the DDP wrapper and its
-reducer; activation-checkpointed modules; the pipeline stages of each part; megatron-fsdp's
-parameter buffers. `recipes train`
+The report is read off the live modules, not off the config (`automodel.mesh.layout_report`:
+DTensor mesh axes, placements, global and local shapes and offsets of every parameter; FSDP2
+units; the DDP wrapper and its reducer; activation-checkpointed modules), plus here the pipeline
+stages of each part and megatron-fsdp's parameter buffers. `recipes train`
 writes it to ``<output_dir>/layout/rank_<N>.json`` (``logging.layout_report``), so a user (and
 the parity tests) can check that a strategy did what its name says.
 """
@@ -15,79 +15,22 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from automodel.mesh import MeshContext
-
-#: Where a decoder layer index appears in a parameter FQN when the part has no layer list of its own.
-_LAYER_MARK = ".layers."
-
-
-def _global_offset(t: DTensor) -> list[int]:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return [int(o) for o in offset]
-
-
-def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
-    """Mesh axes, placements, shapes (and, for DTensors, this rank's offset) of one tensor."""
-    if isinstance(t, DTensor):
-        local = t.to_local()
-        return {
-            "mesh": list(t.device_mesh.mesh_dim_names or ()),
-            "placements": [str(p) for p in t.placements],
-            "shape": list(t.shape),
-            "local_shape": list(local.shape),
-            # megatron-fsdp shards flattened buffers unevenly: the even-chunk offset would be wrong.
-            "offset": None if getattr(t, "__fsdp_param__", False) else _global_offset(t),
-            "dtype": str(t.dtype).removeprefix("torch."),
-        }
-    return {
-        "mesh": None,
-        "placements": None,
-        "shape": list(t.shape),
-        "local_shape": list(t.shape),
-        "dtype": str(t.dtype).removeprefix("torch."),
-    }
-
-
-def _canonical(name: str) -> str:
-    """FQN as the model names it (no DDP / checkpoint-wrapper / megatron-fsdp atoms)."""
-    for atom in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(atom, "")
-    return name.removeprefix("module.")
-
-
-def layer_indices(names: list[str], *, layers_fqn: str | None = None) -> list[int]:
-    """Decoder layer indices present in a list of parameter FQNs (``<layers_fqn>.<i>....``; by
-    default any ``...layers.<i>....``)."""
-    found = set()
-    mark = f"{layers_fqn}." if layers_fqn else _LAYER_MARK
-    for name in names:
-        if layers_fqn and not name.startswith(mark):
-            continue
-        _, hit, rest = name.partition(mark)
-        head = rest.split(".", 1)[0]
-        if hit and head.isdigit():
-            found.add(int(head))
-    return sorted(found)
+from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
 
 
 def layer_list_fqn(part: nn.Module) -> str | None:
     """FQN (as the model names it) of the part's list of decoder layers (``model.layers``,
     ``transformer.h``, ...), found the way the pipeline finds it; a pipeline stage's is the one
     its model was split by (its pruned list alone may not look like a whole model's)."""
-    from automodel.mesh.model_parts import find_layer_list
     from automodel.pipeline.hf_structure import HFStructure
 
     structure = getattr(part, "structure", None)
     if isinstance(structure, HFStructure):
         return structure.layers_fqn
-    found = find_layer_list(part)
-    return _canonical(found[0]) if found else None
+    return default_layers_fqn(part)
 
 
 def _megatron_buffers(part: nn.Module) -> list[dict[str, Any]] | None:
@@ -110,34 +53,9 @@ def _megatron_buffers(part: nn.Module) -> list[dict[str, Any]] | None:
 
 
 def describe_part(part: nn.Module, *, stage_ids: list[int] | None = None) -> dict[str, Any]:
-    """One model part (the model, or one pipeline stage module) as this rank holds it."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-
-    params = {_canonical(name): describe_tensor(p) for name, p in part.named_parameters()}
-    layers_fqn = layer_list_fqn(part)
-    report: dict[str, Any] = {
-        "wrapper": type(part).__name__,
-        "parameters": params,
-        "layers_fqn": layers_fqn,
-        "layers": layer_indices(list(params), layers_fqn=layers_fqn),
-        "fsdp_units": sorted(
-            _canonical(n) or "<root>" for n, m in part.named_modules() if isinstance(m, FSDPModule)
-        ),
-    }
-    report["checkpointed"] = sorted(
-        _canonical(n)
-        for n, m in part.named_modules()
-        # torch's checkpoint wrapper, or automodel.moe's in-place recomputation of a block
-        if hasattr(m, "_checkpoint_wrapped_module") or getattr(m, "_recomputed_in_backward", False)
-    )
-    if stage_ids is not None:
-        report["stage_ids"] = stage_ids
-    if isinstance(part, DistributedDataParallel):
-        report["ddp"] = {
-            "reducer": getattr(part, "reducer", None) is not None,
-            "group_size": part.process_group.size(),
-        }
+    """One model part (the model, or one pipeline stage module) as this rank holds it
+    (`automodel.mesh.layout_report.describe_module`, plus megatron-fsdp's buffers)."""
+    report = describe_module(part, layers_fqn=layer_list_fqn(part), stage_ids=stage_ids)
     megatron = _megatron_buffers(part)
     if megatron is not None:
         report["megatron_fsdp"] = {"parameter_groups": megatron}
@@ -153,13 +71,7 @@ def describe_rank(
         describe_part(part, stage_ids=None if stage_ids is None else [stage_ids[i]])
         for i, part in enumerate(parts)
     ]
-    return {
-        "rank": mesh.rank,
-        "strategy": strategy,
-        "coordinates": dict(mesh.coordinates),
-        "cp_backend": cp_backend,
-        "parts": per_part,
-    }
+    return rank_report(parts=per_part, mesh=mesh, strategy=strategy, cp_backend=cp_backend)
 
 
 def write_rank_report(report: dict[str, Any], *, output_dir: Path) -> Path:

@@ -1,104 +1,27 @@
-"""The layout table and the applied-layout checks the parity tests share (recipes package, parity
-matrix, conformance).
+"""Did a layout really apply? One checker for every package's parity tests (a testing module).
 
 Parity alone cannot tell a layout from one process: a run with the parallelism silently off
-reproduces the reference losses too. These checks read what every rank really holds (written
-by `recipes train` to ``layout/rank_<N>.json``, see `layout_report`) and fail unless each strategy
-of the layout was applied: FSDP shards on dim 0 over ``dp_shard_cp``, HSDP replicates over
-``dp_replicate``, TP shards attention and MLP per the plan, SP puts the norms on the tp mesh,
-pipeline stages hold disjoint layers, experts are split over ``ep``, DDP wraps the model with a
-reducer, CP runs the ring backend, activation checkpointing wraps every decoder layer.
+reproduces the reference losses too. `check_layout_applied` reads what every rank really holds
+(`automodel.mesh.layout_report`: written by `recipes train` to ``layout/rank_<N>.json``, or built
+by a package test from its live model) and fails unless each strategy of the layout was applied:
+FSDP shards on dim 0 over ``dp_shard_cp``, HSDP replicates over ``dp_replicate``, TP shards
+attention and MLP per the plan, SP puts the norms on the tp mesh, pipeline stages hold disjoint
+layers, experts are split over ``ep``, DDP wraps the model with a reducer, CP runs the ring
+backend, activation checkpointing wraps every decoder layer.
 
-`check_layout_applied` knows the tiny Llama / Qwen3-MoE parameter names (the parity matrix's
-models) and checks each placement exactly; `check_applied_any_architecture` is the same idea
-generic over model families (the conformance sweep), found from each report's ``layers_fqn``.
+By default it knows the tiny models' parameter names (`automodel.mesh.tiny_model`) and checks
+each placement exactly; with ``any_architecture`` it checks the same idea generically over model
+families (the conformance sweep), the decoder layers found from each report's ``layers_fqn``.
+The layouts themselves: `automodel.mesh.layout_table`.
 """
 
 from __future__ import annotations
 
-import copy
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
+#: One rank's report (`automodel.mesh.layout_report.rank_report`), as JSON-able data.
 Report = dict[str, Any]
-
-
-# ---- the layout table -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Layout:
-    """A named ``distributed`` section on `ranks` ranks, for the `model` ("dense" or "moe") of the
-    parity tests; `extra` overrides other sections (merged into them)."""
-
-    name: str
-    ranks: int
-    distributed: dict[str, Any]
-    model: str = "dense"  # "dense" | "moe"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def size(self, key: str) -> int:
-        return int(self.distributed.get(key) or 1)
-
-    @property
-    def dp(self) -> int:
-        return self.ranks // (self.size("tp_size") * self.size("pp_size") * self.size("cp_size"))
-
-
-def _pp(schedule: str) -> dict[str, Any]:
-    return {"pp_size": 2, "pipeline": {"pp_schedule": schedule, "pp_microbatch_size": 1}}
-
-
-#: Llama's own plan written out, with the embedding split by vocabulary rows and the head gathered.
-EXPLICIT_TP_PLAN = {
-    "model.embed_tokens": "embedding_rowwise",
-    **{f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_gather_output",
-}
-
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
-
-LAYOUTS: list[Layout] = [
-    Layout("ddp2", 2, {"strategy": "ddp"}),
-    Layout("fsdp2_dp2", 2, {}),
-    Layout("fsdp2_dp4", 4, {}),
-    Layout("hsdp_2x2", 4, {"dp_replicate_size": 2}),
-    Layout("tp2", 2, {"tp_size": 2}),
-    Layout("tp2_sp", 2, {"tp_size": 2, "sequence_parallel": True}),
-    Layout("fsdp2xtp_2x2", 4, {"tp_size": 2}),
-    *[Layout(f"pp2_{s}", 2, _pp(s)) for s in PP_SCHEDULES if s != "dualpipev"],
-    # DualPipeV needs at least as many micro-batches as its 4 stages: 4 rows of 1 per micro-step.
-    Layout("pp2_dualpipev", 2, _pp("dualpipev"), extra={"step_scheduler": {"local_batch_size": 4}}),
-    Layout("pp2xfsdp2", 4, _pp("1f1b")),
-    Layout("pp2xtp2", 4, {**_pp("1f1b"), "tp_size": 2}),
-    # a user's explicit plan naming modules only the last stage holds (lm_head, the final norm)
-    Layout("pp2xtp2_plan", 4, {**_pp("1f1b"), "tp_size": 2, "tp_plan": EXPLICIT_TP_PLAN}),
-    # the sequence-sharded residual stream crosses the stages as local shards, rebuilt as DTensors
-    Layout("pp2xtp2_sp", 4, {**_pp("1f1b"), "tp_size": 2, "sequence_parallel": True}),
-    Layout("cp2", 2, {"cp_size": 2}),
-    Layout("cp2xfsdp2", 4, {"cp_size": 2}),
-    # each stage's attention is context parallel; the schedule runs inside the CP context
-    Layout("pp2xcp2", 4, {**_pp("1f1b"), "cp_size": 2}),
-    Layout("ep2", 2, {"ep_size": 2}, model="moe"),
-    Layout("ep2xfsdp2", 4, {"ep_size": 2}, model="moe"),
-    # TP shards attention of the MoE model; experts are replicated over tp (EP shards them).
-    Layout("tp2_moe", 2, {"tp_size": 2}, model="moe"),
-    Layout("ep2xtp2", 4, {"ep_size": 2, "tp_size": 2}, model="moe"),
-    # each stage's experts split over the ep ranks of its dp group (the stage's FSDP units first
-    # probe the experts on a later stage's placeholder hidden states)
-    Layout("pp2xep2", 4, {**_pp("1f1b"), "ep_size": 2}, model="moe"),
-    Layout("pp2xtp2xdp2", 8, {**_pp("1f1b"), "tp_size": 2}),
-]
-
-
-def layouts_named(*names: str) -> list[Layout]:
-    """The `LAYOUTS` entries of `names`, in that order (KeyError naming an unknown one)."""
-    by_name = {layout.name: layout for layout in LAYOUTS}
-    return [copy.deepcopy(by_name[name]) for name in names]
-
 
 Q_PROJ = "model.layers.{i}.self_attn.q_proj.weight"
 O_PROJ = "model.layers.{i}.self_attn.o_proj.weight"
@@ -130,7 +53,7 @@ def _layers(report: Report) -> list[int]:
     return sorted(i for part in report["parts"] for i in part["layers"])
 
 
-def check_ddp(reports: list[Report], ranks: int) -> None:
+def _check_ddp(reports: list[Report], ranks: int) -> None:
     for report in reports:
         (part,) = report["parts"]
         assert part["wrapper"] == "DistributedDataParallel", (
@@ -145,7 +68,7 @@ def check_ddp(reports: list[Report], ranks: int) -> None:
             )
 
 
-def check_fsdp(reports: list[Report], shards: int, *, replicate: int = 1) -> None:
+def _check_fsdp(reports: list[Report], shards: int, *, replicate: int = 1) -> None:
     """Every parameter dim-0 sharded over ``dp_shard_cp`` (`shards` ranks), replicated over ``dp_replicate``."""
     for report in reports:
         for name, entry in _params(report).items():
@@ -178,7 +101,7 @@ def check_fsdp(reports: list[Report], shards: int, *, replicate: int = 1) -> Non
             )
 
 
-def check_tp(reports: list[Report], tp: int, *, sequence_parallel: bool) -> None:
+def _check_tp(reports: list[Report], tp: int, *, sequence_parallel: bool) -> None:
     """Attention column-/row-sharded over ``tp``; norms on the tp mesh only with SP."""
     for report in reports:
         params = _params(report)
@@ -198,7 +121,7 @@ def check_tp(reports: list[Report], tp: int, *, sequence_parallel: bool) -> None
                 )
 
 
-def check_pp(reports: list[Report], *, layers: int, dp_copies: int) -> None:
+def _check_pp(reports: list[Report], *, layers: int, dp_copies: int) -> None:
     """Each rank holds stage modules with a strict subset of the layers; each layer lives on
     `dp_copies` ranks (the data-parallel replicas of its stage); stages hold the layers in order
     (every layer of stage s before every layer of stage s + 1); embedding first, head last."""
@@ -223,12 +146,12 @@ def check_pp(reports: list[Report], *, layers: int, dp_copies: int) -> None:
             assert (HEAD in part["parameters"]) == (stage == last_stage), (report["rank"], stage)
 
 
-def check_cp(reports: list[Report]) -> None:
+def _check_cp(reports: list[Report]) -> None:
     for report in reports:
         assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']!r}"
 
 
-def check_ep(reports: list[Report], ep: int, *, num_experts: int, ep_shard: int) -> None:
+def _check_ep(reports: list[Report], ep: int, *, num_experts: int, ep_shard: int) -> None:
     """Each rank holds experts of ``[e * E/ep, (e+1) * E/ep)`` for its ep coordinate e; with
     ``ep_shard`` > 1 FSDP splits those E/ep experts further over the ep_shard ranks."""
     local = num_experts // ep
@@ -245,7 +168,7 @@ def check_ep(reports: list[Report], ep: int, *, num_experts: int, ep_shard: int)
                 assert _is_dim0_shard(placement_on(entry, "ep_shard")), (report["rank"], entry)
 
 
-def check_activation_checkpointing(reports: list[Report]) -> None:
+def _check_activation_checkpointing(reports: list[Report]) -> None:
     """Every decoder layer a rank holds is activation-checkpointed (and nothing else)."""
     for report in reports:
         for part in report["parts"]:
@@ -255,7 +178,7 @@ def check_activation_checkpointing(reports: list[Report]) -> None:
             )
 
 
-def check_experts_replicated(reports: list[Report], *, num_experts: int) -> None:
+def _check_experts_replicated(reports: list[Report], *, num_experts: int) -> None:
     for report in reports:
         params = _params(report)
         for i in _layers(report):
@@ -264,36 +187,47 @@ def check_experts_replicated(reports: list[Report], *, num_experts: int) -> None
 
 
 def check_layout_applied(
-    *,
-    name: str,
     reports: list[Report],
+    *,
     ranks: int,
     distributed: dict[str, Any],
-    dp: int,
     layers: int,
-    num_experts: int,
+    num_experts: int | None,
+    any_architecture: bool = False,
 ) -> None:
-    """Dispatch the checks that the sizes and strategy of a layout call for."""
+    """AssertionError unless every rank's report (`automodel.mesh.layout_report`) holds what the
+    layout (`ranks`, the ``distributed`` section) asks for, on a model of `layers` decoder layers
+    and `num_experts` experts (0 or None: dense). A composed layout gets the check of each axis.
+
+    By default the tiny models' parameter names (`automodel.mesh.tiny_model`: Llama, Qwen3,
+    the MoE families) are checked exactly; `any_architecture` checks the same per axis generically,
+    the decoder layers found from each report's ``layers_fqn`` (the conformance sweep)."""
+    assert len(reports) == ranks, f"{len(reports)} reports for {ranks} ranks"
+    if any_architecture:
+        _check_any_architecture(
+            reports, ranks=ranks, distributed=distributed, num_layers=layers, num_experts=num_experts
+        )
+        return
     tp, pp, cp, ep = (int(distributed.get(k) or 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size"))
     replicate = int(distributed.get("dp_replicate_size") or 1)
-    assert len(reports) == ranks, f"{name}: {len(reports)} reports for {ranks} ranks"
+    dp = ranks // (tp * pp * cp)
     if distributed.get("activation_checkpointing"):
-        check_activation_checkpointing(reports)
+        _check_activation_checkpointing(reports)
     if distributed.get("strategy") == "ddp":
-        check_ddp(reports, ranks)
+        _check_ddp(reports, ranks)
         return
     if dp * cp > 1:
-        check_fsdp(reports, dp * cp // replicate, replicate=replicate)
+        _check_fsdp(reports, dp * cp // replicate, replicate=replicate)
     if tp > 1:
-        check_tp(reports, tp, sequence_parallel=bool(distributed.get("sequence_parallel")))
+        _check_tp(reports, tp, sequence_parallel=bool(distributed.get("sequence_parallel")))
     if pp > 1:
-        check_pp(reports, layers=layers, dp_copies=dp * cp * tp)
+        _check_pp(reports, layers=layers, dp_copies=dp * cp * tp)
     if cp > 1:
-        check_cp(reports)
+        _check_cp(reports)
     if ep > 1:
-        check_ep(reports, ep, num_experts=num_experts, ep_shard=ranks // (pp * tp * ep))
+        _check_ep(reports, ep, num_experts=num_experts or 0, ep_shard=ranks // (pp * tp * ep))
     elif num_experts:
-        check_experts_replicated(reports, num_experts=num_experts)
+        _check_experts_replicated(reports, num_experts=num_experts)
 
 
 # ---- any architecture (the conformance sweep) ----------------------------------------------
@@ -304,7 +238,7 @@ def _layer_of(name: str, layers_fqn: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def check_applied_any_architecture(
+def _check_any_architecture(
     reports: list[Report],
     *,
     ranks: int,
@@ -312,9 +246,6 @@ def check_applied_any_architecture(
     num_layers: int,
     num_experts: int | None,
 ) -> None:
-    """AssertionError unless every rank holds what the layout (`ranks`, `distributed`) asks for,
-    generic over architectures (the decoder layers found from each report's ``layers_fqn``); a
-    composed layout gets the check of each of its axes."""
     tp, pp, cp, ep = (int(distributed.get(k) or 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size"))
     dp = ranks // (tp * pp * cp)
     for report in reports:

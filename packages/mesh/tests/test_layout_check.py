@@ -1,0 +1,65 @@
+"""The shared applied-layout checker fails a run whose parallelism was silently off.
+
+Every layout of the shared table (`automodel.mesh.layout_table`), checked against one process's
+report of its tiny model standing in for each rank, must fail: otherwise a package test could pass
+a layout on parity alone. One process also passes the check of the one-rank layout it is.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from automodel.mesh.layout_check import check_layout_applied
+from automodel.mesh.layout_report import default_layers_fqn, describe_module
+from automodel.mesh.layout_table import LAYOUTS, MATRIX_LAYOUTS, Layout, layouts_named
+
+pytest.importorskip("transformers")
+
+from automodel.mesh.tiny_model import TINY_MOE_SIZES, tiny_causal_lm  # noqa: E402
+
+_COORDS = {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0, "ep_shard": 0, "ep": 0}
+_MODEL_TYPE = {"dense": "llama", "moe": "qwen3_moe"}
+
+
+def _single_process_report(model: str, rank: int = 0) -> dict:
+    lm = tiny_causal_lm(_MODEL_TYPE.get(model, model), meta=True)
+    part = describe_module(lm, layers_fqn=default_layers_fqn(lm))
+    coords = {**_COORDS, "pp": rank % 2}
+    return {"rank": rank, "strategy": "fsdp2", "coordinates": coords, "cp_backend": "none", "parts": [part]}
+
+
+def _experts(layout: Layout) -> int:
+    return TINY_MOE_SIZES["num_experts"] if layout.model == "moe" else 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.name for layout in LAYOUTS])
+def test_one_process_standing_in_for_every_rank_fails(layout: Layout) -> None:
+    stand_ins = [_single_process_report(layout.model, rank) for rank in range(layout.ranks)]
+    with pytest.raises(AssertionError):
+        check_layout_applied(
+            stand_ins,
+            ranks=layout.ranks,
+            distributed=layout.distributed,
+            layers=2,
+            num_experts=_experts(layout),
+        )
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_one_process_passes_the_one_rank_layout(model: str) -> None:
+    report = _single_process_report(model)
+    num_experts = TINY_MOE_SIZES["num_experts"] if model == "moe" else 0
+    check_layout_applied([report], ranks=1, distributed={}, layers=2, num_experts=num_experts)
+    check_layout_applied(
+        [report], ranks=1, distributed={}, layers=2, num_experts=num_experts or None, any_architecture=True
+    )
+
+
+def test_the_table_has_one_entry_per_name_and_the_matrix_is_its_marked_part() -> None:
+    names = [layout.name for layout in LAYOUTS]
+    assert len(names) == len(set(names))
+    assert MATRIX_LAYOUTS == [layout for layout in LAYOUTS if layout.in_matrix]
+    (tp2,) = layouts_named("tp2")
+    assert tp2.sizes().tp_size == 2 and tp2.axes == {"tp"} and tp2.dp == 1
+    with pytest.raises(KeyError):
+        layouts_named("no_such_layout")
