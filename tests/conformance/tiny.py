@@ -13,57 +13,58 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
+
+#: The shared tiny sizes (`automodel.mesh.tiny_model`) the sweep shrinks to; 4 layers and 256
+#: positions are the sweep's own (pp2_ac runs two stages per rank; docs/models.md was measured so).
+_W, _FFN, _HEADS, _KV = (
+    TINY_SIZES[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+)
+_VOCAB, _LAYERS, _POSITIONS = TINY_SIZES["vocab_size"], 4, 256
+_EXPERTS, _TOP_K = TINY_MOE_SIZES["num_experts"], TINY_MOE_SIZES["num_experts_per_tok"]
+_EXPERT_FFN = TINY_MOE_SIZES["moe_intermediate_size"]
+
 #: Size fields and their tiny values, by the names configs use for them.
 _SIZES: dict[str, int] = {
-    "num_hidden_layers": 4,
-    "n_layer": 4,
-    "num_layers": 4,
-    "n_layers": 4,
-    "hidden_size": 64,
-    "n_embd": 64,
-    "d_model": 64,
-    "intermediate_size": 128,
-    "ffn_dim": 128,
-    "n_inner": 128,
-    "ffn_hidden_size": 128,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 64,
-    "num_attention_heads": 4,
-    "encoder_attention_heads": 4,
-    "decoder_attention_heads": 4,
-    "num_encoder_attention_heads": 4,
-    "num_decoder_attention_heads": 4,
-    "encoder_layers": 4,
-    "decoder_layers": 4,
-    "num_encoder_layers": 4,
-    "num_decoder_layers": 4,
-    "encoder_ffn_dim": 128,
-    "decoder_ffn_dim": 128,
-    "n_head": 4,
-    "n_heads": 4,
-    "num_heads": 4,
-    "num_key_value_heads": 2,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "n_positions": 256,
-    "num_local_experts": 4,
-    "num_experts": 4,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_num_experts": 4,
-    "moe_top_k": 2,
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers"), _LAYERS),
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model"), _W),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size"), _FFN),
+    "moe_intermediate_size": _EXPERT_FFN,
+    "shared_expert_intermediate_size": _W,
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+            "num_encoder_attention_heads",
+            "num_decoder_attention_heads",
+        ),
+        _HEADS,
+    ),
+    **dict.fromkeys(
+        ("encoder_layers", "decoder_layers", "num_encoder_layers", "num_decoder_layers"), _LAYERS
+    ),
+    **dict.fromkeys(("encoder_ffn_dim", "decoder_ffn_dim"), _FFN),
+    **dict.fromkeys(("n_head", "n_heads", "num_heads"), _HEADS),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads"), _KV),
+    "head_dim": _W // _HEADS,
+    "vocab_size": _VOCAB,
+    **dict.fromkeys(("max_position_embeddings", "n_positions"), _POSITIONS),
+    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts"), _EXPERTS),
+    "num_experts_per_tok": _TOP_K,
+    "moe_num_experts": _EXPERTS,
+    "moe_top_k": _TOP_K,
     "n_group": 1,
     "topk_group": 1,
     "first_k_dense_replace": 1,
+    # multi-head latent attention: ranks and the rope / no-rope parts of a head
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8,
     "qk_head_dim": 16,
     "v_head_dim": 16,
-    "vocab_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": _VOCAB,
     "hidden_size_per_layer_input": 16,
     "laurel_rank": 8,
 }

@@ -21,19 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
+from automodel.mesh.tiny_model import tiny_causal_lm
 from automodel.moe import ExpertsLayout, apply_ep, check_expert_parallel_support, parallelize_model
 
 SEQ, PER_RANK, VOCAB, TOL = 16, 2, 256, 1e-5
-COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
+#: Each family's experts under its own names, on the shared tiny sizes (`automodel.mesh.tiny_model`).
 FAMILIES: dict[str, dict] = {
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
     "nemotron_h": dict(
@@ -64,14 +56,10 @@ ROWS_PER_EXPERT = {"dbrx": 32}
 PARITY_TOL = {"dbrx": 1e-6}
 
 
-def _build(family: str, *, seed: int = 0, device: str = "cpu", **overrides: object) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(family, **{**COMMON, **FAMILIES.get(family, {}), **overrides})
-    config._attn_implementation = "eager"  # GPT-OSS has no SDPA path
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config).float()
+def _build(family: str, *, seed: int = 0, meta: bool = False, **overrides: object) -> nn.Module:
+    # eager attention: GPT-OSS has no SDPA path
+    fields = {"max_position_embeddings": 128, **FAMILIES.get(family, {}), **overrides}
+    return tiny_causal_lm(family, seed=seed, meta=meta, attn="eager", **fields)
 
 
 def _preload() -> None:
@@ -347,7 +335,7 @@ def test_owner_without_rows_still_runs_the_collectives() -> None:
     ],
 )
 def test_support_rule_classifies_layouts(family: str, layout: ExpertsLayout, params: tuple[str, ...]) -> None:
-    blocks = check_expert_parallel_support(_build(family, device="meta"))
+    blocks = check_expert_parallel_support(_build(family, meta=True))
     assert blocks and {(b.layout, b.param_names, b.num_experts) for b in blocks} == {(layout, params, 4)}
 
 
@@ -384,7 +372,7 @@ def test_support_rule_refusals() -> None:
     with pytest.raises(ValueError, match="has no experts module"):
         check_expert_parallel_support(_Block(_PerExpertModules()))
     with pytest.raises(ValueError, match="declares 4 experts but the built model has no experts module"):
-        check_expert_parallel_support(_build("llama", device="meta"), declared_experts=4)
+        check_expert_parallel_support(_build("llama", meta=True), declared_experts=4)
 
 
 def test_probe_rows_keep_a_sane_scale_on_placeholder_samples() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from automodel.mesh.testing import run_on_ranks
+from automodel.mesh.tiny_model import tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cli_run import CliRun  # noqa: E402
@@ -30,23 +31,8 @@ def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A tiny pretrained Llama (random weights, byte vocabulary) and small local copies of the
     datasets' real layouts: SQuAD's nested ``answers``, HellaSwag's ``endings`` + ``label``,
     prompt/completion rows, chat ``messages``; a chat tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("automodel_shapes")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=128,
-            tie_word_embeddings=False,
-        )
-    )
+    model = tiny_llama(max_position_embeddings=128)
     model.save_pretrained(root / "tiny-llama")
     names = ["Ada", "Bo", "Cy", "Di"]
 

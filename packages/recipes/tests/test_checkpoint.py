@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -23,13 +24,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import (
     AutoModelForCausalLM,
-    LlamaConfig,
     LlamaForCausalLM,
-    Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 
 from automodel.mesh.testing import RankFailure, run_on_ranks
+from automodel.mesh.tiny_model import tiny_causal_lm
 from automodel.recipes.checkpoint import (
     CheckpointConfig,
     Checkpointer,
@@ -44,30 +44,10 @@ TIMEOUT = 300
 
 
 # ---- tiny models, data, training step ------------------------------------------------------
-def _config(kind: str):
-    common = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    if kind == "moe":
-        cfg = Qwen3MoeConfig(
-            intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **common
-        )
-    else:
-        cfg = LlamaConfig(intermediate_size=128, **common)
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
 def _model(kind: str = "dense", seed: int = 0) -> LlamaForCausalLM | Qwen3MoeForCausalLM:
-    torch.manual_seed(seed)
-    cls = Qwen3MoeForCausalLM if kind == "moe" else LlamaForCausalLM
-    return cls(_config(kind))
+    """The shared tiny Llama, or Qwen3-MoE for ``moe`` (`automodel.mesh.tiny_model`)."""
+    model = tiny_causal_lm("qwen3_moe" if kind == "moe" else "llama", seed=seed, max_position_embeddings=128)
+    return cast("LlamaForCausalLM | Qwen3MoeForCausalLM", model)
 
 
 class PositionLoader:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from automodel.mesh.layout_table import layouts_named
 from automodel.mesh.testing import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -148,15 +149,10 @@ def _placement(result: dict, name: str, axis: str) -> str | None:
 
 
 L0 = "model.layers.0"
-PP_1F1B = {"pp_schedule": "1f1b", "pp_microbatch_size": 1}
+#: The shared layouts (`automodel.mesh.layout_table`) the adapters are checked under, the strategy named.
 LAYOUTS = {
-    "fsdp2_dp2": (2, {"strategy": "fsdp2"}),
-    "tp2": (2, {"strategy": "fsdp2", "tp_size": 2}),
-    "tp2_sp": (2, {"strategy": "fsdp2", "tp_size": 2, "sequence_parallel": True}),
-    "pp2": (2, {"strategy": "fsdp2", "pp_size": 2, "pipeline": PP_1F1B}),
-    "hsdp_2x2": (4, {"strategy": "fsdp2", "dp_replicate_size": 2}),
-    "ddp_dp2": (2, {"strategy": "ddp"}),
-    "cp2": (2, {"strategy": "fsdp2", "cp_size": 2}),
+    layout.name: (layout.ranks, {"strategy": "fsdp2", **layout.distributed})
+    for layout in layouts_named("fsdp2_dp2", "tp2", "tp2_sp", "pp2_1f1b", "hsdp_2x2", "ddp2", "cp2")
 }
 
 
@@ -183,7 +179,7 @@ APPLIED = {
     "tp2": _tp_layout,
     "tp2_sp": lambda r: _tp_layout(r) and _placement(r, f"{L0}.input_layernorm.weight", "tp") == "R",
     # each stage holds its own layer, adapters included
-    "pp2": lambda r: (
+    "pp2_1f1b": lambda r: (
         {n.split(".")[2] for n in r["params"] if n.startswith("model.layers.")} == {str(r["pp_rank"])}
         and f"model.layers.{r['pp_rank']}.self_attn.q_proj.lora_A.weight" in r["params"]
     ),
@@ -192,7 +188,7 @@ APPLIED = {
         and _placement(r, f"{L0}.self_attn.q_proj.lora_B.weight", "dp_shard_cp") == "S(0)"
     ),
     # DDP: whole plain tensors on every rank (its reducer holds only the adapters: frozen parameters get no bucket)
-    "ddp_dp2": lambda r: all(p["placements"] is None for p in r["params"].values()),
+    "ddp2": lambda r: all(p["placements"] is None for p in r["params"].values()),
     # the cp ranks shard parameters with the dp ranks (dp_shard_cp)
     "cp2": lambda r: _placement(r, f"{L0}.self_attn.q_proj.lora_A.weight", "dp_shard_cp") == "S(0)",
 }
