@@ -359,7 +359,7 @@ def _require_ring_call(module: torch.nn.Module, _args: tuple, output: Any) -> An
 
 
 def _register_with_transformers() -> None:
-    # optional dependency of this package
+    # lazy: optional dependency of this package (transformers)
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, context_parallel_attention)
