@@ -17,7 +17,7 @@ def patch_is_packed_sequence() -> bool:
     Only for non-packed training. Returns False when transformers (or the function) is absent.
     """
     try:
-        # optional dependency of this package
+        # lazy: optional dependency of this package (transformers)
         from transformers import modeling_flash_attention_utils as fa_utils
     except ImportError:
         return False
@@ -32,6 +32,7 @@ def patch_is_packed_sequence() -> bool:
 def restore_is_packed_sequence() -> None:
     """Undo `patch_is_packed_sequence` (a later run in this process may pack its rows)."""
     try:
+        # lazy: optional dependency of this package (transformers)
         from transformers import modeling_flash_attention_utils as fa_utils
     except ImportError:
         return
@@ -43,6 +44,7 @@ def restore_is_packed_sequence() -> None:
 def is_packed_sequence_patched() -> bool:
     """Whether transformers' packed-sequence probe is the constant False of `patch_is_packed_sequence`."""
     try:
+        # lazy: optional dependency of this package (transformers)
         from transformers import modeling_flash_attention_utils as fa_utils
     except ImportError:
         return False

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
@@ -77,9 +78,8 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
         raise ValueError(
             f"enable_async_tensor_parallel needs a CUDA mesh, got device_type={tp_mesh.device_type!r}"
         )
-    # async TP only: inductor's config is slow to import, symmetric memory private and CUDA-only
+    # lazy: start-up, torch._inductor.config ~1.9 s, async TP only
     import torch._inductor.config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     inductor_config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
