@@ -28,7 +28,7 @@ def import_megatron_fsdp() -> ModuleType:
         with warnings.catch_warnings():
             # "Transformer Engine and Apex are not installed": expected, it falls back to torch ops.
             warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
-            # optional (CUDA-only) dependency, checked here
+            # lazy: optional dependency (megatron-fsdp, CUDA only)
             import megatron_fsdp
     except ImportError as err:
         raise MegatronFSDPUnavailableError(

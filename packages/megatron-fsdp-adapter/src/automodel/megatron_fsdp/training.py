@@ -39,7 +39,7 @@ def microbatch_grad_sync(model: nn.Module, *, is_last_microbatch: bool) -> Itera
 def model_state_dict(model: nn.Module) -> dict[str, Any]:
     """FQN -> DTensor of the wrapped module (Hugging Face names, no ``module.`` prefix), with the
     chunk metadata DCP needs for megatron-fsdp's uneven shards."""
-    # optional (CUDA-only) dependency
+    # lazy: optional dependency (megatron-fsdp, CUDA only)
     from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 
     model._replace_param_with_distributed_if_needed()  # pyright: ignore[reportCallIssue]  # megatron-fsdp's method
@@ -48,7 +48,7 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
 
 def prepare_state_dict_for_dcp(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Attach uneven-shard chunk metadata to every DTensor of `state_dict` (collective)."""
-    # optional (CUDA-only) dependency
+    # lazy: optional dependency (megatron-fsdp, CUDA only)
     from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 
     return preprocess_state_dict_for_uneven_dtensor(state_dict)
@@ -56,7 +56,7 @@ def prepare_state_dict_for_dcp(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a megatron-fsdp DTensor (uneven shards gathered; collective)."""
-    # optional (CUDA-only) dependency
+    # lazy: optional dependency (megatron-fsdp, CUDA only)
     from megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
 
     return uneven_dtensor_to_full_tensor(t) if isinstance(t, DTensor) else t

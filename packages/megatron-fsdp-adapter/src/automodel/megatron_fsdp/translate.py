@@ -77,7 +77,7 @@ class FullyShardCall:
 
     def fully_shard_model_kwargs(self) -> dict[str, Any]:
         """`kwargs` plus the real ``megatron_fsdp.MixedPrecisionPolicy`` (imports megatron-fsdp)."""
-        # optional (CUDA-only) dependency
+        # lazy: optional dependency (megatron-fsdp, CUDA only)
         from megatron_fsdp import MixedPrecisionPolicy
 
         return {**self.kwargs, "mixed_precision_policy": MixedPrecisionPolicy(**self.mixed_precision)}
