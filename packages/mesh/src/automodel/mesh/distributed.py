@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
 @dataclass(frozen=True)
@@ -247,9 +248,6 @@ def fake_world(world_size: int, *, rank: int = 0) -> Iterator[None]:
     Meshes and groups are created as for a real job, so layouts far beyond this machine can be
     built and checked; collectives do nothing. Used by `recipes validate` and layout planning.
     """
-    # torch's test-internal module: start-up time, only for fake worlds
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("fake_world needs no process group to be initialized in this process")
     if not 0 <= rank < world_size:

@@ -104,7 +104,8 @@ def tiny_config(
 ) -> PretrainedConfig:
     """`tiny_fields` as a config of `model_type`, with `layers` decoder layers, `attn` attention and
     `overrides` on top (a ``hidden_size`` override without ``head_dim`` keeps hidden / heads)."""
-    from transformers import AutoConfig  # optional dependency of this package
+    # lazy: optional dependency of this package (transformers)
+    from transformers import AutoConfig
 
     fields = tiny_fields(model_type, layers=layers)
     if "head_dim" in fields and "hidden_size" in overrides and "head_dim" not in overrides:
@@ -126,7 +127,8 @@ def tiny_causal_lm(
 ) -> PreTrainedModel:
     """A seeded fp32 causal LM of `tiny_config` (identical on every rank for the same seed); on the
     meta device with `meta`."""
-    from transformers import AutoModelForCausalLM  # optional dependency of this package
+    # lazy: optional dependency of this package (transformers)
+    from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type, layers=layers, attn=attn, **overrides)
     torch.manual_seed(seed)
