@@ -53,6 +53,7 @@ def preload(families: tuple[str, ...] = (*MOE_FAMILIES, "llama")) -> None:
     Otherwise every forked rank imports them itself, which on a small machine costs far more
     than the test.
     """
+    # lazy: start-up, torch._dynamo + fsdp ~2.3 s, preloaded only on request
     import torch._dynamo  # noqa: F401  (FSDP2 and checkpoint import it lazily)
     import torch.distributed.fsdp  # noqa: F401
 
