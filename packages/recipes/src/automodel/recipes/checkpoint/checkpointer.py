@@ -46,6 +46,7 @@ from automodel.recipes.checkpoint.state import (
     has_extra,
     has_legacy_extra,
 )
+from automodel.recipes.peft import save_adapter
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +174,6 @@ class Checkpointer:
         adapter_files: list[str] = []
         lora_scales = None
         if self.lora is not None:
-            from automodel.recipes.peft import save_adapter
-
             adapter_files = save_adapter(
                 model_parts=state.model_parts,
                 directory=tmp / paths.ADAPTER_DIR,

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 
 from automodel.recipes.checkpoint.key_mapping import find_hf_model, to_checkpoint_layout
 from automodel.recipes.checkpoint.part_state import full_tensor, part_model_state_dict
+from automodel.recipes.peft.lora import merged_weight
 
 _FILE_NAMES = {
     "safetensors": (
@@ -114,8 +116,6 @@ def save_consolidated(
             mine[key] = full.detach().to("cpu").contiguous().clone()
         del full
     if adapters:
-        from automodel.recipes.peft.lora import merged_weight
-
         for base, ab in adapters.items():
             if f"{base}.weight" in mine:
                 mine[f"{base}.weight"] = merged_weight(
@@ -163,8 +163,6 @@ def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _write(tensors: dict[str, torch.Tensor], path: Path, model_save_format: str) -> None:
     if model_save_format == "safetensors":
-        from safetensors.torch import save_file
-
         save_file(tensors, str(path), metadata={"format": "pt"})
     else:
         torch.save(tensors, str(path))

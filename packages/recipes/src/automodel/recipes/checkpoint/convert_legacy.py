@@ -23,10 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from automodel.recipes.checkpoint import paths
+from automodel.recipes.checkpoint.checkpointer import FORMAT_VERSION
 from automodel.recipes.checkpoint.integrity import CHECKSUMS_KEY, sha256_file
 from automodel.recipes.checkpoint.safe_dcp import SafeEmptyStateDictLoadPlanner, SafeFileSystemReader
 from automodel.recipes.checkpoint.state import EXTRA_PREFIX, encode_extra
@@ -34,12 +37,6 @@ from automodel.recipes.checkpoint.state import EXTRA_PREFIX, encode_extra
 
 def _to_tensor_friendly(value: Any) -> Any:
     """numpy arrays (in the old numpy RNG state) become tensors; the rest is left as it is."""
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        return value
-    import torch
-
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value.astype(np.int64))
     if isinstance(value, np.generic):
@@ -52,8 +49,6 @@ def _to_tensor_friendly(value: Any) -> Any:
 
 
 def _convert_rng(rng: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
     version, mt, gauss_next = rng["python"]
     out: dict[str, Any] = {
         "python": {
@@ -116,7 +111,6 @@ def convert_legacy_checkpoint(
     dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
     if (source / paths.CONSOLIDATED_DIR).is_dir():
         shutil.copytree(source / paths.CONSOLIDATED_DIR, tmp / paths.CONSOLIDATED_DIR)
-    from automodel.recipes.checkpoint.checkpointer import FORMAT_VERSION
 
     files = paths.file_sizes(tmp)
     checksums = {name: sha256_file(tmp / name) for name in files}

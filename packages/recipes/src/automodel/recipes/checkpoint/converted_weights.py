@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers.core_model_loading import MergeModulelist
 
 from automodel.recipes.checkpoint.key_mapping import ConvertedGroup
 
@@ -24,7 +27,6 @@ def _file_of(directory: Path) -> dict[str, Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         return {k: directory / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
 
     mapping = {}
     for path in sorted(directory.glob("*.safetensors")):
@@ -41,7 +43,6 @@ def _row_window(t: torch.Tensor) -> slice | None:
         return slice(0, t.shape[0]) if t.dim() else None
     if any(type(p) is not Replicate and not (type(p) is Shard and p.dim == 0) for p in t.placements):
         return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return slice(offset[0], offset[0] + shape[0])
@@ -60,8 +61,6 @@ def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
 
 def _keeps_expert_rows(operations: list[Any]) -> bool:
     """Whether the converter stacks per-expert tensors on dim 0 and leaves dim 0 alone afterwards."""
-    from transformers.core_model_loading import MergeModulelist
-
     if not operations or not isinstance(operations[0], MergeModulelist) or operations[0].dim != 0:
         return False
     for op in operations[1:]:
@@ -79,8 +78,6 @@ class SafetensorsReader:
         self.handles: dict[Path, Any] = {}
 
     def __call__(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         path = self.files[key]
         if path not in self.handles:
             self.handles[path] = safe_open(str(path), framework="pt")

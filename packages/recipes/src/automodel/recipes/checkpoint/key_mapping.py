@@ -18,6 +18,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers import PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+    revert_weight_conversion,
+)
 
 
 @dataclass
@@ -48,8 +58,6 @@ class KeyPlan:
 def find_hf_model(parts: Iterable[nn.Module]) -> Any | None:
     """The outermost transformers `PreTrainedModel` inside the parts (through DDP / FSDP /
     megatron-fsdp wrappers; a pipeline stage's own model), whose class and config select the mapping."""
-    from transformers import PreTrainedModel
-
     for part in parts:
         for module in part.modules():
             model = getattr(module, "causal_lm", module)  # a pipeline stage runs this model's forward
@@ -65,9 +73,6 @@ def _mapping_model(hf_model: Any) -> Any:
     model's conversion mapping; FSDP2 swaps a sharded module's class for a subclass defined in
     torch, so a sharded model would lose its mapping. The mapping depends only on the classes,
     configs and module paths, which the fresh instance has."""
-    from torch.distributed.fsdp import FSDPModule
-    from transformers import PreTrainedModel
-
     if not any(isinstance(m, FSDPModule) and isinstance(m, PreTrainedModel) for m in hf_model.modules()):
         return hf_model
     original = next(c for c in type(hf_model).__mro__ if not issubclass(c, FSDPModule))
@@ -77,8 +82,6 @@ def _mapping_model(hf_model: Any) -> Any:
 
 def conversion_mapping(hf_model: Any) -> list[Any]:
     """`hf_model`'s transformers conversion mapping (checkpoint layout -> model layout)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
     return get_model_conversion_mapping(_mapping_model(hf_model))
 
 
@@ -88,7 +91,6 @@ def to_checkpoint_layout(hf_model: Any | None, state_dict: dict[str, Any]) -> di
     reverse conversion needs all of its model keys in `state_dict` (one module's, on one writer)."""
     if hf_model is None:
         return state_dict
-    from transformers.core_model_loading import revert_weight_conversion
 
     return revert_weight_conversion(_mapping_model(hf_model), state_dict)
 
@@ -101,12 +103,6 @@ def plan_keys(hf_model: Any | None, model_keys: Collection[str], checkpoint_keys
     model_keys = set(model_keys)
     if hf_model is None:
         return KeyPlan(renamed={k: k for k in checkpoint_keys if k in model_keys}, converted=[])
-    from transformers.core_model_loading import (
-        WeightConverter,
-        WeightRenaming,
-        dot_natural_key,
-        rename_source_key,
-    )
 
     mapping = conversion_mapping(hf_model)
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]

@@ -11,7 +11,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from automodel.megatron_fsdp import is_megatron_fsdp
+from automodel.megatron_fsdp import full_tensor as megatron_full_tensor
+from automodel.megatron_fsdp import is_megatron_fsdp, model_state_dict
 
 
 def state_module(part: nn.Module) -> nn.Module:
@@ -25,8 +26,6 @@ def state_module(part: nn.Module) -> nn.Module:
 def part_model_state_dict(part: nn.Module) -> dict[str, Any]:
     """FQN -> (sharded) tensor of one part, ready for DCP."""
     if is_megatron_fsdp(part):
-        from automodel.megatron_fsdp import model_state_dict
-
         return model_state_dict(part)
     return get_model_state_dict(part)
 
@@ -36,7 +35,5 @@ def full_tensor(t: torch.Tensor, part: nn.Module) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return t
     if is_megatron_fsdp(part):
-        from automodel.megatron_fsdp import full_tensor as megatron_full_tensor
-
         return megatron_full_tensor(t)
     return t.full_tensor()

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -95,19 +96,14 @@ def _rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        rng["numpy"] = {
-            "kind": str(kind),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        }
-    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-        pass
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    rng["numpy"] = {
+        "kind": str(kind),
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
     return rng
 
 
@@ -118,8 +114,6 @@ def _set_rng_state(rng: dict[str, Any]) -> None:
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"].to(torch.uint8))
     if "numpy" in rng:
-        import numpy as np
-
         st = rng["numpy"]
         keys = st["keys"].numpy().astype(np.uint32)
         np.random.set_state((st["kind"], keys, st["pos"], st["has_gauss"], st["cached_gaussian"]))
