@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from automodel.recipes.compat.aliases import match
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.instantiate import resolve_dtype
 
 #: key -> the values AutoModel accepts (None: any value of the listed Python type)
 CHOICES: dict[str, tuple[Any, ...]] = {
@@ -50,8 +52,6 @@ def read_backend(data: Any, *, refusals: list[ConfigError]) -> str | None:
     """Check ``model.backend``; the start-up line for the kernels not used here (None: nothing to
     say). Valid settings that change the math and are not implemented go to `refusals` (refused by
     `recipes train` before launch)."""
-    from automodel.recipes.compat.aliases import match
-
     if not isinstance(data, dict):
         raise ConfigError("model.backend", data, "must be a mapping (AutoModel's BackendConfig)")
     data = dict(data)
@@ -86,8 +86,6 @@ def read_backend(data: Any, *, refusals: list[ConfigError]) -> str | None:
                     ConfigError(k, value, "AutoModel's benchmark gate (fake routing) is not implemented here")
                 )
         elif key == "gate_precision":
-            from automodel.recipes.instantiate import resolve_dtype
-
             if value is not None:
                 resolve_dtype(k, value)
                 noted.append(f"gate_precision={value}")

@@ -13,9 +13,11 @@ loss, packing with ``packed_sequence``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.hub_cache import resolve_local_or_cached
 from automodel.recipes.sections import TRUNCATION, _positive, check_padding
 
 
@@ -176,6 +178,7 @@ def build_hellaswag(section: Any, tokenizer: Any, *, packed_sequence_size: int, 
 
 
 def _build(section: Any, tokenizer: Any, *, packed_sequence_size: int, records: Any) -> Any:
+    # lazy: cycle recipes.compat.datasets -> recipes.data.kinds -> recipes.compat.datasets (kinds registers these kinds at import)
     from automodel.recipes.data.sft import _load_table, build_sft_dataset
 
     rows = records(section, _load_table(section))
@@ -184,10 +187,6 @@ def _build(section: Any, tokenizer: Any, *, packed_sequence_size: int, records: 
 
 def check_paths(section: Any) -> None:
     """Local files must exist; anything else must be a directory or a Hub id in the local cache."""
-    from pathlib import Path
-
-    from automodel.recipes.hub_cache import resolve_local_or_cached
-
     src = section.path_or_dataset_id
     key = f"{section.SECTION}.{section.PATH_KEY}"
     for p in src if isinstance(src, list) else []:
@@ -199,6 +198,7 @@ def check_paths(section: Any) -> None:
 
 def register_kinds() -> None:
     """Add the ``squad`` and ``hellaswag`` kinds to `data.kinds` (called by its built-in registration)."""
+    # lazy: cycle recipes.compat.datasets -> recipes.data.kinds -> recipes.compat.datasets (kinds registers these kinds at import)
     from automodel.recipes.data.kinds import DatasetKind, register
 
     here = "automodel.recipes.compat.datasets"

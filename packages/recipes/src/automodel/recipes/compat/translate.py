@@ -15,8 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import transformers
+
+from automodel.mesh import parse_dtype
 from automodel.recipes.compat.aliases import LOSS_KERNEL_KEYS, match
+from automodel.recipes.compat.backend import read_backend
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.hub_cache import resolve_local_or_cached
 
 #: top-level sections about AutoModel's CI, not the run: accepted and not used
 METADATA = ("ci",)
@@ -192,8 +197,6 @@ def _model(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
     if not isinstance(model, dict):
         return
     if "backend" in model:
-        from automodel.recipes.compat.backend import read_backend
-
         line = read_backend(model.pop("backend"), refusals=refusals)
         if line:
             notes.append(line)
@@ -331,7 +334,6 @@ def _config_dict(config: Any) -> dict:
     if target.endswith(".from_pretrained"):
         if source is None:
             raise ConfigError("model.config.pretrained_model_name_or_path", None, f"is required by {target}")
-        from automodel.recipes.hub_cache import resolve_local_or_cached
 
         path = resolve_local_or_cached(
             source, key="model.config.pretrained_model_name_or_path", required_file="config.json"
@@ -339,8 +341,6 @@ def _config_dict(config: Any) -> dict:
         base = json.loads((Path(path) / "config.json").read_text())
         return {**base, **config}
     try:
-        import transformers
-
         cls = getattr(transformers, target.rsplit(".", 1)[-1])
     except (ImportError, AttributeError):
         raise ConfigError("model.config._target_", target, "is not a transformers config class") from None
@@ -352,7 +352,6 @@ def _auto_dtype(model: dict) -> str:
     source = model.get("pretrained_model_name_or_path") or model.get("pretrained_path")
     if not isinstance(source, str):
         return "float32"
-    from automodel.recipes.hub_cache import resolve_local_or_cached
 
     path = resolve_local_or_cached(
         source, key="model.pretrained_model_name_or_path", required_file="config.json"
@@ -608,7 +607,6 @@ def _optimizer(out: dict, notes: list[str], refusals: list[ConfigError]) -> None
                 raise ConfigError(f"optimizer.{key}", given, f"only {value} is supported (torch's Adam)")
     masters = opt.pop("master_weights", False)
     opt.pop("master_weight_bits", None)
-    from automodel.mesh import parse_dtype
 
     model = out.get("model") or {}
     dtype = parse_dtype(model.get("dtype", "float32"), key="model.torch_dtype")
