@@ -14,6 +14,7 @@ checked prefix is kept, and where guesses fail often a plain loop takes over for
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -105,6 +106,4 @@ def blending_indices(
 
 def size_per_dataset(weights: Sequence[float], *, size: int, surplus: float = 0.0) -> list[int]:
     """megatron-core's ``_get_size_per_split_per_dataset`` for one split: ``ceil(ceil(size * w) * (1 + surplus))``."""
-    import math
-
     return [int(math.ceil(math.ceil(size * w) * (1 + surplus))) for w in weights]

@@ -26,7 +26,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from automodel.recipes.data.pretrain_sections import (
+    MegatronPretrainingSection,
+    MegatronPretrainingValidationSection,
+    NanogptSection,
+    NanogptValidationSection,
+)
+from automodel.recipes.data.streaming_section import StreamingSection, StreamingValidationSection
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.sections import (
+    DATA_SOURCES,
+    SFT_SOURCES,
+    SFT_TARGETS,
+    DatasetSection,
+    SFTDatasetSection,
+    SFTValidationDatasetSection,
+    ValidationDatasetSection,
+    build_section,
+)
 
 
 @dataclass(frozen=True)
@@ -89,8 +106,6 @@ def kind_for(data: Any, *, key: str) -> tuple[DatasetKind, Any]:
 
 def parse_section(data: Any, *, validation: bool) -> Any:
     """The typed section for a raw ``dataset:`` (or ``validation_dataset:``) mapping."""
-    from automodel.recipes.sections import build_section
-
     kind, data = kind_for(data, key="validation_dataset" if validation else "dataset")
     return build_section(kind.validation_section if validation else kind.section, data)
 
@@ -114,22 +129,6 @@ def check_paths(section: Any) -> None:
 
 
 def _register_builtin() -> None:
-    from automodel.recipes.data.pretrain_sections import (
-        MegatronPretrainingSection,
-        MegatronPretrainingValidationSection,
-        NanogptSection,
-        NanogptValidationSection,
-    )
-    from automodel.recipes.sections import (
-        DATA_SOURCES,
-        SFT_SOURCES,
-        SFT_TARGETS,
-        DatasetSection,
-        SFTDatasetSection,
-        SFTValidationDatasetSection,
-        ValidationDatasetSection,
-    )
-
     loader = "automodel.recipes.data.loader"
     build = "automodel.recipes.data.pretrain_build"
     register(DatasetKind("text", DATA_SOURCES, {}, DatasetSection, ValidationDatasetSection,
@@ -143,11 +142,11 @@ def _register_builtin() -> None:
     register(DatasetKind("nanogpt", ("nanogpt",), dict.fromkeys(("NanogptDataset", "NanogptDatasetConfig"), "nanogpt"),
                          NanogptSection, NanogptValidationSection,
                          f"{build}:build_nanogpt", f"{build}:check_nanogpt_paths"))  # fmt: skip
-    from automodel.recipes.data.streaming_section import StreamingSection, StreamingValidationSection
 
     stream = "automodel.recipes.data.streaming"
     register(DatasetKind("streaming", ("streaming",), {}, StreamingSection, StreamingValidationSection,
                          f"{stream}:build_streaming", f"{stream}:check_streaming_paths"))  # fmt: skip
+    # lazy: cycle recipes.data.kinds -> recipes.compat.datasets -> recipes.data.kinds
     from automodel.recipes.compat.datasets import register_kinds
 
     register_kinds()  # NeMo AutoModel's make_squad_dataset and HellaSwag

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from automodel.recipes.data.corpus import embedded_documents
+from automodel.recipes.data.file_check import read_good_rows
+from automodel.recipes.data.kinds import build_dataset, check_paths
 from automodel.recipes.data.packing import PackedDataset, pack_documents
 from automodel.recipes.data.sample_order import SequentialOrder
 from automodel.recipes.data.sampler import StatefulGlobalBatchSampler
+from automodel.recipes.data.sft import build_sft_dataset
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.hub_cache import resolve_local_or_cached
 
 
 @dataclass
@@ -25,8 +31,6 @@ class Batch:
 def check_data_paths(section: Any) -> None:
     """The section's data files must exist and open (checked before any rank starts; `validate`
     skips this). Each dataset kind has its own check (`kinds`)."""
-    from automodel.recipes.data.kinds import check_paths
-
     check_paths(section)
 
 
@@ -41,8 +45,6 @@ def check_sft_paths(section: Any) -> None:
                 f"{section.SECTION}.path_or_dataset_id", p, "does not exist (only local files are read)"
             )
     if isinstance(src, str) and not Path(src).expanduser().exists():
-        from automodel.recipes.hub_cache import resolve_local_or_cached
-
         resolve_local_or_cached(src, key=f"{section.SECTION}.path_or_dataset_id", repo_type="dataset")
 
 
@@ -57,6 +59,7 @@ def check_text_paths(section: Any) -> None:
 
 
 def _local_documents(section: Any) -> list[str]:
+    # lazy: start-up, datasets ~0.6 s, only where data is read
     import datasets
 
     key = section.SECTION
@@ -65,8 +68,6 @@ def _local_documents(section: Any) -> list[str]:
     builder = {"json": "json", "text": "text", "parquet": "parquet"}[section.source]
     text_key = "text" if builder == "text" else section.text_key
     if section.bad_rows == "skip":  # the good rows only (`datasets` rejects a file on one bad row)
-        from automodel.recipes.data.file_check import read_good_rows
-
         rows, skipped = read_good_rows(section, [Path(p) for p in paths])
         texts = [row.get(text_key) for row in rows]
         nulls = sum(t is None for t in texts)  # a row without its text: bad here, not a document
@@ -101,10 +102,6 @@ def _documents(texts: Any, *, max_bytes: int) -> list[str]:
 
 def _report_skipped(section: Any, *, rows: int, skipped: Any) -> None:
     """Rank 0: how many rows were read and how many bad ones were skipped, and why."""
-    import sys
-
-    import torch.distributed as dist
-
     if not skipped or (dist.is_initialized() and dist.get_rank() != 0):
         return
     why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
@@ -118,15 +115,11 @@ def _report_skipped(section: Any, *, rows: int, skipped: Any) -> None:
 
 def build_packed_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int = 0) -> Any:
     """The section's dataset (``len`` and ``batch(indices)``), built by its kind (`kinds`)."""
-    from automodel.recipes.data.kinds import build_dataset
-
     return build_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed)
 
 
 def build_sft_rows(section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int) -> Any:
     """SFT examples: answer-only labels, one per row or whole examples packed (`SFTDataset`)."""
-    from automodel.recipes.data.sft import build_sft_dataset
-
     return build_sft_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size)
 
 

@@ -20,6 +20,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from automodel.recipes.data.megatron_writer import token_dtype_for_vocab
 from automodel.recipes.data.preprocess_inputs import Task, input_files, plan_tasks
 from automodel.recipes.data.preprocess_worker import TokenizerSpec, adopt_tokenizer, init_worker, run_task
@@ -126,8 +128,6 @@ def preprocess(
     work = partial(run_task, out_dir=str(out), text_key=text_key, dtype=dtype.name, spec=spec)
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(
             total=sum(t.nbytes for t in pending),
             unit="B",

@@ -11,7 +11,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.hub_cache import is_hub_id, resolve_local_or_cached
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
@@ -54,8 +57,6 @@ def input_files(inputs: list[str]) -> list[Path]:
     for name in inputs:
         p = Path(name).expanduser()
         if not p.exists():
-            from automodel.recipes.hub_cache import is_hub_id, resolve_local_or_cached
-
             if not is_hub_id(name):
                 raise ConfigError("preprocess input", name, "does not exist")
             p = Path(resolve_local_or_cached(name, key="preprocess input", repo_type="dataset"))
@@ -81,8 +82,6 @@ def plan_tasks(files: list[Path], *, shard_bytes: int) -> list[Task]:
             ranges = [(a, min(a + shard_bytes, st.st_size)) for a in range(0, st.st_size, shard_bytes)]
             nbytes = [b - a for a, b in ranges]
         elif fmt == "parquet":
-            import pyarrow.parquet as pq
-
             meta = pq.ParquetFile(path).metadata
             groups, per = meta.num_row_groups, 0
             sizes = [meta.row_group(i).total_byte_size for i in range(groups)]
@@ -105,8 +104,6 @@ def plan_tasks(files: list[Path], *, shard_bytes: int) -> list[Task]:
 def read_documents(task: Task, *, text_key: str):
     """Yield the task's texts (a missing `text_key` is an error naming the file and line)."""
     if task.format == "parquet":
-        import pyarrow.parquet as pq
-
         pf = pq.ParquetFile(task.path)
         if text_key not in pf.schema_arrow.names:
             raise ConfigError(

@@ -16,6 +16,7 @@ import numpy as np
 
 from automodel.recipes.data.megatron_writer import MegatronWriter
 from automodel.recipes.data.preprocess_inputs import Task, read_documents
+from automodel.recipes.data.tokenizer import build_tokenizer
 
 BATCH_DOCS = 1024
 
@@ -46,7 +47,6 @@ def init_worker(spec: TokenizerSpec) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     if _TOKENIZER is not None and _SPEC == spec:
         return
-    from automodel.recipes.data.tokenizer import build_tokenizer
 
     _TOKENIZER, _SPEC = build_tokenizer(spec.path, trust_remote_code=spec.trust_remote_code), spec
 

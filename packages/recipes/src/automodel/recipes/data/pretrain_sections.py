@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from automodel.recipes.data.megatron_paths import parse_split
 from automodel.recipes.errors import ConfigError
 
 SPLIT_NAMES = ("train", "validation", "test")
@@ -101,7 +102,6 @@ class MegatronPretrainingSection:
                 self.create_attention_mask,
                 "is not supported: documents are kept apart by packed_sequence (position ids), not masks",
             )
-        from automodel.recipes.data.megatron_paths import parse_split
 
         parse_split(self.split, key=f"{s}.split")
         self.split_name  # noqa: B018 - validates splits_to_build

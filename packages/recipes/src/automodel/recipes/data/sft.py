@@ -33,9 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
+from automodel.recipes.data.file_check import read_good_rows, section_columns
+from automodel.recipes.data.stdlib_docstrings import stdlib_docstring_examples
+from automodel.recipes.data.table_rows import read_csv_rows, split_data_files
 from automodel.recipes.data.tokenizer import bos_prefix
 from automodel.recipes.errors import ConfigError, DataError
+from automodel.recipes.hub_cache import resolve_local_or_cached
 
 IGNORE_INDEX = -100
 _EXTENSION_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -70,8 +76,6 @@ def _render(hf: Any, messages: list[dict], *, generation_prompt: bool, tools: An
     """The chat template's text; a row the template refuses (``raise_exception``: roles that do not
     alternate under a Llama-2/Mistral-style template) is skipped and counted, not fatal. A template
     that cannot be parsed at all is a config error and still raises."""
-    from jinja2.exceptions import TemplateError, TemplateSyntaxError
-
     kwargs = {"tools": tools} if tools else {}
     try:
         return hf.apply_chat_template(
@@ -300,9 +304,8 @@ def build_rows(
 def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
     """A `datasets.Dataset` from local files, a local directory or a cached Hub dataset id; with
     ``bad_rows: skip`` bad rows of JSON / CSV / Parquet files are left out and counted into `skipped`."""
+    # lazy: start-up, datasets ~0.6 s, only where data is read
     import datasets
-
-    from automodel.recipes.hub_cache import resolve_local_or_cached
 
     key = f"{section.SECTION}.{section.PATH_KEY}"
     src = section.path_or_dataset_id
@@ -324,8 +327,6 @@ def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
         if getattr(section, "bad_rows", "error") == "skip":  # rows read here, not by `datasets`
             files = local
             if directory is not None:  # a dataset folder (a Hub snapshot): its split's data files
-                from automodel.recipes.data.table_rows import split_data_files
-
                 files = split_data_files(directory, name=section.name, split=section.split, key=key)
             sliced = "train" + section.split[section.split.index("[") :] if "[" in section.split else "train"
             ds = _good_rows_table(section, files, split=sliced, skipped=skipped)
@@ -353,9 +354,6 @@ def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
 def _csv_table(section: Any, files: list[Path], *, split: str) -> Any:
     """Local CSV files as a `datasets.Dataset` of text values (`table_rows.read_csv_rows`, strict:
     the first bad row is a `DataError` naming file and line)."""
-    from automodel.recipes.data.file_check import section_columns
-    from automodel.recipes.data.table_rows import read_csv_rows
-
     text_columns, list_columns = section_columns(section)
     key = f"{section.SECTION}.{section.PATH_KEY}"
     rows: list[dict[str, Any]] = []
@@ -366,6 +364,7 @@ def _csv_table(section: Any, files: list[Path], *, split: str) -> Any:
 
 def _rows_dataset(rows: list[dict[str, Any]]) -> Any:
     """Rows (dicts with the same keys) as a `datasets.Dataset`."""
+    # lazy: start-up, datasets ~0.6 s, only where data is read
     import datasets
 
     return datasets.Dataset.from_list(rows)
@@ -373,6 +372,7 @@ def _rows_dataset(rows: list[dict[str, Any]]) -> Any:
 
 def _sliced(ds: Any, split: str) -> Any:
     """`ds` cut to the slice of a split spec such as ``train[:100]`` (whole for ``train``)."""
+    # lazy: start-up, datasets ~0.6 s, only where data is read
     import datasets
 
     if "[" in split:
@@ -383,8 +383,6 @@ def _sliced(ds: Any, split: str) -> Any:
 
 def _good_rows_table(section: Any, files: list[Path], *, split: str, skipped: Counter[str] | None) -> Any:
     """The good rows of data files as a `datasets.Dataset` (``split`` slice applied)."""
-    from automodel.recipes.data.file_check import read_good_rows
-
     rows, bad = read_good_rows(section, files)
     if skipped is not None:
         skipped.update(bad)
@@ -395,8 +393,6 @@ def load_records(section: Any, *, skipped: Counter[str] | None = None) -> list[d
     """The section's examples as dicts with role keys (context / question / answer, or messages);
     bad file rows skipped under ``bad_rows: skip`` are counted into `skipped`."""
     if section.source == "stdlib_docstrings":
-        from automodel.recipes.data.stdlib_docstrings import stdlib_docstring_examples
-
         records = stdlib_docstring_examples(split=section.split)
         if section.limit_dataset_samples is not None:
             records = records[: section.limit_dataset_samples]
@@ -420,8 +416,6 @@ def load_records(section: Any, *, skipped: Counter[str] | None = None) -> list[d
 
 
 def _report(section: Any, stats: dict[str, Any]) -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     skipped = stats["skipped"]

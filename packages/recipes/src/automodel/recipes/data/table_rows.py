@@ -21,6 +21,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from automodel.recipes.errors import ConfigError, DataError
 
 CSV_SUFFIXES = (".csv",)
@@ -84,16 +87,12 @@ def read_csv_rows(path: Path, *, columns: tuple[str, ...], key: str, strict: boo
 
 
 def _is_text(t: Any) -> bool:
-    import pyarrow as pa
-
     return (
         pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t) or str(t) == "string_view"
     )
 
 
 def _is_list(t: Any) -> bool:
-    import pyarrow as pa
-
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_null(t)
 
 
@@ -117,8 +116,6 @@ def check_parquet_columns(
 
 
 def read_parquet_schema(path: Path, *, key: str) -> Any:
-    import pyarrow.parquet as pq
-
     try:
         return pq.read_schema(path)
     except Exception as e:  # noqa: BLE001 - an unreadable file is named with its reader's reason
@@ -129,8 +126,6 @@ def read_parquet_rows(
     path: Path, *, text_columns: tuple[str, ...], list_columns: tuple[str, ...], key: str
 ) -> Rows:
     """The rows of a Parquet file, its columns checked first (`check_parquet_columns`)."""
-    import pyarrow.parquet as pq
-
     schema = read_parquet_schema(path, key=key)
     check_parquet_columns(path, schema, text_columns=text_columns, list_columns=list_columns, key=key)
     return pq.read_table(path).to_pylist(), Counter()
@@ -151,6 +146,7 @@ def read_text_lines(path: Path, *, column: str) -> Rows:
 def split_data_files(directory: Path, *, name: str | None, split: str, key: str) -> list[Path]:
     """The data files of `split` (``train[:10%]`` -> train) in a dataset folder (a Hub snapshot), as
     `datasets` itself finds them (file names, or the README's configs)."""
+    # lazy: start-up, datasets ~0.6 s, only where data is read
     import datasets
 
     base = split.split("[", 1)[0]

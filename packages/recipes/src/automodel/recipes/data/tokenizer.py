@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.trust import announce_remote_code
 
@@ -58,8 +60,6 @@ class HFTokenizer:
     def __init__(
         self, path: str, *, trust_remote_code: bool = False, add_bos_token: bool | None = None
     ) -> None:
-        from transformers import AutoTokenizer
-
         if not Path(path).is_dir():
             raise ConfigError("tokenizer.path", path, "is not a local directory")
         if trust_remote_code:
