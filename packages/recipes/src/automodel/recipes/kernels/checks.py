@@ -10,6 +10,8 @@ from typing import Any
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.float8 import fp8_unavailable
 from automodel.recipes.kernels.liger import KEY, liger_unavailable, resolve_patches
+from automodel.recipes.loss import masked_cross_entropy_sum
+from automodel.recipes.output_head import build_head_loss
 
 
 def check_kernels_environment(cfg: Any) -> None:
@@ -35,8 +37,6 @@ def chunked_head_refusal(cfg: Any, model: Any) -> str | None:
     """Why this run's loss does not read the head's weight (None: the chunked path is used)."""
     if cfg.distributed.strategy == "megatron_fsdp":
         return "distributed.strategy megatron_fsdp keeps the full logits"
-    from automodel.recipes.loss import masked_cross_entropy_sum
-    from automodel.recipes.output_head import build_head_loss
 
     plan = build_head_loss(cfg.loss_fn, model=model, logits_loss=masked_cross_entropy_sum).plan
     return None if plan.chunked else plan.reason

@@ -56,6 +56,7 @@ def fp8_unavailable(section: FP8Section) -> tuple[str, str] | None:
 
 def torchao_config(section: FP8Section):
     """torchao's `Float8LinearConfig` for the section: the recipe's, then the section's switches."""
+    # lazy: optional dependency (torchao, the [fp8] extra)
     from torchao.float8 import Float8LinearConfig
 
     switches: dict[str, bool] = {
@@ -88,10 +89,12 @@ def convert_to_fp8(model: nn.Module, *, section: FP8Section, keep: tuple[str, ..
 
     `ConfigError` naming ``fp8.filter_fqns`` when nothing is left to convert (an fp8 run that would
     train in high precision)."""
+    # lazy: optional dependency (torchao, the [fp8] extra)
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     if section.recipe == "rowwise":  # torchao's advice for rowwise under inductor (AutoModel does the same)
+        # lazy: start-up, torch._inductor.config ~1.9 s, fp8 only
         import torch._inductor.config as inductor_config
 
         inductor_config.emulate_precision_casts = True
@@ -132,6 +135,7 @@ def describe_fp8(model: nn.Module, *, section: FP8Section, converted: list[str])
 def precompute_scales(parts: list[nn.Module]) -> Callable[[], None]:
     """The after-optimizer-step hook of ``precompute_float8_dynamic_scale_for_fsdp``: one all-reduce
     computes every float8 weight's scale for the next step's all-gathers."""
+    # lazy: optional dependency (torchao, the [fp8] extra)
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     def hook() -> None:

@@ -47,6 +47,7 @@ def liger_unavailable() -> str | None:
 
 def family_patches(model_type: str) -> tuple[str, ...] | None:
     """The patches of `LIGER_PATCHES` that Liger has for `model_type` (None: no Liger support)."""
+    # lazy: optional dependency (liger-kernel)
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     apply_fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
@@ -64,6 +65,7 @@ def resolve_patches(section: KernelsSection, *, model_type: str, chunked_head: s
         return ()
     offered = family_patches(model_type)
     if offered is None:
+        # lazy: optional dependency (liger-kernel)
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
         raise ConfigError(
@@ -108,6 +110,7 @@ def apply_liger_kernels(model: nn.Module, *, patches: tuple[str, ...]) -> Modeli
     """Patch `model` (any device, meta included) with Liger's kernels for `patches` through
     ``_apply_liger_kernel_to_instance``; returns what it replaced in the family's modeling module.
     RuntimeError when a requested patch left the model unchanged (never a silent no-op)."""
+    # lazy: optional dependency (liger-kernel)
     from liger_kernel.transformers import monkey_patch
 
     module_patches = [p for p in patches if p != FLCE]
@@ -148,6 +151,7 @@ def liger_linear_cross_entropy_sum(
     token CE of ``softcap(scale * (hidden @ weight.T + bias))`` over labels != -100, fp32
     accumulation. `chunk_tokens` is not used (Liger sizes its own chunks); a logit scale is folded
     into the hidden states and the bias (the logits are linear in both)."""
+    # lazy: optional dependency (liger-kernel)
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     del chunk_tokens

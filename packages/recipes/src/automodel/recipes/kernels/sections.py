@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.sections import build_section
 
 #: Liger's per-family patch switches this project exposes (each ``apply_liger_kernel_to_<family>``
 #: takes a subset); ``fused_linear_cross_entropy`` replaces the chunked loss, not the model's forward.
@@ -109,6 +110,4 @@ class FP8Section:
 
 def parse_kernels_sections(raw: dict[str, Any]) -> tuple[KernelsSection, FP8Section]:
     """The two sections of the (translated) YAML; absent sections are off."""
-    from automodel.recipes.sections import build_section
-
     return build_section(KernelsSection, raw.get("kernels")), build_section(FP8Section, raw.get("fp8"))
