@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.instantiate import resolve_dtype
 
 DROPOUT_POSITIONS = ("pre", "post")
 LORA_A_INITS = ("kaiming", "uniform", "xavier")
@@ -88,8 +89,6 @@ class PeftSection:
                 f"{s}.lora_A_init", self.lora_A_init, f"must be one of {', '.join(LORA_A_INITS)}"
             )
         if self.lora_dtype is not None:
-            from automodel.recipes.instantiate import resolve_dtype
-
             resolve_dtype(f"{s}.lora_dtype", self.lora_dtype)
 
     @property

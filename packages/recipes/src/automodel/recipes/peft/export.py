@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 
 from automodel.recipes.peft.lora import LoRAInfo, is_adapter_key
@@ -54,6 +55,7 @@ def adapter_config(info: LoRAInfo, *, base_model_name_or_path: str | None) -> di
 
 def gather_adapters(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Every adapter weight at full size on rank 0 (``{}`` on the other ranks); collective."""
+    # lazy: cycle recipes.peft.export -> recipes.checkpoint -> recipes.checkpoint.consolidated -> recipes.peft -> recipes.peft.export
     from automodel.recipes.checkpoint.part_state import full_tensor, part_model_state_dict
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -100,8 +102,6 @@ def save_adapter(
 
     Returns the file names written.
     """
-    from safetensors.torch import save_file
-
     tensors = gather_adapters(model_parts)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.instantiate import resolve_dtype
 from automodel.recipes.peft.config import PeftSection
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -194,8 +195,6 @@ def apply_lora(model: nn.Module, *, section: PeftSection) -> LoRAInfo:
 
     Call on the meta-device model before any parallelism. Returns what was wrapped.
     """
-    from automodel.recipes.instantiate import resolve_dtype
-
     chosen = select_linears(model, section)
     for param in model.parameters():
         param.requires_grad_(False)
