@@ -3,9 +3,19 @@ search behind `recipes plan`, and the allocator measurement the estimates are te
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.model import build_meta_model
+from automodel.recipes.peft import apply_lora
+from automodel.recipes.peft.config import PeftSection
+from automodel.recipes.planning.models import resolve_model_config
+from automodel.recipes.planning.roofline import Hardware
+from automodel.recipes.planning.search import enumerate_layouts
+from automodel.recipes.planning.shape import model_shape
+from automodel.recipes.planning.table import format_memory, format_table, yaml_block
+from automodel.recipes.sections import build_section
 
 
 def parse_bytes(key: str, value: str) -> float:
@@ -41,15 +51,8 @@ def plan(
     expert_load_factor: float = 1.0,
 ) -> tuple[list[Any], list[str]]:
     """Rank the layouts of `model` on `gpus` GPUs; returns the candidates and the printed lines."""
-    from dataclasses import replace
-
-    from automodel.recipes.model import build_meta_model
+    # lazy: cycle recipes.planning -> recipes.planning.admit -> recipes.rules -> recipes.strategies -> recipes.strategies.base -> recipes.planning
     from automodel.recipes.planning.admit import admit_layouts, global_batch_of
-    from automodel.recipes.planning.models import resolve_model_config
-    from automodel.recipes.planning.roofline import Hardware
-    from automodel.recipes.planning.search import enumerate_layouts
-    from automodel.recipes.planning.shape import model_shape
-    from automodel.recipes.planning.table import format_memory, format_table, yaml_block
 
     if gpus_per_node < 1:
         raise ConfigError("--gpus-per-node", gpus_per_node, "must be >= 1")
@@ -115,11 +118,6 @@ def plan(
 
 def _lora_params(hf_config: Any) -> int:
     """Trainable parameters of LoRA with the recipes' default section, on the meta model."""
-    from automodel.recipes.model import build_meta_model
-    from automodel.recipes.peft import apply_lora
-    from automodel.recipes.peft.config import PeftSection
-    from automodel.recipes.sections import build_section
-
     model = build_meta_model(hf_config)
     apply_lora(model, section=build_section(PeftSection, {}))
     return sum(p.numel() for p in model.parameters() if p.requires_grad)

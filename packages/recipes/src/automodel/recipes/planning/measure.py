@@ -15,10 +15,15 @@ not hand such copies to the collectives (DDP's flattened initial broadcast did, 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from automodel.moe import ExpertLoad
+from automodel.recipes.trainer import Trainer
 
 _STEP_MARK = "automodel.measure.step"
 
@@ -113,13 +118,6 @@ class TrainingMeasurement:
 def measure_training(cfg: Any, *, steps: int = 2) -> TrainingMeasurement:
     """Build `cfg`'s model on this rank (inside an initialized process group) and run `steps` real
     training steps of `recipes train` (`Trainer.train_step`) under the allocator profiler."""
-    from contextlib import nullcontext
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from automodel.moe import ExpertLoad
-    from automodel.recipes.trainer import Trainer
-
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.hub_cache import resolve_local_or_cached
+from automodel.recipes.model import build_hf_config
+from automodel.recipes.sections import ModelSection
 
 
 def _example_dirs() -> list[Path]:
@@ -20,9 +23,6 @@ def _example_dirs() -> list[Path]:
 def _load(*, source: str, **model_section: Any) -> Any:
     """The config through the recipes' one loader (`model.build_hf_config`: model_type check, a
     directory's own code runs only with trust_remote_code), its error restated for --model."""
-    from automodel.recipes.model import build_hf_config
-    from automodel.recipes.sections import ModelSection
-
     try:
         return build_hf_config(ModelSection(**model_section), announce=False)
     except ConfigError as e:
@@ -63,7 +63,6 @@ def resolve_model_config(value: str) -> Any:
     shipped = known_models().get(value.lower())
     if shipped is not None:
         return _from_dict(json.loads(shipped.read_text()), source=str(shipped))
-    from automodel.recipes.hub_cache import resolve_local_or_cached
 
     try:
         cached = resolve_local_or_cached(value, key="--model", required_file="config.json")

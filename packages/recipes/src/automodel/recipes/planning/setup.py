@@ -8,6 +8,8 @@ import torch
 
 from automodel.mesh import ResolvedLayout, parse_dtype
 from automodel.recipes._dist_setup import resolve_machine_defaults
+from automodel.recipes.linear_ce import CHUNK_ELEMENTS
+from automodel.recipes.output_head import is_linear_loss
 from automodel.recipes.planning.memory import StepSetup
 from automodel.recipes.strategies import get_strategy
 
@@ -94,9 +96,6 @@ def step_setup(
 def _loss_fields(cfg: Any, *, on_gpu: bool, head_weight_readable: bool) -> dict:
     """The chunked loss's chunk (`LinearCrossEntropy`) or nothing (full logits, as under a strategy
     whose head weight the loss cannot read: `Strategy.head_weight_readable`)."""
-    from automodel.recipes.linear_ce import CHUNK_ELEMENTS
-    from automodel.recipes.output_head import is_linear_loss
-
     if not is_linear_loss(cfg.loss_fn) or not head_weight_readable:
         return {}
     budget = CHUNK_ELEMENTS["accelerator" if on_gpu else "cpu"]

@@ -8,6 +8,7 @@ from typing import Any
 
 from automodel.fsdp2.hf_config import layer_values
 from automodel.mesh.model_parts import decoder_layers, input_embeddings, text_config
+from automodel.moe import find_moe_blocks
 from automodel.recipes.model import build_meta_model, experts_per_token, num_experts
 
 _EXPERT = ".experts."
@@ -71,8 +72,6 @@ def _int(hf_config: Any, *keys: str, default: int = 0) -> int:
 def _expert_param_ids(model: Any) -> set[int]:
     """The routed experts' parameters as expert parallelism finds them (by structure: also JetMoE's
     `input_linear` and Doge's expert embedding tables, whose names do not say `experts`)."""
-    from automodel.moe import find_moe_blocks
-
     return {id(b.experts.get_parameter(n)) for b in find_moe_blocks(model) for n in b.param_names}
 
 
