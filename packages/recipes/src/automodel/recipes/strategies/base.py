@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from automodel.fsdp2 import grad_sync_context
 from automodel.mesh import MeshContext, ResolvedLayout
+from automodel.recipes.grad_norm import clip_grad_norm
 from automodel.recipes.planning.memory import StrategyMemory
 
 if TYPE_CHECKING:
@@ -122,8 +124,6 @@ class Strategy(ABC):
     ) -> contextlib.AbstractContextManager:
         """Context for one micro-batch's backward: skip the gradient reduction unless it is the last
         (when `defer`). Default: automodel.fsdp2's `grad_sync_context` (FSDP2 and DDP)."""
-        from automodel.fsdp2 import grad_sync_context
-
         stack = contextlib.ExitStack()
         for part in parts:
             stack.enter_context(grad_sync_context(part, is_last_microbatch=is_last_microbatch, enabled=defer))
@@ -138,8 +138,6 @@ class Strategy(ABC):
     ) -> torch.Tensor:
         """The global gradient norm before clipping to `max_norm`; under PP one copy of each tied
         weight counts (`pipeline.norm_parameters()`)."""
-        from automodel.recipes.grad_norm import clip_grad_norm
-
         counted = None if pipeline is None else {id(p) for p in pipeline.norm_parameters()}
         pp_group = None if mesh.layout.axis_size("pp") == 1 else mesh.get_mesh("pp").get_group()
         return clip_grad_norm(params, max_norm=max_norm, pp_group=pp_group, counted_ids=counted)

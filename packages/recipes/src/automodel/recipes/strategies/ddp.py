@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from automodel.fsdp2 import DDPConfig, DDPManager
 from automodel.mesh import MeshContext
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import StrategyMemory
@@ -24,8 +25,6 @@ class DDPStrategy(Strategy):
     layer_flags = ("activation_checkpointing",)
 
     def config_class(self) -> type:
-        from automodel.fsdp2 import DDPConfig
-
         return DDPConfig
 
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
@@ -61,8 +60,6 @@ class DDPStrategy(Strategy):
         gradient_divide_factor: float | None,
         pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     ) -> ParallelModel:
-        from automodel.fsdp2 import DDPManager
-
         initialize([model])
         if mesh.layout.dp == 1:
             return ParallelModel(parts=[model], strategy=self, defer_grad_sync=False)

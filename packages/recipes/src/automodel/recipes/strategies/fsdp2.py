@@ -9,8 +9,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 
+from automodel.context_parallel import apply_context_parallel
+from automodel.fsdp2 import (
+    FSDP2Config,
+    apply_sharding_from_config,
+    apply_tensor_parallel_from_config,
+    default_mp_policy,
+)
+from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
 from automodel.mesh import MeshContext
+from automodel.moe import parallelize_model as apply_expert_parallel
 from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
@@ -34,18 +45,12 @@ def apply_fsdp2_stack(
     honour are refused when the section is parsed. Returns the CP attention backend to pass to
     `make_cp_batch_and_ctx` ("none" without CP).
     """
-    from automodel.fsdp2 import apply_sharding_from_config, apply_tensor_parallel_from_config
-
     layout = mesh.layout
     apply_tensor_parallel_from_config(module, mesh=mesh, config=config)
     cp_backend = "none"
     if layout.cp_enabled:
-        from automodel.context_parallel import apply_context_parallel
-
         cp_backend = apply_context_parallel(module, cp_mesh=mesh.get_mesh("cp"))
     if layout.ep_enabled:
-        from automodel.moe import parallelize_model as apply_expert_parallel
-
         apply_expert_parallel(
             module,
             mesh=mesh,
@@ -68,9 +73,8 @@ def sequence_parallel_boundary(model: nn.Module, *, mesh: MeshContext, config: A
     next stage rebuilds them with it. None without sequence parallelism (plain tensors cross)."""
     if not mesh.layout.tp_enabled:
         return None
-    from torch.distributed.tensor import Shard
 
-    from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
+    # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
     from automodel.pipeline import BoundaryLayout
 
     plan = resolve_tp_plan(model, tp_plan=config.tp_plan, sequence_parallel=config.sequence_parallel)
@@ -87,18 +91,12 @@ class FSDP2Strategy(Strategy):
     layer_flags = ("activation_checkpointing", "enable_compile", "enable_fsdp2_prefetch")
 
     def config_class(self) -> type:
-        from automodel.fsdp2 import FSDP2Config
-
         return FSDP2Config
 
     def machine_defaults(self, options: dict[str, Any], *, cuda: bool) -> dict[str, Any]:
         """Mixed precision bf16 on CUDA (`default_mp_policy`), full precision on CPU."""
         options = super().machine_defaults(options, cuda=cuda)
         if options.get("mp_policy") is None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            from automodel.fsdp2 import default_mp_policy
-
             options["mp_policy"] = default_mp_policy() if cuda else MixedPrecisionPolicy()
         return options
 
@@ -141,6 +139,7 @@ class FSDP2Strategy(Strategy):
 
         pipe = None
         if mesh.layout.pp_enabled:
+            # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
             from automodel.pipeline import AutoPipeline
 
             pipe = AutoPipeline(mesh=mesh, config=section.pipeline_config, device=device).build(

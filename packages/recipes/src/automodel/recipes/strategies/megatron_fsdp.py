@@ -11,6 +11,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from automodel.megatron_fsdp import (
+    MegatronFSDPConfig,
+    MegatronFSDPManager,
+    MegatronFSDPUnavailableError,
+    clip_grad_norm,
+    import_megatron_fsdp,
+    microbatch_grad_sync,
+    shard_optimizer,
+)
 from automodel.mesh import MeshContext
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import StrategyMemory
@@ -30,8 +39,6 @@ class MegatronFSDPStrategy(Strategy):
     head_weight_readable = False
 
     def config_class(self) -> type:
-        from automodel.megatron_fsdp import MegatronFSDPConfig
-
         return MegatronFSDPConfig
 
     def with_machine_defaults(self, config: Any, *, keys: frozenset[str], cuda: bool) -> Any:
@@ -57,8 +64,6 @@ class MegatronFSDPStrategy(Strategy):
 
     def check_environment(self) -> None:
         """megatron-fsdp must import (it needs CUDA at run time)."""
-        from automodel.megatron_fsdp import MegatronFSDPUnavailableError, import_megatron_fsdp
-
         try:
             import_megatron_fsdp()
         except MegatronFSDPUnavailableError as e:
@@ -96,8 +101,6 @@ class MegatronFSDPStrategy(Strategy):
         gradient_divide_factor: float | None,
         pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     ) -> ParallelModel:
-        from automodel.megatron_fsdp import MegatronFSDPManager, MegatronFSDPUnavailableError
-
         manager = MegatronFSDPManager(
             section.strategy_config, mesh, gradient_divide_factor=gradient_divide_factor
         )
@@ -110,21 +113,15 @@ class MegatronFSDPStrategy(Strategy):
     def grad_sync(
         self, parts: list[nn.Module], *, is_last_microbatch: bool, defer: bool
     ) -> contextlib.AbstractContextManager:
-        from automodel.megatron_fsdp import microbatch_grad_sync
-
         stack = contextlib.ExitStack()
         for part in parts:
             stack.enter_context(microbatch_grad_sync(part, is_last_microbatch=is_last_microbatch))
         return stack
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, part: nn.Module) -> torch.optim.Optimizer:
-        from automodel.megatron_fsdp import shard_optimizer
-
         return shard_optimizer(optimizer, model=part)
 
     def clip_grad_norm(
         self, params: list[nn.Parameter], *, max_norm: float | None, mesh: MeshContext, pipeline: Any
     ) -> torch.Tensor:
-        from automodel.megatron_fsdp import clip_grad_norm
-
         return clip_grad_norm(params, max_norm=max_norm, tp_size=mesh.layout.tp)
