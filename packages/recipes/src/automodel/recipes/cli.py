@@ -8,12 +8,19 @@ no process left behind and nothing written.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 import warnings
 from collections.abc import Sequence
 
+from automodel.mesh import detect_launch_env
+from automodel.recipes import __version__
+from automodel.recipes._quiet import quiet_known_notices
 from automodel.recipes.errors import ConfigError, DataError
+from automodel.recipes.lifetime import die_with_parent
+from automodel.recipes.plot import plot_losses
+from automodel.recipes.resume_check import check_config_changes
 
 EXIT_CONFIG_ERROR = 2
 
@@ -33,15 +40,12 @@ THIRD_PARTY_REPORTED = ("torch", "transformers", "megatron-fsdp")
 def version_report() -> str:
     """`recipes --version`: one `name version` line per automodel package, torch, transformers and
     megatron-fsdp ("not installed" where absent), read from the installed metadata (no imports)."""
-    from importlib.metadata import PackageNotFoundError, version
 
     def one(name: str) -> str:
         try:
-            return f"{name} {version(name)}"
-        except PackageNotFoundError:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
             if name == "automodel-recipes":  # running from a source tree: the pyproject's version
-                from automodel.recipes import __version__
-
                 return f"{name} {__version__}"
             return f"{name} not installed"
 
@@ -198,12 +202,14 @@ def _split_overrides(command: str, extra: list[str]) -> list[str]:
 
 def load_and_parse(config: str, overrides: list[str]):
     """Config file + overrides -> validated `RecipeConfig` (the path shared by train and validate)."""
+    # lazy: start-up, recipes --help: api ~3 s
     from automodel.recipes.api import load_config
 
     return load_config(config, overrides=overrides)
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    # lazy: start-up, recipes --help: launch ~7 s
     from automodel.recipes.launch import LaunchOptions, already_launched, launch_torchrun
 
     if already_launched():
@@ -219,7 +225,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if opts.nproc_per_node < 1:
         raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
     cfg = load_and_parse(args.config, overrides)
+    # lazy: start-up, recipes --help: launch_check ~5 s
     from automodel.recipes.launch_check import check_launch
+
+    # lazy: start-up, recipes --help: run_lock ~2.8 s
     from automodel.recipes.run_lock import acquire_run_lock, run_checkpoint_dir
 
     nnodes = int(opts.nnodes.split(":")[-1])
@@ -250,16 +259,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _check_resume(cfg, *, allow_changes: bool) -> None:
-    from automodel.recipes.resume_check import check_config_changes
-
     check_config_changes(cfg, allow_changes=allow_changes)
 
 
 def _train_rank(args: argparse.Namespace, overrides: list[str]) -> int:
     """One rank of a job started by torchrun, srun or the `recipes` launcher (`--launcher-pid`)."""
-    from automodel.mesh import detect_launch_env
-    from automodel.recipes.lifetime import die_with_parent
-
     launch = detect_launch_env()
     if args.launcher_pid is not None or launch.launcher == "torchrun":
         die_with_parent(expected_parent=args.launcher_pid)  # never outlive the launcher
@@ -280,7 +284,10 @@ def _run_guarded(config, *, rank: int, error_dir: str | None) -> int:
     returns 2; other errors propagate with their traceback. Under the `recipes` launcher the rank
     prints nothing: the launcher summarizes every rank's report once the job has stopped.
     """
+    # lazy: start-up, recipes --help: api ~3 s
     from automodel.recipes.api import train
+
+    # lazy: start-up, recipes --help: rank_errors ~3 s
     from automodel.recipes.rank_errors import report_failure
 
     cfg = None
@@ -303,6 +310,7 @@ def _run_guarded(config, *, rank: int, error_dir: str | None) -> int:
 
 
 def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
+    # lazy: start-up, recipes --help: plan ~4 s
     from automodel.recipes.plan import plan_layout
 
     cfg = load_and_parse(args.config, overrides)
@@ -314,6 +322,7 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
     _, _, lines = plan_layout(cfg, world_size=world, expert_load_factor=args.moe_load_factor)
     print("\n".join(lines))
     if cfg.refusals:  # runs on no machine: refused like train does, after the plan is shown
+        # lazy: start-up, recipes --help: environment ~6 s
         from automodel.recipes.environment import refusal_error
 
         raise refusal_error(cfg.refusals)
@@ -321,7 +330,10 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    # lazy: start-up, recipes --help: planning ~1.9 s
     from automodel.recipes.planning import parse_bytes, plan
+
+    # lazy: start-up, recipes --help: planning.roofline ~1.8 s
     from automodel.recipes.planning.roofline import Hardware
 
     if overrides:
@@ -355,8 +367,6 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
-    from automodel.recipes.plot import plot_losses
-
     if overrides:
         raise ConfigError(overrides[0], None, "plot takes no overrides")
     print(plot_losses(args.output_dir, out_file=args.out))
@@ -364,6 +374,7 @@ def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _preprocess(args: argparse.Namespace, overrides: list[str]) -> int:
+    # lazy: start-up, recipes --help: data.preprocess ~1.8 s
     from automodel.recipes.data.preprocess import preprocess
 
     if args.config is not None and args.tokenizer is not None:
@@ -375,6 +386,7 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> int:
     elif overrides:
         raise ConfigError(overrides[0], None, "overrides need --config")
     elif tokenizer is not None and not os.path.isdir(os.path.expanduser(tokenizer)):
+        # lazy: start-up, recipes --help: hub_cache ~0.1 s
         from automodel.recipes.hub_cache import resolve_local_or_cached
 
         tokenizer = str(resolve_local_or_cached(tokenizer, key="--tokenizer"))
@@ -399,6 +411,7 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
+    # lazy: start-up, recipes --help: generate ~1.2 s
     from automodel.recipes.generate import generate
 
     if overrides:
@@ -419,8 +432,6 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def run_cli(argv: Sequence[str]) -> int:
     """Parse and run one command; returns the exit code (2 for config errors, one line on stderr)."""
-    from automodel.recipes._quiet import quiet_known_notices
-
     parser = _parser()
     try:
         args, extra = parser.parse_known_args(list(argv))
