@@ -22,16 +22,22 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import yaml
+from tqdm import tqdm
 
+from automodel.context_parallel import make_cp_batch_and_ctx
 from automodel.mesh import MeshContext
 from automodel.mesh.model_parts import text_config
 from automodel.recipes._dist_setup import resolve_machine_defaults, setup_distributed
+from automodel.recipes.checkpoint import Checkpointer, TrainingState
 from automodel.recipes.data import build_packed_dataset, build_tokenizer
 from automodel.recipes.data.first_rows import first_rows
 from automodel.recipes.data.loader import Batch, build_train_loader
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
+from automodel.recipes.kernels.apply import apply_kernels, check_linear_loss_bound
+from automodel.recipes.kernels.float8 import precompute_scales
 from automodel.recipes.launch_check import check_launch, launch_world_size
+from automodel.recipes.layout_report import describe_rank, summary_lines, write_rank_report
 from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
@@ -40,7 +46,9 @@ from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.packed_probe import apply_packed_probe
 from automodel.recipes.parallelize import parallelize_model
+from automodel.recipes.peft import apply_lora
 from automodel.recipes.recipe_config import RecipeConfig
+from automodel.recipes.run_lock import hold_output_dir, run_checkpoint_dir
 from automodel.recipes.strategies import get_strategy
 
 
@@ -65,8 +73,6 @@ def context_parallel_inputs(
     The sequence is padded to a multiple of 2 * cp with the tokenizer's pad token (labels -100);
     packed rows carry their document boundaries so attention stays inside each document.
     """
-    from automodel.context_parallel import make_cp_batch_and_ctx
-
     fields = dict(fields)
     if packed:
         fields["cu_seqlens"] = document_cu_seqlens(fields["position_ids"])
@@ -244,12 +250,9 @@ class Trainer:
         )
         self.lora = None
         if cfg.peft is not None:  # LoRA on the meta model: every parallelism below composes with it
-            from automodel.recipes.peft import apply_lora
-
             self.lora = apply_lora(model, section=cfg.peft)
         self.position_offset = position_id_offset(model)
         self.head_loss = self._build_head_loss(model)
-        from automodel.recipes.kernels.apply import apply_kernels, check_linear_loss_bound
 
         kernel_lines = apply_kernels(model, cfg=cfg, layout=layout, head_loss=self.head_loss)
         self.pm = parallelize_model(
@@ -282,8 +285,6 @@ class Trainer:
         self.head_loss.bind(self.pm.parts, unwrap=lambda part: getattr(part, "module", part))
         check_linear_loss_bound(self.head_loss)
         if cfg.fp8.enabled and cfg.fp8.precompute_float8_dynamic_scale_for_fsdp:
-            from automodel.recipes.kernels.float8 import precompute_scales
-
             self.post_step_hooks.append(precompute_scales(self.pm.parts))
         if self.rank == 0:
             print("\n".join([*kernel_lines, self.head_loss.describe()]), file=sys.stderr, flush=True)
@@ -305,8 +306,6 @@ class Trainer:
     def _report_layout(self) -> None:
         """Print what this rank holds, one line per parallelism (every rank), and write
         ``<output_dir>/layout/rank_<N>.json`` for the ranks ``logging.layout_report`` names."""
-        from automodel.recipes.layout_report import describe_rank, summary_lines, write_rank_report
-
         report = describe_rank(
             parts=self.pm.parts,
             mesh=self.mesh,
@@ -471,8 +470,6 @@ class Trainer:
     # ---- the run -------------------------------------------------------------------------
     def train(self) -> TrainResult:
         """Resume (or start) and train to the end; rank 0 holds the output_dir lock meanwhile."""
-        from automodel.recipes.run_lock import hold_output_dir, run_checkpoint_dir
-
         cfg = self.cfg
         with hold_output_dir(cfg.output_dir, rank=self.rank, checkpoint_dir=run_checkpoint_dir(cfg)):
             return self._train()
@@ -496,8 +493,6 @@ class Trainer:
         result = TrainResult(output_dir=str(out))
         bar = None
         if is_main and cfg.logging.progress_bar:
-            from tqdm import tqdm
-
             bar = tqdm(
                 total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True
             )
@@ -597,7 +592,6 @@ class Trainer:
     def _checkpointer(self, out: Path) -> tuple[Any, Any]:
         if not self.cfg.checkpoint.enabled:
             return None, None
-        from automodel.recipes.checkpoint import Checkpointer, TrainingState
 
         state = TrainingState(
             model_parts=self.pm.parts,
