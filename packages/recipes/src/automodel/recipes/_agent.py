@@ -18,6 +18,13 @@ import argparse
 import os
 import signal
 import sys
+import traceback
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main as torchrun_main
+
+from automodel.recipes.lifetime import die_with_parent
 
 
 def main(argv: list[str]) -> int:
@@ -26,7 +33,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--log", required=True)
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
-    from automodel.recipes.lifetime import die_with_parent
 
     die_with_parent(expected_parent=args.parent)
     torchrun_args = list(args.torchrun_args)
@@ -35,9 +41,6 @@ def main(argv: list[str]) -> int:
     torchrun_args.append(f"--launcher-pid={os.getpid()}")  # the training command ends the list
     log = open(args.log, "a", buffering=1)  # noqa: SIM115 - open for the life of the process
     sys.stderr = log  # Python-level only: fd 2, which the ranks inherit, still is the terminal
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
 
     try:
         torchrun_main(torchrun_args)
@@ -50,8 +53,6 @@ def main(argv: list[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0) if not isinstance(e.code, str) else 1
     except BaseException:
-        import traceback
-
         traceback.print_exc(file=log)
         return 1
     return 0

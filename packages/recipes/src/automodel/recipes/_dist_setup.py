@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, init_distributed, parse_dtype
+from automodel.moe import MoEParallelizerConfig
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import instantiate
 from automodel.recipes.strategies import get_strategy, strategy_names, world_of_one_strategy
@@ -98,8 +99,6 @@ def resolve_machine_defaults(
 
 def build_moe_config(moe: dict[str, Any] | None) -> Any:
     """`MoEParallelizerConfig` from ``distributed.moe`` (errors name the key)."""
-    from automodel.moe import MoEParallelizerConfig
-
     options = dict(moe or {})
     try:
         return MoEParallelizerConfig(**options)
@@ -109,6 +108,7 @@ def build_moe_config(moe: dict[str, Any] | None) -> Any:
 
 def build_pipeline_config(pipeline: dict[str, Any] | None, *, local_batch_size: int) -> Any:
     """`PipelineConfig` from ``distributed.pipeline``; one pipeline step takes one local batch."""
+    # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
     from automodel.pipeline import PipelineConfig
 
     options = dict(pipeline or {})

@@ -19,7 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from automodel.recipes.recipe_config import RecipeConfig
+from automodel.mesh import destroy_distributed
+from automodel.recipes.loader import apply_overrides
+from automodel.recipes.loader import load_config as load_config_file
+from automodel.recipes.recipe_config import RecipeConfig, parse_recipe_config
+from automodel.recipes.trainer import run_training
 
 if TYPE_CHECKING:  # the trainer (data, loop) is imported only by `train`, not by `load_config`
     from automodel.recipes.trainer import TrainResult
@@ -31,10 +35,6 @@ def load_config(source: str | Path | dict[str, Any], *, overrides: Sequence[str]
     A mapping without ``output_dir`` gets ``runs/config``; a file gets ``runs/<file stem>``.
     Every mistake raises `ConfigError` naming the key and the value.
     """
-    from automodel.recipes.loader import apply_overrides
-    from automodel.recipes.loader import load_config as load_config_file
-    from automodel.recipes.recipe_config import parse_recipe_config
-
     if isinstance(source, dict):
         raw = apply_overrides(source, list(overrides))
         raw.setdefault("output_dir", str(Path("runs") / "config"))
@@ -50,9 +50,6 @@ def train(
 
     The process group is created here and destroyed when training ends or fails.
     """
-    from automodel.mesh import destroy_distributed
-    from automodel.recipes.trainer import run_training
-
     cfg = config if isinstance(config, RecipeConfig) else load_config(config, overrides=overrides)
     try:
         result = run_training(cfg)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+from transformers.utils import is_flash_attn_2_available
+
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.kernels.checks import check_kernels_environment
 from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.strategies import get_strategy
 
@@ -23,7 +27,6 @@ def check_machine(cfg: RecipeConfig) -> None:
     """
     _check_attention(cfg.model.attn_implementation)
     _check_backend(cfg.dist_env.backend)
-    from automodel.recipes.kernels.checks import check_kernels_environment
 
     check_kernels_environment(cfg)
     get_strategy(cfg.distributed.strategy).check_environment()
@@ -41,11 +44,7 @@ def refusal_error(refusals: tuple[ConfigError, ...]) -> ConfigError:
 def _check_attention(requested: str) -> None:
     """An attention implementation this machine cannot train with is refused here, not met as an
     import error or a missing backward inside every rank."""
-    import torch
-
     if requested == "flash_attention_2":
-        from transformers.utils import is_flash_attn_2_available
-
         if not is_flash_attn_2_available():
             raise ConfigError(
                 "model.attn_implementation",
@@ -64,8 +63,6 @@ def _check_attention(requested: str) -> None:
 
 def _check_backend(backend: str | None) -> None:
     """nccl needs CUDA: without it every rank would fail in init_process_group."""
-    import torch
-
     if backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError(
             "dist_env.backend",

@@ -18,8 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from automodel.recipes.data.sft import format_plain_prompt
+from automodel.recipes.data.tokenizer import ByteTokenizer, HFTokenizer, bos_prefix, has_tokenizer_files
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.hub_cache import resolve_local_or_cached
 
 
 @dataclass
@@ -31,9 +35,6 @@ class Generation:
 
 def _load_model(directory: Path) -> tuple[Any, Path]:
     """(model in eval mode, the directory whose tokenizer to use)."""
-    from transformers import AutoModelForCausalLM
-
-    from automodel.recipes.hub_cache import resolve_local_or_cached
 
     def load(path: Path, key: str) -> Any:
         if not any(path.glob("*.safetensors")):
@@ -58,6 +59,7 @@ def _load_model(directory: Path) -> tuple[Any, Path]:
             )
         return load(directory, "checkpoint").eval(), directory
     try:
+        # lazy: optional dependency (peft, not a dependency of automodel-recipes)
         import peft
     except ImportError:
         raise ConfigError(
@@ -74,14 +76,11 @@ def _load_model(directory: Path) -> tuple[Any, Path]:
         base, key="adapter_config.json base_model_name_or_path", required_file="config.json"
     )
     model = peft.PeftModel.from_pretrained(load(base_dir, "base_model_name_or_path"), str(directory))
-    from automodel.recipes.data.tokenizer import has_tokenizer_files
 
     return model.eval(), directory if has_tokenizer_files(directory) else base_dir
 
 
 def _tokenizer(directory: Path) -> Any:
-    from automodel.recipes.data.tokenizer import ByteTokenizer, HFTokenizer, has_tokenizer_files
-
     if has_tokenizer_files(directory):
         return HFTokenizer(str(directory))
     return ByteTokenizer()
@@ -90,9 +89,6 @@ def _tokenizer(directory: Path) -> Any:
 def prompt_ids(tokenizer: Any, prompt: str, *, raw: bool = False) -> list[int]:
     """Token ids the model continues: chat template (user turn + generation prompt), else the
     plain SFT prompt format; `raw` encodes `prompt` as it is."""
-    from automodel.recipes.data.sft import format_plain_prompt
-    from automodel.recipes.data.tokenizer import bos_prefix
-
     if raw:
         return tokenizer.encode(prompt)
     if tokenizer.chat_template is not None:

@@ -14,6 +14,8 @@ import os
 import re
 from pathlib import Path
 
+from huggingface_hub import constants, snapshot_download
+
 from automodel.recipes.errors import ConfigError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?(@[A-Za-z0-9._/-]+)?$")
@@ -26,7 +28,6 @@ def hub_cache_dir() -> str:
             return os.environ[var]
     if os.environ.get("HF_HOME"):
         return os.path.join(os.environ["HF_HOME"], "hub")
-    from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE
 
@@ -56,7 +57,6 @@ def resolve_local_or_cached(
             raise ConfigError(key, name_or_path, "does not exist (a local directory or a Hub id `org/name`)")
         repo_id, _, revision = name_or_path.partition("@")
         cache = hub_cache_dir()
-        from huggingface_hub import snapshot_download
 
         try:
             directory = Path(

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from automodel.mesh import detect_launch_env
+from automodel.recipes import rank_errors
+from automodel.recipes.lifetime import children_of
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,6 @@ class _Forwarder:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        from automodel.recipes.lifetime import children_of
-
         name = signal.Signals(signum).name
         if self.received is not None:
             print(f"recipes: {name} again: killing the job", file=sys.stderr, flush=True)
@@ -123,8 +123,6 @@ def launch_torchrun(
     On failure, print one line per distinct error the ranks reported (exit 2 for user mistakes),
     or the root-cause rank's traceback, or the tail of torchrun's log when no rank reported.
     """
-    from automodel.recipes import rank_errors
-
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     error_dir = tempfile.mkdtemp(prefix="automodel-rank-errors-")

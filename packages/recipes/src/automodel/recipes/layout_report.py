@@ -25,6 +25,7 @@ def layer_list_fqn(part: nn.Module) -> str | None:
     """FQN (as the model names it) of the part's list of decoder layers (``model.layers``,
     ``transformer.h``, ...), found the way the pipeline finds it; a pipeline stage's is the one
     its model was split by (its pruned list alone may not look like a whole model's)."""
+    # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
     from automodel.pipeline.hf_structure import HFStructure
 
     structure = getattr(part, "structure", None)

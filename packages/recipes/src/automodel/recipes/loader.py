@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,6 @@ def parse_override(arg: str) -> tuple[list[str], Any]:
 
 def apply_overrides(config: dict, overrides: list[str]) -> dict:
     """Set each dotted key in (a copy of) `config`; intermediate sections are created as needed."""
-    import copy
-
     out = copy.deepcopy(config)
     for arg in overrides:
         path, value = parse_override(arg)

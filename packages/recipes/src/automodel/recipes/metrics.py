@@ -42,6 +42,7 @@ class MetricsWriter:
             truncate_metrics(self.path, keep_through_step=resumed_step)
         self._tb = None
         if enabled and tensorboard:
+            # lazy: optional dependency (the [tensorboard] extra)
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))

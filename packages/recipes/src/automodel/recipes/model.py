@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import copy
+import difflib
+import inspect
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import is_flash_attn_2_available
 
 from automodel.fsdp2.hf_config import layer_values
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.hub_cache import resolve_local_or_cached
 from automodel.recipes.instantiate import resolve_dtype
 from automodel.recipes.model_inputs import check_defaulted_inputs
 from automodel.recipes.trust import announce_remote_code
@@ -23,12 +32,9 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
     With ``model.trust_remote_code: true`` and `announce`, rank 0 prints that the directory's code
     may run (the pre-launch layout check passes ``announce=False``: the run itself says it once).
     """
-    from transformers import AutoConfig
-
     if section.config is not None:
         kwargs = dict(section.config)
         model_type = kwargs.pop("model_type")
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
         if model_type not in CONFIG_MAPPING_NAMES:
             raise ConfigError("model.config.model_type", model_type, "is not a transformers model type")
@@ -84,8 +90,6 @@ def check_config_keys(cfg: Any, given: dict[str, Any], *, prefix: str = "model.c
     converts: ``rope_theta``, ``rope_scaling``, ``torch_dtype``); otherwise it is refused, with the
     closest declared key.
     """
-    import difflib
-
     default = type(cfg)()
     declared = set(vars(default)) | set(getattr(cfg, "attribute_map", {}) or {})
     base = default.to_dict()
@@ -113,10 +117,6 @@ def check_config_keys(cfg: Any, given: dict[str, Any], *, prefix: str = "model.c
 
 def _read_by_model_code(cfg: Any, key: str) -> bool:
     """Whether `key` appears as a name in the source of the model's config or modeling module."""
-    import inspect
-    import re
-    import sys
-
     modules = [sys.modules.get(type(cfg).__module__)]
     try:
         modules.append(sys.modules.get(causal_lm_class(cfg).__module__))
@@ -152,8 +152,6 @@ def pretrained_dir(section: Any) -> Path:
     """The local directory of ``model.pretrained_model_name_or_path`` (alias ``model.pretrained_path``):
     the directory itself, or the cached snapshot of a Hub id (never downloaded; `ConfigError` naming
     the key when it is not cached or has no config.json)."""
-    from automodel.recipes.hub_cache import resolve_local_or_cached
-
     source = section.pretrained_path or section.pretrained_source
     return resolve_local_or_cached(source, key=section.pretrained_key, required_file="config.json")
 
@@ -168,8 +166,6 @@ _ATTN_SUPPORT_FLAGS = {
 
 def causal_lm_class(hf_config: Any) -> type:
     """transformers' causal-LM class for `hf_config` (ConfigError when the model_type has none)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # pyright: ignore[reportReturnType]  # a class; transformers types it _LazyAutoMappingValue
     except KeyError:
@@ -209,7 +205,6 @@ def _without_unimportable_kernels(hf_config: Any) -> Any:
     (`recipes train` refuses flash_attention_2 where it is missing, see environment.py)."""
     if getattr(hf_config, "_attn_implementation", None) != "flash_attention_2":
         return hf_config
-    from transformers.utils import is_flash_attn_2_available
 
     if is_flash_attn_2_available():
         return hf_config
@@ -224,8 +219,6 @@ def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_cod
     `trust_remote_code` (YAML ``model.trust_remote_code``) lets a config's ``auto_map`` import
     model code from its directory; off, only transformers' own classes are used.
     """
-    from transformers import AutoModelForCausalLM
-
     hf_config = _without_unimportable_kernels(hf_config)
     with torch.device("meta"):
         try:
@@ -257,8 +250,6 @@ def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_cod
 def _config_int(hf_config: Any, keys: tuple[str, ...]) -> int | None:
     """The first positive int of `keys` in the config, else in a part config holding it (DBRX's
     ffn_config)."""
-    from transformers import PretrainedConfig
-
     for key in keys:
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -12,6 +12,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from automodel.recipes.errors import ConfigError
 
 
@@ -64,8 +66,6 @@ def position_id_offset(model: Any) -> int:
     the model's own positions start at ``padding_idx + 1``, so the ids it is given are shifted by as
     much; passing 0-based ids trained it on the wrong rows (6e-4..2e-3 off transformers' loss).
     """
-    from torch import nn
-
     offsets = {
         module.padding_idx + 1
         for name, module in model.named_modules()

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from automodel.mesh.model_parts import output_embeddings
@@ -239,7 +240,6 @@ class HeadLoss:
         layout keeps full logits."""
         if not self.plan.chunked:
             return
-        from torch.distributed.fsdp import FSDPModule
 
         assert self.plan.fqn is not None
         for part in parts:

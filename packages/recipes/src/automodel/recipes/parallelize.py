@@ -19,21 +19,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.fsdp2 import default_init_fn, materialize_meta_model
 from automodel.mesh import MeshContext
 from automodel.recipes._dist_setup import DistributedSection
+from automodel.recipes.checkpoint import load_pretrained_weights
+from automodel.recipes.checkpoint.part_state import part_model_state_dict
+from automodel.recipes.peft import is_adapter_key, lora_init_fn
 from automodel.recipes.strategies import Initialize, ParallelModel, get_strategy
 
 __all__ = ["ParallelModel", "parallelize_model"]
 
 
 def _materialize(parts: list[nn.Module], *, device: torch.device, seed: int, peft: Any = None) -> None:
-    from automodel.fsdp2 import default_init_fn, materialize_meta_model
-
     for part in parts:
         init_fn = None
         if peft is not None:  # LoRA: A kaiming-uniform, B zeros; the rest as without adapters
-            from automodel.recipes.peft import lora_init_fn
-
             config = getattr(part, "config", None)
             std = float(getattr(config, "initializer_range", 0.02) or 0.02)
             init_fn = lora_init_fn(default_init_fn(std), section=peft)
@@ -57,13 +57,9 @@ def _weight_initializer(
         _materialize(parts, device=device, seed=seed, peft=peft)
         if pretrained_path is None:
             return
-        from automodel.recipes.checkpoint import load_pretrained_weights
 
         adapters: set[str] = set()
         if peft is not None:
-            from automodel.recipes.checkpoint.part_state import part_model_state_dict
-            from automodel.recipes.peft import is_adapter_key
-
             adapters = {k for p in parts for k in part_model_state_dict(p) if is_adapter_key(k)}
         load_pretrained_weights(
             parts, pretrained_path, allow_pickle_weights=allow_pickle_weights, optional_keys=adapters

@@ -8,10 +8,13 @@ micro-batches and communication buffers, from the meta-device model's sizes.
 
 from __future__ import annotations
 
+import dataclasses
+
 from automodel.mesh import ResolvedLayout
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.launch_check import check_launch
 from automodel.recipes.model import build_meta_model
+from automodel.recipes.peft import apply_lora
 from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
 from automodel.recipes.planning.shape import model_shape
@@ -24,7 +27,6 @@ def _trainable_params(cfg: RecipeConfig, model) -> int | None:
     Adds the adapters to `model` in place: call it last on the meta model."""
     if cfg.peft is None:
         return None
-    from automodel.recipes.peft import apply_lora
 
     apply_lora(model, section=cfg.peft)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -44,8 +46,6 @@ def estimate_memory(
 
     `model`: the meta-device model of `cfg` if the caller built it (it gets LoRA adapters when
     `cfg.peft` is set, so it must not be used afterwards); otherwise one is built here."""
-    import dataclasses
-
     if model is None:
         model = _meta_model(cfg, hf_config)
     shape = model_shape(hf_config, model=model)

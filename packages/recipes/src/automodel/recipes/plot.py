@@ -10,9 +10,11 @@ from automodel.recipes.metrics import read_metrics
 
 def plot_losses(output_dir: str | Path, *, out_file: str | Path | None = None) -> Path:
     """Write ``<output_dir>/loss.png`` (or `out_file`) and return its path."""
+    # lazy: start-up, matplotlib ~0.3 s, only for recipes plot
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: start-up, matplotlib ~0.3 s, only for recipes plot
     import matplotlib.pyplot as plt
 
     out_dir = Path(output_dir)

@@ -13,7 +13,19 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from automodel.recipes.checkpoint.paths import (
+    CheckpointError,
+    check_complete,
+    checkpoint_root,
+    list_step_dirs,
+    resolve_restore_spec,
+)
+from automodel.recipes.data.file_check import check_section_files
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.instantiate import locate
+from automodel.recipes.model import pretrained_dir
 
 #: Optimizer options whose validity depends on the device of the parameters: not tried on CPU here.
 DEVICE_DEPENDENT_OPTIONS = frozenset({"fused", "foreach", "capturable", "differentiable"})
@@ -25,10 +37,6 @@ def check_optimizer_kwargs(section: Any) -> None:
     An unknown keyword (``weight_decayy``) gets a did-you-mean; a bad value (``betas: [0.9]``,
     ``eps: -1``) is found by trying each key alone.
     """
-    import torch
-
-    from automodel.recipes.instantiate import locate
-
     cls = locate("optimizer._target_", section.target)
     kwargs = {k: v for k, v in section.kwargs.items() if k not in DEVICE_DEPENDENT_OPTIONS}
     params = inspect.signature(cls.__init__).parameters
@@ -65,14 +73,6 @@ def check_optimizer_kwargs(section: Any) -> None:
 
 def check_restore_from(cfg: Any) -> None:
     """``checkpoint.restore_from`` names a complete checkpoint (or the run may start fresh)."""
-    from automodel.recipes.checkpoint.paths import (
-        CheckpointError,
-        check_complete,
-        checkpoint_root,
-        list_step_dirs,
-        resolve_restore_spec,
-    )
-
     section = cfg.checkpoint
     if not section.enabled or section.restore_from is None:
         return
@@ -113,11 +113,8 @@ def check_run_files(cfg: Any) -> None:
     """The files a run reads on this machine: the checkpoint it restores, the data rows and the
     pretrained weights (run by `launch_check.check_launch` with the optimizer check above)."""
     check_restore_from(cfg)
-    from automodel.recipes.data.file_check import check_section_files
 
     check_section_files(cfg.dataset)
     check_section_files(cfg.validation_dataset)
     if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
-        from automodel.recipes.model import pretrained_dir
-
         check_safetensors_files(pretrained_dir(cfg.model), key=cfg.model.pretrained_key)

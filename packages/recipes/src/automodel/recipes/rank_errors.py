@@ -20,7 +20,9 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from automodel.recipes.checkpoint.paths import CheckpointError
 from automodel.recipes.errors import ConfigError, DataError
+from automodel.recipes.trainer import CollectiveTimeoutError, NonFiniteError
 
 EXIT_USER_ERROR = 2
 EXIT_RUN_ERROR = 1
@@ -71,8 +73,6 @@ def os_error_line(err: OSError) -> str:
 
 def classify(exc: BaseException) -> tuple[int, str]:
     """``(exit code, one line)`` for `exc`; the line is "" when only a traceback explains it."""
-    from automodel.recipes.checkpoint.paths import CheckpointError
-
     chain = _causes(exc)
     for e in chain:
         if isinstance(e, ConfigError | DataError):
@@ -83,7 +83,6 @@ def classify(exc: BaseException) -> tuple[int, str]:
     for e in chain:
         if isinstance(e, CheckpointError):
             return EXIT_USER_ERROR, str(e)
-    from automodel.recipes.trainer import CollectiveTimeoutError, NonFiniteError
 
     if isinstance(exc, NonFiniteError | CollectiveTimeoutError):
         return EXIT_RUN_ERROR, f"{type(exc).__name__}: {exc}"

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from automodel.recipes._dist_setup import DistributedSection, parse_distributed_section
+from automodel.recipes.checkpoint import CheckpointConfig
+from automodel.recipes.compat import translate
+from automodel.recipes.compat.defaults import startup_notes
+from automodel.recipes.data.kinds import parse_section
+from automodel.recipes.data.pretrain_sections import adopt_dataset_tokenizer
+from automodel.recipes.data.tokenizer import has_tokenizer_files
 from automodel.recipes.errors import ConfigError, reject_unknown
+from automodel.recipes.hub_cache import resolve_local_or_cached
 from automodel.recipes.instantiate import locate
 from automodel.recipes.kernels import FP8Section, KernelsSection, parse_kernels_sections
 from automodel.recipes.peft.config import PeftSection
@@ -112,8 +120,6 @@ class RecipeConfig:
 
 def _checkpoint_section(data: Any) -> CheckpointConfig:
     """The ``checkpoint:`` section built once (absent: checkpointing off); errors name the key."""
-    from automodel.recipes.checkpoint import CheckpointConfig
-
     if data is None:
         return CheckpointConfig(enabled=False)
     if not isinstance(data, dict):
@@ -129,8 +135,6 @@ def _checkpoint_section(data: Any) -> CheckpointConfig:
 
 def _dataset_section(data: Any, *, validation: bool) -> Any:
     """The section of the dataset kind that `data` selects (``source`` or a NeMo ``_target_``)."""
-    from automodel.recipes.data.kinds import parse_section
-
     return parse_section(data, validation=validation)
 
 
@@ -138,9 +142,6 @@ def _resolve_pretrained(cfg: RecipeConfig) -> None:
     """``model.pretrained_path`` becomes the local directory of the pretrained model (a Hub id is
     looked up in the local cache, never downloaded); ``tokenizer.path`` the tokenizer's directory:
     the tokenizer section's, else the model directory when it holds tokenizer files."""
-    from automodel.recipes.data.tokenizer import has_tokenizer_files
-    from automodel.recipes.hub_cache import resolve_local_or_cached
-
     model = cfg.model
     if model.pretrained_source is not None:
         model.pretrained_path = str(
@@ -165,7 +166,6 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     """Validate every section of `raw` (the loaded YAML); the first mistake raises `ConfigError`."""
     if not isinstance(raw, dict):
         raise ConfigError("config", raw, "must be a mapping of sections")
-    from automodel.recipes.compat import translate
 
     original = raw
     translation = translate(raw)  # NeMo AutoModel's keys -> this project's (compat/aliases.py)
@@ -213,7 +213,6 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         rng=build_section(RngSection, raw.get("rng")),
     )
     cfg.kernels, cfg.fp8 = parse_kernels_sections(raw)
-    from automodel.recipes.data.pretrain_sections import adopt_dataset_tokenizer
 
     adopt_dataset_tokenizer(cfg.tokenizer, [cfg.dataset, cfg.validation_dataset])
     _resolve_pretrained(cfg)
@@ -250,13 +249,10 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
             f"must be step_scheduler.local_batch_size={ss.local_batch_size} (the micro-batch) or null",
         )
     if cfg.logging.tensorboard:
-        import importlib.util
-
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError(
                 "logging.tensorboard", True, "needs the tensorboard package (automodel-recipes[tensorboard])"
             )
-    from automodel.recipes.compat.defaults import startup_notes
 
     cfg.notes = (*translation.notes, *startup_notes(cfg, raw))
     cfg.refusals = tuple(translation.refusals)

@@ -5,16 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from automodel.context_parallel import check_context_parallel_support
 from automodel.fsdp2.hf_config import positive_ints
+from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
 from automodel.mesh import ResolvedLayout
 from automodel.mesh.model_parts import find_layer_list, text_config
+from automodel.moe import check_expert_parallel_support, find_decoder_layers, validate_moe_layout
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.kernels.checks import check_kernels_rules
 from automodel.recipes.model import build_meta_model, num_experts
 from automodel.recipes.strategies import get_strategy
 
 
 def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
     """Total pipeline stages for the configured schedule (validates the ``pipeline`` section)."""
+    # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
     from automodel.pipeline import num_stages_for
 
     pcfg = cfg.distributed.pipeline_config
@@ -75,11 +80,6 @@ def check_model_supports_layout(
             hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
         )
     if layout.tp > 1:  # megatron_fsdp applies TP with the same plan rules (fsdp2's apply_tp)
-        from automodel.fsdp2.tp_plan import (
-            check_plan_matches_model,
-            check_plan_shards_every_layer,
-            resolve_tp_plan,
-        )
 
         def check_tp() -> None:
             plan = resolve_tp_plan(model, tp_plan=d.tp_plan, sequence_parallel=d.sequence_parallel)
@@ -90,8 +90,6 @@ def check_model_supports_layout(
         if error is not None:
             raise ConfigError("distributed.tp_size", layout.tp, f"cannot be applied: {error}")
     if layout.cp > 1:
-        from automodel.context_parallel import check_context_parallel_support
-
         error = _once(
             memo,
             ("cp", cfg.seq_length),
@@ -101,8 +99,6 @@ def check_model_supports_layout(
             raise ConfigError("distributed.cp_size", layout.cp, f"cannot be applied: {error}")
     if layout.ep > 1:
         # automodel.moe's own rule (the one apply_ep enforces in the ranks), run on the meta model
-        from automodel.moe import check_expert_parallel_support, validate_moe_layout
-
         try:
             blocks = check_expert_parallel_support(model, declared_experts=num_experts(hf_config))
             validate_moe_layout(layout=layout, num_experts=[b.num_experts for b in blocks])
@@ -113,6 +109,7 @@ def check_model_supports_layout(
                 f"cannot be applied: model_type {hf_config.model_type!r}: {e}",
             ) from None
     if needs_pp_split:
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
         from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
 
         error = _once(
@@ -201,7 +198,6 @@ def check_layout_rules(
         _check_no_backward_recompute(model, hf_config, strategy=d.strategy)
         _check_per_layer_features(model, hf_config, cfg=cfg, layout=layout)
     check_model_supports_layout(cfg, layout, hf_config, model=model, memo=memo)
-    from automodel.recipes.kernels.checks import check_kernels_rules
 
     check_kernels_rules(cfg, layout, hf_config, model=model)
 
@@ -242,8 +238,6 @@ def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: R
     if not flags:
         return
     if layout.ep > 1:  # automodel.moe's finder (the shared one, else the blocks holding the experts)
-        from automodel.moe import find_decoder_layers
-
         has_layers = bool(find_decoder_layers(model))
     else:
         has_layers = find_layer_list(model) is not None

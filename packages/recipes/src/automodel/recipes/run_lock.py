@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from automodel.recipes.checkpoint.paths import checkpoint_root
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.lifetime import is_alive, is_ancestor
 
@@ -109,8 +112,6 @@ def acquire_output_lock(output_dir: str | Path) -> OutputDirLock | None:
 
 def run_checkpoint_dir(cfg: Any) -> Path | None:
     """The checkpoint root a run writes (None when checkpointing is off), for `acquire_run_lock`."""
-    from automodel.recipes.checkpoint.paths import checkpoint_root
-
     if not cfg.checkpoint.enabled:
         return None
     return checkpoint_root(checkpoint_dir=cfg.checkpoint.checkpoint_dir, output_dir=cfg.output_dir)
@@ -238,8 +239,6 @@ def hold_output_dir(
 ) -> Iterator[None]:
     """Rank 0 holds the run's locks while the block runs (see `acquire_run_lock`). Collective: every
     rank raises the same `ConfigError` when rank 0 cannot take them."""
-    import torch.distributed as dist
-
     lock, error = None, None
     if rank == 0:
         try:

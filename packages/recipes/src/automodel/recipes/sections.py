@@ -9,9 +9,13 @@ from __future__ import annotations
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from automodel.recipes.errors import ConfigError, reject_unknown
+from automodel.recipes.instantiate import locate, resolve_dtype
 
 
 def _check_field(key: str, value: Any, hint: Any) -> None:
@@ -130,7 +134,6 @@ class ModelSection:
             )
         if self.config is not None and "model_type" not in self.config:
             raise ConfigError("model.config.model_type", None, "is required (e.g. llama, qwen3, mixtral)")
-        from automodel.recipes.instantiate import resolve_dtype
 
         # one spelling downstream (bf16, torch.bfloat16, BFloat16 -> bfloat16): the one parser decides
         self.dtype = str(resolve_dtype("model.dtype", self.dtype)).removeprefix("torch.")
@@ -173,6 +176,7 @@ class DatasetSection:
     bad_rows: str = "error"
 
     def __post_init__(self) -> None:
+        # lazy: cycle recipes.sections -> recipes.data -> recipes.data.loader -> recipes.data.kinds -> recipes.sections
         from automodel.recipes.data.file_check import check_bad_rows_key
 
         s = self.SECTION
@@ -210,8 +214,6 @@ class TokenizerSection:
     add_eos_token: bool | None = None
 
     def __post_init__(self) -> None:
-        from pathlib import Path
-
         if not isinstance(self.trust_remote_code, bool):
             raise ConfigError("tokenizer.trust_remote_code", self.trust_remote_code, "must be true or false")
         for key in ("add_bos_token", "add_eos_token"):
@@ -294,6 +296,7 @@ class SFTDatasetSection:
     PATH_KEY: ClassVar[str] = "path_or_dataset_id"
 
     def __post_init__(self) -> None:
+        # lazy: cycle recipes.sections -> recipes.data -> recipes.data.loader -> recipes.data.kinds -> recipes.sections
         from automodel.recipes.data.file_check import check_bad_rows_key
 
         s = self.SECTION
@@ -502,8 +505,6 @@ class OptimizerSection:
 
     @classmethod
     def parse(cls, data: Any) -> OptimizerSection:
-        from automodel.recipes.instantiate import locate
-
         if data is None:
             return cls()
         if not isinstance(data, dict):
@@ -511,7 +512,6 @@ class OptimizerSection:
         if "_target_" not in data:
             raise ConfigError("optimizer._target_", None, "is required (e.g. torch.optim.AdamW)")
         target = locate("optimizer._target_", data["_target_"])
-        import torch
 
         if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
             raise ConfigError("optimizer._target_", data["_target_"], "is not a torch.optim.Optimizer class")
