@@ -81,3 +81,8 @@ def test_end_of_data_stops_cleanly_with_packed_documents(tmp_path: Path) -> None
     records = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     samples = (Path(prefix + ".bin").stat().st_size - 1) // 32  # Megatron windows of 33, stride 32
     assert len(losses) == len(records) == samples // 8  # one epoch of global batches of 8, then stop
+    # no index_mapping_dir: the order is cached under output_dir, so a restart maps it
+    cache = tmp_path / "out" / "cache" / "megatron_index"
+    arrays = {p.name.split("GPTDataset-train-", 1)[1] for p in cache.glob("*GPTDataset-train-*.npy")}
+    assert arrays == {"document_index.npy", "document_starts.npy", "shuffle_index.npy"}
+    assert len(list(cache.glob("*-description.json"))) == 1

@@ -12,7 +12,7 @@ from automodel.recipes.checkpoint import CheckpointConfig
 from automodel.recipes.compat import translate
 from automodel.recipes.compat.defaults import startup_notes
 from automodel.recipes.data.kinds import parse_section
-from automodel.recipes.data.pretrain_sections import adopt_dataset_tokenizer
+from automodel.recipes.data.pretrain_sections import adopt_dataset_tokenizer, default_index_mapping_dir
 from automodel.recipes.data.tokenizer import has_tokenizer_files
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.hub_cache import resolve_local_or_cached
@@ -215,6 +215,7 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     cfg.kernels, cfg.fp8 = parse_kernels_sections(raw)
 
     adopt_dataset_tokenizer(cfg.tokenizer, [cfg.dataset, cfg.validation_dataset])
+    default_index_mapping_dir([cfg.dataset, cfg.validation_dataset], output_dir=output_dir)
     _resolve_pretrained(cfg)
     ss = cfg.step_scheduler
     pipe = cfg.distributed.pipeline_config

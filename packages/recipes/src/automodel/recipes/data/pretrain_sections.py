@@ -9,6 +9,7 @@ positions restart after each EOS and attention stays inside each document (rows 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from automodel.recipes.data.megatron_paths import parse_split
@@ -52,8 +53,9 @@ class MegatronPretrainingSection:
 
     Keys as in NeMo AutoModel's ``MegatronPretraining``; the samples are megatron-core's
     ``GPTDataset`` / ``BlendedDataset``'s, in their order (`megatron_order`, `blend_indices`).
-    ``index_mapping_dir`` caches that order (built once, then memory-mapped; without it every rank
-    builds it in memory). ``num_dataset_builder_threads`` and ``mmap_bin_files`` are accepted so
+    ``index_mapping_dir`` caches that order (built once, then memory-mapped); unset, it is
+    ``<output_dir>/cache/megatron_index`` (`default_index_mapping_dir`: megatron-core also caches by
+    default, beside the corpus, which may be read-only). ``num_dataset_builder_threads`` and ``mmap_bin_files`` are accepted so
     AutoModel's configs load: samples are always read from the ``.bin`` with positioned reads (a
     memory map's read-around would grow every rank's RSS with the samples read; the ``.idx`` is
     memory-mapped). ``tokenizer`` (AutoModel's per-dataset tokenizer) becomes the run's tokenizer
@@ -176,6 +178,19 @@ class NanogptSection:
 @dataclass
 class NanogptValidationSection(NanogptSection):
     SECTION: ClassVar[str] = "validation_dataset"
+
+
+#: Where a Megatron dataset's sample order is cached when ``index_mapping_dir`` is unset.
+DEFAULT_INDEX_MAPPING_SUBDIR = ("cache", "megatron_index")
+
+
+def default_index_mapping_dir(sections: list[Any], *, output_dir: str) -> None:
+    """Megatron sections without ``index_mapping_dir`` cache their order under the run's output_dir,
+    so a restart (or another rank) maps it instead of building it: that build is linear in the
+    corpus' documents, a memory map of it is not."""
+    for section in sections:
+        if isinstance(section, MegatronPretrainingSection) and section.index_mapping_dir is None:
+            section.index_mapping_dir = str(Path(output_dir, *DEFAULT_INDEX_MAPPING_SUBDIR))
 
 
 def adopt_dataset_tokenizer(tokenizer: Any, sections: list[Any]) -> None:
