@@ -237,15 +237,6 @@ def clip_local_grads(params: list[torch.nn.Parameter], *, max_norm: float) -> to
 
 
 LEVERS = {"chunked", "sync", "liger", "fp8"}
-#: the fp8 lever's section: NeMo AutoModel's example recipes' (llama3_1_8b_hellaswag_fp8.yaml)
-AUTOMODEL_FP8 = {
-    "enabled": True,
-    "recipe_name": "tensorwise",
-    "enable_fsdp_float8_all_gather": True,
-    "precompute_float8_dynamic_scale_for_fsdp": True,
-    "force_recompute_fp8_weight_in_bwd": True,
-    "filter_fqns": ["lm_head"],
-}
 
 
 def check_levers(variants: list[str], device: torch.device) -> None:
@@ -261,6 +252,7 @@ def check_levers(variants: list[str], device: torch.device) -> None:
     if "fp8" in parts:
         from automodel.recipes.kernels import FP8Section
         from automodel.recipes.kernels.float8 import fp8_unavailable
+        from automodel.recipes.kernels.sections import AUTOMODEL_EXAMPLE_FP8 as AUTOMODEL_FP8
 
         if device.type != "cuda":
             raise SystemExit("variant part 'fp8' needs a CUDA GPU of compute capability >= 8.9")
@@ -282,6 +274,7 @@ def apply_levers(model: torch.nn.Module, parts: set[str]) -> Callable[[], None]:
     if "fp8" in parts:
         from automodel.recipes.kernels import FP8Section
         from automodel.recipes.kernels.float8 import convert_to_fp8
+        from automodel.recipes.kernels.sections import AUTOMODEL_EXAMPLE_FP8 as AUTOMODEL_FP8
 
         convert_to_fp8(model, section=FP8Section(**AUTOMODEL_FP8), keep=("lm_head",))
     return undo

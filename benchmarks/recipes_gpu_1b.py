@@ -43,19 +43,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpu_throughput import H100_SXM_BF16_DENSE_TFLOPS, LLAMA_3_2_1B, TINY  # noqa: E402
 
+from automodel.recipes.kernels.sections import AUTOMODEL_EXAMPLE_FP8 as AUTOMODEL_FP8  # noqa: E402
+
 VARIANTS = (
     "fp32-master", "bf16", "fp32-master-eager", "bf16-eager", "bf16-liger", "bf16-fp8", "bf16-fp8-liger",
 )  # fmt: skip
-#: NeMo AutoModel's fp8 section as its example recipes write it (llama3_1_8b_hellaswag_fp8.yaml)
-AUTOMODEL_FP8 = {
-    "enabled": True,
-    "recipe_name": "tensorwise",
-    "enable_fsdp_float8_all_gather": True,
-    "precompute_float8_dynamic_scale_for_fsdp": True,
-    "force_recompute_fp8_weight_in_bwd": True,
-    "filter_fqns": ["lm_head"],
-    "emulate": False,
-}
 
 
 def model_config(shape: dict[str, Any], seq_len: int) -> dict[str, Any]:

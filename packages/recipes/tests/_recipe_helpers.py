@@ -6,6 +6,7 @@ import copy
 from typing import Any
 
 from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
+from automodel.recipes.kernels.sections import AUTOMODEL_EXAMPLE_FP8
 
 TINY: dict[str, Any] = {
     "seed": 7,
@@ -26,16 +27,7 @@ MOE_MODEL = {"config": {"model_type": "qwen3_moe", **TINY_SIZES, "head_dim": 16,
 
 RTOL = 1e-5
 
-#: NeMo AutoModel's fp8 section as its example recipes write it (llama3_1_8b_hellaswag_fp8.yaml)
-AUTOMODEL_FP8: dict[str, Any] = {
-    "enabled": True,
-    "recipe_name": "tensorwise",
-    "enable_fsdp_float8_all_gather": True,
-    "precompute_float8_dynamic_scale_for_fsdp": True,
-    "force_recompute_fp8_weight_in_bwd": True,
-    "filter_fqns": ["lm_head"],
-    "emulate": False,
-}
+AUTOMODEL_FP8 = AUTOMODEL_EXAMPLE_FP8
 
 
 def assert_losses_close(got: list[float], ref: list[float]) -> None:

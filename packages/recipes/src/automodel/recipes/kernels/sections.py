@@ -68,6 +68,19 @@ class KernelsSection:
         return self.enabled and self.liger != "auto"
 
 
+#: NeMo AutoModel's ``fp8:`` section as its example recipes write it (llama3_1_8b_hellaswag_fp8.yaml):
+#: what the benchmarks' fp8 variants and the fp8 tests run.
+AUTOMODEL_EXAMPLE_FP8: dict[str, Any] = {
+    "enabled": True,
+    "recipe_name": "tensorwise",
+    "enable_fsdp_float8_all_gather": True,
+    "precompute_float8_dynamic_scale_for_fsdp": True,
+    "force_recompute_fp8_weight_in_bwd": True,
+    "filter_fqns": ["lm_head"],
+    "emulate": False,
+}
+
+
 @dataclass(frozen=True)
 class FP8Section:
     """torchao float8 training of the model's linear layers, with NeMo AutoModel's key names."""
