@@ -61,8 +61,13 @@ def _api_error(raw: dict, *, world_size: int, monkeypatch: pytest.MonkeyPatch) -
             2,
             "distributed.tp_size=2: cannot be applied: ",
         ),
+        (  # the optimizer is also built on the meta model's parameters: Muon takes only matrices
+            {"optimizer": {"_target_": "torch.optim.Muon", "lr": 0.02}},
+            1,
+            "optimizer._target_='torch.optim.Muon': cannot be built on this model's",
+        ),
     ],
-    ids=["optimizer_key", "model_rule"],
+    ids=["optimizer_key", "model_rule", "optimizer_on_model"],
 )
 def test_every_path_refuses_with_the_same_message(
     sections: dict,

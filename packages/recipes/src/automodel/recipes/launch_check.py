@@ -28,7 +28,7 @@ from automodel.recipes.data.loader import check_data_paths
 from automodel.recipes.environment import check_environment, check_machine
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_hf_config, build_meta_model
-from automodel.recipes.preflight import check_optimizer_kwargs, check_run_files
+from automodel.recipes.preflight import check_optimizer_kwargs, check_optimizer_on_model, check_run_files
 from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.rules import ModelChecks, check_layout_rules, pipeline_stages
 
@@ -78,6 +78,8 @@ def check_launch(
         model = build_meta_model(
             hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
         )
+    if cfg.peft is None:  # with LoRA only the adapters train, and they are not on this model yet
+        check_optimizer_on_model(cfg.optimizer, model)
     check_layout_rules(cfg, layout, hf_config, model=model, memo=model_checks)
     if not dist.is_initialized():  # in a rank, the real meshes are built next from the same sizes
         with fake_world(world_size):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from automodel.recipes.checkpoint.paths import (
     CheckpointError,
@@ -32,7 +33,7 @@ DEVICE_DEPENDENT_OPTIONS = frozenset({"fused", "foreach", "capturable", "differe
 
 
 def check_optimizer_kwargs(section: Any) -> None:
-    """Build the optimizer once on a dummy parameter; a failure names the ``optimizer.<key>`` at fault.
+    """Build the optimizer once on a dummy matrix parameter; a failure names the ``optimizer.<key>`` at fault.
 
     An unknown keyword (``weight_decayy``) gets a did-you-mean; a bad value (``betas: [0.9]``,
     ``eps: -1``) is found by trying each key alone.
@@ -53,7 +54,7 @@ def check_optimizer_kwargs(section: Any) -> None:
                 )
 
     def build(options: dict[str, Any]) -> None:
-        cls([torch.nn.Parameter(torch.zeros(2))], **options)
+        cls([torch.nn.Parameter(torch.zeros(2, 2))], **options)  # a matrix: every optimizer takes one
 
     try:
         build(kwargs)
@@ -69,6 +70,24 @@ def check_optimizer_kwargs(section: Any) -> None:
                     f"is refused by {cls.__name__} ({type(alone).__name__}: {alone})",
                 ) from None
         raise ConfigError("optimizer", section.kwargs, f"is refused by {cls.__name__} ({why})") from None
+
+
+def check_optimizer_on_model(section: Any, model: nn.Module) -> None:
+    """Build the optimizer on the meta-device model's trainable parameters, as the ranks will (an
+    optimizer may refuse some parameters, e.g. ``torch.optim.Muon`` takes only matrices); meta
+    tensors hold no data, so nothing is allocated. Run after `check_optimizer_kwargs`."""
+    cls = locate("optimizer._target_", section.target)
+    kwargs = {k: v for k, v in section.kwargs.items() if k not in DEVICE_DEPENDENT_OPTIONS}
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        cls(params, **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever the class raises for these parameters
+        raise ConfigError(
+            "optimizer._target_",
+            section.target,
+            f"cannot be built on this model's {len(params)} trainable parameters "
+            f"({type(e).__name__}: {str(e)[:200]})",
+        ) from None
 
 
 def check_restore_from(cfg: Any) -> None:
