@@ -113,3 +113,19 @@ def test_plan_proposes_only_what_train_accepts_and_shows_the_same_refusal(
     assert run_cli(["validate", str(_write(tmp_path, proposed)), "--world-size=2"]) == 0, (
         capsys.readouterr().err
     )
+
+
+def test_the_run_files_are_read_once_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`recipes train` reads the data rows, weights and restore checkpoint before launch; the rank it
+    starts does not read them again (a rank reached through the Python API alone does)."""
+    import automodel.recipes.launch_check as launch_check
+
+    reads: list[str] = []
+    monkeypatch.setattr(launch_check, "check_run_files", lambda cfg: reads.append(cfg.output_dir))
+    raw = tiny_config(str(tmp_path / "cli"), step_scheduler={"max_steps": 1, "val_every_steps": None})
+    raw["validation_dataset"] = None
+    assert run_cli(["train", str(_write(tmp_path, raw))]) == 0
+    assert reads == [str(tmp_path / "cli")]
+    raw["output_dir"] = str(tmp_path / "api")
+    train(load_config(raw))
+    assert reads[1:] == [str(tmp_path / "api")]

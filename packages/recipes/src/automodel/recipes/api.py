@@ -44,15 +44,20 @@ def load_config(source: str | Path | dict[str, Any], *, overrides: Sequence[str]
 
 
 def train(
-    config: RecipeConfig | str | Path | dict[str, Any], *, overrides: Sequence[str] = ()
+    config: RecipeConfig | str | Path | dict[str, Any],
+    *,
+    overrides: Sequence[str] = (),
+    files_checked: bool = False,
 ) -> TrainResult:
     """Train `config` in this process, one rank of the job (world size from torchrun's environment).
 
-    The process group is created here and destroyed when training ends or fails.
+    The process group is created here and destroyed when training ends or fails. `files_checked`:
+    the `recipes` launcher of this machine already read the run's files (data rows, pretrained
+    weights, the checkpoint to restore), so the rank does not read them again.
     """
     cfg = config if isinstance(config, RecipeConfig) else load_config(config, overrides=overrides)
     try:
-        result = run_training(cfg)
+        result = run_training(cfg, files_checked=files_checked)
     except BaseException:
         destroy_distributed(barrier=False)  # peers may be stuck in a collective: fail, don't hang
         raise

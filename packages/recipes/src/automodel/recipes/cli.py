@@ -252,7 +252,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
                 output_dir=cfg.output_dir,
                 saves_on_sigterm=cfg.checkpoint.enabled,
             )
-        return _run_guarded(lambda: cfg, rank=0, error_dir=None)
+        return _run_guarded(lambda: cfg, rank=0, error_dir=None, files_checked=True)  # checked above
     finally:
         if lock is not None:
             lock.release()
@@ -274,10 +274,16 @@ def _train_rank(args: argparse.Namespace, overrides: list[str]) -> int:
             _check_resume(cfg, allow_changes=args.resume_with_changes)
         return cfg
 
-    return _run_guarded(config, rank=launch.rank, error_dir=args.launcher_error_dir)
+    # the `recipes` launcher on this node read the run's files before starting the ranks
+    return _run_guarded(
+        config,
+        rank=launch.rank,
+        error_dir=args.launcher_error_dir,
+        files_checked=args.launcher_pid is not None,
+    )
 
 
-def _run_guarded(config, *, rank: int, error_dir: str | None) -> int:
+def _run_guarded(config, *, rank: int, error_dir: str | None, files_checked: bool) -> int:
     """Train; a failure becomes a traceback file plus one line (or the launcher's report).
 
     Without a launcher, a user mistake (config, data, file system, checkpoint) prints one line and
@@ -293,7 +299,7 @@ def _run_guarded(config, *, rank: int, error_dir: str | None) -> int:
     cfg = None
     try:
         cfg = config()
-        result = train(cfg)
+        result = train(cfg, files_checked=files_checked)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException

@@ -61,6 +61,7 @@ def check_launch(
     hf_config: Any = None,
     model: nn.Module | None = None,
     model_checks: ModelChecks | None = None,
+    read_files: bool = True,
 ) -> CheckedLaunch:
     """Every pre-launch check of `cfg` for `world_size` ranks; `ConfigError` (or `DataError`) names
     the key (or the file and line) of the first failure.
@@ -68,9 +69,11 @@ def check_launch(
     `hf_config` / `model`: the model's config and meta-device model when the caller already built
     them (`recipes plan` checks many layouts of one model); otherwise they are built here.
     `model_checks`: the outcomes of the model-dependent checks on `model` so far (`rules.ModelChecks`),
-    filled in here."""
+    filled in here. `read_files=False`: this machine's files (data rows, weights, the checkpoint to
+    restore) were read by the `recipes` launcher already; every rank reading them again would
+    repeat that I/O once per rank."""
     check_optimizer_kwargs(cfg.optimizer)
-    machine_refusals = _check_machine(cfg) if this_machine else _machine_refusals(cfg)
+    machine_refusals = _check_machine(cfg, read_files=read_files) if this_machine else _machine_refusals(cfg)
     layout = resolve_layout(cfg.distributed, world_size)
     if hf_config is None:
         hf_config = build_hf_config(cfg.model, announce=False)  # the run announces remote code once
@@ -91,12 +94,13 @@ def check_launch(
     )
 
 
-def _check_machine(cfg: RecipeConfig) -> tuple[ConfigError, ...]:
+def _check_machine(cfg: RecipeConfig, *, read_files: bool) -> tuple[ConfigError, ...]:
     """Refuse what this machine cannot run or read (the run is about to start here)."""
     check_data_paths(cfg.dataset)
     check_data_paths(cfg.validation_dataset)
     check_environment(cfg)
-    check_run_files(cfg)
+    if read_files:
+        check_run_files(cfg)
     return ()
 
 

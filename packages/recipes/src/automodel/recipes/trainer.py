@@ -168,8 +168,10 @@ def dp_rank_of(mesh: MeshContext) -> int:
 class Trainer:
     """Owns one run: built by `build`, driven by `train`; every method is collective over ranks."""
 
-    def __init__(self, cfg: RecipeConfig) -> None:
+    def __init__(self, cfg: RecipeConfig, *, files_checked: bool = False) -> None:
         self.cfg = cfg
+        #: the `recipes` launcher on this machine already read the run's files (`check_launch`)
+        self.files_checked = files_checked
         self.step = 0  # optimizer steps done (restored from a checkpoint by `train`)
         self.pipeline_loss = StepScaledLoss(cfg.loss_fn)
         #: run after every optimizer step (fp8: the float8 scales of the next all-gathers)
@@ -187,7 +189,9 @@ class Trainer:
         cfg = self.cfg = dataclasses.replace(self.cfg, distributed=distributed)
         # every pre-launch check (the CLI's, `recipes validate`'s rules and this machine's), before
         # the process group: the Python API reaches here without the CLI
-        check_launch(cfg, world_size=launch_world_size(), this_machine=True)
+        check_launch(
+            cfg, world_size=launch_world_size(), this_machine=True, read_files=not self.files_checked
+        )
         apply_packed_probe(
             cfg
         )  # transformers' per-layer packed-row probe: constant False when no row is packed
@@ -622,8 +626,8 @@ def _resume_line(ckpt: Any, *, step: int) -> str:
     return f"resumed from step {step} ({path})"
 
 
-def run_training(cfg: RecipeConfig) -> TrainResult:
+def run_training(cfg: RecipeConfig, *, files_checked: bool = False) -> TrainResult:
     """Build and train; the process group is created if needed and left for the caller to destroy."""
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, files_checked=files_checked)
     trainer.build()
     return trainer.train()
