@@ -1,6 +1,7 @@
 """automodel.mesh: parallelism sizes, device meshes, process-group setup, the multi-rank harness."""
 
 from automodel.mesh._version import __version__ as __version__
+from automodel.mesh.axes import AXES, DENSE_AXES, FLATTENED_AXES, MOE_AXES, PARALLEL_AXES, Axis
 from automodel.mesh.context import MeshContext
 from automodel.mesh.distributed import (
     DistInfo,
@@ -13,9 +14,12 @@ from automodel.mesh.distributed import (
     init_distributed,
 )
 from automodel.mesh.dtypes import DTYPE_NAMES, parse_dtype
-from automodel.mesh.sizes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, ParallelismSizes, ResolvedLayout
+from automodel.mesh.sizes import ParallelismSizes, ResolvedLayout
 
 __all__ = [
+    "AXES",
+    "PARALLEL_AXES",
+    "Axis",
     "DENSE_AXES",
     "DTYPE_NAMES",
     "FLATTENED_AXES",

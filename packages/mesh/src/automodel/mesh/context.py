@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from automodel.mesh.axes import DENSE_AXES, FLATTENED_AXES, MOE_AXES
 from automodel.mesh.planned import own_groups_mesh
-from automodel.mesh.sizes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, ParallelismSizes, ResolvedLayout
+from automodel.mesh.sizes import ParallelismSizes, ResolvedLayout
 
 
 @dataclass
@@ -80,7 +81,7 @@ class MeshContext:
         one against the other (a fake world has no collective to check them with)."""
         rank = dist.get_rank()
         for axis in self.layout.axis_names():
-            if axis in ("ep", "ep_shard") and not self.ep_enabled:
+            if axis in MOE_AXES[1:] and not self.ep_enabled:
                 continue
             members = dist.get_process_group_ranks(self.get_mesh(axis).get_group())
             expected = self.layout.group_ranks(rank, axis)
@@ -97,7 +98,7 @@ class MeshContext:
             return self.device_mesh[name]
         if name in self._flattened:
             return self._flattened[name]
-        if name in ("ep", "ep_shard"):
+        if name in MOE_AXES[1:]:
             if self.moe_mesh is None:
                 raise ValueError(
                     f"mesh axis {name!r} exists only when ep_size > 1 (ep_size={self.layout.ep})"
@@ -110,7 +111,7 @@ class MeshContext:
 
         The MoE axes (ep, ep_shard) are None whenever expert parallelism is off.
         """
-        if self.layout.axis_size(name) == 1 or (name in ("ep", "ep_shard") and not self.ep_enabled):
+        if self.layout.axis_size(name) == 1 or (name in MOE_AXES[1:] and not self.ep_enabled):
             return None
         return self.get_mesh(name)
 

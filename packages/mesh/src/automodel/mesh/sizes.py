@@ -9,16 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-#: Axes of the dense device mesh, outermost first (row-major rank order).
-DENSE_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-#: Flattened axes and the dense axes they span.
-FLATTENED_AXES: dict[str, tuple[str, ...]] = {
-    "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-}
-#: Axes of the MoE mesh (one such mesh per tp coordinate).
-MOE_AXES: tuple[str, ...] = ("pp", "ep_shard", "ep")
+from automodel.mesh.axes import AXES, DENSE_AXES, FLATTENED_AXES, MOE_AXES
+
+__all__ = ["DENSE_AXES", "FLATTENED_AXES", "MOE_AXES", "ParallelismSizes", "ResolvedLayout"]
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -151,13 +144,13 @@ class ResolvedLayout:
     # ---- shapes --------------------------------------------------------------------------
     def axis_size(self, name: str) -> int:
         """Size of a dense, flattened or MoE axis by name."""
-        if name in DENSE_AXES or name in FLATTENED_AXES or name in ("ep", "ep_shard"):
+        if any(a.name == name for a in AXES):
             return getattr(self, name)
         raise ValueError(f"unknown mesh axis {name!r}; known: {', '.join(self.axis_names())}")
 
     @staticmethod
     def axis_names() -> tuple[str, ...]:
-        return DENSE_AXES + tuple(FLATTENED_AXES) + ("ep_shard", "ep")
+        return DENSE_AXES + tuple(FLATTENED_AXES) + MOE_AXES[1:]
 
     @property
     def dense_shape(self) -> tuple[int, ...]:
@@ -189,7 +182,7 @@ class ResolvedLayout:
             spanned: tuple[str, ...] = (axis,)
         elif axis in FLATTENED_AXES:
             spanned = FLATTENED_AXES[axis]
-        elif axis in ("ep", "ep_shard"):
+        elif axis in MOE_AXES:
             return self._moe_group_ranks(coords, axis)
         else:
             raise ValueError(f"unknown mesh axis {axis!r}; known: {', '.join(self.axis_names())}")

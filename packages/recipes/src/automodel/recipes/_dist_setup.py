@@ -16,20 +16,26 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, init_distributed, parse_dtype
-from automodel.moe import MoEParallelizerConfig
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import instantiate
-from automodel.recipes.strategies import get_strategy, strategy_names, world_of_one_strategy
+from automodel.recipes.parallelisms import config_error, parallelisms, section_keys, size_keys
+from automodel.recipes.parallelisms.base import section_mapping
+from automodel.recipes.strategies import Strategy, get_strategy, strategy_names, world_of_one_strategy
 
-SIZE_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "pp_size", "cp_size", "ep_size")
-COMMON_KEYS = ("strategy", *SIZE_KEYS, "pipeline", "moe")
+if TYPE_CHECKING:
+    from automodel.moe import MoEParallelizerConfig
+    from automodel.pipeline import PipelineConfig
+
+#: The `ParallelismSizes` fields: the size keys of the parallelisms that form mesh axes; the other
+#: registered parallelisms' sizes are `DistributedSection.other_sizes`.
+_MESH_SIZE_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelismSizes))
 #: FSDP2 options automodel.moe's expert-parallel sharding does not apply: refused with ep_size > 1.
 _NOT_WITH_EP = {
     "enable_compile": "per-layer torch.compile",
@@ -44,13 +50,10 @@ def strategy_flags(strategy: str) -> tuple[str, ...]:
     return tuple(inspect.signature(get_strategy(strategy).config_class()).parameters)
 
 
-def config_error(prefix: str, options: dict[str, Any], error: Exception) -> ConfigError:
-    """A package config's ValueError/TypeError as a `ConfigError` naming the YAML key it is about."""
-    msg = str(error)
-    key = next(
-        (k for k in options if msg.startswith(k) or f"{k} " in msg or f"{k}." in msg or f"{k}=" in msg), None
-    )
-    return ConfigError(f"{prefix}.{key}", options[key], msg) if key else ConfigError(prefix, options, msg)
+def common_keys() -> tuple[str, ...]:
+    """The section's keys besides the strategy flags: the strategy, every registered parallelism's
+    size key and options section."""
+    return ("strategy", *size_keys(), *section_keys())
 
 
 def build_strategy_config(strategy: str, options: dict[str, Any]) -> Any:
@@ -97,40 +100,6 @@ def resolve_machine_defaults(
     )
 
 
-def build_moe_config(moe: dict[str, Any] | None) -> Any:
-    """`MoEParallelizerConfig` from ``distributed.moe`` (errors name the key)."""
-    options = dict(moe or {})
-    try:
-        return MoEParallelizerConfig(**options)
-    except (ValueError, TypeError) as e:
-        raise config_error("distributed.moe", options, e) from None
-
-
-def build_pipeline_config(pipeline: dict[str, Any] | None, *, local_batch_size: int) -> Any:
-    """`PipelineConfig` from ``distributed.pipeline``; one pipeline step takes one local batch."""
-    # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
-    from automodel.pipeline import PipelineConfig
-
-    options = dict(pipeline or {})
-    if "pp_batch_size" in options and options["pp_batch_size"] != local_batch_size:
-        raise ConfigError(
-            "distributed.pipeline.pp_batch_size",
-            options["pp_batch_size"],
-            f"must equal step_scheduler.local_batch_size={local_batch_size} (or be left out)",
-        )
-    options["pp_batch_size"] = local_batch_size
-    try:
-        return PipelineConfig(**options)
-    except (ValueError, TypeError) as e:
-        if str(e).startswith("pp_batch_size="):  # the pipeline's batch is the local batch
-            raise ConfigError(
-                "step_scheduler.local_batch_size",
-                local_batch_size,
-                f"must be a multiple of distributed.pipeline.pp_microbatch_size={options.get('pp_microbatch_size')}",
-            ) from None
-        raise config_error("distributed.pipeline", options, e) from None
-
-
 @dataclass(frozen=True)
 class DistributedSection:
     """The parsed ``distributed:`` section, every part built by its package: the sizes, the
@@ -143,8 +112,11 @@ class DistributedSection:
     #: Strategy flags the YAML left to the machine; `resolve_machine_defaults` fills them at launch
     #: (empty afterwards).
     machine_keys: frozenset[str] = frozenset()
-    pipeline_config: Any = None
-    moe_config: Any = None
+    #: Each registered parallelism's typed config from its own section, by parallelism name
+    #: (``pp``: `PipelineConfig` when pp_size > 1, ``ep``: `MoEParallelizerConfig` when ep_size > 1).
+    parallelism_configs: Mapping[str, object] = field(default_factory=dict)
+    #: Sizes of registered parallelisms that form no mesh axis (size key -> size; 1 when unset).
+    other_sizes: Mapping[str, int] = field(default_factory=dict)
     #: The strategy flags the YAML set (the others are the config class's defaults).
     explicit_flags: frozenset[str] = frozenset()
     #: False when the YAML named no strategy and no strategy flag (a world of one may then get the
@@ -152,6 +124,16 @@ class DistributedSection:
     strategy_given: bool = True
     #: Why `resolve_machine_defaults` chose the strategy, when the YAML did not (the start-up line).
     chosen_because: str | None = None
+
+    @property
+    def pipeline_config(self) -> PipelineConfig | None:
+        """automodel.pipeline's config (``distributed.pipeline``) when pp_size > 1."""
+        return cast("PipelineConfig | None", self.parallelism_configs.get("pp"))
+
+    @property
+    def moe_config(self) -> MoEParallelizerConfig | None:
+        """automodel.moe's config (``distributed.moe``) when ep_size > 1."""
+        return cast("MoEParallelizerConfig | None", self.parallelism_configs.get("ep"))
 
     @property
     def sequence_parallel(self) -> bool:
@@ -164,21 +146,14 @@ class DistributedSection:
         return getattr(config, "custom_tp_plan", getattr(config, "tp_plan", None))
 
 
-def _size(data: dict, key: str) -> int | None:
-    value = data.get(key, None if key in ("dp_size", "dp_replicate_size") else 1)
-    if (
-        isinstance(value, str)
-        and value.lower() in ("none", "null", "auto")
-        and key in ("dp_size", "dp_replicate_size")
-    ):
-        return None
-    if value is None and key in ("dp_size", "dp_replicate_size"):
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"distributed.{key}", value, "must be an int >= 1" + (" or none" if key.startswith("dp") else "")
-        )
-    return value
+def check_supported_axes(strategy: Strategy, sizes: Mapping[str, int | None]) -> None:
+    """Every parallelism the sizes ask for is on the strategy's allow-list (`Strategy.supported_axes`)."""
+    for parallelism in parallelisms():
+        value = sizes[parallelism.size_key]
+        if parallelism.name not in strategy.supported_axes and parallelism.in_use(value):
+            raise ConfigError(
+                f"distributed.{parallelism.size_key}", value, strategy.axis_refusal(parallelism)
+            )
 
 
 def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> DistributedSection:
@@ -194,58 +169,48 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
         raise ConfigError("distributed.strategy", strategy, f"must be one of {', '.join(strategy_names())}")
     flags = strategy_flags(strategy)
     every_flag = {flag for name in strategy_names() for flag in strategy_flags(name)}
-    reject_unknown("distributed", data, set(COMMON_KEYS) | every_flag)
+    common = common_keys()
+    reject_unknown("distributed", data, set(common) | every_flag)
     for key in data:
-        if key not in COMMON_KEYS and key not in flags:
+        if key not in common and key not in flags:
             raise ConfigError(f"distributed.{key}", data[key], f"is not an option of strategy {strategy!r}")
-    options = {k: instantiate(v, key=f"distributed.{k}") for k, v in data.items() if k not in COMMON_KEYS}
+    options = {k: instantiate(v, key=f"distributed.{k}") for k, v in data.items() if k not in common}
     strategy_config = build_strategy_config(strategy, options)
-    sizes = {k: _size(data, k) for k in SIZE_KEYS}
-    tp, pp, ep = sizes["tp_size"], sizes["pp_size"], sizes["ep_size"]
-    sp = bool(getattr(strategy_config, "sequence_parallel", False))
+    sizes = {p.size_key: p.parse_size(data) for p in parallelisms()}
 
+    check_supported_axes(get_strategy(strategy), sizes)
     get_strategy(strategy).check_sizes(sizes, options, strategy_config)
-    if sp and tp == 1:
-        raise ConfigError(
-            "distributed.sequence_parallel", sp, "needs tp_size > 1 (sequence parallelism splits TP regions)"
-        )
-    if ep > 1:
+    for parallelism in parallelisms():
+        parallelism.check_sizes(sizes=sizes, data=data, strategy_config=strategy_config)
+    ep = sizes["ep_size"]
+    if ep is not None and ep > 1:
         for key, what in _NOT_WITH_EP.items():
             if data.get(key) not in (None, False):
                 raise ConfigError(
                     f"distributed.{key}", data[key], f"is not applied with ep_size > 1 ({what}); remove it"
                 )
 
-    pipeline = data.get("pipeline")
-    if pipeline is not None and not isinstance(pipeline, dict):
-        raise ConfigError("distributed.pipeline", pipeline, "must be a mapping")
-    if pp > 1 and pipeline is None:
-        raise ConfigError("distributed.pp_size", pp, "pp_size > 1 needs a distributed.pipeline section")
-    if pp == 1 and pipeline is not None:
-        warnings.warn("distributed.pipeline is ignored because pp_size == 1", stacklevel=2)
-        pipeline = None
-
-    moe = data.get("moe")
-    if moe is not None and not isinstance(moe, dict):
-        raise ConfigError("distributed.moe", moe, "must be a mapping")
-    if ep == 1 and moe is not None:
-        warnings.warn("distributed.moe is ignored because ep_size == 1", stacklevel=2)
-        moe = None
-
     try:
-        psizes = ParallelismSizes(**sizes)
+        psizes = ParallelismSizes(**{k: v for k, v in sizes.items() if k in _MESH_SIZE_KEYS})
     except ValueError as e:  # pragma: no cover - every size was checked above
         raise ConfigError("distributed", sizes, str(e)) from None
+    configs: dict[str, object] = {}
+    for parallelism in parallelisms():
+        key = parallelism.section_key
+        own = None if key is None else section_mapping(data, key)
+        built = parallelism.build_config(
+            own, size=sizes[parallelism.size_key], local_batch_size=local_batch_size
+        )
+        if built is not None:
+            configs[parallelism.name] = built
     machine_keys = frozenset(k for k in get_strategy(strategy).machine_keys if options.get(k) is None)
     return DistributedSection(
         strategy=strategy,
         sizes=psizes,
         strategy_config=strategy_config,
         machine_keys=machine_keys,
-        pipeline_config=None
-        if pipeline is None
-        else build_pipeline_config(pipeline, local_batch_size=local_batch_size),
-        moe_config=build_moe_config(moe) if ep > 1 else None,
+        parallelism_configs=configs,
+        other_sizes={k: v or 1 for k, v in sizes.items() if k not in _MESH_SIZE_KEYS},
         explicit_flags=frozenset(options),
         strategy_given="strategy" in data or any(k != "backend" for k in options),
     )

@@ -19,6 +19,8 @@ from torch import nn
 
 from automodel.mesh import MeshContext
 from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
+from automodel.recipes.parallelisms import parallelisms
+from automodel.recipes.parallelisms.base import is_shard_placement as is_shard_placement
 
 
 def layer_list_fqn(part: nn.Module) -> str | None:
@@ -83,17 +85,6 @@ def write_rank_report(report: dict[str, Any], *, output_dir: Path) -> Path:
     return path
 
 
-def is_shard_placement(placement: str) -> bool:
-    """Whether a placement as the report writes it shards: ``S(d)``, the strided ``_S(d, k)`` FSDP
-    puts on top of TP (older torch: ``Shard(dim=d)``), as opposed to ``R`` or ``P(...)``."""
-    return placement.startswith(("S(", "_S(", "Shard(", "_StridedShard("))
-
-
-def _sharded_on(info: dict[str, Any], axis: str) -> bool:
-    mesh = info.get("mesh") or []
-    return axis in mesh and is_shard_placement(info["placements"][mesh.index(axis)])
-
-
 def summary_lines(report: dict[str, Any], *, axis_sizes: dict[str, int]) -> list[str]:
     """One line per parallelism this rank really holds, read off its report (not off the config).
 
@@ -107,22 +98,8 @@ def summary_lines(report: dict[str, Any], *, axis_sizes: dict[str, int]) -> list
     lines = [
         f"[rank {rank}] {report['strategy']}: holds {len(params)} parameter tensors ({local:,} elements)"
     ]
-    if any("stage_ids" in part for part in parts):
-        stages = [s for part in parts for s in part.get("stage_ids", [])]
-        layers = [i for part in parts for i in part["layers"]]
-        span = f"layers {min(layers)}-{max(layers)}" if layers else "no decoder layers"
-        lines.append(f"[rank {rank}] pp ({axis_sizes.get('pp', 1)} ranks): stages {stages}, {span}")
-    for axis in ("tp", "ep", "ep_shard", "dp_shard_cp", "dp_shard", "dp_replicate", "cp"):
-        size = axis_sizes.get(axis, 1)
-        sharded = [info for info in params if _sharded_on(info, axis)]
-        if size > 1 and sharded:
-            lines.append(
-                f"[rank {rank}] {axis} ({size} ranks): {len(sharded)}/{len(params)} parameters sharded"
-            )
-    if report.get("cp_backend", "none") != "none":
-        lines.append(
-            f"[rank {rank}] cp ({axis_sizes.get('cp', 1)} ranks): attention backend {report['cp_backend']}"
-        )
+    for parallelism in parallelisms():  # each registered parallelism's own line(s)
+        lines += parallelism.report_lines(report, axis_sizes=axis_sizes)
     units = sum(len(part["fsdp_units"]) for part in parts)
     if units:
         lines.append(f"[rank {rank}] fsdp2: {units} units")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from automodel.mesh import ResolvedLayout
+from automodel.mesh import AXES, ResolvedLayout
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.launch_check import check_launch
 from automodel.recipes.model import build_meta_model
+from automodel.recipes.parallelisms import memory_terms, parallelisms
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
@@ -51,7 +52,8 @@ def estimate_memory(
     shape = model_shape(hf_config, model=model)
     setup = step_setup(cfg, layout, stages=stages, on_gpu=on_gpu, expert_load_factor=expert_load_factor)
     setup = dataclasses.replace(setup, trainable_params=_trainable_params(cfg, model))
-    return estimate_step_memory(shape, setup)
+    extra = memory_terms(cfg.distributed, layout, setup=setup, shape=shape)
+    return estimate_step_memory(shape, dataclasses.replace(setup, extra_bytes=extra) if extra else setup)
 
 
 def _meta_model(cfg: RecipeConfig, hf_config):
@@ -91,10 +93,12 @@ def plan_layout(
         "",
         f"{'axis':<14}{'size':>8}",
     ]
-    for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"):
-        lines.append(f"{axis:<14}{layout.axis_size(axis):>8}")
-    if layout.ep_enabled:
-        lines += [f"{'ep':<14}{layout.ep:>8}", f"{'ep_shard':<14}{layout.ep_shard:>8}"]
+    for row in AXES:  # the MoE mesh's axes only when it exists
+        if row.mesh != "moe" or layout.ep_enabled:
+            lines.append(f"{row.name:<14}{layout.axis_size(row.name):>8}")
+    for parallelism in parallelisms():  # the registered parallelisms that form no mesh axis
+        if parallelism.mesh_axis is None:
+            lines.append(f"{parallelism.name:<14}{parallelism.size(cfg.distributed, layout):>8}")
     lines += [
         "",
         f"model: {hf_config.model_type}, {text_config(hf_config).num_hidden_layers} layers, "

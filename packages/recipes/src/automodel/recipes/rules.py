@@ -6,36 +6,16 @@ from collections.abc import Callable
 from typing import Any
 
 from automodel.context_parallel import check_context_parallel_support
-from automodel.fsdp2.hf_config import positive_ints
 from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
 from automodel.mesh import ResolvedLayout
-from automodel.mesh.model_parts import find_layer_list, text_config
+from automodel.mesh.model_parts import find_layer_list
 from automodel.moe import check_expert_parallel_support, find_decoder_layers, validate_moe_layout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import check_kernels_rules
 from automodel.recipes.model import build_meta_model, num_experts
+from automodel.recipes.parallelisms import parallelisms
+from automodel.recipes.parallelisms.pp import pipeline_stages as pipeline_stages
 from automodel.recipes.strategies import get_strategy
-
-
-def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
-    """Total pipeline stages for the configured schedule (validates the ``pipeline`` section)."""
-    # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
-    from automodel.pipeline import num_stages_for
-
-    pcfg = cfg.distributed.pipeline_config
-    if pcfg.module_fqns_per_model_part is not None:
-        return len(pcfg.module_fqns_per_model_part)
-    try:
-        return num_stages_for(
-            num_layers=text_config(hf_config).num_hidden_layers,
-            pp_size=layout.pp,
-            multi_stage=pcfg.schedule_spec.multi_stage,
-            layers_per_stage=pcfg.layers_per_stage,
-            round_to_pp_multiple=pcfg.round_virtual_stages_to_pp_multiple,
-        )
-    except ValueError as e:
-        raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
-
 
 #: Outcomes of the model-dependent checks of one meta-device model, by what they depend on (the
 #: error message, or None): `recipes plan` checks many layouts of one model and passes one memo.
@@ -126,67 +106,10 @@ def check_layout_rules(
     stages, experts vs ep, seq vs cp, batch, and what the model supports (`memo`: see
     `check_model_supports_layout`)."""
     d = cfg.distributed
-    tp, pp, cp, ep, dp = layout.tp, layout.pp, layout.cp, layout.ep, layout.dp
+    dp = layout.dp
     _check_streaming(cfg)
-    text = text_config(hf_config)  # a multimodal model's text decoder
-    if tp > 1:
-        # every layer's count (a heterogeneous config's layers may differ)
-        for key in ("num_attention_heads", "num_key_value_heads"):
-            for count in positive_ints(text, key):
-                if count % tp:
-                    raise ConfigError("distributed.tp_size", tp, f"must divide model {key}={count}")
-        vocab = getattr(text, "vocab_size", None)
-        if vocab is not None and vocab % tp:
-            raise ConfigError("distributed.tp_size", tp, f"must divide model vocab_size={vocab}")
-    if pp > 1:
-        layers = text.num_hidden_layers
-        stages = pipeline_stages(cfg, layout, hf_config)
-        pcfg = d.pipeline_config
-        if layers < stages:
-            raise ConfigError(
-                "distributed.pp_size",
-                pp,
-                f"needs at least {stages} layers for {stages} pipeline stages, model has {layers}",
-            )
-        lb = cfg.step_scheduler.local_batch_size
-        n_mb = lb // pcfg.pp_microbatch_size
-        if n_mb < pp:
-            raise ConfigError(
-                "step_scheduler.local_batch_size",
-                lb,
-                f"gives {n_mb} pipeline micro-batches (local_batch_size/pp_microbatch_size), fewer than pp_size={pp}",
-            )
-    if ep > 1:
-        experts = num_experts(hf_config)
-        if experts is None:
-            raise ConfigError(
-                "distributed.ep_size", ep, f"needs an MoE model; {hf_config.model_type} has no experts"
-            )
-        if experts % ep:
-            raise ConfigError(
-                "distributed.ep_size", ep, f"must divide the model's number of experts ({experts})"
-            )
-    if tp > 1 and d.sequence_parallel and d.tp_plan is None and num_experts(hf_config):
-        raise ConfigError(
-            "distributed.sequence_parallel",
-            True,
-            f"is not supported for MoE models ({hf_config.model_type}: the expert block has no "
-            "sequence-parallel plan); use tp_size > 1 without it",
-        )
-    seq = cfg.seq_length
-    if cp > 1 and seq % (2 * cp):
-        key = cfg.seq_length_key
-        raise ConfigError(
-            key, seq, f"must be divisible by 2*cp_size = {2 * cp} (load-balanced context parallelism)"
-        )
-    if pp > 1 and tp > 1 and d.sequence_parallel and (seq // cp) % tp:
-        # a stage sends its tp rank's equal share of the sequence-sharded hidden states
-        key = cfg.seq_length_key
-        raise ConfigError(
-            key,
-            seq,
-            f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
-        )
+    for parallelism in parallelisms():  # each one's rules against the model and the batch
+        parallelism.check_model(cfg=cfg, layout=layout, hf_config=hf_config, size=parallelism.size(d, layout))
     ss = cfg.step_scheduler
     if ss.global_batch_size % (ss.local_batch_size * dp):
         raise ConfigError(

@@ -45,6 +45,7 @@ from automodel.recipes.model import build_hf_config, build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.packed_probe import apply_packed_probe
+from automodel.recipes.parallelisms import axis_sizes
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.recipe_config import RecipeConfig
@@ -317,13 +318,8 @@ class Trainer:
             cp_backend=self.pm.cp_backend,
             pipeline=self.pm.pipeline,
         )
-        layout = self.mesh.layout
-        sizes = {
-            axis: layout.axis_size(axis)
-            for axis in ("pp", "tp", "cp", "ep", "ep_shard", "dp_shard_cp", "dp_shard", "dp_replicate")
-        }
-        lines = summary_lines(report, axis_sizes=sizes)
         section = self.cfg.distributed
+        lines = summary_lines(report, axis_sizes=axis_sizes(section, self.mesh.layout))
         if section.chosen_because is not None:  # the YAML did not name the strategy: say why this one
             lines.append(f"[rank {self.rank}] strategy {section.strategy}: {section.chosen_because}")
         print("\n".join(lines), file=sys.stderr, flush=True)

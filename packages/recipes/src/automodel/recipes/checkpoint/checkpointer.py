@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from automodel.mesh import MeshContext
+from automodel.mesh import PARALLEL_AXES, MeshContext
 from automodel.recipes.checkpoint import integrity, paths
 from automodel.recipes.checkpoint.config import CheckpointConfig
 from automodel.recipes.checkpoint.consolidated import save_consolidated
@@ -243,7 +243,7 @@ class Checkpointer:
         if self.mesh is None:
             return None
         lay = self.mesh.layout
-        return {k: getattr(lay, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+        return {axis: lay.axis_size(axis) for axis in PARALLEL_AXES}
 
     # ---- restore -------------------------------------------------------------------------
     def resolve_restore_path(self) -> Path | None:

@@ -96,6 +96,9 @@ class StepSetup:
     # elements per chunk (`automodel.recipes.linear_ce.CHUNK_ELEMENTS`) or tokens per chunk
     loss_chunk_elements: int = 0
     loss_chunk_tokens: int | None = None
+    # per-rank bytes held through the whole step by registered parallelisms beyond the built-in
+    # axes' terms above, by name (`automodel.recipes.parallelisms.memory_terms`)
+    extra_bytes: tuple[tuple[str, float], ...] = ()
 
     @property
     def dp_shard_cp(self) -> int:
@@ -282,6 +285,8 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     static = param_b + opt_b
     if sh.gradient_buckets and s.dp_replicate * s.dp_shard > 1:
         static += grad_shard * e_s * trainable_frac  # flat gradient buckets, allocated once
+    for _, extra in s.extra_bytes:  # other parallelisms' own terms (`StepSetup.extra_bytes`)
+        static += extra
 
     # ---- activations of one micro-batch --------------------------------------------------------
     rows = s.pp_microbatch if s.pp > 1 else s.local_batch
@@ -407,6 +412,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
         peak_parts={
             "parameters": param_b,
             "optimizer": opt_b,
+            **dict(s.extra_bytes),
             **{k: v for k, v in parts.items() if k != "static"},
         },
     )

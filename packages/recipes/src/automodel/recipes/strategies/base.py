@@ -27,6 +27,7 @@ from automodel.recipes.planning.memory import StrategyMemory
 
 if TYPE_CHECKING:
     from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.parallelisms import Parallelism
 
 #: Materialize (seeded init, then pretrained weights) the given parts in place.
 Initialize = Callable[[list[nn.Module]], None]
@@ -58,6 +59,9 @@ class Strategy(ABC):
 
     #: The ``distributed.strategy`` value that selects it.
     name: ClassVar[str]
+    #: The parallelisms it composes, by name (`automodel.recipes.parallelisms`): an allow-list, so
+    #: a parallelism registered later is refused (`axis_refusal`) until a strategy lists it.
+    supported_axes: ClassVar[tuple[str, ...]] = ("dp_shard",)
     #: Flags whose default depends on the machine (see `machine_defaults`).
     machine_keys: ClassVar[tuple[str, ...]] = ("backend",)
     #: Flags it applies to each decoder layer (`rules.py` refuses them on a model without a layer list).
@@ -87,6 +91,12 @@ class Strategy(ABC):
         """`ConfigError` naming ``distributed.strategy`` when this machine cannot run the strategy
         (called before any rank starts, not by `recipes validate`); none by default."""
         return None
+
+    def axis_refusal(self, parallelism: Parallelism) -> str:
+        """Why the YAML may not ask for `parallelism` (not in `supported_axes`): the message of the
+        `ConfigError` naming its ``distributed.<size key>``."""
+        supported = ", ".join(self.supported_axes) or "none"
+        return f"is not supported by strategy {self.name} (must be {parallelism.unused}; it supports {supported})"
 
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
         """Rules across this strategy and the layout sizes (`ConfigError` naming the key); none by default."""

@@ -10,12 +10,12 @@ from torch import nn
 
 from automodel.fsdp2 import DDPConfig, DDPManager
 from automodel.mesh import MeshContext
-from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
     from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.parallelisms import Parallelism
 
 
 class DDPStrategy(Strategy):
@@ -23,21 +23,15 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
     layer_flags = ("activation_checkpointing",)
+    supported_axes = ("dp_shard",)
 
     def config_class(self) -> type:
         return DDPConfig
 
-    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
-        if sizes["dp_replicate_size"] is not None:
-            raise ConfigError(
-                "distributed.dp_replicate_size",
-                sizes["dp_replicate_size"],
-                f"is FSDP2-only (strategy={self.name})",
-            )
-        for key in ("tp_size", "pp_size", "cp_size", "ep_size"):
-            value = sizes[key]
-            if value is not None and value > 1:
-                raise ConfigError(f"distributed.{key}", value, "ddp is data parallelism only (must be 1)")
+    def axis_refusal(self, parallelism: Parallelism) -> str:
+        if parallelism.name == "dp_replicate":
+            return f"is FSDP2-only (strategy={self.name})"
+        return "ddp is data parallelism only (must be 1)"
 
     def memory_model(self, config: Any) -> StrategyMemory:
         """Replicated; gradients in flat buckets, all-reduced as they appear."""

@@ -87,6 +87,7 @@ class FSDP2Strategy(Strategy):
     """automodel.fsdp2's FSDP2 (HSDP with dp_replicate_size), composed with TP/SP, CP, EP and PP."""
 
     name = "fsdp2"
+    supported_axes = ("dp_shard", "dp_replicate", "tp", "pp", "cp", "ep")
     machine_keys = ("backend", "mp_policy")
     layer_flags = ("activation_checkpointing", "enable_compile", "enable_fsdp2_prefetch")
 

@@ -27,12 +27,14 @@ from automodel.recipes.strategies.base import Initialize, ParallelModel, Strateg
 
 if TYPE_CHECKING:
     from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.parallelisms import Parallelism
 
 
 class MegatronFSDPStrategy(Strategy):
     """automodel.megatron_fsdp's adapter around megatron-fsdp's ``fully_shard``."""
 
     name = "megatron_fsdp"
+    supported_axes = ("dp_shard", "tp", "cp")
     # it checkpoints the MLPs of its unit modules (checked by the adapter), not each decoder layer
     layer_flags = ()
     # it unshards the LM head only inside its own forward (CUDA only, unchecked on CPU)
@@ -69,19 +71,12 @@ class MegatronFSDPStrategy(Strategy):
         except MegatronFSDPUnavailableError as e:
             raise ConfigError("distributed.strategy", self.name, str(e)) from None
 
+    def axis_refusal(self, parallelism: Parallelism) -> str:
+        if parallelism.name == "dp_replicate":
+            return f"is FSDP2-only (strategy={self.name})"
+        return "megatron_fsdp does not support it (must be 1)"
+
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
-        if sizes["dp_replicate_size"] is not None:
-            raise ConfigError(
-                "distributed.dp_replicate_size",
-                sizes["dp_replicate_size"],
-                f"is FSDP2-only (strategy={self.name})",
-            )
-        for key in ("pp_size", "ep_size"):
-            value = sizes[key]
-            if value is not None and value > 1:
-                raise ConfigError(
-                    f"distributed.{key}", value, "megatron_fsdp does not support it (must be 1)"
-                )
         if config.init_fsdp_with_meta_device:
             raise ConfigError(
                 "distributed.init_fsdp_with_meta_device",

@@ -23,6 +23,7 @@ from automodel.recipes.strategies.base import Initialize, ParallelModel, Strateg
 
 if TYPE_CHECKING:
     from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.parallelisms import Parallelism
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,14 @@ class SingleStrategy(Strategy):
     """One process, parameters as plain tensors: materialize and train the model itself."""
 
     name = "single"
+    supported_axes = ("dp_shard", "dp_replicate")  # any size > 1 is refused by `check_sizes`
     for_world_of_one = True
 
     def config_class(self) -> type:
         return SingleConfig
+
+    def axis_refusal(self, parallelism: Parallelism) -> str:
+        return f"strategy {self.name} trains one process (must be 1)"
 
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
         for key, value in sizes.items():

@@ -1,0 +1,167 @@
+"""The parallelism interface: what one parallelism (data parallel shard and replicate, tp, cp, pp,
+ep, or a new one) owns in the recipes.
+
+A parallelism names its ``distributed.<size_key>`` YAML key (and its own options section, parsed
+into its package's typed config), its rules against the other sizes and against the model, the
+per-rank memory it adds, the line the layout report prints for it and what a checkpoint records of
+it. The section parser, `rules.check_layout_rules`, the memory estimate, the layout report, the
+checkpoint's layout and the strategies' allow-lists (`Strategy.supported_axes`) iterate the
+registry (`registry.py`) instead of naming axes. A new parallelism is one module subclassing
+`Parallelism` plus one `register_parallelism` call.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
+
+from automodel.mesh import PARALLEL_AXES, ResolvedLayout
+from automodel.recipes.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.planning.memory import StepSetup
+    from automodel.recipes.planning.shape import ModelShape
+    from automodel.recipes.recipe_config import RecipeConfig
+
+#: One rank's layout report (`automodel.mesh.layout_report.rank_report`): JSON-like values.
+RankReport = Mapping[str, object]
+#: The options under a parallelism's own section key (``distributed.pipeline``), as YAML gives them.
+Options = Mapping[str, object]
+
+_UNSET = ("none", "null", "auto")
+
+
+def is_shard_placement(placement: str) -> bool:
+    """Whether a placement as the report writes it shards: ``S(d)``, the strided ``_S(d, k)`` FSDP
+    puts on top of TP (older torch: ``Shard(dim=d)``), as opposed to ``R`` or ``P(...)``."""
+    return placement.startswith(("S(", "_S(", "Shard(", "_StridedShard("))
+
+
+def sharded_on(info: Mapping[str, object], axis: str) -> bool:
+    """Whether a parameter of the layout report is sharded along mesh `axis`."""
+    mesh = info.get("mesh") or []
+    placements = info.get("placements") or []
+    assert isinstance(mesh, list) and isinstance(placements, list)
+    return axis in mesh and is_shard_placement(str(placements[mesh.index(axis)]))
+
+
+def report_parameters(report: RankReport) -> list[Mapping[str, object]]:
+    """Every parameter entry of the report, over all its parts."""
+    parts = report["parts"]
+    assert isinstance(parts, list)
+    return [info for part in parts for info in part["parameters"].values()]
+
+
+def config_error(prefix: str, options: Mapping[str, object], error: Exception) -> ConfigError:
+    """A package config's ValueError/TypeError as a `ConfigError` naming the YAML key it is about."""
+    msg = str(error)
+    key = next(
+        (k for k in options if msg.startswith(k) or f"{k} " in msg or f"{k}." in msg or f"{k}=" in msg), None
+    )
+    return ConfigError(f"{prefix}.{key}", options[key], msg) if key else ConfigError(prefix, options, msg)
+
+
+def section_mapping(data: Mapping[str, object], key: str) -> Mapping[str, object] | None:
+    """``distributed.<key>`` as a mapping, None when absent (`ConfigError` for another value)."""
+    value = data.get(key)
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError(f"distributed.{key}", value, "must be a mapping")
+    return value
+
+
+class Parallelism(ABC):
+    """One parallelism; subclasses set `name` and `size_key` and override the hooks that apply."""
+
+    #: What strategies list it as (`Strategy.supported_axes`); its mesh axis when the mesh has one
+    #: of that name (`automodel.mesh.AXES`).
+    name: ClassVar[str]
+    #: The ``distributed.<size_key>`` YAML key of its size.
+    size_key: ClassVar[str]
+    #: Its own options section, ``distributed.<section_key>`` (None: it has none).
+    section_key: ClassVar[str | None] = None
+    #: An unset size (``none`` / ``auto``) is derived from the world size (data parallel).
+    derived_when_unset: ClassVar[bool] = False
+    #: What a strategy that does not support it accepts (for the refusal's message).
+    unused: ClassVar[str] = "1"
+    #: Mesh axes whose sharded parameters the layout report counts for it, in report order.
+    report_axes: ClassVar[tuple[str, ...]] = ()
+
+    # ---- the YAML ------------------------------------------------------------------------
+    @property
+    def mesh_axis(self) -> str | None:
+        """The mesh axis it sizes, None for one that forms no mesh axis. A checkpoint records the
+        mesh axes' sizes (`automodel.mesh.PARALLEL_AXES`) and DCP reshards across all of them, so
+        a checkpoint restores under any other layout."""
+        return self.name if self.name in PARALLEL_AXES else None
+
+    def parse_size(self, data: Mapping[str, object]) -> int | None:
+        """Its size from the ``distributed:`` mapping: an int >= 1 (default 1), or None when unset
+        and `derived_when_unset`."""
+        key = self.size_key
+        value = data.get(key, None if self.derived_when_unset else 1)
+        if self.derived_when_unset and (
+            value is None or (isinstance(value, str) and value.lower() in _UNSET)
+        ):
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"distributed.{key}",
+                value,
+                "must be an int >= 1" + (" or none" if self.derived_when_unset else ""),
+            )
+        return value
+
+    def in_use(self, size: int | None) -> bool:
+        """Whether `size` asks for this parallelism (a strategy that does not list it refuses it)."""
+        return size is not None and size > 1
+
+    def build_config(
+        self, options: Options | None, *, size: int | None, local_batch_size: int
+    ) -> object | None:
+        """Its typed config from its own section (None: it has none, or it is off)."""
+        return None
+
+    # ---- rules ---------------------------------------------------------------------------
+    def check_sizes(
+        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: object
+    ) -> None:
+        """Rules across its size and the other sizes or flags (`ConfigError` naming the key)."""
+        return None
+
+    def size(self, section: DistributedSection, layout: ResolvedLayout) -> int:
+        """Its resolved size: the mesh axis's, else the section's parsed value."""
+        axis = self.mesh_axis
+        if axis is not None:
+            return layout.axis_size(axis)
+        return section.other_sizes.get(self.size_key, 1)
+
+    def check_model(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
+    ) -> None:
+        """Rules against the model and the batch, run before launch (`rules.check_layout_rules`)."""
+        return None
+
+    # ---- the planner ---------------------------------------------------------------------
+    def memory_terms(self, *, size: int, setup: StepSetup, shape: ModelShape) -> dict[str, float]:
+        """Per-rank bytes it holds through the step, by name, beyond the terms `planning.memory`
+        computes for the built-in axes (their sizes are `StepSetup` fields); none by default."""
+        return {}
+
+    # ---- the layout report ---------------------------------------------------------------
+    def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
+        """What this rank really holds of it, read off its report (not off the config): by
+        default, per axis of `report_axes` larger than 1, how many parameters it shards."""
+        params = report_parameters(report)
+        lines = []
+        for axis in self.report_axes:
+            size = axis_sizes.get(axis, 1)
+            sharded = [info for info in params if sharded_on(info, axis)]
+            if size > 1 and sharded:
+                lines.append(
+                    f"[rank {report['rank']}] {axis} ({size} ranks): {len(sharded)}/{len(params)} parameters sharded"
+                )
+        return lines

@@ -1,0 +1,64 @@
+"""Expert parallelism (``distributed.ep_size``, options in ``distributed.moe`` -> automodel.moe's
+`MoEParallelizerConfig`): each MoE layer's experts split over ep ranks of the MoE mesh."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from automodel.mesh import ResolvedLayout
+from automodel.moe import MoEParallelizerConfig
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.model import num_experts
+from automodel.recipes.parallelisms.base import Options, Parallelism, config_error, section_mapping
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from automodel.recipes.recipe_config import RecipeConfig
+
+
+def build_moe_config(moe: Options | None) -> MoEParallelizerConfig:
+    """`MoEParallelizerConfig` from ``distributed.moe`` (errors name the key)."""
+    options = dict(moe or {})
+    try:
+        return MoEParallelizerConfig(**options)
+    except (ValueError, TypeError) as e:
+        raise config_error("distributed.moe", options, e) from None
+
+
+class ExpertParallel(Parallelism):
+    """Experts over ep ranks, each expert's shard over ep_shard (the rest of dp x cp)."""
+
+    name = "ep"
+    size_key = "ep_size"
+    section_key = "moe"
+    report_axes = ("ep", "ep_shard")
+
+    def check_sizes(
+        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: object
+    ) -> None:
+        section_mapping(data, "moe")
+
+    def build_config(
+        self, options: Options | None, *, size: int | None, local_batch_size: int
+    ) -> object | None:
+        if size == 1 and options is not None:
+            warnings.warn("distributed.moe is ignored because ep_size == 1", stacklevel=3)
+        return build_moe_config(options) if size is not None and size > 1 else None
+
+    def check_model(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
+    ) -> None:
+        if size == 1:
+            return
+        experts = num_experts(hf_config)
+        if experts is None:
+            raise ConfigError(
+                "distributed.ep_size", size, f"needs an MoE model; {hf_config.model_type} has no experts"
+            )
+        if experts % size:
+            raise ConfigError(
+                "distributed.ep_size", size, f"must divide the model's number of experts ({experts})"
+            )

@@ -1,0 +1,138 @@
+"""Pipeline parallelism (``distributed.pp_size``, options in ``distributed.pipeline`` ->
+automodel.pipeline's `PipelineConfig`): the decoder layers split into stages run by a schedule."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from automodel.mesh import ResolvedLayout
+from automodel.mesh.model_parts import text_config
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.parallelisms.base import (
+    Options,
+    Parallelism,
+    RankReport,
+    config_error,
+    section_mapping,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from automodel.pipeline import PipelineConfig
+    from automodel.recipes.recipe_config import RecipeConfig
+
+
+def build_pipeline_config(pipeline: Options | None, *, local_batch_size: int) -> PipelineConfig:
+    """`PipelineConfig` from ``distributed.pipeline``; one pipeline step takes one local batch."""
+    # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+    from automodel.pipeline import PipelineConfig
+
+    options = dict(pipeline or {})
+    if "pp_batch_size" in options and options["pp_batch_size"] != local_batch_size:
+        raise ConfigError(
+            "distributed.pipeline.pp_batch_size",
+            options["pp_batch_size"],
+            f"must equal step_scheduler.local_batch_size={local_batch_size} (or be left out)",
+        )
+    options["pp_batch_size"] = local_batch_size
+    try:
+        return PipelineConfig(**options)
+    except (ValueError, TypeError) as e:
+        if str(e).startswith("pp_batch_size="):  # the pipeline's batch is the local batch
+            raise ConfigError(
+                "step_scheduler.local_batch_size",
+                local_batch_size,
+                f"must be a multiple of distributed.pipeline.pp_microbatch_size={options.get('pp_microbatch_size')}",
+            ) from None
+        raise config_error("distributed.pipeline", options, e) from None
+
+
+def pipeline_stages(cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig) -> int:
+    """Total pipeline stages for the configured schedule (validates the ``pipeline`` section)."""
+    # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+    from automodel.pipeline import num_stages_for
+
+    pcfg = cfg.distributed.pipeline_config
+    assert pcfg is not None, "pp_size > 1 always has a pipeline config"
+    if pcfg.module_fqns_per_model_part is not None:
+        return len(pcfg.module_fqns_per_model_part)
+    try:
+        return num_stages_for(
+            num_layers=text_config(hf_config).num_hidden_layers,
+            pp_size=layout.pp,
+            multi_stage=pcfg.schedule_spec.multi_stage,
+            layers_per_stage=pcfg.layers_per_stage,
+            round_to_pp_multiple=pcfg.round_virtual_stages_to_pp_multiple,
+        )
+    except ValueError as e:
+        raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
+
+
+class PipelineParallel(Parallelism):
+    """Stages over pp ranks; one pipeline step takes one local batch in micro-batches."""
+
+    name = "pp"
+    size_key = "pp_size"
+    section_key = "pipeline"
+
+    def check_sizes(
+        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: object
+    ) -> None:
+        pipeline = section_mapping(data, "pipeline")
+        pp = sizes[self.size_key]
+        if pp is not None and pp > 1 and pipeline is None:
+            raise ConfigError("distributed.pp_size", pp, "pp_size > 1 needs a distributed.pipeline section")
+
+    def build_config(
+        self, options: Options | None, *, size: int | None, local_batch_size: int
+    ) -> object | None:
+        if size == 1 and options is not None:
+            warnings.warn("distributed.pipeline is ignored because pp_size == 1", stacklevel=3)
+        if options is None or size == 1:
+            return None
+        return build_pipeline_config(options, local_batch_size=local_batch_size)
+
+    def check_model(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
+    ) -> None:
+        if size == 1:
+            return
+        layers = text_config(hf_config).num_hidden_layers
+        stages = pipeline_stages(cfg, layout, hf_config)
+        pcfg = cfg.distributed.pipeline_config
+        assert pcfg is not None
+        if layers < stages:
+            raise ConfigError(
+                "distributed.pp_size",
+                size,
+                f"needs at least {stages} layers for {stages} pipeline stages, model has {layers}",
+            )
+        lb = cfg.step_scheduler.local_batch_size
+        n_mb = lb // pcfg.pp_microbatch_size
+        if n_mb < size:
+            raise ConfigError(
+                "step_scheduler.local_batch_size",
+                lb,
+                f"gives {n_mb} pipeline micro-batches (local_batch_size/pp_microbatch_size), fewer than pp_size={size}",
+            )
+        tp, cp, seq = layout.tp, layout.cp, cfg.seq_length
+        if tp > 1 and cfg.distributed.sequence_parallel and (seq // cp) % tp:
+            # a stage sends its tp rank's equal share of the sequence-sharded hidden states
+            raise ConfigError(
+                cfg.seq_length_key,
+                seq,
+                f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
+            )
+
+    def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
+        parts = report["parts"]
+        assert isinstance(parts, list)
+        if not any("stage_ids" in part for part in parts):
+            return []
+        stages = [s for part in parts for s in part.get("stage_ids", [])]
+        layers = [i for part in parts for i in part["layers"]]
+        span = f"layers {min(layers)}-{max(layers)}" if layers else "no decoder layers"
+        return [f"[rank {report['rank']}] pp ({axis_sizes.get('pp', 1)} ranks): stages {stages}, {span}"]

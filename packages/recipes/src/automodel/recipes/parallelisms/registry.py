@@ -1,0 +1,70 @@
+"""The parallelisms by name, in registration order: one registration per parallelism module."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from automodel.mesh import ResolvedLayout
+from automodel.recipes.parallelisms.base import Parallelism
+
+if TYPE_CHECKING:
+    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.planning.memory import StepSetup
+    from automodel.recipes.planning.shape import ModelShape
+
+_PARALLELISMS: dict[str, Parallelism] = {}
+
+
+def register_parallelism(parallelism: Parallelism) -> Parallelism:
+    """Make `parallelism` part of every ``distributed:`` section (its size key, rules, terms, line)."""
+    if parallelism.name in _PARALLELISMS:
+        raise ValueError(f"parallelism {parallelism.name!r} is registered twice")
+    if any(p.size_key == parallelism.size_key for p in _PARALLELISMS.values()):
+        raise ValueError(f"parallelism {parallelism.name!r}: size key {parallelism.size_key!r} is taken")
+    _PARALLELISMS[parallelism.name] = parallelism
+    return parallelism
+
+
+def unregister_parallelism(name: str) -> None:
+    """Remove a registered parallelism (tests that register a toy one)."""
+    del _PARALLELISMS[name]
+
+
+def parallelisms() -> tuple[Parallelism, ...]:
+    """Every registered parallelism, in registration order (the order its rules run in)."""
+    return tuple(_PARALLELISMS.values())
+
+
+def get_parallelism(name: str) -> Parallelism:
+    """The registered parallelism `name`; KeyError for an unknown one."""
+    return _PARALLELISMS[name]
+
+
+def size_keys() -> tuple[str, ...]:
+    """Every ``distributed.<size key>``, in registration order."""
+    return tuple(p.size_key for p in _PARALLELISMS.values())
+
+
+def section_keys() -> tuple[str, ...]:
+    """Every parallelism's own options section (``pipeline``, ``moe``)."""
+    return tuple(p.section_key for p in _PARALLELISMS.values() if p.section_key is not None)
+
+
+def axis_sizes(section: DistributedSection, layout: ResolvedLayout) -> dict[str, int]:
+    """Every mesh axis's size, and every registered parallelism's by its name (the layout report's
+    `axis_sizes`)."""
+    sizes = {axis: layout.axis_size(axis) for axis in layout.axis_names()}
+    sizes.update({p.name: p.size(section, layout) for p in _PARALLELISMS.values()})
+    return sizes
+
+
+def memory_terms(
+    section: DistributedSection, layout: ResolvedLayout, *, setup: StepSetup, shape: ModelShape
+) -> tuple[tuple[str, float], ...]:
+    """The registered parallelisms' own per-rank bytes (`Parallelism.memory_terms`), named
+    ``<parallelism> <term>``, for `StepSetup.extra_bytes`."""
+    return tuple(
+        (f"{p.name} {name}", value)
+        for p in _PARALLELISMS.values()
+        for name, value in p.memory_terms(size=p.size(section, layout), setup=setup, shape=shape).items()
+    )

@@ -1,0 +1,60 @@
+"""Tensor parallelism (``distributed.tp_size``), and sequence parallelism inside its regions."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from automodel.fsdp2.hf_config import positive_ints
+from automodel.mesh import ResolvedLayout
+from automodel.mesh.model_parts import text_config
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.model import num_experts
+from automodel.recipes.parallelisms.base import Parallelism
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from automodel.recipes.recipe_config import RecipeConfig
+
+
+class TensorParallel(Parallelism):
+    """Heads, KV heads and the vocabulary split over tp ranks."""
+
+    name = "tp"
+    size_key = "tp_size"
+    report_axes = ("tp",)
+
+    def check_sizes(
+        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: object
+    ) -> None:
+        sp = bool(getattr(strategy_config, "sequence_parallel", False))
+        if sp and sizes[self.size_key] == 1:
+            raise ConfigError(
+                "distributed.sequence_parallel",
+                sp,
+                "needs tp_size > 1 (sequence parallelism splits TP regions)",
+            )
+
+    def check_model(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
+    ) -> None:
+        if size == 1:
+            return
+        text = text_config(hf_config)  # a multimodal model's text decoder
+        # every layer's count (a heterogeneous config's layers may differ)
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            for count in positive_ints(text, key):
+                if count % size:
+                    raise ConfigError("distributed.tp_size", size, f"must divide model {key}={count}")
+        vocab = getattr(text, "vocab_size", None)
+        if vocab is not None and vocab % size:
+            raise ConfigError("distributed.tp_size", size, f"must divide model vocab_size={vocab}")
+        d = cfg.distributed
+        if d.sequence_parallel and d.tp_plan is None and num_experts(hf_config):
+            raise ConfigError(
+                "distributed.sequence_parallel",
+                True,
+                f"is not supported for MoE models ({hf_config.model_type}: the expert block has no "
+                "sequence-parallel plan); use tp_size > 1 without it",
+            )
