@@ -59,6 +59,12 @@ def test_a_registered_strategy_is_selectable_with_its_own_flags_and_rules(
         parse_distributed_section({"strategy": "toy", "tp_size": 2})
     with pytest.raises(ConfigError, match="distributed.toy_flag.*is not an option of strategy 'fsdp2'"):
         parse_distributed_section({"toy_flag": 1})
+    # the axes it supports are an allow-list: `Strategy.supported_axes` defaults to data parallel only
+    assert _ToyStrategy.supported_axes == ("dp_shard",)
+    with pytest.raises(
+        ConfigError, match=r"distributed.cp_size=2: is not supported by strategy toy \(must be 1"
+    ):
+        parse_distributed_section({"strategy": "toy", "cp_size": 2})
 
 
 def test_the_memory_planner_reads_a_registered_strategy_through_its_memory_model(

@@ -1,0 +1,208 @@
+"""The parallelism registry: every parallelism is one `Parallelism` module plus one registration.
+
+A toy parallelism defined and registered in this module alone (no other file edited) is validated
+(`recipes validate` accepts ``distributed.toy_size`` and runs its size and model rules), planned
+(the memory estimate holds its term), reported (its layout-report line) and refused by a strategy
+that does not list it (`Strategy.supported_axes`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import yaml
+
+from automodel.mesh import AXES, DENSE_AXES, FLATTENED_AXES, MOE_AXES, PARALLEL_AXES, ResolvedLayout
+from automodel.mesh.model_parts import text_config
+from automodel.recipes import load_config
+from automodel.recipes._dist_setup import parse_distributed_section, resolve_layout
+from automodel.recipes.cli import run_cli
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.layout_report import summary_lines
+from automodel.recipes.parallelisms import (
+    Parallelism,
+    RankReport,
+    axis_sizes,
+    parallelisms,
+    register_parallelism,
+    unregister_parallelism,
+)
+from automodel.recipes.plan import plan_layout
+from automodel.recipes.strategies import get_strategy, register_strategy, registry, strategy_names
+from automodel.recipes.strategies.fsdp2 import FSDP2Strategy
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from automodel.recipes.planning.memory import StepSetup
+    from automodel.recipes.planning.shape import ModelShape
+    from automodel.recipes.recipe_config import RecipeConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _recipe_helpers import tiny_config  # noqa: E402
+
+#: Bytes per toy rank beyond the first that the toy parallelism holds on every rank.
+TOY_BYTES = 1000.0
+
+
+class _ToyParallel(Parallelism):
+    """A parallelism with its own size key and no mesh axis of its own."""
+
+    name = "toy"
+    size_key = "toy_size"
+
+    def check_sizes(
+        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: object
+    ) -> None:
+        toy, tp = sizes[self.size_key], sizes["tp_size"]
+        if toy is not None and toy > 1 and tp is not None and tp > 1:
+            raise ConfigError("distributed.toy_size", toy, "toy does not compose with tp_size > 1")
+
+    def check_model(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
+    ) -> None:
+        layers = text_config(hf_config).num_hidden_layers
+        if layers % size:
+            raise ConfigError("distributed.toy_size", size, f"must divide num_hidden_layers={layers}")
+
+    def memory_terms(self, *, size: int, setup: StepSetup, shape: ModelShape) -> dict[str, float]:
+        return {"buffer": TOY_BYTES * (size - 1)} if size > 1 else {}
+
+    def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
+        size = axis_sizes.get(self.name, 1)
+        return [f"[rank {report['rank']}] toy ({size} ranks): one toy buffer"] if size > 1 else []
+
+
+class _ToyFSDP2(FSDP2Strategy):
+    """FSDP2 that also lists the toy parallelism."""
+
+    name = "toy_fsdp2"
+    supported_axes = (*FSDP2Strategy.supported_axes, "toy")
+
+
+@pytest.fixture
+def toy(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(registry, "_STRATEGIES", dict(registry._STRATEGIES))
+    register_strategy(_ToyFSDP2())
+    register_parallelism(_ToyParallel())
+    try:
+        yield
+    finally:
+        unregister_parallelism("toy")
+
+
+def _cfg(tmp_path: Path, **distributed: object) -> RecipeConfig:
+    return load_config(tiny_config(str(tmp_path / "out"), distributed=distributed))
+
+
+def test_the_parallelisms_are_registered_in_order() -> None:
+    assert [p.name for p in parallelisms()] == ["dp_shard", "dp_replicate", "tp", "pp", "cp", "ep"]
+    assert [p.size_key for p in parallelisms()] == [
+        "dp_size",
+        "dp_replicate_size",
+        "tp_size",
+        "pp_size",
+        "cp_size",
+        "ep_size",
+    ]
+    with pytest.raises(ValueError, match="registered twice"):
+        register_parallelism(parallelisms()[0])
+
+
+def test_the_axis_table_gives_the_mesh_axes() -> None:
+    assert DENSE_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert FLATTENED_AXES == {
+        "dp": ("dp_replicate", "dp_shard"),
+        "dp_shard_cp": ("dp_shard", "cp"),
+        "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    }
+    assert MOE_AXES == ("pp", "ep_shard", "ep")
+    assert PARALLEL_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+    assert ResolvedLayout.axis_names() == tuple(a.name for a in AXES if a.mesh != "moe") + ("ep_shard", "ep")
+    # every built-in parallelism sizes a mesh axis; every size key is the table's
+    keys = {a.size_key for a in AXES if a.size_key is not None}
+    assert {p.size_key for p in parallelisms()} == keys
+    assert all(p.mesh_axis in PARALLEL_AXES for p in parallelisms())
+
+
+def test_strategies_refuse_what_they_do_not_list() -> None:
+    """The allow-list: each built-in strategy's refusal names the key and the strategy."""
+    with pytest.raises(ConfigError, match=r"distributed.tp_size=2: ddp is data parallelism only"):
+        parse_distributed_section({"strategy": "ddp", "tp_size": 2})
+    with pytest.raises(ConfigError, match=r"distributed.dp_replicate_size=1: is FSDP2-only \(strategy=ddp\)"):
+        parse_distributed_section({"strategy": "ddp", "dp_replicate_size": 1})
+    with pytest.raises(ConfigError, match=r"distributed.ep_size=2: megatron_fsdp does not support it"):
+        parse_distributed_section({"strategy": "megatron_fsdp", "ep_size": 2})
+    assert get_strategy("fsdp2").supported_axes == tuple(p.name for p in parallelisms())
+
+
+def test_a_toy_parallelism_is_validated_by_its_own_rules(toy: None, tmp_path: Path) -> None:
+    section = parse_distributed_section({"strategy": "toy_fsdp2", "toy_size": 2})
+    assert section.other_sizes == {"toy_size": 2}
+    assert parse_distributed_section({"strategy": "toy_fsdp2"}).other_sizes == {"toy_size": 1}
+    # its size rule
+    with pytest.raises(ConfigError, match="distributed.toy_size=2: toy does not compose with tp_size > 1"):
+        parse_distributed_section({"strategy": "toy_fsdp2", "toy_size": 2, "tp_size": 2})
+    with pytest.raises(ConfigError, match=r"distributed.toy_size='two': must be an int >= 1"):
+        parse_distributed_section({"strategy": "toy_fsdp2", "toy_size": "two"})
+    # its model rule, through `recipes validate`'s pre-launch check (the tiny model has 2 layers)
+    with pytest.raises(ConfigError, match="distributed.toy_size=3: must divide num_hidden_layers=2"):
+        plan_layout(_cfg(tmp_path, strategy="toy_fsdp2", toy_size=3), world_size=2)
+    _, _, lines = plan_layout(_cfg(tmp_path, strategy="toy_fsdp2", toy_size=2), world_size=2)
+    assert any(line.split() == ["toy", "2"] for line in lines), lines
+
+
+def test_recipes_validate_accepts_the_toy_size_and_refuses_a_bad_one(
+    toy: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def validate(toy_size: int) -> int:
+        path = tmp_path / f"toy{toy_size}.yaml"
+        raw = tiny_config(str(tmp_path / "out"), distributed={"strategy": "toy_fsdp2", "toy_size": toy_size})
+        path.write_text(yaml.safe_dump(raw))
+        return run_cli(["validate", str(path), "--world-size", "2"])
+
+    assert validate(2) == 0
+    assert "config OK for world_size=2 (strategy=toy_fsdp2)" in capsys.readouterr().out
+    assert validate(3) == 2
+    assert "error: distributed.toy_size=3: must divide num_hidden_layers=2" in capsys.readouterr().err
+
+
+def test_a_toy_parallelism_is_planned_with_its_memory_term(toy: None, tmp_path: Path) -> None:
+    _, off, _ = plan_layout(_cfg(tmp_path, strategy="toy_fsdp2"), world_size=2)
+    _, on, _ = plan_layout(_cfg(tmp_path, strategy="toy_fsdp2", toy_size=2), world_size=2)
+    assert on.peak_parts["toy buffer"] == TOY_BYTES and "toy buffer" not in off.peak_parts
+    assert on.peak_bytes == off.peak_bytes + TOY_BYTES
+
+
+def test_a_toy_parallelism_is_reported(toy: None) -> None:
+    section = parse_distributed_section({"strategy": "toy_fsdp2", "toy_size": 2})
+    layout = resolve_layout(section, 2)
+    report = {
+        "rank": 0,
+        "strategy": "toy_fsdp2",
+        "parts": [{"parameters": {}, "layers": [], "fsdp_units": [], "checkpointed": []}],
+    }
+    lines = summary_lines(report, axis_sizes=axis_sizes(section, layout))
+    assert "[rank 0] toy (2 ranks): one toy buffer" in lines
+
+
+def test_a_toy_parallelism_is_refused_by_a_strategy_that_does_not_list_it(toy: None) -> None:
+    assert "toy_fsdp2" in strategy_names()
+    parse_distributed_section({"strategy": "fsdp2", "toy_size": 1})  # off: nothing to refuse
+    with pytest.raises(
+        ConfigError,
+        match=r"distributed.toy_size=2: is not supported by strategy fsdp2 \(must be 1; it supports "
+        r"dp_shard, dp_replicate, tp, pp, cp, ep\)",
+    ):
+        parse_distributed_section({"strategy": "fsdp2", "toy_size": 2})
+    with pytest.raises(ConfigError, match=r"distributed.toy_size=2: ddp is data parallelism only"):
+        parse_distributed_section({"strategy": "ddp", "toy_size": 2})
+
+
+def test_unregistered_the_toy_size_is_an_unknown_key() -> None:
+    with pytest.raises(ConfigError, match="distributed.toy_size"):
+        parse_distributed_section({"toy_size": 2})
