@@ -22,13 +22,13 @@ preload()
 
 
 def _train_recording_context(raw: dict[str, Any]) -> dict[str, int]:
-    import automodel.recipes.trainer as trainer_module
+    import automodel.recipes.parallelisms.cp as cp_module
     from automodel.recipes import load_config
     from automodel.recipes.trainer import Trainer
 
     seen = {"contexts": 0, "grads_inside": 0, "grads_outside": 0}
     open_contexts = [0]
-    make = trainer_module.make_cp_batch_and_ctx  # the name the loop calls
+    make = cp_module.make_cp_batch_and_ctx  # the name the CP batch transform calls
 
     def recording_make(*args: Any, **kwargs: Any):
         ctx, local = make(*args, **kwargs)
@@ -45,7 +45,7 @@ def _train_recording_context(raw: dict[str, Any]) -> dict[str, int]:
 
         return recorded, local
 
-    trainer_module.make_cp_batch_and_ctx = recording_make
+    cp_module.make_cp_batch_and_ctx = recording_make
     trainer = Trainer(load_config(raw))
     trainer.build()
 

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
-from automodel.recipes.trainer import StepScaledLoss, context_parallel_inputs, is_collective_timeout
+from automodel.recipes.parallelisms.cp import context_parallel_inputs
+from automodel.recipes.trainer import StepScaledLoss, is_collective_timeout
 
 PAD = 7
 

@@ -8,7 +8,6 @@ same loss and gradients for the same global batch.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import math
@@ -24,7 +23,6 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from automodel.context_parallel import make_cp_batch_and_ctx
 from automodel.mesh import MeshContext
 from automodel.mesh.model_parts import text_config
 from automodel.recipes._dist_setup import resolve_machine_defaults, setup_distributed
@@ -45,41 +43,12 @@ from automodel.recipes.model import build_hf_config, build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.packed_probe import apply_packed_probe
-from automodel.recipes.parallelisms import axis_sizes
+from automodel.recipes.parallelisms import BatchRun, MicroBatch, axis_sizes, parallelisms
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.run_lock import hold_output_dir, run_checkpoint_dir
 from automodel.recipes.strategies import get_strategy
-
-
-def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
-    """Cumulative document boundaries of one packed row (positions restart at 0 per document)."""
-    assert position_ids.shape[0] == 1, "packed rows come one per micro-batch"
-    starts = torch.nonzero(position_ids[0] == 0).flatten()
-    end = torch.tensor([position_ids.shape[1]], device=position_ids.device)
-    return torch.cat([starts, end]).to(torch.int32)
-
-
-def context_parallel_inputs(
-    fields: dict[str, torch.Tensor],
-    *,
-    cp_mesh: Any,
-    backend: str,
-    pad_token_id: int,
-    packed: bool,
-) -> tuple[Callable[[], Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """This CP rank's share of one micro-batch: ``(context, fields, extra model kwargs)``.
-
-    The sequence is padded to a multiple of 2 * cp with the tokenizer's pad token (labels -100);
-    packed rows carry their document boundaries so attention stays inside each document.
-    """
-    fields = dict(fields)
-    if packed:
-        fields["cu_seqlens"] = document_cu_seqlens(fields["position_ids"])
-    ctx, local = make_cp_batch_and_ctx(cp_mesh, fields, backend=backend, padding_token_id=pad_token_id)
-    extra = {k: local[k] for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if k in local}
-    return ctx, local, extra
 
 
 class NonFiniteError(FloatingPointError):
@@ -381,16 +350,18 @@ class Trainer:
     def _cp_shard(
         self, fields: dict[str, torch.Tensor]
     ) -> tuple[Callable[[], Any], dict[str, torch.Tensor], dict[str, Any]]:
-        """This CP rank's share of `fields`, with the context its attention runs in (none without CP)."""
-        if self.pm.cp_backend == "none":
-            return contextlib.nullcontext, fields, {}
-        return context_parallel_inputs(
-            fields,
-            cp_mesh=self.mesh.get_mesh("cp"),
-            backend=self.pm.cp_backend,
+        """This rank's share of `fields` after every parallelism's batch transform
+        (`Parallelism.shard_batch`: CP's sequence split), with the context its attention runs in."""
+        run = BatchRun(
+            mesh=self.mesh,
+            cp_backend=self.pm.cp_backend,
             pad_token_id=self.tokenizer.pad_token_id,
             packed=self.cfg.packed_sequence.packed_sequence_size > 0,
         )
+        batch = MicroBatch(fields=fields)
+        for parallelism in parallelisms():
+            batch = parallelism.shard_batch(batch, run=run)
+        return batch.context, batch.fields, batch.extra
 
     def train_step(self, batches: list[Batch]) -> StepResult:
         """Forward/backward every micro-batch, clip, step; no host-device synchronisation.

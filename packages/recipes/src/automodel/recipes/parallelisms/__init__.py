@@ -5,7 +5,7 @@ section parser reads their sizes and `rules.check_layout_rules` runs their rules
 is one module plus one `register_parallelism` call (a test may register one itself).
 """
 
-from automodel.recipes.parallelisms.base import Parallelism, RankReport, config_error
+from automodel.recipes.parallelisms.base import BatchRun, MicroBatch, Parallelism, RankReport, config_error
 from automodel.recipes.parallelisms.cp import ContextParallel
 from automodel.recipes.parallelisms.dp_replicate import DataParallelReplicate
 from automodel.recipes.parallelisms.dp_shard import DataParallelShard
@@ -35,6 +35,8 @@ BUILT_IN: tuple[str, ...] = tuple(p.name for p in parallelisms())
 
 __all__ = [
     "BUILT_IN",
+    "BatchRun",
+    "MicroBatch",
     "Parallelism",
     "RankReport",
     "axis_sizes",

@@ -12,11 +12,15 @@ registry (`registry.py`) instead of naming axes. A new parallelism is one module
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from automodel.mesh import PARALLEL_AXES, ResolvedLayout
+import torch
+
+from automodel.mesh import PARALLEL_AXES, MeshContext, ResolvedLayout
 from automodel.recipes.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -33,6 +37,31 @@ RankReport = Mapping[str, object]
 Options = Mapping[str, object]
 
 _UNSET = ("none", "null", "auto")
+
+#: A context manager factory a micro-batch's forward and backward run inside.
+BatchContext = Callable[[], contextlib.AbstractContextManager[object]]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as this rank's model takes it: its tensors, the extra model keyword
+    arguments, and the context its forward and backward run in (`Parallelism.shard_batch`)."""
+
+    fields: dict[str, torch.Tensor]
+    extra: dict[str, object] = field(default_factory=dict)
+    context: BatchContext = contextlib.nullcontext
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    """What the training loop knows that a batch transform needs."""
+
+    mesh: MeshContext
+    #: The attention backend the strategy applied context parallelism with ("none" without CP).
+    cp_backend: str
+    pad_token_id: int
+    #: Rows are packed documents (positions restart at 0 per document).
+    packed: bool
 
 
 def is_shard_placement(placement: str) -> bool:
@@ -150,6 +179,11 @@ class Parallelism(ABC):
         """Per-rank bytes it holds through the step, by name, beyond the terms `planning.memory`
         computes for the built-in axes (their sizes are `StepSetup` fields); none by default."""
         return {}
+
+    # ---- the training loop ---------------------------------------------------------------
+    def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:
+        """This rank's share of one micro-batch (CP's sequence split); unchanged by default."""
+        return batch
 
     # ---- the layout report ---------------------------------------------------------------
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:

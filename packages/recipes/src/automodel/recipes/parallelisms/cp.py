@@ -6,14 +6,55 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from automodel.context_parallel import make_cp_batch_and_ctx
 from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.parallelisms.base import Parallelism, RankReport
+from automodel.recipes.parallelisms.base import (
+    BatchContext,
+    BatchRun,
+    MicroBatch,
+    Parallelism,
+    RankReport,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes.recipe_config import RecipeConfig
+
+
+def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
+    """Cumulative document boundaries of one packed row (positions restart at 0 per document)."""
+    assert position_ids.shape[0] == 1, "packed rows come one per micro-batch"
+    starts = torch.nonzero(position_ids[0] == 0).flatten()
+    end = torch.tensor([position_ids.shape[1]], device=position_ids.device)
+    return torch.cat([starts, end]).to(torch.int32)
+
+
+def context_parallel_inputs(
+    fields: dict[str, torch.Tensor],
+    *,
+    cp_mesh: DeviceMesh,
+    backend: str,
+    pad_token_id: int,
+    packed: bool,
+) -> tuple[BatchContext, dict[str, torch.Tensor], dict[str, object]]:
+    """This CP rank's share of one micro-batch: ``(context, fields, extra model kwargs)``.
+
+    The sequence is padded to a multiple of 2 * cp with the tokenizer's pad token (labels -100);
+    packed rows carry their document boundaries so attention stays inside each document.
+    """
+    fields = dict(fields)
+    if packed:
+        fields["cu_seqlens"] = document_cu_seqlens(fields["position_ids"])
+    ctx, local = make_cp_batch_and_ctx(cp_mesh, fields, backend=backend, padding_token_id=pad_token_id)
+    extra: dict[str, object] = {
+        k: local[k] for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if k in local
+    }
+    return ctx, local, extra
 
 
 class ContextParallel(Parallelism):
@@ -33,6 +74,20 @@ class ContextParallel(Parallelism):
                 seq,
                 f"must be divisible by 2*cp_size = {2 * size} (load-balanced context parallelism)",
             )
+
+    def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:
+        """The load-balanced sequence share of this cp rank, and the context ring attention runs in."""
+        if run.cp_backend == "none":
+            return batch
+        assert not batch.extra, "context parallelism shards the batch first"
+        ctx, fields, extra = context_parallel_inputs(
+            batch.fields,
+            cp_mesh=run.mesh.get_mesh("cp"),
+            backend=run.cp_backend,
+            pad_token_id=run.pad_token_id,
+            packed=run.packed,
+        )
+        return MicroBatch(fields=fields, extra=extra, context=ctx)
 
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
         lines = super().report_lines(report, axis_sizes=axis_sizes)
