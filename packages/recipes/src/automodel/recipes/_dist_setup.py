@@ -1,15 +1,19 @@
 """The YAML ``distributed:`` section -> validated settings -> `MeshContext`.
 
 YAML distributed section
-  -> parse_distributed_section()   sizes; the strategy's, pipeline's and moe's configs built by
-                                   their packages (the same on every machine); the rules that tie
-                                   the strategy to the sizes (the strategy's `check_sizes`)
+  -> parse_distributed_section()   every registered parallelism's size key and own section
+                                   (`automodel.recipes.parallelisms`: pipeline -> PipelineConfig,
+                                   moe -> MoEParallelizerConfig), the strategy's config, built by
+                                   their packages (the same on every machine); the strategy's
+                                   allow-list of parallelisms (`Strategy.supported_axes`), its
+                                   `check_sizes`, then each parallelism's `check_sizes`
   -> resolve_machine_defaults()    at launch: the flags left to the machine (bf16 on CUDA, nccl/gloo)
   -> setup_distributed()           process group and MeshContext
   -> recipes.parallelize           applies them to the model (composition order: see its docstring)
 
-Each flag's own rule (type, range) lives in its package's config class; only rules across the
-strategy and the sizes live here, and rules that need the model or the batch in `rules.py`.
+Each flag's own rule (type, range) lives in its package's config class; a parallelism's rules
+against the other sizes in its `Parallelism.check_sizes`, against the model in its `check_model`
+(run by `rules.py`); only the loop that applies `_NOT_WITH_EP` stays here.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 from torch import nn
 
+from automodel.mesh import PARALLEL_AXES
 from automodel.recipes.api import load_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.launch_check import check_launch
@@ -26,7 +27,7 @@ def global_batch_of(c: Candidate) -> int:
 
 def layout_key(c: Candidate) -> tuple:
     s = c.setup
-    return (s.tp, s.pp, s.pp_schedule, s.cp, s.ep, s.dp_shard, s.dp_replicate)
+    return (*(getattr(s, axis) for axis in PARALLEL_AXES), s.pp_schedule)
 
 
 def _model_section(hf_config: Any) -> dict[str, Any]:

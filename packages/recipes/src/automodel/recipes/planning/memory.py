@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from automodel.mesh import PARALLEL_AXES
 from automodel.recipes.planning.shape import ModelShape
 
 GiB = 2**30
@@ -109,17 +110,7 @@ class StepSetup:
         return self.dp_replicate * self.dp_shard * self.cp // self.ep
 
     def __post_init__(self) -> None:
-        for key in (
-            "tp",
-            "pp",
-            "cp",
-            "ep",
-            "dp_shard",
-            "dp_replicate",
-            "seq_len",
-            "local_batch",
-            "grad_accum",
-        ):
+        for key in (*PARALLEL_AXES, "seq_len", "local_batch", "grad_accum"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")

@@ -4,8 +4,10 @@ fits, rank them by estimated throughput (`planning.admit` then keeps those `reci
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 
+from automodel.mesh import DENSE_AXES
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import MemoryEstimate, StepSetup, estimate_step_memory
 from automodel.recipes.planning.roofline import Hardware, StepTime, estimate_step_time
@@ -21,7 +23,7 @@ class Candidate:
     @property
     def tokens_per_s_per_gpu(self) -> float:
         s = self.setup
-        world = s.tp * s.pp * s.cp * s.dp_shard * s.dp_replicate
+        world = math.prod(getattr(s, axis) for axis in DENSE_AXES)  # the dense mesh's ranks
         return self.time.tokens / self.time.seconds / world
 
 
