@@ -100,14 +100,15 @@ def _cfg(tmp_path: Path, **distributed: object) -> RecipeConfig:
 
 
 def test_the_parallelisms_are_registered_in_order() -> None:
-    assert [p.name for p in parallelisms()] == ["dp_shard", "dp_replicate", "tp", "pp", "cp", "ep"]
+    # the roofline adds their exposed communication in this order (bit-identical step times)
+    assert [p.name for p in parallelisms()] == ["dp_shard", "dp_replicate", "tp", "cp", "ep", "pp"]
     assert [p.size_key for p in parallelisms()] == [
         "dp_size",
         "dp_replicate_size",
         "tp_size",
-        "pp_size",
         "cp_size",
         "ep_size",
+        "pp_size",
     ]
     with pytest.raises(ValueError, match="registered twice"):
         register_parallelism(parallelisms()[0])
@@ -137,7 +138,7 @@ def test_strategies_refuse_what_they_do_not_list() -> None:
         parse_distributed_section({"strategy": "ddp", "dp_replicate_size": 1})
     with pytest.raises(ConfigError, match=r"distributed.ep_size=2: megatron_fsdp does not support it"):
         parse_distributed_section({"strategy": "megatron_fsdp", "ep_size": 2})
-    assert get_strategy("fsdp2").supported_axes == tuple(p.name for p in parallelisms())
+    assert set(get_strategy("fsdp2").supported_axes) == {p.name for p in parallelisms()}
 
 
 def test_a_toy_parallelism_is_validated_by_its_own_rules(toy: None, tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from automodel.recipes._dist_setup import DistributedSection
     from automodel.recipes.planning.memory import StepSetup
+    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
     from automodel.recipes.recipe_config import RecipeConfig
 
@@ -179,6 +180,11 @@ class Parallelism(ABC):
         """Per-rank bytes it holds through the step, by name, beyond the terms `planning.memory`
         computes for the built-in axes (their sizes are `StepSetup` fields); none by default."""
         return {}
+
+    def exposed_comm_s(self, traffic: StepTraffic) -> float:
+        """Seconds its collectives add to one step on the critical path (the roofline of `recipes
+        plan`, `planning.roofline`; built-in sizes are `StepSetup` fields); none by default."""
+        return 0.0
 
     # ---- the training loop ---------------------------------------------------------------
     def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:

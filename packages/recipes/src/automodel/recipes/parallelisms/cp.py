@@ -23,6 +23,7 @@ from automodel.recipes.parallelisms.base import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.recipe_config import RecipeConfig
 
 
@@ -88,6 +89,14 @@ class ContextParallel(Parallelism):
             packed=run.packed,
         )
         return MicroBatch(fields=fields, extra=extra, context=ctx)
+
+    def exposed_comm_s(self, traffic: StepTraffic) -> float:
+        """Every rank's k/v chunk visits the others, forward and backward."""
+        t, s, shape = traffic, traffic.setup, traffic.shape
+        if s.cp == 1:
+            return 0.0
+        kv = 2 * shape.kv_heads * shape.head_dim * t.mb_tokens * s.compute_bytes / s.tp
+        return 2 * t.layers_rank * t.micro_batches * (s.cp - 1) * kv / t.bandwidth(s.cp * s.tp)
 
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
         lines = super().report_lines(report, axis_sizes=axis_sizes)

@@ -3,7 +3,12 @@ dp_shard-sharded model, gradients all-reduced across them."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from automodel.recipes.parallelisms.base import Parallelism
+
+if TYPE_CHECKING:
+    from automodel.recipes.planning.roofline import StepTraffic
 
 
 class DataParallelReplicate(Parallelism):
@@ -17,3 +22,13 @@ class DataParallelReplicate(Parallelism):
 
     def in_use(self, size: int | None) -> bool:
         return size is not None
+
+    def exposed_comm_s(self, traffic: StepTraffic) -> float:
+        """The gradient all-reduce across replicas (across every dp rank when the strategy
+        replicates), half of it hidden behind backward."""
+        t, s = traffic, traffic.setup
+        if not (s.dp_replicate > 1 or not t.sharded):
+            return 0.0
+        r = s.dp_replicate if t.sharded else s.dp_shard * s.dp_replicate
+        grads = (t.dense_rank / (t.fs if t.sharded else 1) + t.expert_rank / max(t.efs, 1)) * s.reduce_bytes
+        return 2 * (r - 1) / r * grads / t.bandwidth(t.world) * 0.5

@@ -16,6 +16,7 @@ from automodel.recipes.parallelisms.base import Options, Parallelism, config_err
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.recipe_config import RecipeConfig
 
 
@@ -62,3 +63,13 @@ class ExpertParallel(Parallelism):
             raise ConfigError(
                 "distributed.ep_size", size, f"must divide the model's number of experts ({experts})"
             )
+
+    def exposed_comm_s(self, traffic: StepTraffic) -> float:
+        """Token dispatch and combine, forward and backward (the busiest rank's load)."""
+        t, s, shape = traffic, traffic.setup, traffic.shape
+        if not (s.ep > 1 and shape.is_moe):
+            return 0.0
+        moved = (
+            4 * t.mb_tokens * shape.top_k * shape.hidden * s.compute_bytes * (s.ep - 1) / s.ep * s.expert_load
+        )
+        return shape.moe_layers / s.pp * t.micro_batches * moved / t.bandwidth(s.ep * s.cp * s.tp)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.pipeline import PipelineConfig
+    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.recipe_config import RecipeConfig
 
 
@@ -126,6 +127,13 @@ class PipelineParallel(Parallelism):
                 seq,
                 f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
             )
+
+    def exposed_comm_s(self, traffic: StepTraffic) -> float:
+        """Activations and their gradients cross each stage boundary."""
+        t, s = traffic, traffic.setup
+        if s.pp == 1:
+            return 0.0
+        return 2 * t.micro_batches * t.mb_tokens * t.shape.hidden * s.compute_bytes / t.bandwidth(t.world)
 
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
         parts = report["parts"]

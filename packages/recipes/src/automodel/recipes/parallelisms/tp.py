@@ -15,6 +15,7 @@ from automodel.recipes.parallelisms.base import Parallelism
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.recipe_config import RecipeConfig
 
 
@@ -58,3 +59,11 @@ class TensorParallel(Parallelism):
                 f"is not supported for MoE models ({hf_config.model_type}: the expert block has no "
                 "sequence-parallel plan); use tp_size > 1 without it",
             )
+
+    def exposed_comm_s(self, traffic: StepTraffic) -> float:
+        """2 collectives forward, 2 backward per layer (+2 for the recompute)."""
+        t, s = traffic, traffic.setup
+        if s.tp == 1:
+            return 0.0
+        n = (6 if s.activation_checkpointing else 4) * t.layers_rank * t.micro_batches
+        return n * 2 * (s.tp - 1) / s.tp * t.mb_tokens * t.shape.hidden * s.compute_bytes / t.bandwidth(s.tp)

@@ -3,13 +3,15 @@ and the bytes each mesh axis moves over NVLink (inside a node) or InfiniBand (ac
 
 FSDP's gathers and reduce-scatters overlap compute (the step takes the longer of the two); TP,
 CP and EP collectives sit on the critical path and add; HSDP's all-reduce adds what compute
-cannot hide. These are the rules the table ranks by; docs/planning.md lists the defaults.
+cannot hide. Each parallelism's exposed term is its `Parallelism.exposed_comm_s` over the step's
+`StepTraffic`. These are the rules the table ranks by; docs/planning.md lists the defaults.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from automodel.recipes.parallelisms import parallelisms
 from automodel.recipes.planning.memory import StepSetup
 from automodel.recipes.planning.shape import ModelShape
 
@@ -44,6 +46,33 @@ def _inside_node(axis_and_inner: int, hw: Hardware) -> bool:
 
 def _bw(group_span: int, hw: Hardware) -> float:
     return hw.nvlink_bytes_s if _inside_node(group_span, hw) else hw.ib_bytes_s
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """What one rank's step moves, shared by the parallelisms' exposed-communication terms
+    (`Parallelism.exposed_comm_s`)."""
+
+    setup: StepSetup
+    shape: ModelShape
+    hw: Hardware
+    world: int
+    #: The strategy shards parameters (else replicated, gradients all-reduced over dp).
+    sharded: bool
+    #: Ranks of the FSDP group (dp_shard x cp) and of the experts' FSDP group.
+    fs: int
+    efs: int
+    #: Dense and expert parameters held per rank after the model-parallel split.
+    dense_rank: float
+    expert_rank: float
+    #: Decoder layers on this rank, micro-batches per step, tokens per micro-batch on this rank.
+    layers_rank: float
+    micro_batches: int
+    mb_tokens: float
+
+    def bandwidth(self, group_span: int) -> float:
+        """Per-GPU bytes/s of a group spanning `group_span` ranks (NVLink inside a node, else IB)."""
+        return _bw(group_span, self.hw)
 
 
 def _routed_params_per_token(shape: ModelShape) -> float:
@@ -98,22 +127,23 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     if sharded and efs > 1 and expert_rank:
         expert_gathers = (1 if s.reshard_after_forward is False else 2) * micro_batches
         fsdp += (efs - 1) / efs * expert_rank * (expert_gathers * e + s.reduce_bytes) / _bw(world, hw)
+    traffic = StepTraffic(
+        setup=s,
+        shape=shape,
+        hw=hw,
+        world=world,
+        sharded=sharded,
+        fs=fs,
+        efs=efs,
+        dense_rank=dense_rank,
+        expert_rank=expert_rank,
+        layers_rank=layers_rank,
+        micro_batches=micro_batches,
+        mb_tokens=mb_tokens,
+    )
     exposed = 0.0
-    if s.dp_replicate > 1 or not sharded:
-        r = s.dp_replicate if sharded else dp
-        grads = (dense_rank / (fs if sharded else 1) + expert_rank / max(efs, 1)) * s.reduce_bytes
-        exposed += 2 * (r - 1) / r * grads / _bw(world, hw) * 0.5  # half hidden behind backward
-    if s.tp > 1:  # 2 collectives forward, 2 backward per layer (+2 for the recompute)
-        n = (6 if s.activation_checkpointing else 4) * layers_rank * micro_batches
-        exposed += n * 2 * (s.tp - 1) / s.tp * mb_tokens * shape.hidden * e / _bw(s.tp, hw)
-    if s.cp > 1:  # every rank's k/v chunk visits the others, forward and backward
-        kv = 2 * shape.kv_heads * shape.head_dim * mb_tokens * e / s.tp
-        exposed += 2 * layers_rank * micro_batches * (s.cp - 1) * kv / _bw(s.cp * s.tp, hw)
-    if s.ep > 1 and shape.is_moe:  # dispatch + combine, forward and backward
-        moved = 4 * mb_tokens * shape.top_k * shape.hidden * e * (s.ep - 1) / s.ep * s.expert_load
-        exposed += shape.moe_layers / s.pp * micro_batches * moved / _bw(s.ep * s.cp * s.tp, hw)
-    if s.pp > 1:  # activations and their gradients cross each stage boundary
-        exposed += 2 * micro_batches * mb_tokens * shape.hidden * e / _bw(world, hw)
+    for parallelism in parallelisms():  # collectives on the critical path, in registration order
+        exposed += parallelism.exposed_comm_s(traffic)
     seconds = max(compute + bubble, fsdp) + exposed
     model_flops = tokens * training_flops_per_token(shape, s.seq_len, recompute=False)
     mfu = model_flops / (seconds * world * hw.peak_flops)
