@@ -14,6 +14,7 @@ from automodel.mesh.distributed import (
 )
 from automodel.mesh.dtypes import DTYPE_NAMES, parse_dtype
 from automodel.mesh.sizes import DENSE_AXES, FLATTENED_AXES, MOE_AXES, ParallelismSizes, ResolvedLayout
+from automodel.mesh.strategy_config import StrategyConfig
 
 __all__ = [
     "DENSE_AXES",
@@ -25,6 +26,7 @@ __all__ = [
     "MeshContext",
     "ParallelismSizes",
     "ResolvedLayout",
+    "StrategyConfig",
     "default_backend",
     "destroy_distributed",
     "detect_launch_env",

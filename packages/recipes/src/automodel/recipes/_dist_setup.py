@@ -18,15 +18,25 @@ import dataclasses
 import inspect
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, init_distributed, parse_dtype
+from automodel.mesh import (
+    MeshContext,
+    ParallelismSizes,
+    ResolvedLayout,
+    StrategyConfig,
+    init_distributed,
+    parse_dtype,
+)
 from automodel.moe import MoEParallelizerConfig
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import instantiate
 from automodel.recipes.strategies import get_strategy, strategy_names, world_of_one_strategy
+
+if TYPE_CHECKING:  # automodel.pipeline is imported only with pp (start-up time)
+    from automodel.pipeline import PipelineConfig
 
 SIZE_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "pp_size", "cp_size", "ep_size")
 COMMON_KEYS = ("strategy", *SIZE_KEYS, "pipeline", "moe")
@@ -139,12 +149,12 @@ class DistributedSection:
 
     strategy: str
     sizes: ParallelismSizes
-    strategy_config: Any
+    strategy_config: StrategyConfig
     #: Strategy flags the YAML left to the machine; `resolve_machine_defaults` fills them at launch
     #: (empty afterwards).
     machine_keys: frozenset[str] = frozenset()
-    pipeline_config: Any = None
-    moe_config: Any = None
+    pipeline_config: PipelineConfig | None = None
+    moe_config: MoEParallelizerConfig | None = None
     #: The strategy flags the YAML set (the others are the config class's defaults).
     explicit_flags: frozenset[str] = frozenset()
     #: False when the YAML named no strategy and no strategy flag (a world of one may then get the

@@ -18,9 +18,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import is_flash_attn_2_available
 
 from automodel.fsdp2.hf_config import layer_values
+from automodel.recipes.config.build import resolve_dtype
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.hub_cache import resolve_local_or_cached
-from automodel.recipes.instantiate import resolve_dtype
 from automodel.recipes.model_inputs import check_defaulted_inputs
 from automodel.recipes.trust import announce_remote_code
 

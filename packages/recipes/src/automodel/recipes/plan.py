@@ -12,13 +12,13 @@ import dataclasses
 
 from automodel.mesh import ResolvedLayout
 from automodel.mesh.model_parts import text_config
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.launch_check import check_launch
 from automodel.recipes.model import build_meta_model
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
 from automodel.recipes.planning.shape import model_shape
-from automodel.recipes.recipe_config import RecipeConfig
 
 
 def _trainable_params(cfg: RecipeConfig, model) -> int | None:

@@ -23,6 +23,7 @@ from automodel.recipes.checkpoint.paths import (
     list_step_dirs,
     resolve_restore_spec,
 )
+from automodel.recipes.config.sections import TokenizerSection
 from automodel.recipes.data.file_check import check_section_files
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
@@ -30,6 +31,12 @@ from automodel.recipes.model import pretrained_dir
 
 #: Optimizer options whose validity depends on the device of the parameters: not tried on CPU here.
 DEVICE_DEPENDENT_OPTIONS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
+def check_tokenizer_dir(section: TokenizerSection) -> None:
+    """``tokenizer.path`` names a local directory on this machine (the section itself reads no disk)."""
+    if section.path is not None and not Path(section.path).is_dir():
+        raise ConfigError("tokenizer.path", section.path, "is not a local directory")
 
 
 def check_optimizer_kwargs(section: Any) -> None:
