@@ -11,13 +11,14 @@ from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_
 from automodel.mesh import ResolvedLayout
 from automodel.mesh.model_parts import find_layer_list, text_config
 from automodel.moe import check_expert_parallel_support, find_decoder_layers, validate_moe_layout
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import check_kernels_rules
 from automodel.recipes.model import build_meta_model, num_experts
 from automodel.recipes.strategies import get_strategy
 
 
-def pipeline_stages(cfg: Any, layout: ResolvedLayout, hf_config: Any) -> int:
+def pipeline_stages(cfg: RecipeConfig, layout: ResolvedLayout, hf_config: Any) -> int:
     """Total pipeline stages for the configured schedule (validates the ``pipeline`` section)."""
     # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
     from automodel.pipeline import num_stages_for
@@ -63,7 +64,12 @@ def _once(
 
 
 def check_model_supports_layout(
-    cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None, memo: ModelChecks | None = None
+    cfg: RecipeConfig,
+    layout: ResolvedLayout,
+    hf_config: Any,
+    *,
+    model: Any = None,
+    memo: ModelChecks | None = None,
 ) -> None:
     """The checks the ranks run when they apply TP, CP and the pipeline split, run once on the
     meta-device model before launch: a model a strategy cannot be applied to exactly is refused
@@ -120,7 +126,12 @@ def check_model_supports_layout(
 
 
 def check_layout_rules(
-    cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None, memo: ModelChecks | None = None
+    cfg: RecipeConfig,
+    layout: ResolvedLayout,
+    hf_config: Any,
+    *,
+    model: Any = None,
+    memo: ModelChecks | None = None,
 ) -> None:
     """Every rule that ties the layout to the model, data and batch: heads vs tp, layers vs
     stages, experts vs ep, seq vs cp, batch, and what the model supports (`memo`: see
@@ -210,7 +221,7 @@ _PER_LAYER_VERBS = {
 }
 
 
-def _check_streaming(cfg: Any) -> None:
+def _check_streaming(cfg: RecipeConfig) -> None:
     """A stream has no length: the run's length must be set, and it has no rows to cap."""
     if not getattr(type(cfg.dataset), "STREAMING", False):
         return
@@ -228,7 +239,9 @@ def _check_streaming(cfg: Any) -> None:
         )
 
 
-def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: ResolvedLayout) -> None:
+def _check_per_layer_features(
+    model: Any, hf_config: Any, *, cfg: RecipeConfig, layout: ResolvedLayout
+) -> None:
     """Rule: the flags a strategy applies to each decoder layer (`Strategy.layer_flags`: activation
     checkpointing, per-layer compile, prefetch chains) act on the decoder layers, found by structure
     as every package finds them (GPT-2's ``transformer.h`` too); a model without a layer list is

@@ -8,6 +8,7 @@ import torch
 
 from automodel.mesh import ResolvedLayout, parse_dtype
 from automodel.recipes._dist_setup import resolve_machine_defaults
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.linear_ce import CHUNK_ELEMENTS
 from automodel.recipes.output_head import is_linear_loss
 from automodel.recipes.planning.memory import StepSetup
@@ -33,7 +34,7 @@ def _flag(section: Any, name: str, default: Any) -> Any:
 
 
 def step_setup(
-    cfg: Any,
+    cfg: RecipeConfig,
     layout: ResolvedLayout,
     *,
     stages: int = 1,
@@ -93,7 +94,7 @@ def step_setup(
     )
 
 
-def _loss_fields(cfg: Any, *, on_gpu: bool, head_weight_readable: bool) -> dict:
+def _loss_fields(cfg: RecipeConfig, *, on_gpu: bool, head_weight_readable: bool) -> dict:
     """The chunked loss's chunk (`LinearCrossEntropy`) or nothing (full logits, as under a strategy
     whose head weight the loss cannot read: `Strategy.head_weight_readable`)."""
     if not is_linear_loss(cfg.loss_fn) or not head_weight_readable:
