@@ -284,3 +284,34 @@ def test_machine_defaults_and_resolution_give_new_values(tmp_path: Path) -> None
     resolved = resolve_machine_defaults(cfg.distributed, cuda=False)
     assert resolved is not cfg.distributed and cfg.distributed.strategy_config is before
     assert isinstance(resolved.strategy_config, StrategyConfig)
+
+
+def test_strategy_configs_answer_the_cross_cutting_facts_typed() -> None:
+    """Every strategy's config is a `StrategyConfig`: sequence parallel, compute / reduce dtypes and
+    the per-layer flags are attributes, the same on every strategy (no getattr with a default)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from automodel.fsdp2 import DDPConfig, FSDP2Config
+    from automodel.megatron_fsdp.config import MegatronFSDPConfig
+
+    for name in strategy_names():
+        strategy = get_strategy(name)
+        config_class = strategy.config_class()
+        assert issubclass(config_class, StrategyConfig), name
+        assert config_class.LAYER_FLAGS == strategy.layer_flags, name
+    fsdp2 = FSDP2Config(
+        sequence_parallel=True,
+        activation_checkpointing=True,
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    assert fsdp2.sequence_parallel_enabled and fsdp2.enabled_layer_flags == ("activation_checkpointing",)
+    assert (fsdp2.compute_dtype, fsdp2.reduce_dtype) == (torch.bfloat16, torch.float32)
+    ddp = DDPConfig()
+    assert (ddp.sequence_parallel_enabled, ddp.compute_dtype, ddp.reduce_dtype, ddp.enabled_layer_flags) == (
+        False,
+        None,
+        None,
+        (),
+    )
+    assert MegatronFSDPConfig(grad_reduce_in_fp32=True).reduce_dtype == torch.float32

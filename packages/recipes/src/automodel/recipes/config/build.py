@@ -20,7 +20,7 @@ S = TypeVar("S")
 def resolve_dtype(key: str, value: object) -> torch.dtype:
     """`parse_dtype` with the failure as a `ConfigError` naming the YAML key."""
     try:
-        dtype = parse_dtype(value, key=key)  # pyright: ignore[reportArgumentType]
+        dtype = parse_dtype(value, key=key)
     except ValueError:
         raise ConfigError(key, value, f"must be a dtype name ({', '.join(DTYPE_NAMES)})") from None
     if dtype is None:
@@ -103,7 +103,7 @@ def build_section(cls: type[S], data: object) -> S:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(section, data, "must be a mapping of keys")
-    names = {f.name for f in fields(cls) if f.init}  # pyright: ignore[reportArgumentType]
+    names = {f.name for f in fields(cls) if f.init}
     reject_unknown(section, data, names)
     hints = typing.get_type_hints(cls)
     for k, v in data.items():

@@ -13,6 +13,7 @@ from pathlib import PurePath
 from typing import ClassVar, TypeVar
 
 from automodel.recipes.config.build import derived, parse_split
+from automodel.recipes.config.recipe import DatasetConfig
 from automodel.recipes.config.sections import TokenizerSection
 from automodel.recipes.errors import ConfigError
 
@@ -196,13 +197,15 @@ def default_index_mapping_dir(section: S | None, *, output_dir: str) -> S | None
     return section
 
 
-def adopt_dataset_tokenizer(tokenizer: TokenizerSection, sections: list[object]) -> TokenizerSection:
+def adopt_dataset_tokenizer(
+    tokenizer: TokenizerSection, sections: list[DatasetConfig | None]
+) -> TokenizerSection:
     """NeMo AutoModel names a Megatron dataset's tokenizer inside the dataset section. Its
     ``pretrained_model_name_or_path`` becomes the run's tokenizer when ``tokenizer:`` names none;
     two different tokenizers cannot both hold (the tokens would not match the model's embedding).
     Returns the run's tokenizer section (a new value when adopted)."""
     for section in sections:
-        spec: dict | None = getattr(section, "tokenizer", None)
+        spec: dict | None = getattr(section, "tokenizer", None)  # the kinds with a per-dataset tokenizer
         if spec is None:
             continue
         key = f"{section.SECTION}.tokenizer"
