@@ -325,14 +325,14 @@ def test_a_new_kind_is_one_registration() -> None:
         kinds._KINDS.remove(kind)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConstSection:
     SECTION: ClassVar[str] = "dataset"
     source: str = "const"
     seq_length: int = 4
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConstValidation(ConstSection):
     SECTION: ClassVar[str] = "validation_dataset"
 

@@ -14,8 +14,9 @@ dotted name, e.g. ``...megatron_dataset.MegatronPretraining``). Each kind names:
 
 Builders are named, not imported, so parsing a config imports no data library.
 
-To add a kind: write its section dataclass(es) and a builder module, then one `register(...)`
-below (or from your own module). The recipe config, the loader, the trainer and the CLI's path
+To add a kind: write its section dataclass(es) (frozen, validated in ``__post_init__`` without
+reading the disk: the built-in ones live in `automodel.recipes.config`) and a builder module, then
+one `register(...)` below (or from your own module). The recipe config, the loader, the trainer and the CLI's path
 check all go through `parse_section`, `build_dataset` and `check_paths`.
 """
 
