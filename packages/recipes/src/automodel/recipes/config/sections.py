@@ -1,6 +1,7 @@
 """Typed, validated dataclasses for every section of a recipe YAML (except `distributed:`).
 
-Each section checks its own keys in `__post_init__` and raises `ConfigError` naming
+Each section is frozen and checks its own keys in `__post_init__` (reading no disk: what needs this
+machine is `preflight`'s, run by `launch_check.check_launch`), raising `ConfigError` naming
 ``section.key`` and the bad value; cross-section rules live in `recipe_config.py`.
 """
 
@@ -9,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from automodel.recipes.config.build import build_section, derived, positive, resolve_dtype
+from automodel.recipes.config.build import build_section as build_section  # every section is built by it
+from automodel.recipes.config.build import positive, resolve_dtype
 from automodel.recipes.errors import ConfigError
-
-__all__ = ["build_section", "derived"]  # re-exported: every section is built through it
 
 
 @dataclass(frozen=True)
