@@ -188,7 +188,7 @@ class NanogptValidationSection(NanogptSection):
 DEFAULT_INDEX_MAPPING_SUBDIR = ("cache", "megatron_index")
 
 
-def default_index_mapping_dir(section: S | None, *, output_dir: str) -> S | None:
+def default_index_mapping_dir(section: S, *, output_dir: str) -> S:
     """A Megatron section without ``index_mapping_dir`` caches its order under the run's output_dir,
     so a restart (or another rank) maps it instead of building it: that build is linear in the
     corpus' documents, a memory map of it is not. Returns the section to use (a new value)."""
