@@ -250,9 +250,9 @@ def check_levers(variants: list[str], device: torch.device) -> None:
         if why := liger_unavailable():
             raise SystemExit(f"variant part 'liger': {why}")
     if "fp8" in parts:
+        from automodel.recipes.config.kernels import AUTOMODEL_EXAMPLE_FP8 as AUTOMODEL_FP8
         from automodel.recipes.kernels import FP8Section
         from automodel.recipes.kernels.float8 import fp8_unavailable
-        from automodel.recipes.kernels.sections import AUTOMODEL_EXAMPLE_FP8 as AUTOMODEL_FP8
 
         if device.type != "cuda":
             raise SystemExit("variant part 'fp8' needs a CUDA GPU of compute capability >= 8.9")
@@ -272,9 +272,9 @@ def apply_levers(model: torch.nn.Module, parts: set[str]) -> Callable[[], None]:
         patches = resolve_patches(KernelsSection(liger=True), model_type="llama", chunked_head=head)
         undo = apply_liger_kernels(model, patches=patches).undo
     if "fp8" in parts:
+        from automodel.recipes.config.kernels import AUTOMODEL_EXAMPLE_FP8 as AUTOMODEL_FP8
         from automodel.recipes.kernels import FP8Section
         from automodel.recipes.kernels.float8 import convert_to_fp8
-        from automodel.recipes.kernels.sections import AUTOMODEL_EXAMPLE_FP8 as AUTOMODEL_FP8
 
         convert_to_fp8(model, section=FP8Section(**AUTOMODEL_FP8), keep=("lm_head",))
     return undo

@@ -63,7 +63,7 @@ import json, resource, sys, time
 import torch  # the trainer's imports are paid before the data is touched
 from automodel.recipes.data.loader import build_sampler
 from automodel.recipes.data.pretrain_build import build_megatron
-from automodel.recipes.data.pretrain_sections import MegatronPretrainingSection
+from automodel.recipes.config.pretrain import MegatronPretrainingSection
 
 def rss():
     for line in open("/proc/self/status"):
@@ -111,9 +111,9 @@ def reader_throughput(prefix: Path, *, seconds: float = 5.0) -> float:
     """Tokens/s of one rank reading its samples (dp 1 of 1, local batch 8, global 64)."""
     import torch
 
+    from automodel.recipes.config.pretrain import MegatronPretrainingSection
     from automodel.recipes.data.loader import build_sampler
     from automodel.recipes.data.pretrain_build import build_megatron
-    from automodel.recipes.data.pretrain_sections import MegatronPretrainingSection
 
     torch.set_num_threads(1)
 

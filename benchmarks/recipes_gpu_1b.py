@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpu_throughput import H100_SXM_BF16_DENSE_TFLOPS, LLAMA_3_2_1B, TINY  # noqa: E402
 
-from automodel.recipes.kernels.sections import AUTOMODEL_EXAMPLE_FP8 as AUTOMODEL_FP8  # noqa: E402
+from automodel.recipes.config.kernels import AUTOMODEL_EXAMPLE_FP8 as AUTOMODEL_FP8  # noqa: E402
 
 VARIANTS = (
     "fp32-master", "bf16", "fp32-master-eager", "bf16-eager", "bf16-liger", "bf16-fp8", "bf16-fp8-liger",

@@ -6,7 +6,7 @@ import copy
 from typing import Any
 
 from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
-from automodel.recipes.kernels.sections import AUTOMODEL_EXAMPLE_FP8
+from automodel.recipes.config.kernels import AUTOMODEL_EXAMPLE_FP8
 
 TINY: dict[str, Any] = {
     "seed": 7,

@@ -5,6 +5,7 @@ Megatron pretraining, packed sequences (and megatron_fsdp where CUDA is)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -146,7 +147,8 @@ def _validate_on_rank(raw: dict[str, Any]) -> tuple[int, dict[str, float]]:
     n = len(trainer.val_dataset) // cfg.step_scheduler.global_batch_size
     losses = {}
     for value in (None, n, 1):
-        cfg.step_scheduler.val_batches = value
+        steps = dataclasses.replace(cfg.step_scheduler, val_batches=value)
+        trainer.cfg = dataclasses.replace(trainer.cfg, step_scheduler=steps)  # the config is frozen
         losses[str(value)] = trainer.validate()
     return n, losses
 

@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from automodel.recipes.config.sections import DatasetSection, SFTDatasetSection, build_section
 from automodel.recipes.data import ByteTokenizer, build_packed_dataset
 from automodel.recipes.data.file_check import check_section_files
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.sections import DatasetSection, SFTDatasetSection, build_section
 
 KW = {"source": "instruction", "column_mapping": {"question": "q", "answer": "a"}, "seq_length": 16}
 GOOD = [("1+1=", "2"), ("3+3=", "6"), ("2+5=", "7")]

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from automodel.fsdp2 import FSDP2Config
+from automodel.megatron_fsdp.config import MegatronFSDPConfig
 from automodel.mesh.testing import run_on_ranks
 from automodel.recipes import load_config
 from automodel.recipes._dist_setup import resolve_machine_defaults
@@ -47,13 +49,17 @@ def test_machine_defaults_are_resolved_at_launch(cuda: bool, tmp_path: Path) -> 
     assert section.machine_keys == {"backend", "mp_policy"}
     resolved = resolve_machine_defaults(section, cuda=cuda)
     assert resolved.machine_keys == frozenset()
+    assert isinstance(resolved.strategy_config, FSDP2Config)
     mp = resolved.strategy_config.mp_policy
+    assert mp is not None
     assert (mp.param_dtype, resolved.strategy_config.backend) == (
         (torch.bfloat16, "nccl") if cuda else (None, "gloo")
     )
     given = load_config(tiny_config(str(tmp_path), distributed={"mp_policy": {"param_dtype": "bf16"}}))
-    kept = resolve_machine_defaults(given.distributed, cuda=cuda).strategy_config.mp_policy
-    assert kept == MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    kept = resolve_machine_defaults(given.distributed, cuda=cuda).strategy_config
+    assert isinstance(kept, FSDP2Config) and kept.mp_policy == MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16
+    )
 
 
 REFORMER = {
@@ -92,4 +98,5 @@ def test_megatron_machine_defaults_keep_its_tp_plan(tmp_path: Path) -> None:
     section = load_config(raw).distributed
     assert section.machine_keys == {"backend"}
     resolved = resolve_machine_defaults(section, cuda=True)
+    assert isinstance(resolved.strategy_config, MegatronFSDPConfig)
     assert (resolved.strategy_config.backend, resolved.tp_plan) == ("nccl", plan)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from automodel.recipes.config.sections import DatasetSection
 from automodel.recipes.data import (
     ByteTokenizer,
     StatefulGlobalBatchSampler,
@@ -15,7 +16,6 @@ from automodel.recipes.data import (
 )
 from automodel.recipes.data.loader import build_packed_dataset
 from automodel.recipes.data.packing import PackedDataset, document_position_ids
-from automodel.recipes.sections import DatasetSection
 
 
 def test_embedded_corpus_is_real_deterministic_text_with_a_disjoint_holdout() -> None:

@@ -38,9 +38,9 @@ from automodel.recipes.strategies.fsdp2 import FSDP2Strategy
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.shape import ModelShape
-    from automodel.recipes.recipe_config import RecipeConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import tiny_config  # noqa: E402

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import torch
 
+from automodel.recipes.config.pretrain import (
+    MegatronPretrainingSection,
+    MegatronPretrainingValidationSection,
+    NanogptSection,
+)
 from automodel.recipes.data.kinds import parse_section
 from automodel.recipes.data.loader import build_sampler
 from automodel.recipes.data.megatron_corpus import MegatronCorpus
 from automodel.recipes.data.megatron_writer import MegatronWriter, token_dtype_for_vocab
 from automodel.recipes.data.nanogpt_shard import MAGIC, write_nanogpt_shard
 from automodel.recipes.data.pretrain_build import build_megatron, build_nanogpt
-from automodel.recipes.data.pretrain_sections import (
-    MegatronPretrainingSection,
-    MegatronPretrainingValidationSection,
-    NanogptSection,
-)
 from automodel.recipes.data.sample_order import permute
 from automodel.recipes.errors import ConfigError
 
@@ -325,14 +325,14 @@ def test_a_new_kind_is_one_registration() -> None:
         kinds._KINDS.remove(kind)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConstSection:
     SECTION: ClassVar[str] = "dataset"
     source: str = "const"
     seq_length: int = 4
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConstValidation(ConstSection):
     SECTION: ClassVar[str] = "validation_dataset"
 

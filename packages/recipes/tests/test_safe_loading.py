@@ -402,7 +402,7 @@ def test_opted_in_bin_weights_load_into_sharded_model(tmp_path):
 
 
 def test_model_section_keys():
-    from automodel.recipes.sections import ModelSection, TokenizerSection, build_section
+    from automodel.recipes.config.sections import ModelSection, TokenizerSection, build_section
 
     section = build_section(ModelSection, {"pretrained_path": "x", "allow_pickle_weights": True})
     assert section.allow_pickle_weights is True and section.trust_remote_code is False
@@ -459,7 +459,7 @@ def _evil_model_dir(tmp_path: Path, *, model_type: str) -> tuple[Path, Path]:
 
 
 def _section(path: Path, **kw):
-    from automodel.recipes.sections import ModelSection
+    from automodel.recipes.config.sections import ModelSection
 
     return ModelSection(pretrained_path=str(path), **kw)
 

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from automodel.mesh.tiny_model import tiny_causal_lm
+from automodel.recipes.config.sections import SFTDatasetSection, SFTValidationDatasetSection, build_section
 from automodel.recipes.data import ByteTokenizer, build_packed_dataset, build_tokenizer
+from automodel.recipes.data.loader import check_sft_paths
 from automodel.recipes.data.sft import IGNORE_INDEX, encode_chat, format_plain_prompt
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.sections import SFTDatasetSection, SFTValidationDatasetSection, build_section
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _sft_helpers import save_chat_tokenizer, write_arithmetic_jsonl  # noqa: E402
@@ -355,8 +356,10 @@ def test_bad_rows_skip_validation_section_and_refusals(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="dataset.bad_rows"):
         _section(**kw, path_or_dataset_id=str(path), bad_rows="drop")
     (tmp_path / "d.txt").write_text("x\n")
+    # the section reads no disk: which files skip can read is the pre-launch path check's
+    txt = _section(**kw, path_or_dataset_id=str(tmp_path / "d.txt"), bad_rows="skip")
     with pytest.raises(ConfigError, match="applies to .jsonl, .json, .csv, .parquet files, not .*d.txt"):
-        _section(**kw, path_or_dataset_id=str(tmp_path / "d.txt"), bad_rows="skip")
+        check_sft_paths(txt)
     only_bad = tmp_path / "bad.jsonl"
     only_bad.write_bytes(b'"x"\n{\n')
     with pytest.raises(DataError, match="no good rows .skipped 1 malformed_json, 1 not_an_object"):

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from automodel.mesh import StrategyConfig
 from automodel.recipes._dist_setup import parse_distributed_section
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import StrategyMemory
@@ -25,8 +26,8 @@ def test_the_strategies_are_registered_in_order() -> None:
         register_strategy(get_strategy("ddp"))
 
 
-@dataclass
-class _ToyConfig:
+@dataclass(frozen=True)
+class _ToyConfig(StrategyConfig):
     backend: str = "gloo"
     toy_flag: int = 0
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from automodel.mesh.testing import run_on_ranks
+from automodel.recipes.config.streaming import StreamingSection
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
@@ -113,6 +114,7 @@ def test_text_and_parquet_files_and_validation_rows(tmp_path: Path) -> None:
         val = parse_section(
             {"source": "streaming", "path": str(path), "seq_length": 8, **extra}, validation=True
         )
+        assert isinstance(val, StreamingSection)
         rows = build_streaming(val, ByteTokenizer(), packed_sequence_size=0, seed=0)
         assert len(rows) == val.max_rows
         ids, labels, _ = rows.batch([0, 3])

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from automodel.fsdp2.utils import import_class_from_path
-from automodel.mesh import parse_dtype
+from automodel.mesh import StrategyConfig, parse_dtype
 
 _BACKENDS = ("nccl", "gloo", "cpu:gloo,cuda:nccl")
 
@@ -82,13 +82,19 @@ def _check_backend(value: Any) -> None:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {value!r}")
 
 
-@dataclass
-class FSDP2Config:
+@dataclass(frozen=True)
+class FSDP2Config(StrategyConfig):
     """Flags of the FSDP2 strategy (TP/SP plan, precision, offload, AC, compile, prefetch).
 
     ``mp_policy=None`` resolves to bf16 params with fp32 reduction (`default_mp_policy`); pass
     ``MixedPrecisionPolicy()`` for pure fp32 training.
     """
+
+    LAYER_FLAGS: ClassVar[tuple[str, ...]] = (
+        "activation_checkpointing",
+        "enable_compile",
+        "enable_fsdp2_prefetch",
+    )
 
     sequence_parallel: bool = False
     tp_plan: dict | str | None = None
@@ -118,9 +124,9 @@ class FSDP2Config:
             _check_bool(name, getattr(self, name))
         if self.tp_plan is not None and not isinstance(self.tp_plan, dict | str):
             raise ValueError(f"tp_plan must be a dict, an import path string or None, got {self.tp_plan!r}")
-        self.mp_policy = _to_mp_policy(self.mp_policy)
-        self.offload_policy = _to_offload_policy(self.offload_policy)
-        self.autocast_dtype = parse_dtype(self.autocast_dtype, key="autocast_dtype")
+        object.__setattr__(self, "mp_policy", _to_mp_policy(self.mp_policy))
+        object.__setattr__(self, "offload_policy", _to_offload_policy(self.offload_policy))
+        object.__setattr__(self, "autocast_dtype", parse_dtype(self.autocast_dtype, key="autocast_dtype"))
         _check_backend(self.backend)
         for name in ("fsdp2_backward_prefetch_depth", "fsdp2_forward_prefetch_depth"):
             value = getattr(self, name)
@@ -132,16 +138,30 @@ class FSDP2Config:
                 UserWarning,
                 stacklevel=3,
             )
-            self.sequence_parallel = True
+            object.__setattr__(self, "sequence_parallel", True)
+
+    @property
+    def sequence_parallel_enabled(self) -> bool:
+        return self.sequence_parallel
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return None if self.mp_policy is None else self.mp_policy.param_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return None if self.mp_policy is None else self.mp_policy.reduce_dtype
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow dict of every field (policy objects are kept as objects)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-@dataclass
-class DDPConfig:
+@dataclass(frozen=True)
+class DDPConfig(StrategyConfig):
     """Flags of the DDP strategy (pure data parallel: no TP, PP, CP or EP)."""
+
+    LAYER_FLAGS: ClassVar[tuple[str, ...]] = ("activation_checkpointing",)
 
     activation_checkpointing: bool = False
     backend: str = "nccl"

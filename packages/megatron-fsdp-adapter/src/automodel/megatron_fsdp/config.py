@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
 
+import torch
+
+from automodel.mesh import StrategyConfig
+
 #: zero_dp_strategy <-> megatron-fsdp's DistributedDataParallelConfig.data_parallel_sharding_strategy.
 ZERO_DP_STRATEGIES: dict[int, str] = {
     0: "no_shard",
@@ -38,8 +42,8 @@ _BOOL_FIELDS = (
 )
 
 
-@dataclass
-class MegatronFSDPConfig:
+@dataclass(frozen=True)
+class MegatronFSDPConfig(StrategyConfig):
     """Additional configuration for Megatron-FSDP training (seed defaults).
 
     `tp_plan` is an init-only argument (a custom TP plan: module FQN -> ParallelStyle or HF style
@@ -74,14 +78,16 @@ class MegatronFSDPConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
-        self.zero_dp_strategy = _parse_zero_dp_strategy(self.zero_dp_strategy)
+        object.__setattr__(self, "zero_dp_strategy", _parse_zero_dp_strategy(self.zero_dp_strategy))
         if self.sequence_parallel:
             raise ValueError(
                 "sequence_parallel=True is not supported with strategy megatron_fsdp "
                 "(megatron-fsdp does not shard the sequence-parallel activations); use strategy fsdp2"
             )
         if self.megatron_fsdp_unit_modules is not None:
-            self.megatron_fsdp_unit_modules = _parse_unit_modules(self.megatron_fsdp_unit_modules)
+            object.__setattr__(
+                self, "megatron_fsdp_unit_modules", _parse_unit_modules(self.megatron_fsdp_unit_modules)
+            )
         if self.init_fsdp_with_meta_device and self.zero_dp_strategy == 0:
             raise ValueError(
                 "init_fsdp_with_meta_device=True needs sharded parameters, but zero_dp_strategy=0 "
@@ -104,7 +110,15 @@ class MegatronFSDPConfig:
                 f"tp_plan must be a dict of module FQN -> parallel style, or the import path of one "
                 f"(or of a function returning one), got {tp_plan!r}"
             )
-        self.custom_tp_plan = tp_plan
+        object.__setattr__(self, "custom_tp_plan", tp_plan)
+
+    @property
+    def sequence_parallel_enabled(self) -> bool:
+        return self.sequence_parallel  # always False: refused above
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return torch.float32 if self.grad_reduce_in_fp32 else None
 
     @property
     def data_parallel_sharding_strategy(self) -> str:

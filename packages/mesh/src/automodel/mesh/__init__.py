@@ -15,6 +15,7 @@ from automodel.mesh.distributed import (
 )
 from automodel.mesh.dtypes import DTYPE_NAMES, parse_dtype
 from automodel.mesh.sizes import ParallelismSizes, ResolvedLayout
+from automodel.mesh.strategy_config import StrategyConfig
 
 __all__ = [
     "AXES",
@@ -29,6 +30,7 @@ __all__ = [
     "MeshContext",
     "ParallelismSizes",
     "ResolvedLayout",
+    "StrategyConfig",
     "default_backend",
     "destroy_distributed",
     "detect_launch_env",

@@ -17,7 +17,7 @@ def _positive_int(key: str, value: object) -> None:
         raise ValueError(f"{key} must be a positive int, got {value!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineConfig:
     """How a model is split into pipeline stages and which schedule runs them.
 
@@ -58,12 +58,12 @@ class PipelineConfig:
             _positive_int("pp_seq_len", self.pp_seq_len)
         if not isinstance(self.scale_grads_in_schedule, bool):
             raise ValueError(f"scale_grads_in_schedule must be a bool, got {self.scale_grads_in_schedule!r}")
-        self.dtype = parse_dtype(self.dtype, key="dtype")
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype, key="dtype"))
         self._check_fqns()
         if self.pp_schedule_csv is not None:
             if not isinstance(self.pp_schedule_csv, str | Path) or not Path(self.pp_schedule_csv).is_file():
                 raise ValueError(f"pp_schedule_csv={self.pp_schedule_csv!r} does not exist or is not a file")
-            self.pp_schedule_csv = str(self.pp_schedule_csv)
+            object.__setattr__(self, "pp_schedule_csv", str(self.pp_schedule_csv))
         if self.module_fqns_per_model_part is not None and self.layers_per_stage is not None:
             raise ValueError(
                 "set either module_fqns_per_model_part or layers_per_stage, not both "
@@ -85,7 +85,7 @@ class PipelineConfig:
                 raise ValueError(
                     f"module_fqns_per_model_part[{i}] must be a non-empty list of module names, got {part!r}"
                 )
-        self.module_fqns_per_model_part = [list(p) for p in parts]
+        object.__setattr__(self, "module_fqns_per_model_part", [list(p) for p in parts])
 
     # ---- derived -------------------------------------------------------------------------
     @property

@@ -16,7 +16,7 @@ _API = {
     "load_config": "automodel.recipes.api",
     "train": "automodel.recipes.api",
     "ConfigError": "automodel.recipes.errors",
-    "RecipeConfig": "automodel.recipes.recipe_config",
+    "RecipeConfig": "automodel.recipes.config.recipe",
     "TrainResult": "automodel.recipes.trainer",
 }
 __all__ = sorted(_API)

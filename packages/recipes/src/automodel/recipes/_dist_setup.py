@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, init_distributed, parse_dtype
+from automodel.mesh import (
+    MeshContext,
+    ParallelismSizes,
+    ResolvedLayout,
+    StrategyConfig,
+    init_distributed,
+    parse_dtype,
+)
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import instantiate
 from automodel.recipes.parallelisms import config_error, parallelisms, section_keys, size_keys
@@ -112,7 +119,7 @@ class DistributedSection:
 
     strategy: str
     sizes: ParallelismSizes
-    strategy_config: Any
+    strategy_config: StrategyConfig
     #: Strategy flags the YAML left to the machine; `resolve_machine_defaults` fills them at launch
     #: (empty afterwards).
     machine_keys: frozenset[str] = frozenset()
@@ -141,7 +148,7 @@ class DistributedSection:
 
     @property
     def sequence_parallel(self) -> bool:
-        return bool(getattr(self.strategy_config, "sequence_parallel", False))
+        return self.strategy_config.sequence_parallel_enabled
 
     @property
     def tp_plan(self) -> Any:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from transformers.utils import is_flash_attn_2_available
 
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import check_kernels_environment
-from automodel.recipes.recipe_config import RecipeConfig
+from automodel.recipes.preflight import check_tokenizer_dir
 from automodel.recipes.strategies import get_strategy
 
 
@@ -16,6 +17,7 @@ def check_environment(cfg: RecipeConfig) -> None:
     but run on no machine (`RecipeConfig.refusals`, all of them named), then `check_machine`."""
     if cfg.refusals:  # AutoModel settings that parse but are not implemented here (compat.translate)
         raise refusal_error(cfg.refusals)
+    check_tokenizer_dir(cfg.tokenizer)
     check_machine(cfg)
 
 

@@ -5,21 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import torch
-
-from automodel.mesh import DTYPE_NAMES, parse_dtype
+from automodel.recipes.config.build import resolve_dtype
 from automodel.recipes.errors import ConfigError
-
-
-def resolve_dtype(key: str, value: Any) -> torch.dtype:
-    """`parse_dtype` with the failure as a `ConfigError` naming the YAML key."""
-    try:
-        dtype = parse_dtype(value, key=key)
-    except ValueError:
-        raise ConfigError(key, value, f"must be a dtype name ({', '.join(DTYPE_NAMES)})") from None
-    if dtype is None:
-        raise ConfigError(key, value, f"must be a dtype name ({', '.join(DTYPE_NAMES)})")
-    return dtype
 
 
 def locate(key: str, dotted: Any) -> Any:

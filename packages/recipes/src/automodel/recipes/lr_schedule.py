@@ -12,7 +12,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 if TYPE_CHECKING:
-    from automodel.recipes.sections import LRSchedulerSection
+    from automodel.recipes.config.sections import LRSchedulerSection
 
 
 #: AutoModel's defaults (nemo_automodel LRSchedulerConfig.build)

@@ -18,9 +18,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import is_flash_attn_2_available
 
 from automodel.fsdp2.hf_config import layer_values
+from automodel.recipes.config.build import resolve_dtype
+from automodel.recipes.config.sections import ModelSection
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.hub_cache import resolve_local_or_cached
-from automodel.recipes.instantiate import resolve_dtype
 from automodel.recipes.model_inputs import check_defaulted_inputs
 from automodel.recipes.trust import announce_remote_code
 
@@ -81,7 +82,7 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
     return cfg
 
 
-def check_config_keys(cfg: Any, given: dict[str, Any], *, prefix: str = "model.config") -> None:
+def check_config_keys(cfg: PretrainedConfig, given: dict[str, Any], *, prefix: str = "model.config") -> None:
     """Refuse a ``model.config`` key that the config class neither declares nor converts.
 
     transformers keeps any unknown keyword as a plain attribute, so a typo (``num_hidden_layer``)
@@ -115,7 +116,7 @@ def check_config_keys(cfg: Any, given: dict[str, Any], *, prefix: str = "model.c
         )
 
 
-def _read_by_model_code(cfg: Any, key: str) -> bool:
+def _read_by_model_code(cfg: PretrainedConfig, key: str) -> bool:
     """Whether `key` appears as a name in the source of the model's config or modeling module."""
     modules = [sys.modules.get(type(cfg).__module__)]
     try:
@@ -132,7 +133,7 @@ def _read_by_model_code(cfg: Any, key: str) -> bool:
     return False
 
 
-def _refuse_quantized(cfg: Any, section: Any) -> None:
+def _refuse_quantized(cfg: PretrainedConfig, section: ModelSection) -> None:
     """A quantized checkpoint (fp8 blocks with scales, GPTQ, AWQ, bitsandbytes, ...) holds integers or
     fp8 codes plus scales; read as plain weights it would train on garbage, so it is refused."""
     quantization = getattr(cfg, "quantization_config", None)

@@ -12,7 +12,7 @@ reaches a later run in the same process that packs its rows.
 from __future__ import annotations
 
 from automodel.fsdp2.packed_sequence import patch_is_packed_sequence, restore_is_packed_sequence
-from automodel.recipes.recipe_config import RecipeConfig
+from automodel.recipes.config.recipe import RecipeConfig
 
 KEY = "patch_is_packed_sequence"
 

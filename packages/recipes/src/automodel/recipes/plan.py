@@ -12,6 +12,7 @@ import dataclasses
 
 from automodel.mesh import AXES, ResolvedLayout
 from automodel.mesh.model_parts import text_config
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.launch_check import check_launch
 from automodel.recipes.model import build_meta_model
 from automodel.recipes.parallelisms import memory_terms, parallelisms
@@ -19,7 +20,6 @@ from automodel.recipes.peft import apply_lora
 from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
 from automodel.recipes.planning.shape import model_shape
-from automodel.recipes.recipe_config import RecipeConfig
 
 
 def _trainable_params(cfg: RecipeConfig, model) -> int | None:
@@ -134,4 +134,4 @@ def plan_layout(
 
 
 def setup_ac(cfg: RecipeConfig) -> bool:
-    return bool(getattr(cfg.distributed.strategy_config, "activation_checkpointing", False))
+    return "activation_checkpointing" in cfg.distributed.strategy_config.enabled_layer_flags

@@ -23,6 +23,8 @@ from automodel.recipes.checkpoint.paths import (
     list_step_dirs,
     resolve_restore_spec,
 )
+from automodel.recipes.config.recipe import RecipeConfig
+from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
 from automodel.recipes.data.file_check import check_section_files
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
@@ -32,7 +34,13 @@ from automodel.recipes.model import pretrained_dir
 DEVICE_DEPENDENT_OPTIONS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
-def check_optimizer_kwargs(section: Any) -> None:
+def check_tokenizer_dir(section: TokenizerSection) -> None:
+    """``tokenizer.path`` names a local directory on this machine (the section itself reads no disk)."""
+    if section.path is not None and not Path(section.path).is_dir():
+        raise ConfigError("tokenizer.path", section.path, "is not a local directory")
+
+
+def check_optimizer_kwargs(section: OptimizerSection) -> None:
     """Build the optimizer once on a dummy matrix parameter; a failure names the ``optimizer.<key>`` at fault.
 
     An unknown keyword (``weight_decayy``) gets a did-you-mean; a bad value (``betas: [0.9]``,
@@ -72,7 +80,7 @@ def check_optimizer_kwargs(section: Any) -> None:
         raise ConfigError("optimizer", section.kwargs, f"is refused by {cls.__name__} ({why})") from None
 
 
-def check_optimizer_on_model(section: Any, model: nn.Module) -> None:
+def check_optimizer_on_model(section: OptimizerSection, model: nn.Module) -> None:
     """Build the optimizer on the meta-device model's trainable parameters, as the ranks will (an
     optimizer may refuse some parameters, e.g. ``torch.optim.Muon`` takes only matrices); meta
     tensors hold no data, so nothing is allocated. Run after `check_optimizer_kwargs`."""
@@ -90,7 +98,7 @@ def check_optimizer_on_model(section: Any, model: nn.Module) -> None:
         ) from None
 
 
-def check_restore_from(cfg: Any) -> None:
+def check_restore_from(cfg: RecipeConfig) -> None:
     """``checkpoint.restore_from`` names a complete checkpoint (or the run may start fresh)."""
     section = cfg.checkpoint
     if not section.enabled or section.restore_from is None:
@@ -128,7 +136,7 @@ def check_safetensors_files(directory: Path, *, key: str) -> None:
             )
 
 
-def check_run_files(cfg: Any) -> None:
+def check_run_files(cfg: RecipeConfig) -> None:
     """The files a run reads on this machine: the checkpoint it restores, the data rows and the
     pretrained weights (run by `launch_check.check_launch` with the optimizer check above)."""
     check_restore_from(cfg)

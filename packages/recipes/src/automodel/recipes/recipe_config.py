@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any, cast
 
-from automodel.recipes._dist_setup import DistributedSection, parse_distributed_section
-from automodel.recipes.checkpoint import CheckpointConfig
+import torch
+
+from automodel.recipes._dist_setup import parse_distributed_section
 from automodel.recipes.compat import translate
 from automodel.recipes.compat.defaults import startup_notes
-from automodel.recipes.data.kinds import parse_section
-from automodel.recipes.data.pretrain_sections import adopt_dataset_tokenizer, default_index_mapping_dir
-from automodel.recipes.data.tokenizer import has_tokenizer_files
-from automodel.recipes.errors import ConfigError, reject_unknown
-from automodel.recipes.hub_cache import resolve_local_or_cached
-from automodel.recipes.instantiate import locate
-from automodel.recipes.kernels import FP8Section, KernelsSection, parse_kernels_sections
-from automodel.recipes.peft.config import PeftSection
-from automodel.recipes.sections import (
+from automodel.recipes.config.build import derived
+from automodel.recipes.config.checkpoint import CheckpointConfig
+from automodel.recipes.config.kernels import parse_kernels_sections
+from automodel.recipes.config.peft import PeftSection
+from automodel.recipes.config.pretrain import adopt_dataset_tokenizer, default_index_mapping_dir
+from automodel.recipes.config.recipe import DatasetConfig, LossFn, RecipeConfig
+from automodel.recipes.config.sections import (
     CONSTANT_LR,
     ClipGradNormSection,
     DataloaderSection,
@@ -35,9 +34,13 @@ from automodel.recipes.sections import (
     ValidationDataloaderSection,
     build_section,
 )
+from automodel.recipes.data.kinds import parse_section
+from automodel.recipes.data.tokenizer import has_tokenizer_files
+from automodel.recipes.errors import ConfigError, reject_unknown
+from automodel.recipes.hub_cache import resolve_local_or_cached
+from automodel.recipes.instantiate import locate
 
-if TYPE_CHECKING:  # the checkpoint package imports torch.distributed.checkpoint: built lazily
-    from automodel.recipes.checkpoint import CheckpointConfig
+__all__ = ["RecipeConfig", "parse_recipe_config"]
 
 TOP_LEVEL_KEYS = (
     "model", "dataset", "validation_dataset", "tokenizer", "step_scheduler", "optimizer", "lr_scheduler",
@@ -53,7 +56,7 @@ NEMO_LOSS_FNS = {
 }
 
 
-def _loss_fn(data: Any) -> Any:
+def _loss_fn(data: object) -> LossFn:
     """The loss callable of ``loss_fn``: a dotted path (a class is instantiated without arguments)
     or ``{_target_: ..., **kwargs}``; NeMo AutoModel's targets map to ours (`NEMO_LOSS_FNS`)."""
     kwargs: dict[str, Any] = {}
@@ -73,52 +76,31 @@ def _loss_fn(data: Any) -> Any:
         raise ConfigError("loss_fn", data, f"{target} is a function: it takes no keys")
     if not callable(obj):
         raise ConfigError("loss_fn", data, "is not callable")
-    return obj
+    return cast(LossFn, obj)
 
 
-@dataclass
-class RecipeConfig:
-    model: ModelSection
-    dataset: Any  # the section of a registered dataset kind (data.kinds)
-    validation_dataset: Any  # likewise, or None
-    tokenizer: TokenizerSection
-    step_scheduler: StepSchedulerSection
-    optimizer: OptimizerSection
-    lr_scheduler: LRSchedulerSection
-    loss_fn: Any
-    distributed: DistributedSection
-    packed_sequence: PackedSequenceSection
-    checkpoint: CheckpointConfig
-    logging: LoggingSection
-    dist_env: DistEnvSection
-    clip_grad_norm: ClipGradNormSection
-    peft: PeftSection | None  # LoRA when the YAML has a peft: section
-    seed: int
-    output_dir: str
-    raw: dict
-    dataloader: DataloaderSection = field(default_factory=DataloaderSection)
-    validation_dataloader: ValidationDataloaderSection = field(default_factory=ValidationDataloaderSection)
-    rng: RngSection = field(default_factory=RngSection)
-    kernels: KernelsSection = field(default_factory=KernelsSection)  # Liger's kernels (kernels/)
-    fp8: FP8Section = field(default_factory=FP8Section)  # torchao float8 training (kernels/)
-    #: start-up lines: what this run does differently from NeMo AutoModel (`compat.defaults`)
-    notes: tuple[str, ...] = ()
-    #: valid settings `recipes train` refuses before launch (`compat.translate.Translation`)
-    refusals: tuple[ConfigError, ...] = ()
+def _optimizer_section(data: object) -> OptimizerSection:
+    """``optimizer:``: a torch.optim.Optimizer class (``_target_``, imported to check it) and its
+    keyword arguments; absent: AdamW with lr 1e-3."""
+    if data is None:
+        return OptimizerSection()
+    if not isinstance(data, dict):
+        raise ConfigError("optimizer", data, "must be a mapping with a _target_")
+    if "_target_" not in data:
+        raise ConfigError("optimizer._target_", None, "is required (e.g. torch.optim.AdamW)")
+    target = locate("optimizer._target_", data["_target_"])
 
-    @property
-    def seq_length(self) -> int:
-        return self.packed_sequence.packed_sequence_size or self.dataset.seq_length
-
-    @property
-    def seq_length_key(self) -> str:
-        """The YAML key `seq_length` comes from, as the user spells it (nanoGPT's is ``seq_len``)."""
-        if self.packed_sequence.packed_sequence_size:
-            return "packed_sequence.packed_sequence_size"
-        return f"dataset.{getattr(type(self.dataset), 'SEQ_LENGTH_KEY', 'seq_length')}"
+    if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
+        raise ConfigError("optimizer._target_", data["_target_"], "is not a torch.optim.Optimizer class")
+    kwargs = {k: v for k, v in data.items() if k != "_target_"}
+    lr = kwargs.get("lr", 1e-3)
+    if isinstance(lr, bool) or not isinstance(lr, int | float) or lr <= 0:
+        raise ConfigError("optimizer.lr", lr, "must be a number > 0")
+    kwargs["lr"] = float(lr)
+    return OptimizerSection(target=data["_target_"], kwargs=kwargs)
 
 
-def _checkpoint_section(data: Any) -> CheckpointConfig:
+def _checkpoint_section(data: object) -> CheckpointConfig:
     """The ``checkpoint:`` section built once (absent: checkpointing off); errors name the key."""
     if data is None:
         return CheckpointConfig(enabled=False)
@@ -133,33 +115,31 @@ def _checkpoint_section(data: Any) -> CheckpointConfig:
         raise ConfigError(key, data.get(key.split(".")[-1], data), msg.split(", got")[0]) from None
 
 
-def _dataset_section(data: Any, *, validation: bool) -> Any:
+def _dataset_section(data: object, *, validation: bool) -> DatasetConfig:
     """The section of the dataset kind that `data` selects (``source`` or a NeMo ``_target_``)."""
     return parse_section(data, validation=validation)
 
 
-def _resolve_pretrained(cfg: RecipeConfig) -> None:
+def _resolve_pretrained(model: ModelSection, tok: TokenizerSection) -> tuple[ModelSection, TokenizerSection]:
     """``model.pretrained_path`` becomes the local directory of the pretrained model (a Hub id is
     looked up in the local cache, never downloaded); ``tokenizer.path`` the tokenizer's directory:
-    the tokenizer section's, else the model directory when it holds tokenizer files."""
-    model = cfg.model
+    the tokenizer section's, else the model directory when it holds tokenizer files. Returns the
+    resolved sections (new values)."""
     if model.pretrained_source is not None:
-        model.pretrained_path = str(
-            resolve_local_or_cached(
-                model.pretrained_source, key=model.pretrained_key, required_file="config.json"
-            )
+        local = resolve_local_or_cached(
+            model.pretrained_source, key=model.pretrained_key, required_file="config.json"
         )
-    tok = cfg.tokenizer
+        model = derived(model, pretrained_path=str(local))
     if tok.pretrained_model_name_or_path is not None:
-        tok.path = str(
-            resolve_local_or_cached(
-                tok.pretrained_model_name_or_path, key="tokenizer.pretrained_model_name_or_path"
-            )
+        local = resolve_local_or_cached(
+            tok.pretrained_model_name_or_path, key="tokenizer.pretrained_model_name_or_path"
         )
+        tok = derived(tok, path=str(local))
     elif (
         tok.path is None and model.pretrained_path is not None and has_tokenizer_files(model.pretrained_path)
     ):
-        tok.path = model.pretrained_path
+        tok = derived(tok, path=model.pretrained_path)
+    return model, tok
 
 
 def parse_recipe_config(raw: dict) -> RecipeConfig:
@@ -184,39 +164,58 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     if not isinstance(output_dir, str) or not output_dir:
         raise ConfigError("output_dir", output_dir, "must be a non-empty path")
     loss_callable = _loss_fn(raw.get("loss_fn", DEFAULT_LOSS_FN))
+    model = build_section(ModelSection, raw["model"])
     val = raw.get("validation_dataset")
+    dataset = _dataset_section(raw.get("dataset"), validation=False)
+    validation_dataset = None if val is None else _dataset_section(val, validation=True)
+    tokenizer = build_section(TokenizerSection, raw.get("tokenizer"))
+    steps = build_section(StepSchedulerSection, raw.get("step_scheduler"))
+    optimizer = _optimizer_section(raw.get("optimizer"))
+    lr_scheduler = (
+        CONSTANT_LR if "lr_scheduler" not in raw else build_section(LRSchedulerSection, raw["lr_scheduler"])
+    )
+    distributed = parse_distributed_section(raw.get("distributed"), local_batch_size=steps.local_batch_size)
+    packed_sequence = build_section(PackedSequenceSection, raw.get("packed_sequence"))
+    checkpoint = _checkpoint_section(raw.get("checkpoint"))
+    logging = build_section(LoggingSection, raw.get("logging"))
+    dist_env = build_section(DistEnvSection, raw.get("dist_env"))
+    clip_grad_norm = build_section(ClipGradNormSection, raw.get("clip_grad_norm"))
+    peft = None if raw.get("peft") is None else build_section(PeftSection, raw["peft"])
+    dataloader = build_section(DataloaderSection, raw.get("dataloader"))
+    validation_dataloader = build_section(ValidationDataloaderSection, raw.get("validation_dataloader"))
+    rng = build_section(RngSection, raw.get("rng"))
+    kernels, fp8 = parse_kernels_sections(raw)
+
+    tokenizer = adopt_dataset_tokenizer(tokenizer, [dataset, validation_dataset])
+    dataset = default_index_mapping_dir(dataset, output_dir=output_dir)
+    validation_dataset = default_index_mapping_dir(validation_dataset, output_dir=output_dir)
+    model, tokenizer = _resolve_pretrained(model, tokenizer)
     cfg = RecipeConfig(
-        model=build_section(ModelSection, raw["model"]),
-        dataset=_dataset_section(raw.get("dataset"), validation=False),
-        validation_dataset=None if val is None else _dataset_section(val, validation=True),
-        tokenizer=build_section(TokenizerSection, raw.get("tokenizer")),
-        step_scheduler=(steps := build_section(StepSchedulerSection, raw.get("step_scheduler"))),
-        optimizer=OptimizerSection.parse(raw.get("optimizer")),
-        lr_scheduler=CONSTANT_LR
-        if "lr_scheduler" not in raw
-        else build_section(LRSchedulerSection, raw["lr_scheduler"]),
+        model=model,
+        dataset=dataset,
+        validation_dataset=validation_dataset,
+        tokenizer=tokenizer,
+        step_scheduler=steps,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
         loss_fn=loss_callable,
-        distributed=parse_distributed_section(
-            raw.get("distributed"), local_batch_size=steps.local_batch_size
-        ),
-        packed_sequence=build_section(PackedSequenceSection, raw.get("packed_sequence")),
-        checkpoint=_checkpoint_section(raw.get("checkpoint")),
-        logging=build_section(LoggingSection, raw.get("logging")),
-        dist_env=build_section(DistEnvSection, raw.get("dist_env")),
-        clip_grad_norm=build_section(ClipGradNormSection, raw.get("clip_grad_norm")),
-        peft=None if raw.get("peft") is None else build_section(PeftSection, raw["peft"]),
+        distributed=distributed,
+        packed_sequence=packed_sequence,
+        checkpoint=checkpoint,
+        logging=logging,
+        dist_env=dist_env,
+        clip_grad_norm=clip_grad_norm,
+        peft=peft,
         seed=seed,
         output_dir=output_dir,
         raw=original,
-        dataloader=build_section(DataloaderSection, raw.get("dataloader")),
-        validation_dataloader=build_section(ValidationDataloaderSection, raw.get("validation_dataloader")),
-        rng=build_section(RngSection, raw.get("rng")),
+        dataloader=dataloader,
+        validation_dataloader=validation_dataloader,
+        rng=rng,
+        kernels=kernels,
+        fp8=fp8,
+        refusals=tuple(translation.refusals),
     )
-    cfg.kernels, cfg.fp8 = parse_kernels_sections(raw)
-
-    adopt_dataset_tokenizer(cfg.tokenizer, [cfg.dataset, cfg.validation_dataset])
-    default_index_mapping_dir([cfg.dataset, cfg.validation_dataset], output_dir=output_dir)
-    _resolve_pretrained(cfg)
     ss = cfg.step_scheduler
     pipe = cfg.distributed.pipeline_config
     one_row_per_forward = ss.local_batch_size == 1 or (pipe is not None and pipe.pp_microbatch_size == 1)
@@ -255,8 +254,7 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
                 "logging.tensorboard", True, "needs the tensorboard package (automodel-recipes[tensorboard])"
             )
 
-    cfg.notes = (*translation.notes, *startup_notes(cfg, raw))
-    cfg.refusals = tuple(translation.refusals)
+    cfg = replace(cfg, notes=(*translation.notes, *startup_notes(cfg, raw)))
     if cfg.tokenizer.path is None and cfg.model.config is not None:
         vocab = cfg.model.config.get("vocab_size")
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 256:

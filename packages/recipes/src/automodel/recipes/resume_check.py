@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 
 CONFIG_FILE = "config.yaml"
@@ -70,7 +71,7 @@ def config_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return lines
 
 
-def check_config_changes(cfg: Any, *, allow_changes: bool) -> list[str]:
+def check_config_changes(cfg: RecipeConfig, *, allow_changes: bool) -> list[str]:
     """Compare `cfg.raw` with ``<output_dir>/config.yaml``; return the differences.
 
     Raises `ConfigError` (key ``output_dir``, exit 2) listing them unless `allow_changes`; with it,

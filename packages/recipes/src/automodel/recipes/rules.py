@@ -10,12 +10,12 @@ from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_
 from automodel.mesh import ResolvedLayout
 from automodel.mesh.model_parts import find_layer_list
 from automodel.moe import check_expert_parallel_support, find_decoder_layers, validate_moe_layout
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import check_kernels_rules
 from automodel.recipes.model import build_meta_model, num_experts
 from automodel.recipes.parallelisms import parallelisms
 from automodel.recipes.parallelisms.pp import pipeline_stages as pipeline_stages
-from automodel.recipes.strategies import get_strategy
 
 #: Outcomes of the model-dependent checks of one meta-device model, by what they depend on (the
 #: error message, or None): `recipes plan` checks many layouts of one model and passes one memo.
@@ -43,7 +43,12 @@ def _once(
 
 
 def check_model_supports_layout(
-    cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None, memo: ModelChecks | None = None
+    cfg: RecipeConfig,
+    layout: ResolvedLayout,
+    hf_config: Any,
+    *,
+    model: Any = None,
+    memo: ModelChecks | None = None,
 ) -> None:
     """The checks the ranks run when they apply TP, CP and the pipeline split, run once on the
     meta-device model before launch: a model a strategy cannot be applied to exactly is refused
@@ -100,7 +105,12 @@ def check_model_supports_layout(
 
 
 def check_layout_rules(
-    cfg: Any, layout: ResolvedLayout, hf_config: Any, *, model: Any = None, memo: ModelChecks | None = None
+    cfg: RecipeConfig,
+    layout: ResolvedLayout,
+    hf_config: Any,
+    *,
+    model: Any = None,
+    memo: ModelChecks | None = None,
 ) -> None:
     """Every rule that ties the layout to the model, data and batch: heads vs tp, layers vs
     stages, experts vs ep, seq vs cp, batch, and what the model supports (`memo`: see
@@ -133,7 +143,7 @@ _PER_LAYER_VERBS = {
 }
 
 
-def _check_streaming(cfg: Any) -> None:
+def _check_streaming(cfg: RecipeConfig) -> None:
     """A stream has no length: the run's length must be set, and it has no rows to cap."""
     if not getattr(type(cfg.dataset), "STREAMING", False):
         return
@@ -151,13 +161,15 @@ def _check_streaming(cfg: Any) -> None:
         )
 
 
-def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: ResolvedLayout) -> None:
+def _check_per_layer_features(
+    model: Any, hf_config: Any, *, cfg: RecipeConfig, layout: ResolvedLayout
+) -> None:
     """Rule: the flags a strategy applies to each decoder layer (`Strategy.layer_flags`: activation
     checkpointing, per-layer compile, prefetch chains) act on the decoder layers, found by structure
     as every package finds them (GPT-2's ``transformer.h`` too); a model without a layer list is
     refused here rather than in the ranks."""
     d = cfg.distributed
-    flags = [f for f in get_strategy(d.strategy).layer_flags if getattr(d.strategy_config, f, False)]
+    flags = list(d.strategy_config.enabled_layer_flags)
     if not flags:
         return
     if layout.ep > 1:  # automodel.moe's finder (the shared one, else the blocks holding the experts)

@@ -30,11 +30,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
 from automodel.recipes.checkpoint.paths import checkpoint_root
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.lifetime import is_alive, is_ancestor
 
@@ -110,7 +110,7 @@ def acquire_output_lock(output_dir: str | Path) -> OutputDirLock | None:
     return _acquire(Path(output_dir), key="output_dir")
 
 
-def run_checkpoint_dir(cfg: Any) -> Path | None:
+def run_checkpoint_dir(cfg: RecipeConfig) -> Path | None:
     """The checkpoint root a run writes (None when checkpointing is off), for `acquire_run_lock`."""
     if not cfg.checkpoint.enabled:
         return None

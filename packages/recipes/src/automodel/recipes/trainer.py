@@ -27,6 +27,7 @@ from automodel.mesh import MeshContext
 from automodel.mesh.model_parts import text_config
 from automodel.recipes._dist_setup import resolve_machine_defaults, setup_distributed
 from automodel.recipes.checkpoint import Checkpointer, TrainingState
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.data import build_packed_dataset, build_tokenizer
 from automodel.recipes.data.first_rows import first_rows
 from automodel.recipes.data.loader import Batch, build_train_loader
@@ -46,7 +47,6 @@ from automodel.recipes.packed_probe import apply_packed_probe
 from automodel.recipes.parallelisms import BatchRun, MicroBatch, axis_sizes, parallelisms
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.peft import apply_lora
-from automodel.recipes.recipe_config import RecipeConfig
 from automodel.recipes.run_lock import hold_output_dir, run_checkpoint_dir
 from automodel.recipes.strategies import get_strategy
 

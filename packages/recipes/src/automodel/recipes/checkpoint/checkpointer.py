@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from automodel.mesh import PARALLEL_AXES, MeshContext
 from automodel.recipes.checkpoint import integrity, paths
-from automodel.recipes.checkpoint.config import CheckpointConfig
 from automodel.recipes.checkpoint.consolidated import save_consolidated
 from automodel.recipes.checkpoint.paths import CheckpointError
 from automodel.recipes.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
@@ -46,6 +45,7 @@ from automodel.recipes.checkpoint.state import (
     has_extra,
     has_legacy_extra,
 )
+from automodel.recipes.config.checkpoint import CheckpointConfig
 from automodel.recipes.peft import save_adapter
 
 log = logging.getLogger(__name__)

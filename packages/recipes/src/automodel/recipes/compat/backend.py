@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from automodel.recipes.compat.aliases import match
+from automodel.recipes.config.build import resolve_dtype
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.instantiate import resolve_dtype
 
 #: key -> the values AutoModel accepts (None: any value of the listed Python type)
 CHOICES: dict[str, tuple[Any, ...]] = {

@@ -6,14 +6,14 @@ the key is absent from the YAML, so an explicit setting is never commented on.
 
 from __future__ import annotations
 
-from typing import Any
+from automodel.recipes.config.recipe import RecipeConfig
 
 #: AutoModel's defaults compared here (nemo_automodel StepSchedulerConfig / CheckpointingConfig)
 AUTOMODEL_CKPT_EVERY_STEPS = 100
 AUTOMODEL_NUM_EPOCHS = 10
 
 
-def startup_notes(cfg: Any, raw: dict) -> list[str]:
+def startup_notes(cfg: RecipeConfig, raw: dict) -> list[str]:
     """The lines for `cfg` (parsed) whose keys `raw` (the translated YAML) leaves out."""
     notes = []
     steps = raw.get("step_scheduler") or {}

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from automodel.recipes.config.sections import SFTDatasetSection
 from automodel.recipes.data.table_rows import (
     CSV_SUFFIXES,
     PARQUET_SUFFIXES,
@@ -30,11 +31,8 @@ TEXT_SUFFIXES = (".txt",)
 SKIP_SUFFIXES = (*JSON_SUFFIXES, *CSV_SUFFIXES, *PARQUET_SUFFIXES)
 
 
-BAD_ROWS = ("error", "skip")
 #: Why a row was skipped under ``bad_rows: skip`` (the counted reasons; `table_rows` for CSV/Parquet).
 REASONS = ("encoding", "malformed_json", "not_an_object", "wrong_type", "malformed_csv", "null_value")
-#: Pretraining sources whose rows `bad_rows: skip` reads itself (the others have no rows).
-SKIP_SOURCES = ("json", "text", "parquet")
 
 
 class BadRow(DataError):
@@ -162,27 +160,21 @@ def check_json_rows(
     return len(good)
 
 
-def check_bad_rows_key(section: Any, paths: Any) -> None:
-    """``bad_rows`` is error or skip. Skip reads the rows itself (`datasets` rejects a whole file on
-    one bad row): JSON, CSV and Parquet files, a dataset folder or Hub id of such files (SFT), and
-    the json / text / parquet pretraining sources; anything else is refused here."""
-    key = f"{section.SECTION}.bad_rows"
-    if section.bad_rows not in BAD_ROWS:
-        raise ConfigError(key, section.bad_rows, "must be error or skip")
+def check_bad_rows_files(section: SFTDatasetSection) -> None:
+    """``bad_rows: skip`` reads the rows itself (`datasets` rejects a whole file on one bad row): the
+    SFT section's local files must be JSON, CSV or Parquet (run before launch, with the path checks;
+    the key's value and source are the section's own check, `config.sections.check_bad_rows_key`)."""
     if section.bad_rows != "skip":
         return
+    paths = section.path_or_dataset_id
     names = [str(p) for p in (paths if isinstance(paths, list) else [paths]) if p is not None]
-    if not hasattr(section, "path_or_dataset_id"):  # pretraining: the rows' kind is the source's
-        if section.source not in SKIP_SOURCES:
-            raise ConfigError(
-                key, "skip", f"applies to the {', '.join(SKIP_SOURCES)} sources, not {section.source}"
-            )
-        return
-    if not names:
-        raise ConfigError(key, "skip", f"applies to data files, not the {section.source} source")
     other = [n for n in names if Path(n).expanduser().is_file() and not n.endswith(SKIP_SUFFIXES)]
     if other:
-        raise ConfigError(key, "skip", f"applies to {', '.join(SKIP_SUFFIXES)} files, not {other[0]}")
+        raise ConfigError(
+            f"{section.SECTION}.bad_rows",
+            "skip",
+            f"applies to {', '.join(SKIP_SUFFIXES)} files, not {other[0]}",
+        )
 
 
 def section_columns(section: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:

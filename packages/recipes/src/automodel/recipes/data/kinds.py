@@ -14,8 +14,9 @@ dotted name, e.g. ``...megatron_dataset.MegatronPretraining``). Each kind names:
 
 Builders are named, not imported, so parsing a config imports no data library.
 
-To add a kind: write its section dataclass(es) and a builder module, then one `register(...)`
-below (or from your own module). The recipe config, the loader, the trainer and the CLI's path
+To add a kind: write its section dataclass(es) (frozen, validated in ``__post_init__`` without
+reading the disk: the built-in ones live in `automodel.recipes.config`) and a builder module, then
+one `register(...)` below (or from your own module). The recipe config, the loader, the trainer and the CLI's path
 check all go through `parse_section`, `build_dataset` and `check_paths`.
 """
 
@@ -26,15 +27,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.recipes.data.pretrain_sections import (
+from automodel.recipes.config.hub_datasets import (
+    HellaSwagSection,
+    HellaSwagValidationSection,
+    SquadSection,
+    SquadValidationSection,
+)
+from automodel.recipes.config.pretrain import (
     MegatronPretrainingSection,
     MegatronPretrainingValidationSection,
     NanogptSection,
     NanogptValidationSection,
 )
-from automodel.recipes.data.streaming_section import StreamingSection, StreamingValidationSection
-from automodel.recipes.errors import ConfigError
-from automodel.recipes.sections import (
+from automodel.recipes.config.recipe import DatasetConfig
+from automodel.recipes.config.sections import (
     DATA_SOURCES,
     SFT_SOURCES,
     SFT_TARGETS,
@@ -44,6 +50,8 @@ from automodel.recipes.sections import (
     ValidationDatasetSection,
     build_section,
 )
+from automodel.recipes.config.streaming import StreamingSection, StreamingValidationSection
+from automodel.recipes.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -104,26 +112,26 @@ def kind_for(data: Any, *, key: str) -> tuple[DatasetKind, Any]:
     raise ConfigError(f"{key}.source", source, f"must be one of {known}")
 
 
-def parse_section(data: Any, *, validation: bool) -> Any:
+def parse_section(data: object, *, validation: bool) -> DatasetConfig:
     """The typed section for a raw ``dataset:`` (or ``validation_dataset:``) mapping."""
     kind, data = kind_for(data, key="validation_dataset" if validation else "dataset")
     return build_section(kind.validation_section if validation else kind.section, data)
 
 
-def kind_of(section: Any) -> DatasetKind:
+def kind_of(section: DatasetConfig) -> DatasetKind:
     for kind in _KINDS:
         if isinstance(section, kind.section | kind.validation_section):
             return kind
     raise TypeError(f"{type(section).__name__} is not the section of a registered dataset kind")
 
 
-def build_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int) -> Any:
+def build_dataset(section: DatasetConfig, tokenizer: Any, *, packed_sequence_size: int, seed: int) -> Any:
     return _call(
         kind_of(section).build, section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed
     )
 
 
-def check_paths(section: Any) -> None:
+def check_paths(section: DatasetConfig | None) -> None:
     if section is not None:
         _call(kind_of(section).check_paths, section)
 
@@ -146,10 +154,12 @@ def _register_builtin() -> None:
     stream = "automodel.recipes.data.streaming"
     register(DatasetKind("streaming", ("streaming",), {}, StreamingSection, StreamingValidationSection,
                          f"{stream}:build_streaming", f"{stream}:check_streaming_paths"))  # fmt: skip
-    # lazy: cycle recipes.data.kinds -> recipes.compat.datasets -> recipes.data.kinds
-    from automodel.recipes.compat.datasets import register_kinds
-
-    register_kinds()  # NeMo AutoModel's make_squad_dataset and HellaSwag
+    hub = "automodel.recipes.compat.datasets"  # NeMo AutoModel's make_squad_dataset and HellaSwag
+    register(DatasetKind("squad", ("squad",), {"make_squad_dataset": "squad"}, SquadSection,
+                         SquadValidationSection, f"{hub}:build_squad", f"{hub}:check_paths"))  # fmt: skip
+    register(DatasetKind("hellaswag", ("hellaswag",), {"HellaSwag": "hellaswag", "HellaSwagConfig": "hellaswag"},
+                         HellaSwagSection, HellaSwagValidationSection, f"{hub}:build_hellaswag",
+                         f"{hub}:check_paths"))  # fmt: skip
 
 
 _register_builtin()

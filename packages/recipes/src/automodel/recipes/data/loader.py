@@ -10,8 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from automodel.recipes.config.sections import SFTDatasetSection
 from automodel.recipes.data.corpus import embedded_documents
-from automodel.recipes.data.file_check import read_good_rows
+from automodel.recipes.data.file_check import check_bad_rows_files, read_good_rows
 from automodel.recipes.data.kinds import build_dataset, check_paths
 from automodel.recipes.data.packing import PackedDataset, pack_documents
 from automodel.recipes.data.sample_order import SequentialOrder
@@ -34,10 +35,12 @@ def check_data_paths(section: Any) -> None:
     check_paths(section)
 
 
-def check_sft_paths(section: Any) -> None:
-    """SFT: local files, or a Hub id resolved through the local cache."""
+def check_sft_paths(section: SFTDatasetSection) -> None:
+    """SFT: local files, or a Hub id resolved through the local cache; ``bad_rows: skip`` on files it
+    can read row by row."""
     if section.source == "stdlib_docstrings":
         return
+    check_bad_rows_files(section)
     src = section.path_or_dataset_id
     for p in src if isinstance(src, list) else []:
         if not Path(p).expanduser().is_file():

@@ -14,16 +14,17 @@ from typing import Any
 
 import numpy as np
 
+from automodel.recipes.config.build import parse_split
+from automodel.recipes.config.pretrain import MegatronPretrainingSection, NanogptSection
 from automodel.recipes.data.blend import MID_LEVEL_SURPLUS, BlendedSamples
 from automodel.recipes.data.blend_indices import blending_indices, normalize, size_per_dataset
 from automodel.recipes.data.corpus_error import CorpusError
 from automodel.recipes.data.index_cache import cached_arrays
 from automodel.recipes.data.megatron_corpus import MegatronCorpus
 from automodel.recipes.data.megatron_order import GptOrder, gpt_order
-from automodel.recipes.data.megatron_paths import parse_split, resolve_blend, split_range
+from automodel.recipes.data.megatron_paths import resolve_blend, split_range
 from automodel.recipes.data.megatron_samples import MegatronSamples
 from automodel.recipes.data.nanogpt_shard import NanogptShard
-from automodel.recipes.data.pretrain_sections import MegatronPretrainingSection, NanogptSection
 from automodel.recipes.data.sample_order import BlockShuffledOrder, SequentialOrder, StoredThenShuffledOrder
 from automodel.recipes.data.token_windows import TokenSpan, TokenWindows
 from automodel.recipes.errors import ConfigError

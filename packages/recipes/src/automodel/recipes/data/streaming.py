@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from automodel.recipes.config.streaming import FORMATS, StreamingSection
 from automodel.recipes.data.loader import Batch
 from automodel.recipes.data.packing import PackedDataset, split_rows
 from automodel.recipes.data.preprocess_worker import encode_batch
-from automodel.recipes.data.streaming_section import FORMATS, StreamingSection
 from automodel.recipes.data.tokenizer import bos_prefix
 from automodel.recipes.errors import ConfigError
 

@@ -2,6 +2,6 @@
 ``automodel-recipes[kernels]``) and torchao float8 training (``fp8:``, extra
 ``automodel-recipes[fp8]``). Both packages are imported only when a section asks for them."""
 
-from automodel.recipes.kernels.sections import FP8Section, KernelsSection, parse_kernels_sections
+from automodel.recipes.config.kernels import FP8Section, KernelsSection, parse_kernels_sections
 
 __all__ = ["FP8Section", "KernelsSection", "parse_kernels_sections"]

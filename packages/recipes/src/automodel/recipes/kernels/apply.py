@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from torch import nn
 
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import liger_layout_refusal
 from automodel.recipes.kernels.float8 import convert_to_fp8, describe_fp8
@@ -22,7 +23,7 @@ from automodel.recipes.kernels.liger import (
 from automodel.recipes.output_head import HeadLoss
 
 
-def _liger(model: nn.Module, *, cfg: Any, layout: Any, head_loss: HeadLoss) -> str:
+def _liger(model: nn.Module, *, cfg: RecipeConfig, layout: Any, head_loss: HeadLoss) -> str:
     section = cfg.kernels
     model_type = cast(Any, model).config.model_type
     why = liger_unavailable() or liger_layout_refusal(layout)
@@ -41,7 +42,7 @@ def _liger(model: nn.Module, *, cfg: Any, layout: Any, head_loss: HeadLoss) -> s
     return f"kernels.liger: {', '.join(patches)} on model_type {model_type!r}"
 
 
-def apply_kernels(model: nn.Module, *, cfg: Any, layout: Any, head_loss: HeadLoss) -> list[str]:
+def apply_kernels(model: nn.Module, *, cfg: RecipeConfig, layout: Any, head_loss: HeadLoss) -> list[str]:
     """Liger's kernels then the float8 conversion on `model` (meta device, before parallelism), as
     ``cfg.kernels`` / ``cfg.fp8`` ask; `head_loss` takes Liger's fused linear CE when selected, and
     its head stays out of float8. Returns the start-up lines."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.float8 import fp8_unavailable
 from automodel.recipes.kernels.liger import KEY, liger_unavailable, resolve_patches
@@ -14,7 +15,7 @@ from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.output_head import build_head_loss
 
 
-def check_kernels_environment(cfg: Any) -> None:
+def check_kernels_environment(cfg: RecipeConfig) -> None:
     """`ConfigError` naming the key when this machine cannot run the requested kernels or float8."""
     if cfg.kernels.required and (why := liger_unavailable()):
         raise ConfigError(KEY, _shown(cfg.kernels.liger), why)
@@ -33,7 +34,7 @@ def liger_layout_refusal(layout: Any) -> str | None:
     return None
 
 
-def chunked_head_refusal(cfg: Any, model: Any) -> str | None:
+def chunked_head_refusal(cfg: RecipeConfig, model: Any) -> str | None:
     """Why this run's loss does not read the head's weight (None: the chunked path is used)."""
     if cfg.distributed.strategy == "megatron_fsdp":
         return "distributed.strategy megatron_fsdp keeps the full logits"
@@ -42,7 +43,7 @@ def chunked_head_refusal(cfg: Any, model: Any) -> str | None:
     return None if plan.chunked else plan.reason
 
 
-def check_kernels_rules(cfg: Any, layout: Any, hf_config: Any, *, model: Any = None) -> None:
+def check_kernels_rules(cfg: RecipeConfig, layout: Any, hf_config: Any, *, model: Any = None) -> None:
     """`ConfigError` naming the key when the model or layout cannot take the requested kernels
     (the fused linear CE's head is checked when `model`, the meta-device model, is given)."""
     section = cfg.kernels

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from automodel.recipes.config.kernels import FP8Section
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.kernels.sections import FP8Section
 
 INSTALL = "pip install 'automodel-recipes[fp8]'"
 #: float8 matmuls (torch._scaled_mm) need both dimensions divisible by this

@@ -24,8 +24,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from automodel.recipes.config.kernels import LIGER_PATCHES, KernelsSection
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.kernels.sections import LIGER_PATCHES, KernelsSection
 
 KEY = "kernels.liger"
 FLCE = "fused_linear_cross_entropy"

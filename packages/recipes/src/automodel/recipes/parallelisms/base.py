@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from automodel.mesh import PARALLEL_AXES, MeshContext, ResolvedLayout
+from automodel.mesh import PARALLEL_AXES, MeshContext, ResolvedLayout, StrategyConfig
 from automodel.recipes.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
-    from automodel.recipes.recipe_config import RecipeConfig
 
 #: One rank's layout report (`automodel.mesh.layout_report.rank_report`): JSON-like values.
 RankReport = Mapping[str, object]
@@ -157,7 +157,7 @@ class Parallelism(ABC):
 
     # ---- rules ---------------------------------------------------------------------------
     def check_sizes(
-        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: object
+        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
     ) -> None:
         """Rules across its size and the other sizes or flags (`ConfigError` naming the key)."""
         return None

@@ -23,8 +23,8 @@ from automodel.recipes.parallelisms.base import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.roofline import StepTraffic
-    from automodel.recipes.recipe_config import RecipeConfig
 
 
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:

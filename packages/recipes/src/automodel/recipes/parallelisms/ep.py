@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from automodel.mesh import ResolvedLayout
+from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.moe import MoEParallelizerConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
@@ -16,8 +16,8 @@ from automodel.recipes.parallelisms.base import Options, Parallelism, config_err
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.roofline import StepTraffic
-    from automodel.recipes.recipe_config import RecipeConfig
 
 
 def build_moe_config(moe: Options | None) -> MoEParallelizerConfig:
@@ -38,7 +38,7 @@ class ExpertParallel(Parallelism):
     report_axes = ("ep", "ep_shard")
 
     def check_sizes(
-        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: object
+        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
     ) -> None:
         section_mapping(data, "moe")
 

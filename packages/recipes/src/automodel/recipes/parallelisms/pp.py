@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from automodel.mesh import ResolvedLayout
+from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.pipeline import PipelineConfig
+    from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.roofline import StepTraffic
-    from automodel.recipes.recipe_config import RecipeConfig
 
 
 def build_pipeline_config(pipeline: Options | None, *, local_batch_size: int) -> PipelineConfig:
@@ -80,7 +80,7 @@ class PipelineParallel(Parallelism):
     section_key = "pipeline"
 
     def check_sizes(
-        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: object
+        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
     ) -> None:
         pipeline = section_mapping(data, "pipeline")
         pp = sizes[self.size_key]

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from automodel.fsdp2.hf_config import positive_ints
-from automodel.mesh import ResolvedLayout
+from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
@@ -15,8 +15,8 @@ from automodel.recipes.parallelisms.base import Parallelism
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.roofline import StepTraffic
-    from automodel.recipes.recipe_config import RecipeConfig
 
 
 class TensorParallel(Parallelism):
@@ -27,9 +27,9 @@ class TensorParallel(Parallelism):
     report_axes = ("tp",)
 
     def check_sizes(
-        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: object
+        self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
     ) -> None:
-        sp = bool(getattr(strategy_config, "sequence_parallel", False))
+        sp = strategy_config.sequence_parallel_enabled
         if sp and sizes[self.size_key] == 1:
             raise ConfigError(
                 "distributed.sequence_parallel",

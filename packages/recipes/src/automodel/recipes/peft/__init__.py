@@ -1,6 +1,6 @@
 """LoRA for the recipes: the ``peft:`` YAML section, the adapter modules, and the PEFT-format export."""
 
-from automodel.recipes.peft.config import PeftSection
+from automodel.recipes.config.peft import PeftSection
 from automodel.recipes.peft.export import adapter_config, gather_adapters, save_adapter
 from automodel.recipes.peft.lora import (
     LoRAInfo,

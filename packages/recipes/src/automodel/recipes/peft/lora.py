@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from automodel.recipes.config.build import resolve_dtype
+from automodel.recipes.config.peft import PeftSection
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.instantiate import resolve_dtype
-from automodel.recipes.peft.config import PeftSection
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 

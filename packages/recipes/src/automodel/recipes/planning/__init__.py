@@ -6,16 +6,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from automodel.recipes.config.peft import PeftSection
+from automodel.recipes.config.sections import build_section
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_meta_model
 from automodel.recipes.peft import apply_lora
-from automodel.recipes.peft.config import PeftSection
 from automodel.recipes.planning.models import resolve_model_config
 from automodel.recipes.planning.roofline import Hardware
 from automodel.recipes.planning.search import enumerate_layouts
 from automodel.recipes.planning.shape import model_shape
 from automodel.recipes.planning.table import format_memory, format_table, yaml_block
-from automodel.recipes.sections import build_section
 
 
 def parse_bytes(key: str, value: str) -> float:

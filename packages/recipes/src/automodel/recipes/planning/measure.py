@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from automodel.moe import ExpertLoad
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.trainer import Trainer
 
 _STEP_MARK = "automodel.measure.step"
@@ -115,7 +116,7 @@ class TrainingMeasurement:
     expert_load_factor: float | None
 
 
-def measure_training(cfg: Any, *, steps: int = 2) -> TrainingMeasurement:
+def measure_training(cfg: RecipeConfig, *, steps: int = 2) -> TrainingMeasurement:
     """Build `cfg`'s model on this rank (inside an initialized process group) and run `steps` real
     training steps of `recipes train` (`Trainer.train_step`) under the allocator profiler."""
     activities = [ProfilerActivity.CPU]

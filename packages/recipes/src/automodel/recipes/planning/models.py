@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from automodel.recipes.config.sections import ModelSection
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.hub_cache import resolve_local_or_cached
 from automodel.recipes.model import build_hf_config
-from automodel.recipes.sections import ModelSection
 
 
 def _example_dirs() -> list[Path]:

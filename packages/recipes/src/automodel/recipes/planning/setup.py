@@ -8,6 +8,7 @@ import torch
 
 from automodel.mesh import ResolvedLayout, parse_dtype
 from automodel.recipes._dist_setup import resolve_machine_defaults
+from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.linear_ce import CHUNK_ELEMENTS
 from automodel.recipes.output_head import is_linear_loss
 from automodel.recipes.planning.memory import StepSetup
@@ -27,13 +28,8 @@ def optimizer_states(target: str) -> int:
     return 1 if target.rsplit(".", 1)[-1].lower() in _ONE_STATE else 2
 
 
-def _flag(section: Any, name: str, default: Any) -> Any:
-    """A strategy flag of the built strategy config (`default` for a strategy without it)."""
-    return getattr(section.strategy_config, name, default)
-
-
 def step_setup(
-    cfg: Any,
+    cfg: RecipeConfig,
     layout: ResolvedLayout,
     *,
     stages: int = 1,
@@ -53,9 +49,8 @@ def step_setup(
     )
     strategy = get_strategy(d.strategy)
     storage = _elem(cfg.model.dtype, 4, key="model.dtype")
-    mp = getattr(d.strategy_config, "mp_policy", None)
-    compute = _elem(getattr(mp, "param_dtype", None), storage, key="distributed.mp_policy.param_dtype")
-    reduce = _elem(getattr(mp, "reduce_dtype", None), compute, key="distributed.mp_policy.reduce_dtype")
+    compute = _elem(d.strategy_config.compute_dtype, storage, key="distributed.mp_policy.param_dtype")
+    reduce = _elem(d.strategy_config.reduce_dtype, compute, key="distributed.mp_policy.reduce_dtype")
     kwargs = cfg.optimizer.kwargs
     impl = "fused" if kwargs.get("fused") else "loop" if kwargs.get("foreach") is False else "foreach"
     if kwargs.get("foreach") is None and not kwargs.get("fused") and not on_gpu:
@@ -73,8 +68,8 @@ def step_setup(
         dp_shard=layout.dp_shard,
         dp_replicate=layout.dp_replicate,
         sharding=strategy.memory_model(d.strategy_config),
-        sequence_parallel=bool(_flag(d, "sequence_parallel", False)),
-        activation_checkpointing=bool(_flag(d, "activation_checkpointing", False)),
+        sequence_parallel=d.strategy_config.sequence_parallel_enabled,
+        activation_checkpointing="activation_checkpointing" in d.strategy_config.enabled_layer_flags,
         seq_len=cfg.seq_length,
         local_batch=ss.local_batch_size,
         grad_accum=max(1, ss.global_batch_size // (ss.local_batch_size * layout.dp)),
@@ -93,7 +88,7 @@ def step_setup(
     )
 
 
-def _loss_fields(cfg: Any, *, on_gpu: bool, head_weight_readable: bool) -> dict:
+def _loss_fields(cfg: RecipeConfig, *, on_gpu: bool, head_weight_readable: bool) -> dict:
     """The chunked loss's chunk (`LinearCrossEntropy`) or nothing (full logits, as under a strategy
     whose head weight the loss cannot read: `Strategy.head_weight_readable`)."""
     if not is_linear_loss(cfg.loss_fn) or not head_weight_readable:

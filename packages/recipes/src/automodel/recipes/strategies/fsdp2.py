@@ -126,6 +126,7 @@ class FSDP2Strategy(Strategy):
         pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     ) -> ParallelModel:
         config = section.strategy_config
+        assert isinstance(config, FSDP2Config)  # parsed by this strategy's config_class
         cp_backend = "none"
 
         def parallelize_stage(module: nn.Module, **_: Any) -> None:

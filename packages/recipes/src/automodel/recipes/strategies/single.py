@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from automodel.mesh import MeshContext, ResolvedLayout
+from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class SingleConfig:
+class SingleConfig(StrategyConfig):
     """Flags of the single-process strategy: only the process-group backend."""
 
     backend: str = "gloo"

@@ -11,7 +11,7 @@ file order (no shuffle: a shuffle buffer is not part of ``datasets``' resumable 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from automodel.recipes.errors import ConfigError
 
@@ -19,7 +19,7 @@ from automodel.recipes.errors import ConfigError
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamingSection:
     """``source: streaming``; ``path`` files, folders or globs; ``format`` json | parquet | text
     (default: from the suffixes); ``text_key`` the text column (json / parquet)."""
@@ -27,7 +27,7 @@ class StreamingSection:
     SECTION: ClassVar[str] = "dataset"
     STREAMING: ClassVar[bool] = True
     source: str = "streaming"
-    path: Any = None
+    path: str | list | None = None
     format: str | None = None
     text_key: str = "text"
     seq_length: int = 2048
@@ -56,9 +56,9 @@ class StreamingSection:
 
     @property
     def paths(self) -> list[str]:
-        return [self.path] if isinstance(self.path, str) else list(self.path)
+        return [self.path] if isinstance(self.path, str) else list(self.path or ())
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamingValidationSection(StreamingSection):
     SECTION: ClassVar[str] = "validation_dataset"

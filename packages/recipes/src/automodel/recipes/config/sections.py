@@ -1,84 +1,21 @@
 """Typed, validated dataclasses for every section of a recipe YAML (except `distributed:`).
 
-Each section checks its own keys in `__post_init__` and raises `ConfigError` naming
+Each section is frozen and checks its own keys in `__post_init__` (reading no disk: what needs this
+machine is `preflight`'s, run by `launch_check.check_launch`), raising `ConfigError` naming
 ``section.key`` and the bad value; cross-section rules live in `recipe_config.py`.
 """
 
 from __future__ import annotations
 
-import types
-import typing
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-import torch
-
-from automodel.recipes.errors import ConfigError, reject_unknown
-from automodel.recipes.instantiate import locate, resolve_dtype
+from automodel.recipes.config.build import build_section as build_section  # every section is built by it
+from automodel.recipes.config.build import positive, resolve_dtype
+from automodel.recipes.errors import ConfigError
 
 
-def _check_field(key: str, value: Any, hint: Any) -> None:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return
-        errors = []
-        for opt in options:
-            if opt is type(None):
-                continue
-            try:
-                _check_field(key, value, opt)
-                return
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0] if errors else ConfigError(key, value, "must not be null")
-    if origin is not None:
-        hint = origin
-    if hint is Any:
-        return
-    if hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, hint)
-    if not ok:
-        name = {
-            int: "an int",
-            float: "a number",
-            bool: "true or false",
-            str: "a string",
-            dict: "a mapping",
-            list: "a list",
-        }
-        raise ConfigError(key, value, f"must be {name.get(hint, hint.__name__)}")
-
-
-def build_section(cls: type, data: Any) -> Any:
-    """Check `data`'s keys and value types against `cls`'s fields, then construct it."""
-    section = cls.SECTION
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(section, data, "must be a mapping of keys")
-    names = {f.name for f in fields(cls) if f.init}
-    reject_unknown(section, data, names)
-    hints = typing.get_type_hints(cls)
-    for k, v in data.items():
-        _check_field(f"{section}.{k}", v, hints[k])
-    return cls(**data)
-
-
-def _positive(section: str, name: str, value: Any, *, allow_none: bool = False, minimum: float = 1) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value < minimum:
-        raise ConfigError(f"{section}.{name}", value, f"must be >= {minimum}")
-
-
-@dataclass
+@dataclass(frozen=True)
 class ModelSection:
     """A transformers architecture from a config dict (built on meta), or a local HF directory."""
 
@@ -136,7 +73,9 @@ class ModelSection:
             raise ConfigError("model.config.model_type", None, "is required (e.g. llama, qwen3, mixtral)")
 
         # one spelling downstream (bf16, torch.bfloat16, BFloat16 -> bfloat16): the one parser decides
-        self.dtype = str(resolve_dtype("model.dtype", self.dtype)).removeprefix("torch.")
+        object.__setattr__(
+            self, "dtype", str(resolve_dtype("model.dtype", self.dtype)).removeprefix("torch.")
+        )
         if self.attn_implementation not in ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention"):
             raise ConfigError(
                 "model.attn_implementation",
@@ -158,9 +97,31 @@ class ModelSection:
 
 
 DATA_SOURCES = ("embedded", "json", "text", "parquet")
+#: ``bad_rows`` values; skip reads the rows itself: JSON, CSV and Parquet files (SFT), and the
+#: json / text / parquet pretraining sources
+BAD_ROWS = ("error", "skip")
+SKIP_SOURCES = ("json", "text", "parquet")
 
 
-@dataclass
+def check_bad_rows_key(section: DatasetSection | SFTDatasetSection, paths: str | list | None) -> None:
+    """``bad_rows`` is error or skip, and skip names a source or files it can read row by row (which
+    files those are is the pre-launch check's, `data.file_check.check_bad_rows_files`)."""
+    key = f"{section.SECTION}.bad_rows"
+    if section.bad_rows not in BAD_ROWS:
+        raise ConfigError(key, section.bad_rows, "must be error or skip")
+    if section.bad_rows != "skip":
+        return
+    if isinstance(section, DatasetSection):  # pretraining: the rows' kind is the source's
+        if section.source not in SKIP_SOURCES:
+            raise ConfigError(
+                key, "skip", f"applies to the {', '.join(SKIP_SOURCES)} sources, not {section.source}"
+            )
+        return
+    if not [p for p in (paths if isinstance(paths, list) else [paths]) if p is not None]:
+        raise ConfigError(key, "skip", f"applies to data files, not the {section.source} source")
+
+
+@dataclass(frozen=True)
 class DatasetSection:
     """Where training text comes from; `embedded` needs nothing from a hub."""
 
@@ -176,9 +137,6 @@ class DatasetSection:
     bad_rows: str = "error"
 
     def __post_init__(self) -> None:
-        # lazy: cycle recipes.sections -> recipes.data -> recipes.data.loader -> recipes.data.kinds -> recipes.sections
-        from automodel.recipes.data.file_check import check_bad_rows_key
-
         s = self.SECTION
         check_bad_rows_key(self, self.path)
         if self.source not in DATA_SOURCES:
@@ -187,18 +145,18 @@ class DatasetSection:
             raise ConfigError(f"{s}.path", None, f"is required for source {self.source!r}")
         if self.split not in ("train", "validation"):
             raise ConfigError(f"{s}.split", self.split, "must be train or validation")
-        _positive(s, "seq_length", self.seq_length, minimum=2)
-        _positive(s, "max_bytes", self.max_bytes, minimum=1024)
-        _positive(s, "max_rows", self.max_rows, allow_none=True)
+        positive(s, "seq_length", self.seq_length, minimum=2)
+        positive(s, "max_bytes", self.max_bytes, minimum=1024)
+        positive(s, "max_rows", self.max_rows, allow_none=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ValidationDatasetSection(DatasetSection):
     SECTION: ClassVar[str] = "validation_dataset"
     split: str = "validation"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TokenizerSection:
     """Byte-level (vocab 256, EOS = byte 0) by default, or a local HF tokenizer directory."""
 
@@ -232,14 +190,11 @@ class TokenizerSection:
                 "names the tokenizer like tokenizer.path; set only one of them",
             )
 
-        if self.path is not None and not Path(self.path).is_dir():
-            raise ConfigError("tokenizer.path", self.path, "is not a local directory")
-
 
 PADDING = (False, True, "do_not_pad", "max_length", "longest")
 
 
-def check_padding(section: str, *, padding: Any, pad_to_max_length: Any) -> None:
+def check_padding(section: str, *, padding: object, pad_to_max_length: object) -> None:
     """AutoModel's ``padding`` / ``pad_to_max_length``: valid values, none of which changes the loss."""
     if not any(padding is p for p in PADDING if isinstance(p, bool)) and padding not in PADDING[2:]:
         raise ConfigError(
@@ -256,7 +211,7 @@ SFT_COLUMNS = {"instruction": ("context", "question", "answer"), "chat": ("messa
 TRUNCATION = {False: False, "do_not_truncate": False, True: True, "longest_first": True, "right": True}
 
 
-@dataclass
+@dataclass(frozen=True)
 class SFTDatasetSection:
     """Supervised fine-tuning examples: instruction columns, chat ``messages``, or a built-in set.
 
@@ -296,9 +251,6 @@ class SFTDatasetSection:
     PATH_KEY: ClassVar[str] = "path_or_dataset_id"
 
     def __post_init__(self) -> None:
-        # lazy: cycle recipes.sections -> recipes.data -> recipes.data.loader -> recipes.data.kinds -> recipes.sections
-        from automodel.recipes.data.file_check import check_bad_rows_key
-
         s = self.SECTION
         check_bad_rows_key(self, self.path_or_dataset_id)
         check_padding(s, padding=self.padding, pad_to_max_length=self.pad_to_max_length)
@@ -354,21 +306,21 @@ class SFTDatasetSection:
                 self.truncation,
                 "must be false / do_not_truncate, or true / longest_first / right",
             )
-        _positive(s, "seq_length", self.seq_length, minimum=2)
-        _positive(s, "limit_dataset_samples", self.limit_dataset_samples, allow_none=True)
+        positive(s, "seq_length", self.seq_length, minimum=2)
+        positive(s, "limit_dataset_samples", self.limit_dataset_samples, allow_none=True)
 
     @property
     def truncate(self) -> bool:
         return TRUNCATION[self.truncation]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SFTValidationDatasetSection(SFTDatasetSection):
     SECTION: ClassVar[str] = "validation_dataset"
     split: str = "validation"
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepSchedulerSection:
     """Batch sizes and step counts; grad accumulation = global / (local * dp)."""
 
@@ -386,9 +338,9 @@ class StepSchedulerSection:
     def __post_init__(self) -> None:
         s = self.SECTION
         for name in ("global_batch_size", "local_batch_size", "num_epochs"):
-            _positive(s, name, getattr(self, name))
+            positive(s, name, getattr(self, name))
         for name in ("max_steps", "val_every_steps", "ckpt_every_steps", "gc_every_steps", "val_batches"):
-            _positive(s, name, getattr(self, name), allow_none=True)
+            positive(s, name, getattr(self, name), allow_none=True)
         if not isinstance(self.save_checkpoint_every_epoch, bool):
             raise ConfigError(
                 f"{s}.save_checkpoint_every_epoch", self.save_checkpoint_every_epoch, "must be true or false"
@@ -401,7 +353,7 @@ class StepSchedulerSection:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class LRSchedulerSection:
     """NeMo AutoModel's schedule: linear warm-up from `init_lr`, then cosine / linear decay to
     `min_lr` (or constant). Unset keys take AutoModel's defaults, resolved against the run's LR and
@@ -418,8 +370,8 @@ class LRSchedulerSection:
 
     def __post_init__(self) -> None:
         s = self.SECTION
-        _positive(s, "warmup_steps", self.warmup_steps, minimum=0, allow_none=True)
-        _positive(s, "decay_steps", self.decay_steps, allow_none=True)
+        positive(s, "warmup_steps", self.warmup_steps, minimum=0, allow_none=True)
+        positive(s, "decay_steps", self.decay_steps, allow_none=True)
         if self.decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(f"{s}.decay_style", self.decay_style, "must be cosine, linear or constant")
         for key in ("min_lr", "init_lr"):
@@ -432,7 +384,7 @@ class LRSchedulerSection:
 CONSTANT_LR = LRSchedulerSection(warmup_steps=0, decay_style="constant")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PackedSequenceSection:
     """Rows of `packed_sequence_size` tokens whose position ids restart at each document (0 = off)."""
 
@@ -441,8 +393,8 @@ class PackedSequenceSection:
     max_packs: int | None = None  # only the first N packed rows, train and validation (AutoModel's key)
 
     def __post_init__(self) -> None:
-        _positive(self.SECTION, "packed_sequence_size", self.packed_sequence_size, minimum=0)
-        _positive(self.SECTION, "max_packs", self.max_packs, allow_none=True)
+        positive(self.SECTION, "packed_sequence_size", self.packed_sequence_size, minimum=0)
+        positive(self.SECTION, "max_packs", self.max_packs, allow_none=True)
         if self.max_packs is not None and self.packed_sequence_size == 0:
             raise ConfigError("packed_sequence.max_packs", self.max_packs, "needs packed_sequence_size > 0")
         if 0 < self.packed_sequence_size < 2:
@@ -451,7 +403,7 @@ class PackedSequenceSection:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClipGradNormSection:
     SECTION: ClassVar[str] = "clip_grad_norm"
     max_norm: float | None = 1.0
@@ -464,7 +416,7 @@ class ClipGradNormSection:
 LAYOUT_REPORTS = ("none", "rank0", "all")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingSection:
     """Progress bar, TensorBoard, and which ranks write ``layout/rank_<N>.json`` (what each rank holds)."""
 
@@ -480,7 +432,7 @@ class LoggingSection:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistEnvSection:
     """Process-group settings: backend (auto: nccl with CUDA, else gloo) and collective time-out."""
 
@@ -495,7 +447,7 @@ class DistEnvSection:
             raise ConfigError("dist_env.timeout_minutes", self.timeout_minutes, "must be > 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerSection:
     """`_target_` of a torch optimizer class plus its keyword arguments (params are passed in)."""
 
@@ -503,30 +455,11 @@ class OptimizerSection:
     target: str = "torch.optim.AdamW"
     kwargs: dict = field(default_factory=lambda: {"lr": 1e-3})
 
-    @classmethod
-    def parse(cls, data: Any) -> OptimizerSection:
-        if data is None:
-            return cls()
-        if not isinstance(data, dict):
-            raise ConfigError("optimizer", data, "must be a mapping with a _target_")
-        if "_target_" not in data:
-            raise ConfigError("optimizer._target_", None, "is required (e.g. torch.optim.AdamW)")
-        target = locate("optimizer._target_", data["_target_"])
-
-        if not (isinstance(target, type) and issubclass(target, torch.optim.Optimizer)):
-            raise ConfigError("optimizer._target_", data["_target_"], "is not a torch.optim.Optimizer class")
-        kwargs = {k: v for k, v in data.items() if k != "_target_"}
-        lr = kwargs.get("lr", 1e-3)
-        if isinstance(lr, bool) or not isinstance(lr, int | float) or lr <= 0:
-            raise ConfigError("optimizer.lr", lr, "must be a number > 0")
-        kwargs["lr"] = float(lr)
-        return cls(target=data["_target_"], kwargs=kwargs)
-
 
 COLLATES = ("pad", "packed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataloaderSection:
     """``dataloader:`` / ``validation_dataloader:`` (NeMo AutoModel's keys; its ``_target_`` and
     ``collate_fn`` are mapped by `compat.translate`).
@@ -550,22 +483,22 @@ class DataloaderSection:
 
     def __post_init__(self) -> None:
         s = self.SECTION
-        _positive(s, "num_workers", self.num_workers, minimum=0)
-        _positive(s, "batch_size", self.batch_size, allow_none=True)
-        _positive(s, "pad_seq_len_divisible", self.pad_seq_len_divisible, allow_none=True)
+        positive(s, "num_workers", self.num_workers, minimum=0)
+        positive(s, "batch_size", self.batch_size, allow_none=True)
+        positive(s, "pad_seq_len_divisible", self.pad_seq_len_divisible, allow_none=True)
         if self.collate not in COLLATES:
             raise ConfigError(f"{s}.collate", self.collate, f"must be one of {', '.join(COLLATES)}")
         if self.dataloader_type != "single":
             raise ConfigError(f"{s}.dataloader_type", self.dataloader_type, "only single is supported")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ValidationDataloaderSection(DataloaderSection):
     SECTION: ClassVar[str] = "validation_dataloader"
     shuffle: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class RngSection:
     """``rng:`` (AutoModel's StatefulRNG; its ``seed`` is the top-level ``seed``). ``ranked``: after
     the model is built, each data-parallel rank seeds torch with ``seed + dp rank`` (dropout masks

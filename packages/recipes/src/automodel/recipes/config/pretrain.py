@@ -8,29 +8,32 @@ positions restart after each EOS and attention stays inside each document (rows 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from pathlib import PurePath
+from typing import ClassVar, TypeVar
 
-from automodel.recipes.data.megatron_paths import parse_split
+from automodel.recipes.config.build import derived, parse_split
+from automodel.recipes.config.recipe import DatasetConfig
+from automodel.recipes.config.sections import TokenizerSection
 from automodel.recipes.errors import ConfigError
 
 SPLIT_NAMES = ("train", "validation", "test")
+S = TypeVar("S")
 
 
-def _positive_int(key: str, value: Any, *, minimum: int = 1, allow_none: bool = False) -> None:
+def _positive_int(key: str, value: object, *, minimum: int = 1, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(key, value, f"must be an int >= {minimum}")
 
 
-def _bool(key: str, value: Any) -> None:
+def _bool(key: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(key, value, "must be true or false")
 
 
-def _zipped_blend(blend: Any, *, key: str) -> list[str]:
+def _zipped_blend(blend: object, *, key: str) -> list[str]:
     """``[{path: a, weight: 30}, {path: b, weight: 70}]`` -> Megatron's ``["30", "a", "70", "b"]``."""
     if not isinstance(blend, list) or not blend:
         raise ConfigError(key, blend, "must be a non-empty list of {path: ..., weight: ...}")
@@ -47,7 +50,7 @@ def _zipped_blend(blend: Any, *, key: str) -> list[str]:
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class MegatronPretrainingSection:
     """Megatron indexed corpora (``paths``), split by document ratios, optionally blended by weight.
 
@@ -68,7 +71,8 @@ class MegatronPretrainingSection:
     SECTION: ClassVar[str] = "dataset"
     DEFAULT_SPLIT: ClassVar[str] = "train"
     source: str = "megatron"
-    paths: Any = None
+    #: prefixes, globs or a folder; a list (Megatron's zipped blend); a mapping per split; a .json file
+    paths: str | list | dict | None = None
     # the same blend spelled as a list of {path, weight} (instead of paths' ["30", "a", "70", "b"])
     blend: list | None = None
     seq_length: int = 2048
@@ -89,7 +93,7 @@ class MegatronPretrainingSection:
         if self.blend is not None:
             if self.paths is not None:
                 raise ConfigError(f"{s}.blend", self.blend, "says what paths says; set only one of them")
-            self.paths = _zipped_blend(self.blend, key=f"{s}.blend")
+            object.__setattr__(self, "paths", _zipped_blend(self.blend, key=f"{s}.blend"))
         if self.paths is None:
             raise ConfigError(f"{s}.paths", None, "is required (corpus prefixes, globs, a folder or a blend)")
         _positive_int(f"{s}.seq_length", self.seq_length, minimum=2)
@@ -128,13 +132,13 @@ class MegatronPretrainingSection:
         }[self.split_name]
 
 
-@dataclass
+@dataclass(frozen=True)
 class MegatronPretrainingValidationSection(MegatronPretrainingSection):
     SECTION: ClassVar[str] = "validation_dataset"
     DEFAULT_SPLIT: ClassVar[str] = "validation"
 
 
-@dataclass
+@dataclass(frozen=True)
 class NanogptSection:
     """nanoGPT ``.bin`` token shards (``file_pattern``: a glob, a file, or a list of them).
 
@@ -175,7 +179,7 @@ class NanogptSection:
         return self.seq_len
 
 
-@dataclass
+@dataclass(frozen=True)
 class NanogptValidationSection(NanogptSection):
     SECTION: ClassVar[str] = "validation_dataset"
 
@@ -184,21 +188,24 @@ class NanogptValidationSection(NanogptSection):
 DEFAULT_INDEX_MAPPING_SUBDIR = ("cache", "megatron_index")
 
 
-def default_index_mapping_dir(sections: list[Any], *, output_dir: str) -> None:
-    """Megatron sections without ``index_mapping_dir`` cache their order under the run's output_dir,
+def default_index_mapping_dir(section: S, *, output_dir: str) -> S:
+    """A Megatron section without ``index_mapping_dir`` caches its order under the run's output_dir,
     so a restart (or another rank) maps it instead of building it: that build is linear in the
-    corpus' documents, a memory map of it is not."""
-    for section in sections:
-        if isinstance(section, MegatronPretrainingSection) and section.index_mapping_dir is None:
-            section.index_mapping_dir = str(Path(output_dir, *DEFAULT_INDEX_MAPPING_SUBDIR))
+    corpus' documents, a memory map of it is not. Returns the section to use (a new value)."""
+    if isinstance(section, MegatronPretrainingSection) and section.index_mapping_dir is None:
+        return derived(section, index_mapping_dir=str(PurePath(output_dir, *DEFAULT_INDEX_MAPPING_SUBDIR)))
+    return section
 
 
-def adopt_dataset_tokenizer(tokenizer: Any, sections: list[Any]) -> None:
+def adopt_dataset_tokenizer(
+    tokenizer: TokenizerSection, sections: list[DatasetConfig | None]
+) -> TokenizerSection:
     """NeMo AutoModel names a Megatron dataset's tokenizer inside the dataset section. Its
     ``pretrained_model_name_or_path`` becomes the run's tokenizer when ``tokenizer:`` names none;
-    two different tokenizers cannot both hold (the tokens would not match the model's embedding)."""
+    two different tokenizers cannot both hold (the tokens would not match the model's embedding).
+    Returns the run's tokenizer section (a new value when adopted)."""
     for section in sections:
-        spec = getattr(section, "tokenizer", None)
+        spec: dict | None = getattr(section, "tokenizer", None)  # the kinds with a per-dataset tokenizer
         if spec is None:
             continue
         key = f"{section.SECTION}.tokenizer"
@@ -209,6 +216,7 @@ def adopt_dataset_tokenizer(tokenizer: Any, sections: list[Any]) -> None:
             )
         current = tokenizer.pretrained_model_name_or_path or tokenizer.path
         if current is None:
-            tokenizer.pretrained_model_name_or_path = name
+            tokenizer = replace(tokenizer, pretrained_model_name_or_path=name)
         elif current != name:
             raise ConfigError(key, name, f"differs from the run's tokenizer {current!r}; use one tokenizer")
+    return tokenizer

@@ -19,16 +19,16 @@ Nothing set selects ``target_modules: ["*_proj"]`` (NeMo's default). ``target_mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from automodel.recipes.config.build import resolve_dtype
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.instantiate import resolve_dtype
 
 DROPOUT_POSITIONS = ("pre", "post")
 LORA_A_INITS = ("kaiming", "uniform", "xavier")
 
 
-def _str_list(key: str, value: Any) -> list[str]:
+def _str_list(key: str, value: object) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
@@ -36,7 +36,7 @@ def _str_list(key: str, value: Any) -> list[str]:
     return list(value)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PeftSection:
     """LoRA on the linears `target_modules` selects; base weights frozen, adapters trained."""
 
@@ -54,8 +54,8 @@ class PeftSection:
 
     def __post_init__(self) -> None:
         s = self.SECTION
-        self.target_modules = _str_list(f"{s}.target_modules", self.target_modules)
-        self.exclude_modules = _str_list(f"{s}.exclude_modules", self.exclude_modules)
+        object.__setattr__(self, "target_modules", _str_list(f"{s}.target_modules", self.target_modules))
+        object.__setattr__(self, "exclude_modules", _str_list(f"{s}.exclude_modules", self.exclude_modules))
         for key in ("match_all_linear", "save_merged"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{s}.{key}", getattr(self, key), "must be true or false")
@@ -71,7 +71,7 @@ class PeftSection:
                 f"{s}.match_all_linear", True, f"cannot be combined with peft.{which} (give one of them)"
             )
         if not (self.match_all_linear or self.target_modules or self.exclude_modules):
-            self.target_modules = ["*_proj"]
+            object.__setattr__(self, "target_modules", ["*_proj"])
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
             raise ConfigError(f"{s}.dim", self.dim, "must be an int >= 1")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or self.alpha <= 0:

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from automodel.recipes.config.build import build_section
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.sections import build_section
 
 #: Liger's per-family patch switches this project exposes (each ``apply_liger_kernel_to_<family>``
 #: takes a subset); ``fused_linear_cross_entropy`` replaces the chunked loss, not the model's forward.

@@ -1,0 +1,44 @@
+"""`StrategyConfig`: the typed base of every strategy's flags (FSDP2, DDP, Megatron-FSDP, single).
+
+The cross-cutting facts that code outside a strategy reads (the planner's memory terms, the model
+rules, the layout report) are answered here the same way for every strategy, as typed attributes:
+no ``getattr(config, "sequence_parallel", False)`` on a config of unknown class. A strategy's own
+flags stay fields of its subclass (whose constructor arguments are the accepted YAML flags); the
+base adds no field, so it accepts no YAML key of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """Frozen: a strategy's flags are one value, built once (machine defaults give a new one)."""
+
+    #: This strategy's boolean flags that apply to each decoder layer (activation checkpointing,
+    #: per-layer compile, prefetch): they need the model's layer list.
+    LAYER_FLAGS: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def sequence_parallel_enabled(self) -> bool:
+        """Whether TP shards the activations along the sequence too (SP); False where unsupported."""
+        return False
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the forward and backward compute in; None: the model's own parameter dtype."""
+        return None
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in across data-parallel ranks; None: the compute dtype."""
+        return None
+
+    @property
+    def enabled_layer_flags(self) -> tuple[str, ...]:
+        """The `LAYER_FLAGS` that are on."""
+        return tuple(name for name in self.LAYER_FLAGS if getattr(self, name) is True)
