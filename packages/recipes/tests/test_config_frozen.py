@@ -24,6 +24,7 @@ from automodel.recipes.config.recipe import DatasetConfig, RecipeConfig
 from automodel.recipes.data.kinds import kinds
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.launch_check import check_launch
+from automodel.recipes.parallelisms import parallelisms
 from automodel.recipes.strategies import get_strategy, strategy_names
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,6 +66,8 @@ def _expand(cls: object) -> list[type]:
         return [c for k in kinds() for c in (k.section, k.validation_section)]
     if cls is StrategyConfig:
         return [get_strategy(name).config_class() for name in strategy_names()]
+    if cls is DistributedSection:  # each parallelism's own section is typed by its plugin
+        return [cls, *(c for p in parallelisms() if (c := p.config_class()) is not None)]
     return [cls] if isinstance(cls, type) else []
 
 

@@ -149,6 +149,11 @@ class Parallelism(ABC):
         """Whether `size` asks for this parallelism (a strategy that does not list it refuses it)."""
         return size is not None and size > 1
 
+    def config_class(self) -> type | None:
+        """The frozen dataclass `build_config` returns (None: it has no section); read by the test
+        that every config reachable from a recipe is frozen."""
+        return None
+
     def build_config(
         self, options: Options | None, *, size: int | None, local_batch_size: int
     ) -> object | None:

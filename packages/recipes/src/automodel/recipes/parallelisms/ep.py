@@ -42,6 +42,9 @@ class ExpertParallel(Parallelism):
     ) -> None:
         section_mapping(data, "moe")
 
+    def config_class(self) -> type:
+        return MoEParallelizerConfig
+
     def build_config(
         self, options: Options | None, *, size: int | None, local_batch_size: int
     ) -> object | None:

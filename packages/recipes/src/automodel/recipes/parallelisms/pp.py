@@ -87,6 +87,12 @@ class PipelineParallel(Parallelism):
         if pp is not None and pp > 1 and pipeline is None:
             raise ConfigError("distributed.pp_size", pp, "pp_size > 1 needs a distributed.pipeline section")
 
+    def config_class(self) -> type:
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+        from automodel.pipeline import PipelineConfig
+
+        return PipelineConfig
+
     def build_config(
         self, options: Options | None, *, size: int | None, local_batch_size: int
     ) -> object | None:
