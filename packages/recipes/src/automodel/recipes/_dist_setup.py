@@ -30,13 +30,6 @@ from automodel.recipes.strategies import get_strategy, strategy_names, world_of_
 
 SIZE_KEYS = ("dp_size", "dp_replicate_size", "tp_size", "pp_size", "cp_size", "ep_size")
 COMMON_KEYS = ("strategy", *SIZE_KEYS, "pipeline", "moe")
-#: FSDP2 options automodel.moe's expert-parallel sharding does not apply: refused with ep_size > 1.
-_NOT_WITH_EP = {
-    "enable_compile": "per-layer torch.compile",
-    "offload_policy": "CPU offload",
-    "enable_fsdp2_prefetch": "explicit FSDP2 prefetch chains",
-    "autocast_dtype": "autocast (use mp_policy: the expert shards honour its dtypes)",
-}
 
 
 def strategy_flags(strategy: str) -> tuple[str, ...]:
@@ -209,12 +202,6 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
         raise ConfigError(
             "distributed.sequence_parallel", sp, "needs tp_size > 1 (sequence parallelism splits TP regions)"
         )
-    if ep > 1:
-        for key, what in _NOT_WITH_EP.items():
-            if data.get(key) not in (None, False):
-                raise ConfigError(
-                    f"distributed.{key}", data[key], f"is not applied with ep_size > 1 ({what}); remove it"
-                )
 
     pipeline = data.get("pipeline")
     if pipeline is not None and not isinstance(pipeline, dict):
