@@ -137,11 +137,12 @@ def _parity_rank(
 
 def _layout_facts(model: torch.nn.Module) -> dict:
     """What the applier did: the FSDP2 units (FQN -> mesh dims) and each parameter's placement."""
-    units = {
-        name: list(next(iter(m.parameters())).device_mesh.mesh_dim_names or ())
-        for name, m in model.named_modules()
-        if isinstance(m, FSDPModule) and any(True for _ in m.parameters(recurse=False))
-    }
+    units: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if isinstance(module, FSDPModule) and own:
+            assert isinstance(own[0], DTensor), name
+            units[name] = list(own[0].device_mesh.mesh_dim_names or ())
     params = {
         name: (list(p.device_mesh.mesh_dim_names or ()), [str(pl) for pl in p.placements], str(p.device))
         for name, p in model.named_parameters()
@@ -149,7 +150,7 @@ def _layout_facts(model: torch.nn.Module) -> dict:
     }
     states = {name: m._get_fsdp_state() for name, m in model.named_modules() if isinstance(m, FSDPModule)}
     groups = {name: state._fsdp_param_group for name, state in states.items() if state._fsdp_param_group}
-    layers = model.get_submodule("model.layers")
+    layers = cast(torch.nn.ModuleList, model.get_submodule("model.layers"))
     return {
         "units": units,
         "params": params,
