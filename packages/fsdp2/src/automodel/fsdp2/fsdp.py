@@ -9,9 +9,16 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import Shard
 
 from automodel.mesh import MeshContext
@@ -150,6 +157,17 @@ def _shard_submodules_within(
         )
 
 
+def check_offload_policy(policy: OffloadPolicy | None) -> None:
+    """Refuse what torch refuses on this machine, saying why: it pins offloaded parameters through
+    the CUDA driver, so ``CPUOffloadPolicy(pin_memory=True)`` fails without one (dense or MoE)."""
+    if isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and not torch.cuda.is_available():
+        raise ValueError(
+            "offload_policy: CPUOffloadPolicy(pin_memory=True) needs CUDA: torch pins the offloaded "
+            "parameters through the CUDA driver and fails without one ('Found no NVIDIA driver'); "
+            "pass pin_memory=False on this machine"
+        )
+
+
 def _groups_sharing_parameters(layers: list[nn.Module]) -> list[list[nn.Module]]:
     """`layers` in order, grouped so that layers holding the same parameter object share one FSDP
     unit (a parameter can belong to one unit only: Zamba ties one attention block into several
@@ -198,6 +216,7 @@ def apply_fsdp2_sharding_recursively(
     """
     if gradient_divide_factor is not None and gradient_divide_factor <= 0:
         raise ValueError(f"gradient_divide_factor must be > 0 or None, got {gradient_divide_factor}")
+    check_offload_policy(offload_policy)
     fsdp_mesh = get_fsdp_mesh(mesh) if isinstance(mesh, MeshContext) else mesh
     for spec in submodules:
         factor = spec.gradient_divide_factor
