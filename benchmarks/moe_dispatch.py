@@ -16,11 +16,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from automodel.fsdp2 import FSDP2Config
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
-from automodel.moe import MoEParallelizerConfig, find_moe_blocks, parallelize_model
+from automodel.moe import MoEParallelizerConfig, find_moe_blocks
 from automodel.moe.testing import build_tiny_model, preload
+from automodel.recipes.strategies.fsdp2 import apply_fsdp2_stack
 
 WORLD, VOCAB, EXPERTS, TOP_K = 4, 256, 8, 2
 
@@ -33,7 +36,13 @@ def _rank(ep: int, steps: int, seq: int, hidden: int, layers: int) -> dict:
     routing: list[torch.Tensor] = []
     for block in find_moe_blocks(model):
         block.experts.register_forward_pre_hook(lambda _m, args: routing.append(args[1].detach()))
-    parallelize_model(model, mesh=ctx, config=MoEParallelizerConfig(), gradient_divide_factor=1.0)
+    apply_fsdp2_stack(  # the FSDP2 strategy's stack, as the recipes run it
+        model,
+        mesh=ctx,
+        config=FSDP2Config(mp_policy=MixedPrecisionPolicy()),
+        moe_config=MoEParallelizerConfig(),
+        gradient_divide_factor=1.0,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = dist.get_rank()
     times, moved, minimum = [], 0, 0

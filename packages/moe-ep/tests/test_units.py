@@ -1,4 +1,6 @@
-"""Single-process and small multi-rank checks: grouped GEMM, router replay, state dict, validation."""
+"""Single-process and small multi-rank checks: grouped GEMM, state dict, validation.
+
+(Router replay under activation checkpointing is automodel.fsdp2's: its tests.)"""
 
 from __future__ import annotations
 
@@ -15,10 +17,9 @@ from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, fake_w
 from automodel.mesh.testing import run_on_ranks
 from automodel.moe import (
     MoEParallelizerConfig,
-    checkpoint_module,
     grouped_expert_mlp,
     grouped_mm_supported,
-    parallelize_model,
+    parallelize_experts,
     validate_moe_layout,
 )
 from automodel.moe.testing import build_tiny_model, preload
@@ -52,64 +53,12 @@ def test_grouped_expert_mlp_matches_per_expert_loop(hidden: int, inter: int) -> 
         assert not grouped_mm_supported(x, gate_up, down)
 
 
-# ---- router replay under activation checkpointing ----------------------------------------
-class _DriftingRouter(nn.Module):
-    """A router whose input drifts on every call, as bf16 or non-deterministic kernels can make it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(8, 16))
-        self.picked: list[torch.Tensor] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        drift = 3.0 * len(self.picked)
-        probs = F.softmax(F.linear(x + drift, self.weight), dim=-1)
-        values, indices = torch.topk(probs, 2, dim=-1)
-        self.picked.append(indices)
-        return (values.unsqueeze(-1) * x[:, None, :] * (indices.unsqueeze(-1) + 1)).sum(1)
-
-
-@pytest.mark.parametrize("save", [True, False])
-def test_recomputation_routes_like_the_forward_only_with_replay(save: bool) -> None:
-    torch.manual_seed(0)
-    module = _DriftingRouter()
-    checkpoint_module(module, save_router_decisions=save)
-    module(torch.randn(32, 16)).square().sum().backward()
-    assert len(module.picked) == 2  # forward + recomputation in backward
-    assert torch.equal(module.picked[0], module.picked[1]) == save
-
-
-def _stable_router_grad(save: bool | None) -> torch.Tensor:
-    torch.manual_seed(0)
-    router = nn.Linear(16, 8, bias=False)
-    module = nn.Sequential(router)
-    captured = []
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        values, indices = torch.topk(F.softmax(router(x), dim=-1), 2, dim=-1)
-        captured.append(indices)
-        return (values.unsqueeze(-1) * x[:, None, :] * (indices.unsqueeze(-1) + 1)).sum(1)
-
-    setattr(module, "forward", forward)  # noqa: B010 - an instance attribute, as the HF experts have
-    if save is not None:
-        checkpoint_module(module, save_router_decisions=save)
-    module(torch.randn(32, 16)).square().sum().backward()
-    assert all(torch.equal(c, captured[0]) for c in captured)
-    assert router.weight.grad is not None
-    return router.weight.grad
-
-
-@pytest.mark.parametrize("save", [True, False])
-def test_checkpointed_router_gradients_exact(save: bool) -> None:
-    torch.testing.assert_close(_stable_router_grad(save), _stable_router_grad(None), rtol=0, atol=0)
-
-
 # ---- state dict ---------------------------------------------------------------------------
 def _state_dict_rank(family: str) -> dict:
     ctx = MeshContext.build(ParallelismSizes(ep_size=2))
     model = build_tiny_model(family)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    parallelize_model(model, mesh=ctx, config=MoEParallelizerConfig(), gradient_divide_factor=1.0)
+    units = parallelize_experts(model, mesh=ctx, gradient_divide_factor=1.0)
     got = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
     return {
         "keys_equal": list(got) == list(expected),
@@ -117,6 +66,12 @@ def _state_dict_rank(family: str) -> dict:
         "values_equal": all(torch.equal(got[k], expected[k]) for k in expected),
         "expert_local": tuple(
             cast(DTensor, model.get_parameter("model.layers.0.mlp.experts.gate_up_proj")).to_local().shape
+        ),
+        # what FSDP2 (automodel.fsdp2) is told: each experts module a unit over ep_shard, the
+        # dense divisor (1.0 here), Shard(0) while the local rows outnumber the ep_shard ranks
+        "units": [(u.name, u.mesh.mesh_dim_names, u.gradient_divide_factor) for u in units],
+        "placement": str(
+            units[0].shard_placement_fn(model.get_parameter("model.layers.0.mlp.experts.gate_up_proj"))
         ),
     }
 
@@ -126,7 +81,47 @@ def test_gathered_state_dict_equals_hf(family: str) -> None:
     results = run_on_ranks(_state_dict_rank, world_size=4, args=(family,), timeout_s=300)
     for r in results:
         assert r["keys_equal"] and r["shapes_equal"] and r["values_equal"], r
-        assert r["expert_local"] == (2, 64, 64)  # 8 experts / ep 2 = 4 local, FSDP Shard(0) over ep_shard 2
+        assert r["expert_local"] == (4, 64, 64)  # 8 experts / ep 2 = 4 local (FSDP not applied here)
+        assert r["units"] == [(f"model.layers.{i}.mlp.experts", ("ep_shard",), 1.0) for i in range(2)]
+        assert r["placement"] == "S(0)"
+
+
+def _ep_alone_parity_rank(family: str) -> dict:
+    """EP alone on 2 ranks (ep_shard 1): the experts' gradients are whole after the all-to-all
+    backward; the dense ones are summed by hand here (FSDP2's job in the recipes)."""
+    ctx = MeshContext.build(ParallelismSizes(ep_size=2))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_tiny_model(family)
+    reference = build_tiny_model(family)
+    parallelize_experts(model, mesh=ctx, gradient_divide_factor=1.0)
+    ids = torch.randint(0, 256, (2 * world, 16), generator=torch.Generator().manual_seed(3))
+
+    def loss_of(m: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        logits = m(input_ids=rows).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 256), rows[:, 1:].reshape(-1), reduction="sum")
+
+    loss = loss_of(model, ids.chunk(world)[rank])
+    loss.backward()
+    for p in model.parameters():
+        if not isinstance(p, DTensor) and p.grad is not None:
+            dist.all_reduce(p.grad)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    ref_loss = torch.stack([loss_of(reference, part) for part in ids.chunk(world)]).sum()
+    ref_loss.backward()
+    worst = 0.0
+    for name, p in reference.named_parameters():
+        got, want = model.get_parameter(name).grad, p.grad
+        assert got is not None and want is not None, name
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return {"loss_rel": abs(total.item() - ref_loss.item()) / ref_loss.item(), "grad_rel": worst}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_expert_parallel_alone_matches_one_process(family: str) -> None:
+    for r in run_on_ranks(_ep_alone_parity_rank, world_size=2, args=(family,), timeout_s=300):
+        assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5, r
 
 
 # ---- config and layout validation ----------------------------------------------------------
@@ -159,20 +154,23 @@ def test_validate_layout_errors() -> None:
     validate_moe_layout(layout=_layout(world=4, dp_shard=4, ep=4), num_experts=[8])
 
 
-def test_parallelize_model_rejects_bad_models() -> None:
+def test_parallelize_experts_rejects_bad_models() -> None:
     with fake_world(4):
         ctx = MeshContext.build(ParallelismSizes(ep_size=4))
         with pytest.raises(ValueError, match=r"ep_size=4 must divide the number of experts.*6 experts"):
-            parallelize_model(build_tiny_model("mixtral", num_experts=6), mesh=ctx)
+            parallelize_experts(build_tiny_model("mixtral", num_experts=6), mesh=ctx)
         with pytest.raises(ValueError, match="dense model"):
-            parallelize_model(build_tiny_model("llama"), mesh=ctx)
+            parallelize_experts(build_tiny_model("llama"), mesh=ctx)
         with pytest.raises(ValueError, match="gradient_divide_factor"):
-            parallelize_model(build_tiny_model("mixtral"), mesh=ctx, gradient_divide_factor=0.0)
+            parallelize_experts(build_tiny_model("mixtral"), mesh=ctx, gradient_divide_factor=0.0)
+        # a pipeline stage of dense layers only: nothing to split, nothing to shard apart
+        assert parallelize_experts(build_tiny_model("llama"), mesh=ctx, pipeline_stage=True) == []
     with fake_world(2):
         ctx = MeshContext.build(ParallelismSizes())
         dense = build_tiny_model("llama")
         before = {n: (type(p), p.shape) for n, p in dense.named_parameters()}
-        assert parallelize_model(dense, mesh=ctx) is dense
+        with pytest.raises(ValueError, match="ep_size > 1"):
+            parallelize_experts(dense, mesh=ctx)
         assert {n: (type(p), p.shape) for n, p in dense.named_parameters()} == before
         assert not dist.is_initialized() or dist.get_world_size() == 2
 

@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from automodel.mesh.testing import cuda_device_count
+from automodel.recipes._dist_setup import parse_distributed_section
 from automodel.recipes.cli import run_cli
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _recipe_helpers import MOE_MODEL as _MOE  # noqa: E402
 from _recipe_helpers import tiny_config  # noqa: E402
 
 _DELETE = object()
@@ -118,10 +118,6 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("microbatches_vs_pp", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 2}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
     ("local_batch_vs_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 3}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
     ("pipeline_bad_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 0}}, ["--nproc-per-node=2"], "distributed.pipeline.pp_microbatch_size"),
-    ("ep_with_compile", {"model": _MOE, "distributed.ep_size": 2, "distributed.enable_compile": True}, ["--nproc-per-node=2"], "distributed.enable_compile"),
-    ("ep_with_offload", {"model": _MOE, "distributed.ep_size": 2, "distributed.offload_policy": {"_target_": "torch.distributed.fsdp.CPUOffloadPolicy", "pin_memory": False}}, ["--nproc-per-node=2"], "distributed.offload_policy"),
-    ("ep_with_prefetch", {"model": _MOE, "distributed.ep_size": 2, "distributed.enable_fsdp2_prefetch": True}, ["--nproc-per-node=2"], "distributed.enable_fsdp2_prefetch"),
-    ("ep_with_autocast", {"model": _MOE, "distributed.ep_size": 2, "distributed.autocast_dtype": "bfloat16"}, ["--nproc-per-node=2"], "distributed.autocast_dtype"),
     ("megatron_meta_init", {"distributed.strategy": "megatron_fsdp", "distributed.init_fsdp_with_meta_device": True}, [], "distributed.init_fsdp_with_meta_device"),
     ("batch_vs_dp", {"step_scheduler.global_batch_size": 6}, ["--nproc-per-node=2"], "step_scheduler.global_batch_size"),
     ("layout_report", {"logging.layout_report": "rank1"}, [], "logging.layout_report"),
@@ -264,3 +260,12 @@ def test_attn_implementation_auto_follows_what_the_model_supports() -> None:
     assert resolve_attn_implementation(AutoConfig.for_model("gpt_oss"), "flex_attention") == "flex_attention"
     with pytest.raises(ConfigError, match=r"model_type 'gpt_oss' .*supports eager, flex_attention"):
         resolve_attn_implementation(AutoConfig.for_model("gpt_oss"), "sdpa")
+
+
+def test_ep_takes_every_fsdp2_option() -> None:
+    """Compile, offload, prefetch and autocast go through the FSDP2 strategy's one applier with EP
+    too (parity: test_moe_ep_parity.py), so the section accepts them with ep_size > 1."""
+    offload = {"_target_": "torch.distributed.fsdp.CPUOffloadPolicy", "pin_memory": False}
+    options = {"enable_compile": True, "offload_policy": offload, "enable_fsdp2_prefetch": True}
+    section = parse_distributed_section({"ep_size": 2, "autocast_dtype": "bfloat16", **options})
+    assert section.moe_config is not None

@@ -11,6 +11,7 @@ from automodel.fsdp2.compile import apply_compile
 from automodel.fsdp2.config import DDPConfig, FSDP2Config, default_mp_policy
 from automodel.fsdp2.ddp import DDPManager, apply_ddp
 from automodel.fsdp2.fsdp import (
+    SubmoduleSharding,
     apply_fsdp2_sharding_recursively,
     set_gradient_divide_factor,
     unshard_fsdp2_model,
@@ -38,6 +39,7 @@ __all__ = [
     "DDPManager",
     "FSDP2Config",
     "FSDP2Manager",
+    "SubmoduleSharding",
     "apply_activation_checkpointing",
     "apply_autocast",
     "apply_compile",

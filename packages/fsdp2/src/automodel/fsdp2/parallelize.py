@@ -1,15 +1,17 @@
 """The FSDP2 strategy's appliers composed in their fixed order, in two halves.
 
-Order: TP/SP -> [CP hooks, EP: other packages, composed by the recipes] -> activation
+Order: TP/SP -> [CP hooks, EP's expert sharding: other packages, composed by the recipes] -> activation
 checkpointing -> per-layer compile -> FSDP2 (layers, then root) -> prefetch chains -> autocast.
 `apply_tensor_parallel_from_config` is the first half and `apply_sharding_from_config` the second;
 `fsdp2_strategy_parallelize` runs both back to back, and a composer that adds CP or EP runs them
-around its own steps, so the order lives here only.
+around its own steps, so the order lives here only. Dense and MoE models take the same second half: a composer that
+made experts expert parallel names them in ``submodules`` (each an FSDP2 unit over its own mesh)
+and asks the checkpointing to replay the routers' decisions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -19,7 +21,7 @@ from automodel.fsdp2.activation_checkpointing import apply_activation_checkpoint
 from automodel.fsdp2.autocast import apply_autocast
 from automodel.fsdp2.compile import apply_compile
 from automodel.fsdp2.config import FSDP2Config
-from automodel.fsdp2.fsdp import apply_fsdp2_sharding_recursively
+from automodel.fsdp2.fsdp import SubmoduleSharding, apply_fsdp2_sharding_recursively
 from automodel.fsdp2.grad_sync import grad_sync_context
 from automodel.fsdp2.packed_sequence import patch_is_packed_sequence
 from automodel.fsdp2.prefetch import apply_fsdp2_prefetch
@@ -58,13 +60,21 @@ def apply_sharding_from_config(
     gradient_divide_factor: float | None = None,
     pp_enabled: bool | None = None,
     compile_backend: str = "inductor",
+    submodules: Sequence[SubmoduleSharding] = (),
+    save_router_decisions: bool = False,
+    reshard_after_forward: bool | None = None,
+    wrap_root: bool = True,
 ) -> None:
-    """Second half: activation checkpointing -> compile -> FSDP2 -> prefetch -> autocast."""
+    """Second half: activation checkpointing -> compile -> FSDP2 -> prefetch -> autocast.
+
+    `submodules`, `reshard_after_forward` and `wrap_root` go to `apply_fsdp2_sharding_recursively`
+    (expert-parallel experts over their own mesh); `save_router_decisions` to the checkpointing.
+    """
     activation_checkpointing = (
         config.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     )
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, save_router_decisions=save_router_decisions)
     if config.enable_compile:
         apply_compile(model, backend=compile_backend)
     apply_fsdp2_sharding_recursively(
@@ -74,6 +84,9 @@ def apply_sharding_from_config(
         offload_policy=config.offload_policy if offload_policy is None else offload_policy,
         pp_enabled=mesh.pp_enabled if pp_enabled is None else pp_enabled,
         gradient_divide_factor=gradient_divide_factor,
+        reshard_after_forward=reshard_after_forward,
+        wrap_root=wrap_root,
+        submodules=submodules,
     )
     if config.enable_fsdp2_prefetch:
         apply_fsdp2_prefetch(

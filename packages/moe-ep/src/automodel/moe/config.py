@@ -12,7 +12,10 @@ from automodel.mesh import parse_dtype
 
 @dataclass
 class MoEParallelizerConfig:
-    """How the MoE parallelizer shards, checkpoints and casts a mixture-of-experts model.
+    """How a mixture-of-experts model is sharded, checkpointed and cast under expert parallelism.
+
+    Data only: automodel.moe splits the experts; the FSDP2 strategy (automodel.fsdp2, composed by
+    automodel.recipes) reads the other fields when ep_size > 1 for its own FSDP2 and checkpointing.
 
     ignore_router_for_ac: under activation checkpointing, replay the router's top-k decisions
         saved in the forward instead of recomputing them, so the recomputed forward sends every

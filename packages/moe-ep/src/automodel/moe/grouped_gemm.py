@@ -2,7 +2,10 @@
 
 ``torch._grouped_mm`` takes tokens sorted by expert plus the cumulative token counts (``offs``).
 It exists on CUDA (bf16, sm90+) and on CPU in recent torch builds; where it is missing, or the
-shapes break its 16-byte stride rule, a per-expert loop computes the same thing.
+shapes break its 16-byte stride rule, a per-expert loop computes the same thing. Under
+``torch.compile`` the loop also stands in for other dtypes than bf16: torch's meta kernel for
+``_grouped_mm`` (what the tracer runs) accepts bf16 inputs only, even where the eager CPU kernel
+multiplies fp32 (torch 2.13).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` can multiply `x` by each of `weights` on this device and dtype."""
     if any(w.dtype != x.dtype or w.device != x.device for w in weights):
         return False
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return False  # the tracer's meta kernel refuses it ("Expected inputs of BF16 type")
     align = 16 // x.element_size()
     if any(size % align for w in weights for size in w.shape[1:]) or x.shape[-1] % align:
         return False

@@ -1,16 +1,29 @@
-"""`parallelize_model`: the entry point recipes call for MoE models (EP -> AC -> FSDP2)."""
+"""`parallelize_experts`: expert parallelism for MoE models, and the expert units FSDP2 shards.
+
+automodel.moe splits the experts over ``ep`` and dispatches tokens to them; it does no FSDP2 and
+no activation checkpointing. The FSDP2 strategy (automodel.fsdp2, composed by automodel.recipes)
+shards dense and MoE models alike: it takes the `ExpertShardUnit` list as data ("these modules
+are units of their own over this mesh") and replays the routers' decisions under checkpointing
+(``MoEParallelizerConfig.ignore_router_for_ac``).
+
+Gradient scale: a dense gradient is the sum over the dp_cp ranks' losses, divided by
+``gradient_divide_factor`` (torch's default: the dp_cp size). An expert's gradient already holds
+the contributions of its whole ep group (the all-to-all backward brought them), so its FSDP
+reduction over ``ep_shard`` must divide by the same total factor, not by ``ep_shard`` alone.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from automodel.mesh import MeshContext, ResolvedLayout
-from automodel.moe.checkpointing import apply_ac
-from automodel.moe.config import MoEParallelizerConfig
 from automodel.moe.expert_parallel import apply_ep
-from automodel.moe.fsdp import apply_fsdp
-from automodel.moe.model_inspect import check_expert_parallel_support, find_decoder_layers, find_moe_blocks
+from automodel.moe.model_inspect import check_expert_parallel_support
 
 
 def validate_moe_layout(*, layout: ResolvedLayout, num_experts: list[int]) -> None:
@@ -37,78 +50,71 @@ def validate_moe_layout(*, layout: ResolvedLayout, num_experts: list[int]) -> No
             )
 
 
-def dense_fsdp_mesh(mesh: MeshContext) -> DeviceMesh | None:
-    """The mesh non-expert parameters are sharded over: dp_shard_cp, or (dp_replicate, dp_shard_cp) for HSDP."""
-    layout = mesh.layout
-    if layout.dp_cp == 1:
-        return None
-    if layout.dp_replicate_enabled:
-        return mesh.device_mesh[("dp_replicate", "dp_shard_cp")]
-    return mesh.get_mesh("dp_shard_cp")
+@dataclass(frozen=True)
+class ExpertShardUnit:
+    """One expert-parallel experts module, to be an FSDP2 unit of its own before its block's.
+
+    mesh: the ranks holding the same experts (``ep_shard``); the parameters are already DTensors
+        ``Shard(0)`` over ``ep`` and FSDP2 adds this dimension.
+    shard_placement_fn: FSDP's dim per parameter: 0, or 1 where the local rows are fewer than
+        the ep_shard ranks (dim 0 too short to shard).
+    gradient_divide_factor: the dense data-parallel divisor (see the module docstring).
+    """
+
+    name: str
+    module: nn.Module
+    mesh: DeviceMesh
+    shard_placement_fn: Callable[[nn.Parameter], Shard]
+    gradient_divide_factor: float
 
 
-def parallelize_model(
+def _expert_placement(ep_shard: int) -> Callable[[nn.Parameter], Shard]:
+    """FSDP's dim for one expert parameter: 0 unless its local rows over ep are fewer than the
+    ep_shard ranks (then 1, where it has one)."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        rows = param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0]
+        return Shard(1 if rows < ep_shard and param.ndim > 1 else 0)
+
+    return placement
+
+
+def parallelize_experts(
     model: nn.Module,
     *,
     mesh: MeshContext,
-    config: MoEParallelizerConfig | None = None,
-    activation_checkpointing: bool = False,
-    mp_policy: object | None = None,
     gradient_divide_factor: float | None = None,
     pipeline_stage: bool = False,
-) -> nn.Module:
-    """Apply expert parallelism, activation checkpointing and FSDP2 to a Hugging Face MoE model, in place.
+) -> list[ExpertShardUnit]:
+    """Make the experts of `model` expert parallel over ``ep`` in place; returns the expert units
+    FSDP2 must shard over ``ep_shard`` (automodel.fsdp2's ``SubmoduleSharding``).
 
-    Order: EP (experts ``Shard(0)`` over ``ep``) -> activation checkpointing per block
-    -> FSDP2 (experts over ``ep_shard``, the rest over the dense dp mesh). A dense model is
-    returned untouched when ep_size is 1 (shard it with automodel.fsdp2), and rejected otherwise.
-    `mp_policy` overrides ``config.mp_policy``; `gradient_divide_factor` scales every data-parallel
-    gradient reduction (None: average over dp*cp ranks; 1.0: pure sum). Every rank must hold the
-    same full weights (same seed, or meta tensors materialized afterwards).
-
-    `pipeline_stage`: `model` is one pipeline stage of a model whose experts were checked whole;
-    it may hold dense layers only (DeepSeek-V3's first layers are dense), which are then given
-    activation checkpointing and FSDP2 like any stage, with nothing to split over ep.
+    ep_size must be > 1. Every rank must hold the same full weights (same seed, or meta tensors
+    materialized afterwards). `gradient_divide_factor` is the one the dense units use (None:
+    torch's average over the dp*cp ranks; 1.0: pure sum). `pipeline_stage`: `model` is one stage
+    of a model whose experts were checked whole; it may hold dense layers only (DeepSeek-V3's
+    first layers), then nothing is split and the list is empty.
     """
-    config = config if config is not None else MoEParallelizerConfig()
-    if not isinstance(config, MoEParallelizerConfig):
-        raise ValueError(f"config must be a MoEParallelizerConfig, got {type(config).__name__}")
+    if not mesh.ep_enabled:
+        raise ValueError(f"parallelize_experts needs ep_size > 1, got ep_size={mesh.layout.ep}")
     if gradient_divide_factor is not None and not gradient_divide_factor > 0:
         raise ValueError(f"gradient_divide_factor must be > 0 or None, got {gradient_divide_factor!r}")
-    if mp_policy is not None:
-        config = MoEParallelizerConfig(**{**config.__dict__, "mp_policy": mp_policy})
-    # ep > 1: the same support rule as the pre-launch checks (refuses what EP cannot split)
-    if mesh.ep_enabled:
-        blocks = check_expert_parallel_support(model, allow_dense=pipeline_stage)
-    else:
-        blocks = find_moe_blocks(model)
-    if not blocks and not (mesh.ep_enabled and pipeline_stage):
-        validate_moe_layout(layout=mesh.layout, num_experts=[])
-        return model
-    if blocks:
-        validate_moe_layout(layout=mesh.layout, num_experts=[b.num_experts for b in blocks])
-    experts = []
-    if mesh.ep_enabled and blocks:
-        experts = [(b.experts_name, b.experts) for b in apply_ep(model, ep_mesh=mesh.get_mesh("ep"))]
-    layers = find_decoder_layers(model)
-    if activation_checkpointing:
-        if not layers:
-            raise ValueError(
-                "activation_checkpointing=True but the model has no `layers` container of blocks"
-            )
-        apply_ac([layer for _, layer in layers], save_router_decisions=config.ignore_router_for_ac)
-    dense_mesh = dense_fsdp_mesh(mesh)
-    if dense_mesh is not None:
-        apply_fsdp(
-            model,
-            dense_mesh=dense_mesh,
-            layers=layers,
-            experts=experts,
-            expert_mesh=mesh.get_mesh("ep_shard") if experts else None,
-            reshard_after_forward=config.reshard_after_forward,
-            mp_policy=config.mp_policy,
-            lm_head_precision=config.lm_head_precision,
-            wrap_outer_model=config.wrap_outer_model,
-            gradient_divide_factor=gradient_divide_factor,
+    # the same support rule as the pre-launch checks (refuses what EP cannot split)
+    blocks = check_expert_parallel_support(model, allow_dense=pipeline_stage)
+    if not blocks:
+        if not pipeline_stage:
+            validate_moe_layout(layout=mesh.layout, num_experts=[])
+        return []
+    validate_moe_layout(layout=mesh.layout, num_experts=[b.num_experts for b in blocks])
+    expert_mesh = mesh.get_mesh("ep_shard")
+    factor = float(mesh.layout.dp_cp) if gradient_divide_factor is None else gradient_divide_factor
+    return [
+        ExpertShardUnit(
+            name=block.experts_name,
+            module=block.experts,
+            mesh=expert_mesh,
+            shard_placement_fn=_expert_placement(expert_mesh.size()),
+            gradient_divide_factor=factor,
         )
-    return model
+        for block in apply_ep(model, ep_mesh=mesh.get_mesh("ep"))
+    ]

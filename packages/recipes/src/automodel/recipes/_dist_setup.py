@@ -13,7 +13,7 @@ YAML distributed section
 
 Each flag's own rule (type, range) lives in its package's config class; a parallelism's rules
 against the other sizes in its `Parallelism.check_sizes`, against the model in its `check_model`
-(run by `rules.py`); only the loop that applies `_NOT_WITH_EP` stays here.
+(run by `rules.py`); only the strategy's allow-list of parallelisms is read here.
 """
 
 from __future__ import annotations
@@ -47,13 +47,6 @@ if TYPE_CHECKING:
 #: The `ParallelismSizes` fields: the size keys of the parallelisms that form mesh axes; the other
 #: registered parallelisms' sizes are `DistributedSection.other_sizes`.
 _MESH_SIZE_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelismSizes))
-#: FSDP2 options automodel.moe's expert-parallel sharding does not apply: refused with ep_size > 1.
-_NOT_WITH_EP = {
-    "enable_compile": "per-layer torch.compile",
-    "offload_policy": "CPU offload",
-    "enable_fsdp2_prefetch": "explicit FSDP2 prefetch chains",
-    "autocast_dtype": "autocast (use mp_policy: the expert shards honour its dtypes)",
-}
 
 
 def strategy_flags(strategy: str) -> tuple[str, ...]:
@@ -193,13 +186,6 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
     get_strategy(strategy).check_sizes(sizes, options, strategy_config)
     for parallelism in parallelisms():
         parallelism.check_sizes(sizes=sizes, data=data, strategy_config=strategy_config)
-    ep = sizes["ep_size"]
-    if ep is not None and ep > 1:
-        for key, what in _NOT_WITH_EP.items():
-            if data.get(key) not in (None, False):
-                raise ConfigError(
-                    f"distributed.{key}", data[key], f"is not applied with ep_size > 1 ({what}); remove it"
-                )
 
     try:
         psizes = ParallelismSizes(**{k: v for k, v in sizes.items() if k in _MESH_SIZE_KEYS})

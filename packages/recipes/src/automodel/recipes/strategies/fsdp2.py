@@ -1,6 +1,8 @@
 """The FSDP2 strategy: per stage TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch ->
 autocast, the pipeline split around it when pp > 1, then materialize (parameters are sharded on
-the meta device and filled in place)."""
+the meta device and filled in place). Dense and MoE models take the same path: EP (automodel.moe)
+splits the experts and names them; automodel.fsdp2 checkpoints and shards everything, the experts
+as units of their own over ``ep_shard``."""
 
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ from torch.distributed.tensor import Shard
 from automodel.context_parallel import apply_context_parallel
 from automodel.fsdp2 import (
     FSDP2Config,
+    SubmoduleSharding,
     apply_sharding_from_config,
     apply_tensor_parallel_from_config,
     default_mp_policy,
 )
 from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
 from automodel.mesh import MeshContext
-from automodel.moe import parallelize_model as apply_expert_parallel
+from automodel.moe import MoEParallelizerConfig, parallelize_experts
 from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
@@ -34,35 +37,68 @@ def apply_fsdp2_stack(
     module: nn.Module,
     *,
     mesh: MeshContext,
-    section: DistributedSection,
-    config: Any,
+    config: FSDP2Config,
+    moe_config: MoEParallelizerConfig | None,
     gradient_divide_factor: float | None,
 ) -> str:
     """TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch -> autocast on one model (or PP stage).
 
     The FSDP2 halves are automodel.fsdp2's; CP and EP go between them. With EP, automodel.moe
-    shards the model (activation checkpointing and mp_policy included); the FSDP2 options it cannot
-    honour are refused when the section is parsed. Returns the CP attention backend to pass to
-    `make_cp_batch_and_ctx` ("none" without CP).
+    splits the experts over ``ep`` and names them; the second half then shards them as units of
+    their own over ``ep_shard`` and the rest as for a dense model, with the `moe_config` options
+    (router replay, resharding, the root unit, a head precision). Returns the CP attention backend
+    to pass to `make_cp_batch_and_ctx` ("none" without CP).
     """
     layout = mesh.layout
     apply_tensor_parallel_from_config(module, mesh=mesh, config=config)
     cp_backend = "none"
     if layout.cp_enabled:
         cp_backend = apply_context_parallel(module, cp_mesh=mesh.get_mesh("cp"))
-    if layout.ep_enabled:
-        apply_expert_parallel(
-            module,
-            mesh=mesh,
-            config=section.moe_config,
-            activation_checkpointing=config.activation_checkpointing,
-            mp_policy=config.mp_policy,
-            gradient_divide_factor=gradient_divide_factor,
-            pipeline_stage=layout.pp_enabled,  # a stage may hold dense layers only
+    if not layout.ep_enabled:
+        apply_sharding_from_config(
+            module, mesh=mesh, config=config, gradient_divide_factor=gradient_divide_factor
         )
         return cp_backend
+    moe = moe_config if moe_config is not None else MoEParallelizerConfig()
+    experts = parallelize_experts(
+        module,
+        mesh=mesh,
+        gradient_divide_factor=gradient_divide_factor,
+        pipeline_stage=layout.pp_enabled,  # a stage may hold dense layers only
+    )
+    mp_policy = config.mp_policy if config.mp_policy is not None else moe.mp_policy
+    assert mp_policy is None or isinstance(mp_policy, MixedPrecisionPolicy)
+    submodules = [
+        SubmoduleSharding(
+            module=unit.module,
+            mesh=unit.mesh,
+            shard_placement_fn=unit.shard_placement_fn,
+            gradient_divide_factor=unit.gradient_divide_factor,
+        )
+        for unit in experts
+    ]
+    lm_head = getattr(module, "lm_head", None)  # None on pipeline stages before the last
+    if moe.lm_head_precision is not None and isinstance(lm_head, nn.Module):
+        assert isinstance(moe.lm_head_precision, torch.dtype)
+        precision = moe.lm_head_precision
+        submodules.append(
+            SubmoduleSharding(
+                module=lm_head,
+                mp_policy=MixedPrecisionPolicy(
+                    param_dtype=precision, reduce_dtype=torch.float32, output_dtype=precision
+                ),
+            )
+        )
     apply_sharding_from_config(
-        module, mesh=mesh, config=config, gradient_divide_factor=gradient_divide_factor
+        module,
+        mesh=mesh,
+        config=config,
+        mp_policy=mp_policy,
+        gradient_divide_factor=gradient_divide_factor,
+        submodules=submodules,
+        save_router_decisions=moe.ignore_router_for_ac,
+        reshard_after_forward=moe.reshard_after_forward,
+        wrap_root=moe.wrap_outer_model,
     )
     return cp_backend
 
@@ -134,8 +170,8 @@ class FSDP2Strategy(Strategy):
             cp_backend = apply_fsdp2_stack(
                 module,
                 mesh=mesh,
-                section=section,
                 config=config,
+                moe_config=section.moe_config,
                 gradient_divide_factor=gradient_divide_factor,
             )
 

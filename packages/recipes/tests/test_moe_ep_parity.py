@@ -1,4 +1,6 @@
-"""Loss and gradient parity of parallelize_model against one process, on real gloo ranks.
+"""Loss and gradient parity of the FSDP2 strategy's stack on MoE models under expert parallelism
+(automodel.moe splits the experts, automodel.fsdp2 checkpoints and shards everything), against one
+process, on real gloo ranks; with each FSDP2 option (compile, prefetch, offload, autocast) too.
 
 The reference runs the same model on every data shard in turn and accumulates gradients, which
 is exactly what data parallelism computes (the auxiliary loss is per micro-batch in both).
@@ -13,15 +15,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from automodel.fsdp2 import FSDP2Config
+from automodel.fsdp2.meta_init import canonical_fqn
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.layout_check import check_layout_applied
 from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
 from automodel.mesh.layout_table import LAYOUTS
 from automodel.mesh.testing import run_on_ranks
-from automodel.moe import MoEParallelizerConfig, parallelize_model
+from automodel.moe import MoEParallelizerConfig
 from automodel.moe.testing import build_tiny_model, preload
+from automodel.recipes.strategies.fsdp2 import apply_fsdp2_stack
 
 preload()
 
@@ -33,8 +39,9 @@ def _batch(step: int, num_seqs: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (num_seqs, SEQ), generator=g)
 
 
-def _shard_loss(model, ids, *, num_shards: int, pure_sum: bool) -> torch.Tensor:
-    out = model(input_ids=ids, output_router_logits=True)
+def _shard_loss(model, ids, *, num_shards: int, pure_sum: bool, autocast: bool = False) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(input_ids=ids, output_router_logits=True)
     ce = F.cross_entropy(
         out.logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1), reduction="sum"
     )
@@ -62,17 +69,22 @@ def _parity_rank(
     ac: bool = False,
     pure_sum: bool = True,
     steps: int = 2,
+    options: dict | None = None,
 ) -> dict:
     ctx = MeshContext.build(sizes)
     dp, coords = ctx.layout.dp, ctx.coordinates
     dp_index = coords["dp_replicate"] * ctx.layout.dp_shard + coords["dp_shard"]
     model = build_tiny_model(family, **model_kwargs)
     ref = copy.deepcopy(model)
-    parallelize_model(
+    options = options or {}
+    autocast = options.get("autocast_dtype") is not None
+    apply_fsdp2_stack(
         model,
         mesh=ctx,
-        config=MoEParallelizerConfig(**config),
-        activation_checkpointing=ac,
+        config=FSDP2Config(
+            **{"mp_policy": MixedPrecisionPolicy(), "activation_checkpointing": ac, **options}
+        ),
+        moe_config=MoEParallelizerConfig(**config),
         gradient_divide_factor=1.0 if pure_sum else None,
     )
     # what this rank holds (automodel.mesh.layout_report), for the applied-layout check
@@ -86,11 +98,13 @@ def _parity_rank(
         "loss": [],
         "ref_loss": [],
         "grad_rel": [],
-        "names": sorted(n for n, _ in model.named_parameters()),
+        "names": sorted(canonical_fqn(n) for n, _ in model.named_parameters()),
         "report": report,
+        "layout": _layout_facts(model),
     }
     for step in range(steps):
         ids = _batch(step, dp * PER_RANK)
+        # under autocast both sides compute in bf16 (the one-process side by the context here)
         loss = _shard_loss(model, ids.chunk(dp)[dp_index], num_shards=dp, pure_sum=pure_sum)
         loss.backward()
         total = loss.detach().clone()
@@ -98,20 +112,20 @@ def _parity_rank(
         result["loss"].append(total.item() if pure_sum else total.item() / dp)
         ref_total = 0.0
         for shard in ids.chunk(dp):
-            ref_loss = _shard_loss(ref, shard, num_shards=dp, pure_sum=pure_sum)
+            ref_loss = _shard_loss(ref, shard, num_shards=dp, pure_sum=pure_sum, autocast=autocast)
             (ref_loss if pure_sum else ref_loss / dp).backward()
             ref_total += ref_loss.item() if pure_sum else ref_loss.item() / dp
         result["ref_loss"].append(ref_total)
         worst = 0.0
         for name, p in model.named_parameters():
-            worst = max(worst, _rel(_full(p.grad), ref_params[name].grad))
+            worst = max(worst, _rel(_full(p.grad).to(p.device), ref_params[canonical_fqn(name)].grad))
         result["grad_rel"].append(worst)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
     result["weight_rel"] = max(
-        _rel(_full(p.detach()), ref_params[n].detach()) for n, p in model.named_parameters()
+        _rel(_full(p.detach()), ref_params[canonical_fqn(n)].detach()) for n, p in model.named_parameters()
     )
     result["expert_local_shape"] = [
         tuple(cast(DTensor, p).to_local().shape)
@@ -121,18 +135,45 @@ def _parity_rank(
     return result
 
 
-def _check(results: list[dict]) -> None:
+def _layout_facts(model: torch.nn.Module) -> dict:
+    """What the applier did: the FSDP2 units (FQN -> mesh dims) and each parameter's placement."""
+    units: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if isinstance(module, FSDPModule) and own:
+            assert isinstance(own[0], DTensor), name
+            units[name] = list(own[0].device_mesh.mesh_dim_names or ())
+    params = {
+        name: (list(p.device_mesh.mesh_dim_names or ()), [str(pl) for pl in p.placements], str(p.device))
+        for name, p in model.named_parameters()
+        if isinstance(p, DTensor)
+    }
+    states = {name: m._get_fsdp_state() for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    groups = {name: state._fsdp_param_group for name, state in states.items() if state._fsdp_param_group}
+    layers = cast(torch.nn.ModuleList, model.get_submodule("model.layers"))
+    return {
+        "units": units,
+        "params": params,
+        "offload": sorted({type(g.offload_policy).__name__ for g in groups.values()}),
+        "forward_prefetch": [
+            len(states[f"model.layers.{i}"]._states_to_forward_prefetch) for i in range(len(layers))
+        ],
+        "compiled": [getattr(layer, "_compiled_call_impl", None) is not None for layer in layers],
+        "autocast": hasattr(model.forward, "__wrapped__"),
+    }
+
+
+def _check(results: list[dict], *, tol: float = TOL) -> None:
     for r in results:
         for got, want in zip(r["loss"], r["ref_loss"], strict=True):
-            assert abs(got - want) <= TOL * abs(want), (r["loss"], r["ref_loss"])
-        assert max(r["grad_rel"]) < TOL, r["grad_rel"]
-        assert r["weight_rel"] < TOL, r["weight_rel"]
+            assert abs(got - want) <= tol * abs(want), (r["loss"], r["ref_loss"])
+        assert max(r["grad_rel"]) < tol, r["grad_rel"]
+        assert r["weight_rel"] < tol, r["weight_rel"]
         assert r["names"] == results[0]["names"]
 
 
-#: The shared layouts (`automodel.mesh.layout_table`) parallelize_model composes on its own: the
-#: MoE model split over ep and data parallelism only (pipeline, TP and CP come from the other
-#: packages; they meet EP in the recipes' tests).
+#: The shared layouts (`automodel.mesh.layout_table`) of the MoE model split over ep and data
+#: parallelism only (pipeline, TP and CP meet EP in the parity matrix).
 EP_LAYOUTS = {
     layout.name: layout
     for layout in LAYOUTS
@@ -214,3 +255,52 @@ def test_parity_no_outer_wrap_fp32_head() -> None:
         timeout_s=300,
     )
     _check(results)
+
+
+#: Each FSDP2 option under ep=2 on 4 ranks (experts FSDP-sharded over ep_shard=2), fp32 unless autocast.
+OPTIONS = {
+    "compile": {"enable_compile": True},
+    # compiled checkpointed layers replaying the routers' top-k in the recomputation
+    "compile_ac": {"enable_compile": True, "activation_checkpointing": True},
+    "prefetch": {"enable_fsdp2_prefetch": True},
+    "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+    "autocast": {"autocast_dtype": torch.bfloat16},
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_parity_fsdp2_options_with_ep(option: str) -> None:
+    """The dense models' options hold with EP too: same numbers as one process, and applied."""
+    results = run_on_ranks(
+        _parity_rank,
+        world_size=4,
+        args=("qwen3_moe", ParallelismSizes(ep_size=2)),
+        kwargs={"model_kwargs": {}, "config": {}, "options": OPTIONS[option]},
+        timeout_s=600,
+    )
+    # bf16 compute under autocast on both sides, but the expert sums are grouped differently
+    _check(results, tol=3e-2 if option == "autocast" else TOL)
+    for r in results:
+        facts = r["layout"]
+        experts = {n: v for n, v in facts["params"].items() if ".experts." in n}
+        dense = {n: v for n, v in facts["params"].items() if ".experts." not in n}
+        # experts: EP Shard(0) over ep, FSDP over ep_shard; everything else over dp_shard_cp
+        assert experts and all(v[0] == ["ep_shard", "ep"] and v[1][1] == "S(0)" for v in experts.values()), (
+            experts
+        )
+        assert dense and all(v[0] == ["dp_shard_cp"] for v in dense.values()), dense
+        assert all(v[1] == ["S(0)"] for v in dense.values()), dense
+        assert r["expert_local_shape"] == [(2, 64, 64)] * 2  # 8 experts / ep 2 / ep_shard 2
+        expert_units = [u for u in facts["units"] if u.endswith(".mlp.experts")]
+        assert len(expert_units) == 2 and all(
+            set(facts["units"][u]) == {"ep_shard", "ep"} for u in expert_units
+        )
+        if option == "offload":
+            assert facts["offload"] == ["CPUOffloadPolicy"], facts["offload"]
+        if option == "prefetch":
+            # layer 0 prefetches layer 1 and the experts unit nested in it
+            assert facts["forward_prefetch"] == [2, 0], facts["forward_prefetch"]
+        if option.startswith("compile"):
+            assert facts["compiled"] == [True, True]
+        if option == "autocast":
+            assert facts["autocast"]

@@ -4,7 +4,9 @@ Parity (2 gloo ranks, ep2, fp32) against one process on the same data for GPT-OS
 interleaved gate/up with biases, clamped gate), Nemotron-H (no gate, relu2), Llama 4 (one block
 per expert, router scores scaling the input), JetMoE (rows sorted by expert, in the MLP and the
 attention experts), Doge (experts as embedding rows) and DBRX (flat [E*F, H] rows in a child of
-the experts module); the probe's refusals; and the one support rule on meta-device models.
+the experts module); the probe's refusals; and the one support rule on meta-device models. The
+model is parallelized by the FSDP2 strategy's stack (automodel.moe splits the experts,
+automodel.fsdp2 checkpoints and shards), as the recipes do.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from automodel.fsdp2 import FSDP2Config
+from automodel.fsdp2.meta_init import canonical_fqn
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.testing import run_on_ranks
 from automodel.mesh.tiny_model import tiny_causal_lm
-from automodel.moe import ExpertsLayout, apply_ep, check_expert_parallel_support, parallelize_model
+from automodel.moe import ExpertsLayout, MoEParallelizerConfig, apply_ep, check_expert_parallel_support
+from automodel.recipes.strategies.fsdp2 import apply_fsdp2_stack
 
 SEQ, PER_RANK, VOCAB, TOL = 16, 2, 256, 1e-5
 #: Each family's experts under its own names, on the shared tiny sizes (`automodel.mesh.tiny_model`).
@@ -89,18 +95,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
+def _named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters under the bare model's names (no checkpoint-wrapper atoms)."""
+    return [(canonical_fqn(n), p) for n, p in model.named_parameters()]
+
+
 def _ep_parity_rank(family: str, steps: int = 2, ac: bool = False) -> dict:
     ctx = MeshContext.build(ParallelismSizes(ep_size=2))
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _build(family)
     ref = copy.deepcopy(model)
-    parallelize_model(model, mesh=ctx, gradient_divide_factor=1.0, activation_checkpointing=ac)
+    apply_fsdp2_stack(
+        model,
+        mesh=ctx,
+        config=FSDP2Config(mp_policy=MixedPrecisionPolicy(), activation_checkpointing=ac),
+        moe_config=MoEParallelizerConfig(),
+        gradient_divide_factor=1.0,
+    )
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     ref_params = dict(ref.named_parameters())
     out: dict = {"loss_rel": [], "grad_rel": [], "expert_grad_rel": []}
     split = {
         n
-        for n, p in model.named_parameters()
+        for n, p in _named_parameters(model)
         if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
     }
     out["own_block"] = _holds_own_block(model, ref_params, split, ep_rank=ctx.get_mesh("ep").get_local_rank())
@@ -117,7 +134,7 @@ def _ep_parity_rank(family: str, steps: int = 2, ac: bool = False) -> dict:
             ref_loss.backward()
             ref_total += ref_loss.item()
         out["loss_rel"].append(abs(total.item() - ref_total) / abs(ref_total))
-        grads = [(n, _full(p.grad), ref_params[n].grad) for n, p in model.named_parameters()]
+        grads = [(n, _full(p.grad), ref_params[n].grad) for n, p in _named_parameters(model)]
         missing = [n for n, got, want in grads if (got is None) != (want is None)]
         assert not missing, f"gradients present on one side only: {missing}"
         grads = [(n, got, want) for n, got, want in grads if want is not None]
@@ -134,7 +151,7 @@ def _ep_parity_rank(family: str, steps: int = 2, ac: bool = False) -> dict:
     # every parameter split over ep: (local experts, all experts)
     out["expert_rows"] = {
         n: (p.to_local().shape[0], p.shape[0])
-        for n, p in model.named_parameters()
+        for n, p in _named_parameters(model)
         if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
     }
     out["fast_path"] = sorted(
@@ -149,7 +166,7 @@ def _holds_own_block(
     """Whether each split parameter's local rows are its ep rank's contiguous block of the one-process
     rows (rank r: experts r*L..(r+1)*L-1); None where FSDP splits them further (ep_shard > 1)."""
     found: dict[str, bool | None] = {}
-    for name, param in model.named_parameters():
+    for name, param in _named_parameters(model):
         if name in split:
             assert isinstance(param, DTensor), name
             local, full = param.to_local(), ref_params[name]
