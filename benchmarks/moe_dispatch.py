@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.moe import MoEParallelizerConfig, find_moe_blocks, parallelize_model
-from automodel.moe.testing import build_tiny_model, preload
+from automodel.testing.moe import build_tiny_model, preload
+from automodel.testing.ranks import run_on_ranks
 
 WORLD, VOCAB, EXPERTS, TOP_K = 4, 256, 8, 2
 

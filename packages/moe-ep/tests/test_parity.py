@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.layout_check import check_layout_applied
 from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
-from automodel.mesh.layout_table import LAYOUTS
-from automodel.mesh.testing import run_on_ranks
 from automodel.moe import MoEParallelizerConfig, parallelize_model
-from automodel.moe.testing import build_tiny_model, preload
+from automodel.testing.layout_check import check_layout_applied
+from automodel.testing.layout_table import LAYOUTS
+from automodel.testing.moe import build_tiny_model, preload
+from automodel.testing.ranks import run_on_ranks
 
 preload()
 
@@ -130,7 +130,7 @@ def _check(results: list[dict]) -> None:
         assert r["names"] == results[0]["names"]
 
 
-#: The shared layouts (`automodel.mesh.layout_table`) parallelize_model composes on its own: the
+#: The shared layouts (`automodel.testing.layout_table`) parallelize_model composes on its own: the
 #: MoE model split over ep and data parallelism only (pipeline, TP and CP come from the other
 #: packages; they meet EP in the recipes' tests).
 EP_LAYOUTS = {

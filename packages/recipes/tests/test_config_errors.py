@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from automodel.mesh.testing import cuda_device_count
 from automodel.recipes.cli import run_cli
+from automodel.testing.ranks import cuda_device_count
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import MOE_MODEL as _MOE  # noqa: E402

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.trainer import StepScaledLoss, context_parallel_inputs, is_collective_timeout
+from automodel.testing.ranks import run_on_ranks
 
 PAD = 7
 

@@ -4,7 +4,7 @@ Read off the live modules, not off a config: DTensor mesh axes, placements, glob
 shapes and offsets of every parameter; FSDP2 units; the DDP wrapper and its reducer;
 activation-checkpointed modules; the decoder layers a part holds. One producer for every reader:
 `recipes train` writes it per rank (``logging.layout_report``, adding pipeline stages and
-megatron-fsdp buffers), and the package tests hand it to `automodel.mesh.layout_check`, which fails
+megatron-fsdp buffers), and the package tests hand it to `automodel.testing.layout_check`, which fails
 unless the layout was really applied. Only torch is imported.
 """
 
