@@ -24,6 +24,7 @@ from transformers import (
 
 import automodel.fsdp2  # noqa: F401 - imported once here so forked ranks inherit it
 from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
+from automodel.mesh.model_parts import canonical_fqn
 from automodel.testing.layout_table import Layout
 from automodel.testing.tiny_model import TINY_SIZES, tiny_causal_lm
 
@@ -83,8 +84,6 @@ def make_optimizer(params, name: str) -> torch.optim.Optimizer:
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (gathered) parameters by canonical name; a collective when the model is sharded."""
-    from automodel.fsdp2.meta_init import canonical_fqn
-
     out = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p

@@ -12,7 +12,6 @@ from automodel.moe.model_inspect import (
     ExpertsLayout,
     MoEBlock,
     check_expert_parallel_support,
-    find_decoder_layers,
     find_moe_blocks,
 )
 from automodel.moe.parallelizer import dense_fsdp_mesh, parallelize_model, validate_moe_layout
@@ -32,7 +31,6 @@ __all__ = [
     "combine_tokens",
     "dense_fsdp_mesh",
     "dispatch_tokens",
-    "find_decoder_layers",
     "find_moe_blocks",
     "grouped_expert_mlp",
     "grouped_mm_supported",

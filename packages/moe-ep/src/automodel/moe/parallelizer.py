@@ -6,11 +6,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from automodel.mesh import MeshContext, ResolvedLayout
+from automodel.mesh.model_parts import named_decoder_layers
 from automodel.moe.checkpointing import apply_ac
 from automodel.moe.config import MoEParallelizerConfig
 from automodel.moe.expert_parallel import apply_ep
 from automodel.moe.fsdp import apply_fsdp
-from automodel.moe.model_inspect import check_expert_parallel_support, find_decoder_layers, find_moe_blocks
+from automodel.moe.model_inspect import check_expert_parallel_support, find_moe_blocks
 
 
 def validate_moe_layout(*, layout: ResolvedLayout, num_experts: list[int]) -> None:
@@ -90,7 +91,7 @@ def parallelize_model(
     experts = []
     if mesh.ep_enabled and blocks:
         experts = [(b.experts_name, b.experts) for b in apply_ep(model, ep_mesh=mesh.get_mesh("ep"))]
-    layers = find_decoder_layers(model)
+    layers = named_decoder_layers(model)
     if activation_checkpointing:
         if not layers:
             raise ValueError(

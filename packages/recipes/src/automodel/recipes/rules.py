@@ -6,11 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from automodel.context_parallel import check_context_parallel_support
-from automodel.fsdp2.hf_config import positive_ints
 from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
 from automodel.mesh import ResolvedLayout
-from automodel.mesh.model_parts import find_layer_list, text_config
-from automodel.moe import check_expert_parallel_support, find_decoder_layers, validate_moe_layout
+from automodel.mesh.model_parts import find_layer_list, named_decoder_layers, positive_ints, text_config
+from automodel.moe import check_expert_parallel_support, validate_moe_layout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import check_kernels_rules
 from automodel.recipes.model import build_meta_model, num_experts
@@ -237,8 +236,8 @@ def _check_per_layer_features(model: Any, hf_config: Any, *, cfg: Any, layout: R
     flags = [f for f in get_strategy(d.strategy).layer_flags if getattr(d.strategy_config, f, False)]
     if not flags:
         return
-    if layout.ep > 1:  # automodel.moe's finder (the shared one, else the blocks holding the experts)
-        has_layers = bool(find_decoder_layers(model))
+    if layout.ep > 1:  # EP's finder (the shared list, else a ModuleDict of blocks: model_parts)
+        has_layers = bool(named_decoder_layers(model))
     else:
         has_layers = find_layer_list(model) is not None
     if has_layers:
