@@ -338,7 +338,7 @@ def install_alone(out: Path, only: list[str] | None = None) -> None:
         print(
             f"{name}: installed alone with {len(installed)} distributions "
             f"({', '.join(sorted(automodel))}; torch {installed.get('torch')}) in {t_install:.1f} s; "
-            f"import + smoke ok; {seconds:.1f} s",
+            f"import, no test code, smoke ok; {seconds:.1f} s",
             flush=True,
         )
     shutil.rmtree(base, ignore_errors=True)  # 7 venvs of hard links: cheap, but no reason to keep them
