@@ -13,7 +13,7 @@ import pytest
 # gradient imports sympy (via symbolic_shapes) separately in every forked rank (13-30 s each on 2 cores).
 import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
-from automodel.mesh.testing import cuda_probe
+from automodel.testing.ranks import cuda_probe
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

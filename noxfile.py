@@ -1,7 +1,7 @@
 """Sessions: `tests` (CPU suite of every package and tests/), `gpu_tests` (tests marked gpu), `lint`,
 `typecheck` (basedpyright over every file),
 `build` (wheel + sdist per package, checked), `install_alone` (each wheel alone in a fresh venv,
-imported and smoke-run), `release_check` (versions, changelogs and release tags agree), `conformance`
+imported, checked free of test code and smoke-run), `release_check` (versions, changelogs and release tags agree), `conformance`
 (every causal LM of the transformers registry under every layout; writes docs/models.md), `composed`
 (composed layouts on common families; writes docs/composed.md), `faults` (every fault and
 bad-input case of the recipes and the pipeline package).
@@ -85,7 +85,9 @@ def install_alone(session: nox.Session) -> None:
     """Build (as `build`), then install each wheel alone into a fresh `uv venv` and smoke-run it.
 
     Only the package's declared dependencies: siblings from the just-built wheels, third-party
-    packages at uv.lock's versions from the uv cache. `-- --only automodel-pipeline` limits it.
+    packages at uv.lock's versions from the uv cache. Fails if an installed wheel holds test code
+    (a test or harness module, an import of pytest or automodel.testing, a harness function: the
+    harness lives in the dev-only packages/testing). `-- --only automodel-pipeline` limits it.
     .ci/run runs it. See scripts/dists.py and scripts/install_alone/.
     """
     session.run(sys.executable, str(ROOT / "scripts" / "dists.py"), "install-alone", *session.posargs)

@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.checkpoint import CheckpointConfig, Checkpointer, TrainingState
+from automodel.testing.ranks import run_on_ranks
 
 
 class _Loader:

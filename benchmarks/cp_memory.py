@@ -21,7 +21,7 @@ import torch.fx.experimental.symbolic_shapes  # noqa: F401  (imported once here,
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from automodel.context_parallel import load_balanced_indices, ring_attention
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.fsdp2 import FSDP2Config, FSDP2Manager
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def _model(args: argparse.Namespace) -> LlamaForCausalLM:

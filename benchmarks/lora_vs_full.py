@@ -22,7 +22,7 @@ import torch
 from _recipe_config import llama, recipe_config
 from torch.distributed.tensor import DTensor
 
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 MODEL = llama(hidden=512, intermediate=1376, layers=4, heads=8, kv_heads=4, max_positions=256)
 LORA = {"dim": 8, "alpha": 16}  # target_modules: "*_proj" (NeMo's default)

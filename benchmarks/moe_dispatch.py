@@ -20,10 +20,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from automodel.fsdp2 import FSDP2Config
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.moe import MoEParallelizerConfig, find_moe_blocks
-from automodel.moe.testing import build_tiny_model, preload
 from automodel.recipes.strategies.fsdp2 import apply_fsdp2_stack
+from automodel.testing.moe import build_tiny_model, preload
+from automodel.testing.ranks import run_on_ranks
 
 WORLD, VOCAB, EXPERTS, TOP_K = 4, 256, 8, 2
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig
+from automodel.testing.ranks import run_on_ranks
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]
 SINGLE_STAGE = {"gpipe", "1f1b"}

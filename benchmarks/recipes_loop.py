@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from _recipe_config import llama, recipe_config
 
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes import load_config
 from automodel.recipes.trainer import Trainer
+from automodel.testing.ranks import run_on_ranks
 
 CFG = recipe_config(
     model=llama(hidden=128, intermediate=344, layers=4, heads=4, kv_heads=2, max_positions=128),

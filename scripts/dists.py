@@ -17,13 +17,18 @@ package's wheel plus the wheels of the siblings it declares (transitively), all 
 come from the uv cache that `uv sync` filled, hard-linked: nothing is downloaded twice). Then
 `uv pip check`, a check that exactly the expected automodel distributions are present (and
 transformers only where required), an import from the venv (`python -I`: no workspace path)
-that reports the pyproject's `__version__`, and the package's smoke script
+that reports the pyproject's `__version__`, a check that none of the installed automodel wheels
+holds test code (`wheel_test_code`), and the package's smoke script
 (scripts/install_alone/smoke_<module>.py; see each for what it runs).
+
+A package whose pyproject carries the classifier `Private :: Do Not Upload` (packages/testing, the
+dev-only test harness) is no distribution: it is neither built nor installed alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import email.message
 import email.parser
 import hashlib
@@ -42,6 +47,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "scripts" / "install_alone"
+#: The dev-only test harness (automodel.testing): never published, never in a wheel.
+HARNESS = ROOT / "packages" / "testing" / "src" / "automodel" / "testing"
+#: PyPI refuses an upload with this classifier; a package that carries it is not a distribution.
+PRIVATE = "Private :: Do Not Upload"
+#: Module names that are test code wherever they appear (besides ``test_*`` and the harness's own).
+TEST_MODULES = frozenset({"testing", "conftest", "tests", "test"})
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,8 @@ def workspace_packages() -> list[Package]:
     for pyproject in sorted((ROOT / "packages").glob("*/pyproject.toml")):
         data = tomllib.loads(pyproject.read_text())
         project = data["project"]
+        if PRIVATE in project.get("classifiers", []):
+            continue
         module = data["tool"]["uv"]["build-backend"]["module-name"]
         out.append(
             Package(
@@ -191,6 +204,48 @@ def build(out: Path) -> dict[str, tuple[Path, Path]]:
     return built
 
 
+def harness_names(harness: Path = HARNESS) -> tuple[frozenset[str], frozenset[str]]:
+    """(module names, public top-level function and class names) of the dev-only test harness,
+    read from its source: what would show that the harness came back into a wheel."""
+    modules, defs = set(), set()
+    for path in harness.glob("*.py"):
+        if path.stem != "__init__":
+            modules.add(path.stem)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+                defs.add(node.name)
+    return frozenset(modules), frozenset(defs)
+
+
+def wheel_test_code(wheel: Path, *, harness: Path = HARNESS) -> list[str]:
+    """Why `wheel` holds test code (empty: it holds none): a module named like test code
+    (``testing``, ``conftest``, ``test_*``) or like a harness module (``ranks``, ``tiny_model``, ...),
+    a module importing pytest or automodel.testing, or a top-level function or class of the
+    harness's (``run_on_ranks``, ``tiny_causal_lm``, ``check_layout_applied``, ...)."""
+    modules, defs = harness_names(harness)
+    found: list[str] = []
+    with zipfile.ZipFile(wheel) as z:
+        for name in sorted(n for n in z.namelist() if n.endswith(".py")):
+            stem = Path(name).stem
+            if stem in TEST_MODULES or stem in modules or stem.startswith("test_"):
+                found.append(f"{name}: a test module by its name")
+            tree = ast.parse(z.read(name).decode(), filename=name)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    imported = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    imported = [node.module or ""]
+                else:
+                    continue
+                for mod in imported:
+                    if mod.split(".")[0] in ("pytest", "_pytest") or mod.startswith("automodel.testing"):
+                        found.append(f"{name}:{node.lineno}: imports {mod}")
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name in defs:
+                    found.append(f"{name}:{node.lineno}: defines the harness's {node.name}")
+    return found
+
+
 def _closure(name: str, wheels: dict[str, Path]) -> list[str]:
     """`name` and the workspace siblings its wheel requires, transitively (extras not followed)."""
     seen, todo = [], [name]
@@ -268,6 +323,9 @@ def install_alone(out: Path, only: list[str] | None = None) -> None:
         got = _run([str(python), "-I", "-c", probe], cwd=work, env=run_env).strip().splitlines()[-1]
         if got != p.version:
             sys.exit(f"{name}: {p.module}.__version__ is {got!r}, pyproject.toml says {p.version}")
+        test_code = [f"{wheels[n].name}: {why}" for n in needed for why in wheel_test_code(wheels[n])]
+        if test_code:
+            sys.exit(f"{name}: the installed wheels hold test code:\n  " + "\n  ".join(test_code))
         smoke = SMOKE / f"smoke_{p.module.split('.', 1)[1]}.py"
         arg = {
             "automodel-pipeline": [str(p.folder / "README.md")],
@@ -280,7 +338,7 @@ def install_alone(out: Path, only: list[str] | None = None) -> None:
         print(
             f"{name}: installed alone with {len(installed)} distributions "
             f"({', '.join(sorted(automodel))}; torch {installed.get('torch')}) in {t_install:.1f} s; "
-            f"import + smoke ok; {seconds:.1f} s",
+            f"import, no test code, smoke ok; {seconds:.1f} s",
             flush=True,
         )
     shutil.rmtree(base, ignore_errors=True)  # 7 venvs of hard links: cheap, but no reason to keep them

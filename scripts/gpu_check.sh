@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for a runner with torch preinstalled and no uv, nox or package index:
-#   1. every packages/*/src on PYTHONPATH (nothing is installed into the interpreter);
+#   1. every packages/*/src on PYTHONPATH (nothing is installed into the interpreter), the dev-only
+#      test harness packages/testing/src (automodel.testing) among them;
 #   2. wheels found in .whl/ (e.g. megatron-fsdp, liger-kernel, torchao: pure Python) installed into a temporary
 #      directory with `pip install --no-index --no-deps --target` and prepended to PYTHONPATH;
 #   3. the environment printed (python, torch, CUDA, GPUs, transformers, megatron-fsdp, ...);
@@ -73,7 +74,7 @@ else
     mkdir -p "$OUT"
 fi
 
-# 1. the workspace packages' sources
+# 1. the workspace packages' sources (packages/testing/src, the test harness, included)
 SRC_PATHS=""
 for src in "$ROOT"/packages/*/src; do
     SRC_PATHS="${SRC_PATHS:+$SRC_PATHS:}$src"

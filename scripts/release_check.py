@@ -3,7 +3,8 @@
 Tag scheme: `<distribution>-v<version>`, e.g. `automodel-pipeline-v0.1.0` (one tag per package
 release, on the commit the distribution was built from; see RELEASING.md).
 
-For each package under packages/ (its version from pyproject.toml):
+For each package under packages/ (its version from pyproject.toml; a package classified
+`Private :: Do Not Upload`, the dev-only packages/testing, is never released and is skipped):
 
 - its CHANGELOG.md has an entry `## [<version>]` for the current version, and no entry for a
   newer one (an `## [Unreleased]` section is allowed on top);
@@ -53,6 +54,8 @@ def read_packages(root: Path) -> list[Package]:
     out = []
     for pyproject in sorted((root / "packages").glob("*/pyproject.toml")):
         project = tomllib.loads(pyproject.read_text())["project"]
+        if "Private :: Do Not Upload" in project.get("classifiers", []):
+            continue  # never released (packages/testing, the dev-only test harness)
         out.append(
             Package(
                 name=project["name"],

@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
-from automodel.mesh.layout_check import check_layout_applied
-from automodel.mesh.layout_table import MATRIX_LAYOUTS, Layout
-from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
+from automodel.testing.layout_check import check_layout_applied
+from automodel.testing.layout_table import MATRIX_LAYOUTS, Layout
+from automodel.testing.tiny_model import TINY_MOE_SIZES, TINY_SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
@@ -96,14 +96,14 @@ def run_layout(layout: Layout, workdir: Path, *, launcher: str = "cli") -> list[
 
     ``launcher="cli"``: the real `recipes train` (YAML file, torchrun, a fresh interpreter per rank).
     ``launcher="forked"``: the same config through the Python API on ranks forked from this process
-    (`automodel.mesh.testing.run_on_ranks`; no interpreter start-up per rank, so the test suite can
+    (`automodel.testing.ranks.run_on_ranks`; no interpreter start-up per rank, so the test suite can
     afford every layout; the CLI path itself is tested end to end elsewhere). Every rank also writes
     what it holds (``layout/rank_<N>.json``), read by `read_reports`.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     out_dir = workdir / layout.name
     if launcher == "forked":
-        from automodel.mesh.testing import run_on_ranks
+        from automodel.testing.ranks import run_on_ranks
 
         preload_for_forked_ranks()
         raw = {**config_for(layout), "output_dir": str(out_dir)}
@@ -170,7 +170,7 @@ def write_table(results: list[tuple[Layout, float, str, float]], path: Path) -> 
         "`tests/test_parity_matrix.py`.",
         "",
         '"placed": every rank\'s `layout/rank_<N>.json` (what it really holds, written by `recipes train`) passes',
-        "`automodel.mesh.layout_check`: FSDP dim-0 shards over dp_shard_cp, HSDP replicas, TP col/row shards, SP norms",
+        "`automodel.testing.layout_check`: FSDP dim-0 shards over dp_shard_cp, HSDP replicas, TP col/row shards, SP norms",
         "on the tp mesh, disjoint pipeline stages, experts per ep rank, the DDP reducer, the CP ring backend. The",
         "single-process run fails every one of these checks (a test), so parity alone cannot pass a layout.",
         "",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel.mesh.testing import cuda_device_count
+from automodel.testing.ranks import cuda_device_count
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"

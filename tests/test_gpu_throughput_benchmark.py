@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_throughput.py"
 TINY_CPU = ["--tiny", "--device", "cpu", "--dtype", "fp32"]

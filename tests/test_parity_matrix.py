@@ -1,5 +1,5 @@
 """The parity matrix as tests: each layout's config, trained by the recipes on forked ranks, reproduces
-the single-process losses, and every rank holds what the layout says (`automodel.mesh.layout_check`). The
+the single-process losses, and every rank holds what the layout says (`automodel.testing.layout_check`). The
 same configs through the real CLI (torchrun): `python tests/parity_matrix.py` (docs/parity.md)."""
 
 from __future__ import annotations

@@ -1,11 +1,17 @@
 """install_alone smoke for automodel-context-parallel: ring attention on 2 gloo ranks = full attention."""
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+# The harness is dev-only (packages/testing, in no wheel): it comes from the source tree, while
+# everything under test comes from the wheels installed in this venv (`python -I`: no workspace path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "testing" / "src"))
 from automodel.context_parallel import load_balanced_indices, ring_attention
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def qkv() -> tuple[torch.Tensor, ...]:

@@ -1,12 +1,18 @@
 """install_alone smoke for automodel-fsdp2: FSDP2 over 2 forked gloo ranks equals one process."""
 
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+# The harness is dev-only (packages/testing, in no wheel): it comes from the source tree, while
+# everything under test comes from the wheels installed in this venv (`python -I`: no workspace path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "testing" / "src"))
 from automodel.fsdp2 import FSDP2Config, apply_fsdp2_sharding_recursively, translate_to_torch_parallel_style
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 class Tiny(nn.Module):

@@ -1,10 +1,16 @@
 """install_alone smoke for automodel-mesh: 2 forked gloo ranks build a MeshContext and all-reduce."""
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
+# The harness is dev-only (packages/testing, in no wheel): it comes from the source tree, while
+# everything under test comes from the wheels installed in this venv (`python -I`: no workspace path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "testing" / "src"))
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def body(x: int) -> tuple[int, str, int]:

@@ -24,8 +24,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from automodel.mesh.layout_check import check_layout_applied
-from automodel.mesh.layout_table import layouts_named
+from automodel.testing.layout_check import check_layout_applied
+from automodel.testing.layout_table import layouts_named
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -46,7 +46,7 @@ RANK_TIMEOUT_S = 150
 #: Largest tiny model (parameters) a sweep builds; configs that nest big sub-configs stay larger.
 MAX_TINY_PARAMS = 10_000_000
 
-#: The sweep's layouts: docs/models.md's column names for shared layouts (`automodel.mesh.layout_table`),
+#: The sweep's layouts: docs/models.md's column names for shared layouts (`automodel.testing.layout_table`),
 #: each with the strategy named (the composed 4-rank ones and pp2_ac are in the CPU suite's cases,
 #: not the sweep's columns; pp2_ac: two stages per rank with checkpointing inside them; ep2_pp2_ac:
 #: one layer per stage, so a stage may hold only dense layers, as DeepSeek-V3's first layers).
@@ -217,10 +217,10 @@ class Refused(Exception):  # noqa: N818 - an outcome, not an error
 
 def run_case(raw: dict[str, Any], ranks: int) -> tuple[list[dict[str, float]], list[dict[str, Any]]]:
     """Pre-launch checks, then training on `ranks` forked ranks: (per-step metrics, rank reports)."""
-    from automodel.mesh.testing import run_on_ranks
     from automodel.recipes.errors import ConfigError
     from automodel.recipes.plan import plan_layout
     from automodel.recipes.recipe_config import parse_recipe_config
+    from automodel.testing.ranks import run_on_ranks
 
     try:
         plan_layout(parse_recipe_config(copy.deepcopy(raw)), world_size=ranks)
@@ -286,7 +286,7 @@ def check_applied(
     layout: str, reports: list[dict[str, Any]], *, num_layers: int, num_experts: int | None
 ) -> None:
     """AssertionError unless every rank holds what conformance `layout` asks for (the shared
-    checker, `automodel.mesh.layout_check.check_layout_applied`, generic over architectures)."""
+    checker, `automodel.testing.layout_check.check_layout_applied`, generic over architectures)."""
     ranks, distributed = LAYOUTS[layout]
     check_layout_applied(
         reports,

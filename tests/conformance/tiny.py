@@ -13,9 +13,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
+from automodel.testing.tiny_model import TINY_MOE_SIZES, TINY_SIZES
 
-#: The shared tiny sizes (`automodel.mesh.tiny_model`) the sweep shrinks to; 4 layers and 256
+#: The shared tiny sizes (`automodel.testing.tiny_model`) the sweep shrinks to; 4 layers and 256
 #: positions are the sweep's own (pp2_ac runs two stages per rank; docs/models.md was measured so).
 _W, _FFN, _HEADS, _KV = (
     TINY_SIZES[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")

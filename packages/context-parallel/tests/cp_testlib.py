@@ -1,12 +1,12 @@
 """The loss every CP parity test of this package uses (CPU and GPU); the tiny model is the shared one
-(`automodel.mesh.tiny_model`)."""
+(`automodel.testing.tiny_model`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from automodel.mesh.tiny_model import TINY_SIZES
+from automodel.testing.tiny_model import TINY_SIZES
 
 VOCAB: int = TINY_SIZES["vocab_size"]
 

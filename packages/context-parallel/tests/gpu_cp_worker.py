@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from automodel.context_parallel import apply_context_parallel, make_cp_batch_and_ctx
-from automodel.mesh.tiny_model import tiny_llama
+from automodel.testing.tiny_model import tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cp_testlib import VOCAB, ce_sum  # noqa: E402

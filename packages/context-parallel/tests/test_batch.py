@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from automodel.context_parallel import make_cp_batch_and_ctx, unshard_sequence
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def _shard_and_gather() -> dict:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from automodel.context_parallel import apply_context_parallel, make_cp_batch_and_ctx, resolve_backend
 from automodel.context_parallel.backends import import_transformer_engine
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import RankFailure, cuda_device_count, run_on_ranks
+from automodel.testing.ranks import RankFailure, cuda_device_count, run_on_ranks
 
 
 def _build(cp_size: int) -> None:

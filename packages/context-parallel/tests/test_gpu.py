@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from automodel.context_parallel import thd_partitioned_indices
-from automodel.mesh.testing import cuda_device_count, run_torchrun
+from automodel.testing.ranks import cuda_device_count, run_torchrun
 
 pytestmark = pytest.mark.gpu
 

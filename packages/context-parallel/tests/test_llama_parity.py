@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 from automodel.context_parallel import apply_context_parallel, make_cp_batch_and_ctx
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.reduction import set_unit_gradient_divide_factor
-from automodel.mesh.testing import run_on_ranks
-from automodel.mesh.tiny_model import tiny_causal_lm, tiny_llama
+from automodel.testing.ranks import run_on_ranks
+from automodel.testing.tiny_model import tiny_causal_lm, tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cp_testlib import VOCAB, ce_sum  # noqa: E402

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from automodel.context_parallel import contiguous_indices, load_balanced_indices, ring_attention
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 B, HQ, HKV, D = 2, 4, 2, 8
 

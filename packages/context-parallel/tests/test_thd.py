@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from automodel.context_parallel import make_cp_batch_for_te, pad_documents, thd_partitioned_indices
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def _reference_partition(doc_lengths: list[int], cp_size: int, cp_rank: int) -> list[int]:

@@ -24,8 +24,9 @@ from transformers import (
 
 import automodel.fsdp2  # noqa: F401 - imported once here so forked ranks inherit it
 from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
-from automodel.mesh.layout_table import Layout
-from automodel.mesh.tiny_model import TINY_SIZES, tiny_causal_lm
+from automodel.mesh.model_parts import canonical_fqn
+from automodel.testing.layout_table import Layout
+from automodel.testing.tiny_model import TINY_SIZES, tiny_causal_lm
 
 VOCAB: int = TINY_SIZES["vocab_size"]
 SEQ, GBS, STEPS = 16, 8, 5
@@ -35,7 +36,7 @@ GLOBAL_TOKENS = GBS * (SEQ - 1)
 def tiny_model(
     *, layers: int = 2, family: str = "llama", meta: bool = False, seed: int = 0
 ) -> LlamaForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM | GPT2LMHeadModel:
-    """The shared tiny model (`automodel.mesh.tiny_model`) of `family`; ``gpt2``: decoder layers at
+    """The shared tiny model (`automodel.testing.tiny_model`) of `family`; ``gpt2``: decoder layers at
     transformer.h, tied embeddings, Conv1D projections."""
     if family not in ("llama", "qwen3", "qwen3_moe", "gpt2"):
         raise KeyError(family)
@@ -48,7 +49,7 @@ _LAYOUT_OPTIONS = ("sequence_parallel", "activation_checkpointing")
 
 
 def layout_spec(layout: Layout, **options: Any) -> dict[str, Any]:
-    """The `train_on_rank` spec of a shared layout (`automodel.mesh.layout_table`), with test
+    """The `train_on_rank` spec of a shared layout (`automodel.testing.layout_table`), with test
     `options` on top (``accum``, ``offload``, ``meta``, ``layers``; ``config`` merged)."""
     config = {k: layout.distributed[k] for k in _LAYOUT_OPTIONS if k in layout.distributed}
     spec: dict[str, Any] = {
@@ -83,8 +84,6 @@ def make_optimizer(params, name: str) -> torch.optim.Optimizer:
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (gathered) parameters by canonical name; a collective when the model is sharded."""
-    from automodel.fsdp2.meta_init import canonical_fqn
-
     out = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
@@ -122,7 +121,7 @@ def _reference_on_rank(kwargs: dict) -> dict[str, Any]:
 @functools.cache
 def reference(**kwargs) -> dict[str, Any]:
     """`reference_run` in a forked single rank (the test process stays free of torch threads), cached."""
-    from automodel.mesh.testing import run_on_ranks
+    from automodel.testing.ranks import run_on_ranks
 
     return run_on_ranks(_reference_on_rank, world_size=1, args=(kwargs,), timeout_s=300)[0]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def _model(width: int) -> nn.Module:

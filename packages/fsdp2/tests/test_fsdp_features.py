@@ -6,7 +6,7 @@ import pytest
 import torch
 from fsdp2_testlib import batch, fp32_policy, full_state, loss_sum, reference, tiny_model, train_on_rank
 
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def _record_prefetch(fd: int, bd: int) -> dict:

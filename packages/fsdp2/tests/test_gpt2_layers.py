@@ -10,7 +10,7 @@ from fsdp2_testlib import batch, loss_sum, reference, tiny_model, train_on_rank
 from transformers import GPT2LMHeadModel
 
 from automodel.mesh.model_parts import decoder_layers, find_layer_list, tied_weight_modules
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def test_introspection_finds_gpt2_parts() -> None:

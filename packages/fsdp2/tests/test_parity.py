@@ -8,13 +8,13 @@ import pytest
 import torch
 from fsdp2_testlib import layout_spec, reference, train_on_rank
 
-from automodel.mesh.layout_check import check_layout_applied
-from automodel.mesh.layout_table import LAYOUTS, Layout, layouts_named
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.layout_check import check_layout_applied
+from automodel.testing.layout_table import LAYOUTS, Layout, layouts_named
+from automodel.testing.ranks import run_on_ranks
 
 TIMEOUT = 600
 
-#: The shared layouts (`automodel.mesh.layout_table`) automodel-fsdp2 composes on its own: a dense
+#: The shared layouts (`automodel.testing.layout_table`) automodel-fsdp2 composes on its own: a dense
 #: model, no pipeline, CP or EP (those come from the other packages; they meet FSDP2 in the
 #: recipes' tests).
 FSDP2_LAYOUTS = [

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from automodel.fsdp2.fsdp import _groups_sharing_parameters
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 WIDTH = 8
 

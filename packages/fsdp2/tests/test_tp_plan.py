@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from automodel.fsdp2 import get_hf_tp_shard_plan, resolve_tp_plan, translate_to_torch_parallel_style
 from automodel.fsdp2.tp_plan import validate_tp_mesh
 from automodel.fsdp2.tp_shared_styles import RowwiseOwnedOutput, SharedTailParallel
-from automodel.mesh.testing import RankFailure, run_on_ranks
+from automodel.testing.ranks import RankFailure, run_on_ranks
 
 #: A plan importable by path (resolve_tp_plan accepts "module.attr" strings).
 CUSTOM_PLAN = {"model.layers.*.mlp.down_proj": "rowwise", "model.layers.*.mlp.up_proj": "colwise"}

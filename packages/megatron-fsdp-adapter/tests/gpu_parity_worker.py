@@ -21,7 +21,7 @@ from automodel.megatron_fsdp import (
     resolve_unit_modules,
 )
 from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
-from automodel.mesh.tiny_model import tiny_llama
+from automodel.testing.tiny_model import tiny_llama
 
 
 def batches(ctx: MeshContext, steps: int) -> list[torch.Tensor]:

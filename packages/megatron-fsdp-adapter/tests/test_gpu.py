@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel.mesh.testing import cuda_device_count, run_torchrun
+from automodel.testing.ranks import cuda_device_count, run_torchrun
 
 WORKER = Path(__file__).with_name("gpu_parity_worker.py")
 

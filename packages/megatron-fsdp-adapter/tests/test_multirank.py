@@ -14,8 +14,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from automodel.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPManager, MegatronFSDPUnavailableError
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import cuda_device_count, run_on_ranks
-from automodel.mesh.tiny_model import tiny_llama
+from automodel.testing.ranks import cuda_device_count, run_on_ranks
+from automodel.testing.tiny_model import tiny_llama
 
 TIMEOUT_S = 300
 

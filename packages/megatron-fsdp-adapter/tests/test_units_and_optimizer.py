@@ -13,7 +13,7 @@ from automodel.megatron_fsdp import (
     rebind_param_groups,
     resolve_unit_modules,
 )
-from automodel.mesh.tiny_model import tiny_llama
+from automodel.testing.tiny_model import tiny_llama
 
 
 def test_units_default_to_no_split_modules() -> None:

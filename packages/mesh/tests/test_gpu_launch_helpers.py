@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel.mesh.testing import TorchrunFailure, cuda_device_count, cuda_probe, run_torchrun
+from automodel.testing.ranks import TorchrunFailure, cuda_device_count, cuda_probe, run_torchrun
 
 
 def test_cuda_probe_does_not_initialise_cuda_here() -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 from .layouts import legal_layouts
 

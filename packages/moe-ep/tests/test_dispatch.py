@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.moe import apply_ep, combine_tokens, dispatch_tokens, plan_dispatch
-from automodel.moe.testing import build_tiny_model, preload
+from automodel.testing.moe import build_tiny_model, preload
+from automodel.testing.ranks import run_on_ranks
 
 preload(("mixtral",))
 

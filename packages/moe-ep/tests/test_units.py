@@ -14,7 +14,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from automodel.mesh import MeshContext, ParallelismSizes, ResolvedLayout, fake_world
-from automodel.mesh.testing import run_on_ranks
 from automodel.moe import (
     MoEParallelizerConfig,
     grouped_expert_mlp,
@@ -22,7 +21,8 @@ from automodel.moe import (
     parallelize_experts,
     validate_moe_layout,
 )
-from automodel.moe.testing import build_tiny_model, preload
+from automodel.testing.moe import build_tiny_model, preload
+from automodel.testing.ranks import run_on_ranks
 
 preload(("mixtral", "qwen3_moe", "llama"))
 

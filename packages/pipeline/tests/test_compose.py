@@ -17,9 +17,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.mesh.reduction import set_unit_gradient_divide_factor
-from automodel.mesh.testing import run_on_ranks
-from automodel.mesh.tiny_model import tiny_llama
 from automodel.pipeline import AutoPipeline, PipelineConfig
+from automodel.testing.ranks import run_on_ranks
+from automodel.testing.tiny_model import tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_parity as H  # noqa: E402  (its tiny model, batches and one-process reference)

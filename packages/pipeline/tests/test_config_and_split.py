@@ -9,8 +9,6 @@ from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
-from automodel.mesh.tiny_model import tiny_llama
 from automodel.pipeline import (
     AutoPipeline,
     PipelineConfig,
@@ -24,6 +22,8 @@ from automodel.pipeline import (
     stage_ids_this_rank,
     validate_hf_model_for_pipeline_support,
 )
+from automodel.testing.ranks import run_on_ranks
+from automodel.testing.tiny_model import tiny_llama
 
 
 # ---- config -----------------------------------------------------------------------------

@@ -26,10 +26,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import RankFailure, run_on_ranks
-from automodel.mesh.tiny_model import tiny_llama
 from automodel.pipeline import AutoPipeline, BoundaryLayout, PipelineConfig
 from automodel.pipeline.dtensor_boundary import attach_boundary_layouts
+from automodel.testing.ranks import RankFailure, run_on_ranks
+from automodel.testing.tiny_model import tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_parity as H  # noqa: E402  (its tiny model, batches and one-process reference)

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig, validate_hf_model_for_pipeline_support
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_testlib import BATCH, SEQ, VOCAB, batch, loss_of, one_process, pipelined_steps  # noqa: E402

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_testlib import BATCH, VOCAB, loss_of, one_process, pipelined_steps  # noqa: E402

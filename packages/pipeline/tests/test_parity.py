@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
-from automodel.mesh.tiny_model import TINY_SIZES, tiny_llama
 from automodel.pipeline import AutoPipeline, PipelineConfig
+from automodel.testing.ranks import run_on_ranks
+from automodel.testing.tiny_model import TINY_SIZES, tiny_llama
 
 VOCAB: int = TINY_SIZES["vocab_size"]
 SEQ, BATCH, MICRO = 16, 8, 2

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline import AutoPipeline, PipelineConfig, PipelineModel
 from automodel.pipeline.forward_only import PipelineStageError
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_parity import BATCH, MICRO, make_batch, tiny_llama, token_loss  # noqa: E402

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.pipeline.tied import TiedParameters
+from automodel.testing.ranks import run_on_ranks
 
 
 class _Stage(nn.Module):

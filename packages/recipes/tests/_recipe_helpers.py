@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from automodel.mesh.tiny_model import TINY_MOE_SIZES, TINY_SIZES
 from automodel.recipes.config.kernels import AUTOMODEL_EXAMPLE_FP8
+from automodel.testing.tiny_model import TINY_MOE_SIZES, TINY_SIZES
 
 TINY: dict[str, Any] = {
     "seed": 7,

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from automodel.mesh.tiny_model import TINY_SIZES
 from automodel.recipes.api import load_config
 from automodel.recipes.errors import ConfigError
+from automodel.testing.tiny_model import TINY_SIZES
 
 KEYS = json.loads((Path(__file__).parent / "data" / "automodel_keys.json").read_text())["keys"]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from automodel.mesh.testing import run_on_ranks
-from automodel.mesh.tiny_model import tiny_llama
+from automodel.testing.ranks import run_on_ranks
+from automodel.testing.tiny_model import tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cli_run import CliRun  # noqa: E402
@@ -297,7 +297,7 @@ def test_megatron_pretraining_and_packed_sft(stand_ins: dict[str, str], tmp_path
 
 @pytest.mark.gpu
 def test_megatron_fsdp_where_cuda(stand_ins: dict[str, str], tmp_path: Path) -> None:
-    from automodel.mesh.testing import cuda_device_count
+    from automodel.testing.ranks import cuda_device_count
 
     # probed in a child process: the test process must not initialise CUDA before ranks are forked
     if cuda_device_count() < 1:

@@ -28,8 +28,6 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from automodel.mesh.testing import RankFailure, run_on_ranks
-from automodel.mesh.tiny_model import tiny_causal_lm
 from automodel.recipes.checkpoint import (
     CheckpointConfig,
     Checkpointer,
@@ -38,6 +36,8 @@ from automodel.recipes.checkpoint import (
     load_pretrained_weights,
 )
 from automodel.recipes.checkpoint import paths as ckpt_paths
+from automodel.testing.ranks import RankFailure, run_on_ranks
+from automodel.testing.tiny_model import tiny_causal_lm
 
 VOCAB, SEQ, GBS = 256, 16, 8
 TIMEOUT = 300
@@ -45,7 +45,7 @@ TIMEOUT = 300
 
 # ---- tiny models, data, training step ------------------------------------------------------
 def _model(kind: str = "dense", seed: int = 0) -> LlamaForCausalLM | Qwen3MoeForCausalLM:
-    """The shared tiny Llama, or Qwen3-MoE for ``moe`` (`automodel.mesh.tiny_model`)."""
+    """The shared tiny Llama, or Qwen3-MoE for ``moe`` (`automodel.testing.tiny_model`)."""
     model = tiny_causal_lm("qwen3_moe" if kind == "moe" else "llama", seed=seed, max_position_embeddings=128)
     return cast("LlamaForCausalLM | Qwen3MoeForCausalLM", model)
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from automodel.mesh.testing import cuda_device_count
 from automodel.recipes._dist_setup import parse_distributed_section
 from automodel.recipes.cli import run_cli
+from automodel.testing.ranks import cuda_device_count
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import tiny_config  # noqa: E402

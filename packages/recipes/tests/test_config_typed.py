@@ -13,9 +13,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from automodel.fsdp2 import FSDP2Config
 from automodel.megatron_fsdp.config import MegatronFSDPConfig
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes import load_config
 from automodel.recipes._dist_setup import resolve_machine_defaults
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import tiny_config  # noqa: E402

@@ -16,7 +16,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import preload, tiny_config  # noqa: E402
 
-from automodel.mesh.testing import run_on_ranks  # noqa: E402
+from automodel.testing.ranks import run_on_ranks  # noqa: E402
 
 preload()
 

@@ -21,8 +21,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from automodel.mesh.testing import RankFailure, run_on_ranks
 from automodel.recipes.checkpoint.paths import check_complete
+from automodel.testing.ranks import RankFailure, run_on_ranks
 
 TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))  # test_faults_hooks (the optimizer _target_) and _recipe_helpers

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from automodel.mesh.testing import cuda_device_count
+from automodel.testing.ranks import cuda_device_count
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cli_run import CliRun  # noqa: E402

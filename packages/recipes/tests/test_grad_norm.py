@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def _norms_on_rank() -> list[tuple[str, float, float]]:

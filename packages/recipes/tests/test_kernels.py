@@ -17,12 +17,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import AUTOMODEL_FP8, preload, tiny_config, train_on_rank  # noqa: E402
 
-from automodel.mesh.testing import cuda_device_count, run_on_ranks  # noqa: E402
-from automodel.mesh.tiny_model import TINY_SIZES, tiny_llama  # noqa: E402
 from automodel.recipes import load_config  # noqa: E402
 from automodel.recipes.cli import run_cli  # noqa: E402
 from automodel.recipes.errors import ConfigError  # noqa: E402
 from automodel.recipes.kernels import FP8Section, KernelsSection  # noqa: E402
+from automodel.testing.ranks import cuda_device_count, run_on_ranks  # noqa: E402
+from automodel.testing.tiny_model import TINY_SIZES, tiny_llama  # noqa: E402
 
 NO_CUDA = pytest.mark.skipif(cuda_device_count() > 0, reason="checks the refusals of machines without CUDA")
 SHORT = {"validation_dataset": None, "step_scheduler": {"val_every_steps": None}}

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.linear_ce import default_chunk_tokens, linear_cross_entropy_sum
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import preload, tiny_config, train_on_rank  # noqa: E402

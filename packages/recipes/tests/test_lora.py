@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from automodel.mesh.layout_table import layouts_named
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.layout_table import layouts_named
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _lora_helpers import lora_train_on_rank, lora_train_then_logits  # noqa: E402
@@ -149,7 +149,7 @@ def _placement(result: dict, name: str, axis: str) -> str | None:
 
 
 L0 = "model.layers.0"
-#: The shared layouts (`automodel.mesh.layout_table`) the adapters are checked under, the strategy named.
+#: The shared layouts (`automodel.testing.layout_table`) the adapters are checked under, the strategy named.
 LAYOUTS = {
     layout.name: (layout.ranks, {"strategy": "fsdp2", **layout.distributed})
     for layout in layouts_named("fsdp2_dp2", "tp2", "tp2_sp", "pp2_1f1b", "hsdp_2x2", "ddp2", "cp2")

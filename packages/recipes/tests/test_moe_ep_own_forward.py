@@ -23,15 +23,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from automodel.fsdp2 import FSDP2Config
-from automodel.fsdp2.meta_init import canonical_fqn
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
-from automodel.mesh.tiny_model import tiny_causal_lm
+from automodel.mesh.model_parts import canonical_fqn
 from automodel.moe import ExpertsLayout, MoEParallelizerConfig, apply_ep, check_expert_parallel_support
 from automodel.recipes.strategies.fsdp2 import apply_fsdp2_stack
+from automodel.testing.ranks import run_on_ranks
+from automodel.testing.tiny_model import tiny_causal_lm
 
 SEQ, PER_RANK, VOCAB, TOL = 16, 2, 256, 1e-5
-#: Each family's experts under its own names, on the shared tiny sizes (`automodel.mesh.tiny_model`).
+#: Each family's experts under its own names, on the shared tiny sizes (`automodel.testing.tiny_model`).
 FAMILIES: dict[str, dict] = {
     "gpt_oss": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
     "nemotron_h": dict(

@@ -19,15 +19,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from automodel.fsdp2 import FSDP2Config
-from automodel.fsdp2.meta_init import canonical_fqn
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.layout_check import check_layout_applied
 from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
-from automodel.mesh.layout_table import LAYOUTS
-from automodel.mesh.testing import run_on_ranks
+from automodel.mesh.model_parts import canonical_fqn
 from automodel.moe import MoEParallelizerConfig
-from automodel.moe.testing import build_tiny_model, preload
 from automodel.recipes.strategies.fsdp2 import apply_fsdp2_stack
+from automodel.testing.layout_check import check_layout_applied
+from automodel.testing.layout_table import LAYOUTS
+from automodel.testing.moe import build_tiny_model, preload
+from automodel.testing.ranks import run_on_ranks
 
 preload()
 
@@ -172,7 +172,7 @@ def _check(results: list[dict], *, tol: float = TOL) -> None:
         assert r["names"] == results[0]["names"]
 
 
-#: The shared layouts (`automodel.mesh.layout_table`) of the MoE model split over ep and data
+#: The shared layouts (`automodel.testing.layout_table`) of the MoE model split over ep and data
 #: parallelism only (pipeline, TP and CP meet EP in the parity matrix).
 EP_LAYOUTS = {
     layout.name: layout

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from automodel.mesh.layout_check import Q_PROJ, check_layout_applied, placement_on
-from automodel.mesh.layout_table import Layout, layouts_named
-from automodel.mesh.testing import RankFailure, run_on_ranks
+from automodel.testing.layout_check import Q_PROJ, check_layout_applied, placement_on
+from automodel.testing.layout_table import Layout, layouts_named
+from automodel.testing.ranks import RankFailure, run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import MOE_MODEL, RTOL, TINY, assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
@@ -34,7 +34,7 @@ def test_reference_is_independent_of_accumulation(reference: list[float], tmp_pa
     assert_losses_close(losses, reference)
 
 
-#: The shared layouts (`automodel.mesh.layout_table`) on the recipes tests' 2-layer model: eight of
+#: The shared layouts (`automodel.testing.layout_table`) on the recipes tests' 2-layer model: eight of
 #: the parity matrix's, and two it does not run.
 LAYOUTS = layouts_named(
     "fsdp2_dp2", "ddp2", "tp2", "tp2_sp", "hsdp_2x2", "fsdp2xtp_2x2", "pp2_1f1b", "cp2",

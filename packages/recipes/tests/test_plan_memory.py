@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import MOE_MODEL, preload  # noqa: E402

@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig, MixtralConfig
 
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.checkpoint.converted_weights import SafetensorsReader
 from automodel.recipes.checkpoint.key_mapping import find_hf_model, plan_keys
+from automodel.testing.ranks import run_on_ranks
 
 EXPERTS = 4
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes import load_config
 from automodel.recipes.cli import run_cli
 from automodel.recipes.errors import ConfigError
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import TINY, preload, tiny_config, train_on_rank  # noqa: E402

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.config.sections import LRSchedulerSection
 from automodel.recipes.lr_schedule import build_lr_scheduler, lr_multiplier, restore_lr_scheduler
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import RTOL, preload, tiny_config, train_on_rank  # noqa: E402

@@ -26,7 +26,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.checkpoint import CheckpointConfig, Checkpointer, CheckpointError, TrainingState
 from automodel.recipes.checkpoint import paths as ckpt_paths
 from automodel.recipes.checkpoint.convert_legacy import convert_legacy_checkpoint
@@ -39,6 +38,7 @@ from automodel.recipes.checkpoint.safe_dcp import (
 )
 from automodel.recipes.checkpoint.state import decode_extra, encode_extra
 from automodel.recipes.errors import ConfigError
+from automodel.testing.ranks import run_on_ranks
 
 TIMEOUT = 180
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from automodel.mesh.tiny_model import tiny_causal_lm
 from automodel.recipes.config.sections import SFTDatasetSection, SFTValidationDatasetSection, build_section
 from automodel.recipes.data import ByteTokenizer, build_packed_dataset, build_tokenizer
 from automodel.recipes.data.loader import check_sft_paths
 from automodel.recipes.data.sft import IGNORE_INDEX, encode_chat, format_plain_prompt
 from automodel.recipes.errors import ConfigError
+from automodel.testing.tiny_model import tiny_causal_lm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _sft_helpers import save_chat_tokenizer, write_arithmetic_jsonl  # noqa: E402

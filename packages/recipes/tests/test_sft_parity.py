@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402

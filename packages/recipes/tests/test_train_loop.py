@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes.parallelisms.cp import context_parallel_inputs
 from automodel.recipes.trainer import StepScaledLoss, is_collective_timeout
+from automodel.testing.ranks import run_on_ranks
 
 PAD = 7
 

@@ -262,8 +262,8 @@ def test_validate_reports_what_train_would_refuse_on_this_machine(
     """nccl without CUDA: validate still plans (it may target a cluster) and says train refuses here."""
     import yaml
 
-    from automodel.mesh.testing import cuda_device_count
     from automodel.recipes.cli import run_cli
+    from automodel.testing.ranks import cuda_device_count
 
     if cuda_device_count() > 0:
         pytest.skip("checks a machine without CUDA")

@@ -11,10 +11,10 @@ import pytest
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from automodel.mesh.testing import run_on_ranks
 from automodel.recipes import load_config
 from automodel.recipes._dist_setup import resolve_layout, resolve_machine_defaults
 from automodel.recipes.errors import ConfigError
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import preload, tiny_config  # noqa: E402

@@ -17,17 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from automodel.mesh.model_parts import model_text_config
+from automodel.mesh.model_parts import canonical_fqn, model_text_config
 
 #: ``init_fn(fqn, full_tensor, generator)`` fills `full_tensor` (CPU, full shape) in place.
 InitFn = Callable[[str, torch.Tensor, torch.Generator], None]
-
-_WRAPPER_ATOMS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module")
-
-
-def canonical_fqn(fqn: str) -> str:
-    """The FQN without wrapper atoms (checkpoint wrapper, compile, DDP), as in the bare model."""
-    return ".".join(a for a in fqn.split(".") if a not in _WRAPPER_ATOMS)
 
 
 def default_init_fn(std: float = 0.02) -> InitFn:

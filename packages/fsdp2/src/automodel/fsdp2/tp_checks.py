@@ -17,13 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import RowwiseParallel
 
-from automodel.fsdp2.hf_config import positive_ints
 from automodel.fsdp2.tp_fqn import decoder_layers_prefix, fqn_matches, removed_by_split
 from automodel.fsdp2.tp_styles import LAYOUT_ONLY_STYLES
 from automodel.mesh.model_parts import (
     in_other_submodel,
     model_text_config,
     other_submodel_prefixes,
+    positive_ints,
 )
 
 

@@ -15,7 +15,6 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from automodel.fsdp2.hf_config import head_dims
 from automodel.fsdp2.tp_fqn import decoder_layers_prefix, fqn_matches, resolves_to_parameter
 from automodel.fsdp2.tp_shared_styles import (
     RowwiseOwnedOutput,
@@ -23,7 +22,7 @@ from automodel.fsdp2.tp_shared_styles import (
     replicated_on_sharded_width,
 )
 from automodel.fsdp2.tp_styles import SKIPPED_IN_HF_PLAN, TPPlan, translate_to_torch_parallel_style
-from automodel.mesh.model_parts import model_text_config
+from automodel.mesh.model_parts import head_dims, model_text_config
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from automodel.fsdp2.hf_config import head_dims
 from automodel.fsdp2.tp_fqn import decoder_layers_prefix
 from automodel.fsdp2.tp_styles import TPPlan, translate_to_torch_parallel_style
 from automodel.mesh.model_parts import (
+    head_dims,
     model_text_config,
     tied_weight_modules,
 )

@@ -15,12 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-_WRAPPER_ATOM = "_checkpoint_wrapped_module."
-
-
-def _canonical(name: str) -> str:
-    """Parameter FQN without activation-checkpoint wrapper atoms (they are added by AC, not the model)."""
-    return name.replace(_WRAPPER_ATOM, "")
+from automodel.mesh.model_parts import canonical_fqn
 
 
 def rebind_param_groups(
@@ -29,10 +24,11 @@ def rebind_param_groups(
     """Point each param group at the new parameter of the same name (by ``id`` of the old one).
 
     TP and megatron-fsdp replace parameter objects, so an optimizer built before them would step
-    stale tensors; names (checkpoint-wrapper atoms ignored) identify the replacement.
+    stale tensors; names as the bare model has them (`canonical_fqn`: wrapper atoms ignored)
+    identify the replacement.
     """
-    new_params = {_canonical(n): p for n, p in new_params.items()}
-    old_names = {i: _canonical(n) for i, n in old_names.items()}
+    new_params = {canonical_fqn(n): p for n, p in new_params.items()}
+    old_names = {i: canonical_fqn(n) for i, n in old_names.items()}
     groups = []
     for index, group in enumerate(optimizer.param_groups):
         params = []

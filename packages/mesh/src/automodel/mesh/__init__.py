@@ -1,4 +1,4 @@
-"""automodel.mesh: parallelism sizes, device meshes, process-group setup, the multi-rank harness."""
+"""automodel.mesh: parallelism sizes, device meshes, process-group setup, model introspection."""
 
 from automodel.mesh._version import __version__ as __version__
 from automodel.mesh.axes import AXES, DENSE_AXES, FLATTENED_AXES, MOE_AXES, PARALLEL_AXES, Axis

@@ -4,7 +4,7 @@ Read off the live modules, not off a config: DTensor mesh axes, placements, glob
 shapes and offsets of every parameter; FSDP2 units; the DDP wrapper and its reducer;
 activation-checkpointed modules; the decoder layers a part holds. One producer for every reader:
 `recipes train` writes it per rank (``logging.layout_report``, adding pipeline stages and
-megatron-fsdp buffers), and the package tests hand it to `automodel.mesh.layout_check`, which fails
+megatron-fsdp buffers), and the package tests hand it to `automodel.testing.layout_check`, which fails
 unless the layout was really applied. Only torch is imported.
 """
 
@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn.parallel import DistributedDataParallel
 
 from automodel.mesh.context import MeshContext
-from automodel.mesh.model_parts import find_layer_list
+from automodel.mesh.model_parts import canonical_fqn, find_layer_list
 
 #: Where a decoder layer index appears in a parameter FQN when the part has no layer list of its own.
 _LAYER_MARK = ".layers."
@@ -53,13 +53,6 @@ def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def canonical_name(name: str) -> str:
-    """FQN as the model names it (no DDP / checkpoint-wrapper / compile / megatron-fsdp atoms)."""
-    for atom in ("_checkpoint_wrapped_module.", "_orig_mod."):
-        name = name.replace(atom, "")
-    return name.removeprefix("module.")
-
-
 def layer_indices(names: list[str], *, layers_fqn: str | None = None) -> list[int]:
     """Decoder layer indices present in a list of parameter FQNs (``<layers_fqn>.<i>....``; by
     default any ``...layers.<i>....``)."""
@@ -78,7 +71,7 @@ def layer_indices(names: list[str], *, layers_fqn: str | None = None) -> list[in
 def default_layers_fqn(part: nn.Module) -> str | None:
     """FQN (as the model names it) of the part's decoder layer list (`find_layer_list`)."""
     found = find_layer_list(part)
-    return canonical_name(found[0]) if found else None
+    return canonical_fqn(found[0]) if found else None
 
 
 def describe_module(
@@ -86,18 +79,18 @@ def describe_module(
 ) -> dict[str, Any]:
     """One model part (the model, or one pipeline stage module) as this rank holds it; its decoder
     layers are the ones under `layers_fqn` (`default_layers_fqn` for a whole model)."""
-    params = {canonical_name(name): describe_tensor(p) for name, p in part.named_parameters()}
+    params = {canonical_fqn(name): describe_tensor(p) for name, p in part.named_parameters()}
     report: dict[str, Any] = {
         "wrapper": type(part).__name__,
         "parameters": params,
         "layers_fqn": layers_fqn,
         "layers": layer_indices(list(params), layers_fqn=layers_fqn),
         "fsdp_units": sorted(
-            canonical_name(n) or "<root>" for n, m in part.named_modules() if isinstance(m, FSDPModule)
+            canonical_fqn(n) or "<root>" for n, m in part.named_modules() if isinstance(m, FSDPModule)
         ),
     }
     report["checkpointed"] = sorted(
-        canonical_name(n)
+        canonical_fqn(n)
         for n, m in part.named_modules()
         # torch's checkpoint wrapper, or automodel.moe's in-place recomputation of a block
         if hasattr(m, "_checkpoint_wrapped_module") or getattr(m, "_recomputed_in_backward", False)

@@ -1,9 +1,12 @@
 """Where a Hugging Face model keeps its parts: the one home of model introspection.
 
 Every package reads a model's structure here, so they agree on it: the decoder layers (Llama's
-``model.layers``, GPT-2's ``transformer.h``, DBRX's ``transformer.blocks``), the text decoder's
-config, the input and output embeddings, the parameters several modules hold (tied weights), and
-the sub-models of a multimodal model that text training never runs.
+``model.layers``, GPT-2's ``transformer.h``, DBRX's ``transformer.blocks``; dense and MoE models
+alike), the text decoder's config and the facts read off it (per-layer values, head widths, expert
+counts), the names of parameters and modules as the bare model has them (without the atoms that
+activation checkpointing, compile, FSDP, DDP and megatron-fsdp wrappers add), the input and output
+embeddings, the parameters several modules hold (tied weights), and the sub-models of a multimodal
+model that text training never runs.
 
 A Hugging Face multimodal causal LM (Gemma 3, Llama 4, Qwen 3.5, ...) holds its text decoder and
 one sub-model per other modality, each a ``PreTrainedModel`` with its own config. The packages that
@@ -18,6 +21,18 @@ from typing import Any
 
 from torch import nn
 
+#: Module attributes a wrapper adds to the FQNs of what it wraps: torch's checkpoint wrapper, the
+#: compiled module (``torch.compile``), FSDP1, and DDP's / megatron-fsdp's ``module``.
+WRAPPER_ATOMS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module")
+
+
+def canonical_fqn(fqn: str) -> str:
+    """`fqn` as the bare model names it: every wrapper atom (`WRAPPER_ATOMS`) dropped, wherever it
+    sits (a per-layer compile or checkpoint wrapper puts its atom mid-name, DDP at the front). The
+    one rule, so that init, checkpoints, the optimizer's rebinding and the layout report agree on
+    names (a model's own sub-module called ``module`` is read as a wrapper too)."""
+    return ".".join(a for a in fqn.split(".") if a not in WRAPPER_ATOMS)
+
 
 def text_config(config: Any) -> Any:
     """The config of the text decoder: a multimodal model's ``text_config`` (its layers, heads and
@@ -29,6 +44,72 @@ def text_config(config: Any) -> Any:
 def model_text_config(model: nn.Module) -> Any:
     """`text_config` of the model's ``config`` (None for a model without one)."""
     return text_config(getattr(model, "config", None))
+
+
+def layer_values(config: Any, key: str) -> list[Any]:
+    """`key` of every decoder layer for an attribute that varies across layers, else its one global
+    value (None where the config lacks it).
+
+    A heterogeneous config (transformers' ``per_layer_config``: Gemma 4's wider full-attention
+    heads, per-layer head counts) has no single value of the attributes that vary across its layers,
+    and transformers raises when one is read globally: they are read here, one value per layer.
+    """
+    if key in (getattr(config, "per_layer_attributes", None) or ()):
+        return [getattr(layer, key, None) for layer in config.per_layer_config]
+    return [getattr(config, key, None)]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def positive_ints(config: Any, key: str) -> list[int]:
+    """The distinct positive int values `key` takes over the layers, ascending (empty if unset)."""
+    return sorted({v for v in layer_values(config, key) if _positive_int(v)})
+
+
+def head_dims(config: Any) -> list[int]:
+    """Every attention head width the layers use (``head_dim``, else hidden_size / heads)."""
+    dims = positive_ints(config, "head_dim")
+    if dims:
+        return dims
+    hidden = getattr(config, "hidden_size", 0) or 0
+    return sorted({hidden // heads for heads in positive_ints(config, "num_attention_heads") if hidden})
+
+
+#: transformers' config base class, by name: ``PreTrainedConfig`` in transformers 5, whose
+#: ``PretrainedConfig`` is an alias of it (the class name of transformers 4).
+_HF_CONFIG_CLASSES = ("PreTrainedConfig", "PretrainedConfig")
+
+
+def _is_hf_config(value: Any) -> bool:
+    """A transformers config (by class name: transformers is optional here)."""
+    return any(c.__name__ in _HF_CONFIG_CLASSES for c in type(value).__mro__)
+
+
+def config_int(config: Any, keys: tuple[str, ...]) -> int | None:
+    """The first positive int of `keys` in the config, else in a part config holding it (DBRX's
+    ``ffn_config``)."""
+    for key in keys:
+        value = getattr(config, key, None)
+        if _positive_int(value):
+            return value
+    for part in vars(config).values():
+        if _is_hf_config(part) and (value := config_int(part, keys)):
+            return value
+    return None
+
+
+def num_experts(config: Any) -> int | None:
+    """Routed experts per MoE layer; None for a dense model."""
+    return config_int(config, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
+
+
+def experts_per_token(config: Any) -> int | None:
+    """Routed experts each token goes to (top-k); None where the config does not say."""
+    return config_int(
+        config, ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "moe_topk", "top_k")
+    )
 
 
 def other_submodel_prefixes(model: nn.Module) -> tuple[str, ...]:

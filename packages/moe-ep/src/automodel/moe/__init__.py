@@ -11,7 +11,6 @@ from automodel.moe.model_inspect import (
     ExpertsLayout,
     MoEBlock,
     check_expert_parallel_support,
-    find_decoder_layers,
     find_moe_blocks,
 )
 from automodel.moe.parallelizer import ExpertShardUnit, parallelize_experts, validate_moe_layout
@@ -28,7 +27,6 @@ __all__ = [
     "check_expert_parallel_support",
     "combine_tokens",
     "dispatch_tokens",
-    "find_decoder_layers",
     "find_moe_blocks",
     "grouped_expert_mlp",
     "grouped_mm_supported",

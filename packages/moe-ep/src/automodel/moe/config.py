@@ -10,7 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from automodel.mesh import parse_dtype
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoEParallelizerConfig:
     """How a mixture-of-experts model is sharded, checkpointed and cast under expert parallelism.
 
@@ -33,14 +33,17 @@ class MoEParallelizerConfig:
     reshard_after_forward: bool = False
     lm_head_precision: torch.dtype | str | None = None
     wrap_outer_model: bool = True
-    mp_policy: object | None = None
+    mp_policy: MixedPrecisionPolicy | None = None
 
     def __post_init__(self) -> None:
         for key in ("ignore_router_for_ac", "reshard_after_forward", "wrap_outer_model"):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be a bool, got {value!r} ({type(value).__name__})")
-        self.lm_head_precision = parse_dtype(self.lm_head_precision, key="lm_head_precision")
+        # frozen: the normalised dtype is set once, here
+        object.__setattr__(
+            self, "lm_head_precision", parse_dtype(self.lm_head_precision, key="lm_head_precision")
+        )
         if self.mp_policy is not None:
             if not isinstance(self.mp_policy, MixedPrecisionPolicy):
                 raise ValueError(

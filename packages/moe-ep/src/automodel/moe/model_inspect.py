@@ -33,8 +33,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from automodel.mesh.model_parts import find_layer_list
-
 
 class ExpertsLayout(enum.Enum):
     """How an experts module is called, hence how its tokens are dispatched."""
@@ -292,33 +290,3 @@ def check_expert_parallel_support(
             "nothing for expert parallelism to split; use ep_size=1 for dense models"
         )
     return blocks
-
-
-def _container_of_experts(model: nn.Module) -> str | None:
-    """The shallowest ModuleList/ModuleDict holding an experts module in one of its children (DBRX's
-    ``transformer.blocks``), by structure where the blocks are not called ``layers``."""
-    experts = [b.experts_name for b in find_moe_blocks(model)]
-    containers = [
-        name
-        for name, module in model.named_modules()
-        if name
-        and isinstance(module, (nn.ModuleList, nn.ModuleDict))
-        and any(e.startswith(name + ".") and "." in e[len(name) + 1 :] for e in experts)
-    ]
-    return min(containers, key=lambda n: n.count("."), default=None)
-
-
-def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The transformer blocks, (FQN, block): the decoder layers every package finds
-    (`automodel.mesh.model_parts.find_layer_list`), else the children of a ``layers`` ModuleDict,
-    else of the container whose children hold the experts modules."""
-    found = find_layer_list(model)
-    if found is not None:
-        return [(f"{found[0]}.{child}", layer) for child, layer in found[1].named_children()]
-    for name, module in model.named_modules():
-        if name.split(".")[-1] == "layers" and isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            return [(f"{name}.{child}", layer) for child, layer in module.named_children()]
-    name = _container_of_experts(model)
-    if name is None:
-        return []
-    return [(f"{name}.{child}", layer) for child, layer in model.get_submodule(name).named_children()]

@@ -17,7 +17,11 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import is_flash_attn_2_available
 
-from automodel.fsdp2.hf_config import layer_values
+# The config facts live in model_parts (one home); num_experts / experts_per_token are re-exported
+# for the rules and the planner, which import them from here.
+from automodel.mesh.model_parts import experts_per_token as experts_per_token
+from automodel.mesh.model_parts import layer_values
+from automodel.mesh.model_parts import num_experts as num_experts
 from automodel.recipes.config.build import resolve_dtype
 from automodel.recipes.config.sections import ModelSection
 from automodel.recipes.errors import ConfigError
@@ -246,28 +250,3 @@ def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_cod
                 "not support per-layer values of them)",
             ) from None
     return model.to(resolve_dtype("model.dtype", dtype))
-
-
-def _config_int(hf_config: Any, keys: tuple[str, ...]) -> int | None:
-    """The first positive int of `keys` in the config, else in a part config holding it (DBRX's
-    ffn_config)."""
-    for key in keys:
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    for part in vars(hf_config).values():
-        if isinstance(part, PretrainedConfig) and (value := _config_int(part, keys)):
-            return value
-    return None
-
-
-def num_experts(hf_config: Any) -> int | None:
-    """Routed experts per MoE layer; None for a dense model."""
-    return _config_int(hf_config, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
-
-
-def experts_per_token(hf_config: Any) -> int | None:
-    """Routed experts each token goes to (top-k); None where the config does not say."""
-    return _config_int(
-        hf_config, ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "moe_topk", "top_k")
-    )

@@ -9,7 +9,7 @@ from automodel.context_parallel import check_context_parallel_support
 from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
 from automodel.mesh import ResolvedLayout
 from automodel.mesh.model_parts import find_layer_list
-from automodel.moe import check_expert_parallel_support, find_decoder_layers, validate_moe_layout
+from automodel.moe import check_expert_parallel_support, validate_moe_layout
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import check_kernels_rules
@@ -172,11 +172,8 @@ def _check_per_layer_features(
     flags = list(d.strategy_config.enabled_layer_flags)
     if not flags:
         return
-    if layout.ep > 1:  # automodel.moe's finder (the shared one, else the blocks holding the experts)
-        has_layers = bool(find_decoder_layers(model))
-    else:
-        has_layers = find_layer_list(model) is not None
-    if has_layers:
+    # dense and MoE alike: the FSDP2 strategy applies these flags to `find_layer_list`'s layers
+    if find_layer_list(model) is not None:
         return
     flag = flags[0]
     raise ConfigError(

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from automodel.fsdp2.hf_config import positive_ints
 from automodel.mesh import ResolvedLayout, StrategyConfig
-from automodel.mesh.model_parts import text_config
+from automodel.mesh.model_parts import positive_ints, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
 from automodel.recipes.parallelisms.base import Parallelism

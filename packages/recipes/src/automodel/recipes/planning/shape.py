@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.fsdp2.hf_config import layer_values
-from automodel.mesh.model_parts import decoder_layers, input_embeddings, text_config
+from automodel.mesh.model_parts import decoder_layers, input_embeddings, layer_values, text_config
 from automodel.moe import find_moe_blocks
 from automodel.recipes.model import build_meta_model, experts_per_token, num_experts
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from automodel.mesh.testing import RankFailure, RankTimeout, run_on_ranks
+from automodel.testing.ranks import RankFailure, RankTimeout, run_on_ranks
 
 
 def _sum_of_ranks() -> tuple[int, int]:
@@ -105,7 +105,7 @@ _AFTER_FAKE_MODE = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from automodel.mesh.testing import run_on_ranks
+from automodel.testing.ranks import run_on_ranks
 
 
 def backward_on_rank():

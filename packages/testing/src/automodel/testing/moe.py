@@ -1,5 +1,5 @@
 """The tiny MoE models of the expert-parallel tests and benchmarks: the shared builder
-(`automodel.mesh.tiny_model`) with what these tests need on top (transformers imported lazily).
+(`automodel.testing.tiny_model`) with what these tests need on top (transformers imported lazily).
 
 On top of the shared tiny sizes: 8 experts by default (ep = 2, 4 and 8 split them evenly), the
 router's auxiliary loss in the output (its parity is part of the check), Qwen3-MoE's normalised
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from automodel.mesh.tiny_model import MOE_FAMILIES, moe_fields, tiny_causal_lm
+from automodel.testing.tiny_model import MOE_FAMILIES, moe_fields, tiny_causal_lm
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,6 +1,6 @@
 """The shared applied-layout checker fails a run whose parallelism was silently off.
 
-Every layout of the shared table (`automodel.mesh.layout_table`), checked against one process's
+Every layout of the shared table (`automodel.testing.layout_table`), checked against one process's
 report of its tiny model standing in for each rank, must fail: otherwise a package test could pass
 a layout on parity alone. One process also passes the check of the one-rank layout it is.
 """
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from automodel.mesh.layout_check import check_layout_applied
 from automodel.mesh.layout_report import default_layers_fqn, describe_module
-from automodel.mesh.layout_table import LAYOUTS, MATRIX_LAYOUTS, Layout, layouts_named
+from automodel.testing.layout_check import check_layout_applied
+from automodel.testing.layout_table import LAYOUTS, MATRIX_LAYOUTS, Layout, layouts_named
 
 pytest.importorskip("transformers")
 
-from automodel.mesh.tiny_model import TINY_MOE_SIZES, tiny_causal_lm  # noqa: E402
+from automodel.testing.tiny_model import TINY_MOE_SIZES, tiny_causal_lm  # noqa: E402
 
 _COORDS = {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0, "ep_shard": 0, "ep": 0}
 _MODEL_TYPE = {"dense": "llama", "moe": "qwen3_moe"}

@@ -9,10 +9,10 @@ attention and MLP per the plan, SP puts the norms on the tp mesh, pipeline stage
 layers, experts are split over ``ep``, DDP wraps the model with a reducer, CP runs the ring
 backend, activation checkpointing wraps every decoder layer.
 
-By default it knows the tiny models' parameter names (`automodel.mesh.tiny_model`) and checks
+By default it knows the tiny models' parameter names (`automodel.testing.tiny_model`) and checks
 each placement exactly; with ``any_architecture`` it checks the same idea generically over model
 families (the conformance sweep), the decoder layers found from each report's ``layers_fqn``.
-The layouts themselves: `automodel.mesh.layout_table`.
+The layouts themselves: `automodel.testing.layout_table`.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def check_layout_applied(
     layout (`ranks`, the ``distributed`` section) asks for, on a model of `layers` decoder layers
     and `num_experts` experts (0 or None: dense). A composed layout gets the check of each axis.
 
-    By default the tiny models' parameter names (`automodel.mesh.tiny_model`: Llama, Qwen3,
+    By default the tiny models' parameter names (`automodel.testing.tiny_model`: Llama, Qwen3,
     the MoE families) are checked exactly; `any_architecture` checks the same per axis generically,
     the decoder layers found from each report's ``layers_fqn`` (the conformance sweep)."""
     assert len(reports) == ranks, f"{len(reports)} reports for {ranks} ranks"

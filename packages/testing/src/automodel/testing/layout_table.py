@@ -3,13 +3,13 @@
 Each `Layout` is a named ``distributed`` section (the recipes' YAML keys: ``tp_size``,
 ``pp_size``, ``cp_size``, ``ep_size``, ``dp_replicate_size``, ``strategy``, ``sequence_parallel``,
 ``activation_checkpointing``, ``pipeline``, ``tp_plan``) on a number of ranks, for one tiny model
-(`automodel.mesh.tiny_model`). The recipes' parity matrix runs the layouts marked ``in_matrix``
+(`automodel.testing.tiny_model`). The recipes' parity matrix runs the layouts marked ``in_matrix``
 end to end; a package runs the ones it composes alone, picked by a documented filter in its tests
 (automodel-fsdp2: no pipeline, CP or EP; automodel-moe-ep: the MoE model with only ep and data
 parallelism), never a copy. A layout only one suite runs is still listed here, with
 ``in_matrix=False``, so the names and sections stay one. `layouts_named` picks by name.
 
-`automodel.mesh.layout_check.check_layout_applied` asserts a layout was applied.
+`automodel.testing.layout_check.check_layout_applied` asserts a layout was applied.
 """
 
 from __future__ import annotations
