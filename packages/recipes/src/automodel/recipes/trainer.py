@@ -9,7 +9,6 @@ same loss and gradients for the same global batch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import math
 import sys
@@ -27,7 +26,7 @@ from tqdm import tqdm
 from automodel.context_parallel import make_cp_batch_and_ctx
 from automodel.mesh import MeshContext
 from automodel.mesh.model_parts import text_config
-from automodel.recipes._dist_setup import resolve_machine_defaults, setup_distributed
+from automodel.recipes._dist_setup import setup_distributed
 from automodel.recipes.checkpoint import Checkpointer, TrainingState
 from automodel.recipes.data import build_packed_dataset, build_tokenizer
 from automodel.recipes.data.first_rows import first_rows
@@ -36,18 +35,19 @@ from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.kernels.apply import apply_kernels, check_linear_loss_bound
 from automodel.recipes.kernels.float8 import precompute_scales
-from automodel.recipes.launch_check import check_launch, launch_world_size
+from automodel.recipes.launch_check import launch_world_size
 from automodel.recipes.layout_report import describe_rank, summary_lines, write_rank_report
 from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
-from automodel.recipes.model import build_hf_config, build_meta_model
+from automodel.recipes.model import build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.packed_probe import apply_packed_probe
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.recipe_config import RecipeConfig
+from automodel.recipes.resolved_run import ResolvedRun, check_rank, resolve_run
 from automodel.recipes.run_lock import hold_output_dir, run_checkpoint_dir
 from automodel.recipes.strategies import get_strategy
 
@@ -168,39 +168,72 @@ def dp_rank_of(mesh: MeshContext) -> int:
 class Trainer:
     """Owns one run: built by `build`, driven by `train`; every method is collective over ranks."""
 
-    def __init__(self, cfg: RecipeConfig, *, files_checked: bool = False) -> None:
-        self.cfg = cfg
-        #: the `recipes` launcher on this machine already read the run's files (`check_launch`)
-        self.files_checked = files_checked
+    def __init__(self, run: ResolvedRun | RecipeConfig) -> None:
+        #: the resolved run (`resolved_run.resolve_run`); a bare config is resolved by `build`
+        self.run = run if isinstance(run, ResolvedRun) else None
+        self.cfg = run.cfg if isinstance(run, ResolvedRun) else run
         self.step = 0  # optimizer steps done (restored from a checkpoint by `train`)
-        self.pipeline_loss = StepScaledLoss(cfg.loss_fn)
+        self.pipeline_loss = StepScaledLoss(self.cfg.loss_fn)
         #: run after every optimizer step (fp8: the float8 scales of the next all-gathers)
         self.post_step_hooks: list[Callable[[], None]] = []
 
     # ---- construction --------------------------------------------------------------------
     def build(self) -> None:
-        # the machine-dependent defaults are this machine's (the YAML was parsed machine-neutral)
-        distributed = resolve_machine_defaults(
-            self.cfg.distributed,
-            cuda=torch.cuda.is_available(),
-            world_size=launch_world_size(),
-            param_dtype=self.cfg.model.dtype,
-        )
-        cfg = self.cfg = dataclasses.replace(self.cfg, distributed=distributed)
-        # every pre-launch check (the CLI's, `recipes validate`'s rules and this machine's), before
-        # the process group: the Python API reaches here without the CLI
-        check_launch(
-            cfg, world_size=launch_world_size(), this_machine=True, read_files=not self.files_checked
-        )
+        """Resolve (unless handed a resolved run), then this rank's process group, data, model,
+        optimizers; the pre-launch checks ran in `resolve_run`, a rank checks only its own facts."""
+        run = self._resolve()
+        cfg = self.cfg = run.cfg
+        self.hf_config = run.hf_config
         apply_packed_probe(
             cfg
         )  # transformers' per-layer packed-row probe: constant False when no row is packed
+        self._setup_process_group(run)
+        self._build_data()
+        model = self._build_model(run)
+        kernel_lines = apply_kernels(model, cfg=cfg, layout=self.mesh.layout, head_loss=self.head_loss)
+        self.pm = parallelize_model(
+            model,
+            mesh=self.mesh,
+            section=cfg.distributed,
+            device=self.device,
+            seed=cfg.seed,
+            pipeline_loss_fn=self.pipeline_loss,
+            pretrained_path=cfg.model.pretrained_path,
+            allow_pickle_weights=cfg.model.allow_pickle_weights,
+            peft=cfg.peft,
+        )
+        self._build_optimizers()
+        self.head_loss.bind(self.pm.parts, unwrap=self.pm.strategy.unwrap)
+        check_linear_loss_bound(self.head_loss)
+        if cfg.fp8.enabled and cfg.fp8.precompute_float8_dynamic_scale_for_fsdp:
+            self.post_step_hooks.append(precompute_scales(self.pm.parts))
+        if self.rank == 0:
+            print("\n".join([*kernel_lines, self.head_loss.describe()]), file=sys.stderr, flush=True)
+        self._report_layout()
+        if cfg.rng.ranked:  # dropout masks per data-parallel replica (AutoModel's StatefulRNG ranked)
+            torch.manual_seed(cfg.seed + dp_rank_of(self.mesh))
+        if self.rank == 0 and cfg.notes:
+            print("\n".join(f"note: {line}" for line in cfg.notes), file=sys.stderr, flush=True)
+
+    def _resolve(self) -> ResolvedRun:
+        """The run this rank trains: the one it was handed, else resolved here (the Python API in a
+        process no launcher resolved for: every check, before the process group)."""
+        if self.run is None:
+            self.run = resolve_run(self.cfg, world_size=launch_world_size(), this_machine=True)
+        return self.run
+
+    def _setup_process_group(self, run: ResolvedRun) -> None:
+        """This rank's process group and meshes, checked against the run's world size."""
+        cfg = run.cfg
         setup = setup_distributed(
             cfg.distributed, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes
         )
+        check_rank(run, world_size=setup.world_size)
         self.mesh, self.device, self.rank = setup.mesh, setup.device, setup.rank
-        layout = self.mesh.layout
-        self.hf_config = build_hf_config(cfg.model)
+
+    def _build_data(self) -> None:
+        """Tokenizer, this dp rank's training loader, the validation rows and the run's length."""
+        cfg = self.cfg
         self.tokenizer = build_tokenizer(
             cfg.tokenizer.path,
             trust_remote_code=cfg.tokenizer.trust_remote_code,
@@ -225,7 +258,7 @@ class Trainer:
                 global_batch_size=ss.global_batch_size,
                 local_batch_size=ss.local_batch_size,
                 dp_rank=dp_rank_of(self.mesh),
-                dp_size=layout.dp,
+                dp_size=self.mesh.layout.dp,
                 seed=cfg.seed,
                 shuffle=cfg.dataloader.shuffle,
             )
@@ -248,28 +281,26 @@ class Trainer:
         total = steps_per_epoch * ss.num_epochs
         self.total_steps = min(total, ss.max_steps) if ss.max_steps is not None else total
 
+    def _build_model(self, run: ResolvedRun) -> torch.nn.Module:
+        """The meta-device model (the one the checks ran on when this process resolved the run,
+        else built once here), with LoRA, its position offset and the loss."""
+        cfg = run.cfg
+        model = run.take_meta_model()
+        if model is None:  # resolved in another process (the launcher): one build in this one
+            model = build_meta_model(
+                self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
+            )
         torch.manual_seed(cfg.seed)
-        model = build_meta_model(
-            self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
-        )
         self.lora = None
         if cfg.peft is not None:  # LoRA on the meta model: every parallelism below composes with it
             self.lora = apply_lora(model, section=cfg.peft)
         self.position_offset = position_id_offset(model)
         self.head_loss = self._build_head_loss(model)
+        return model
 
-        kernel_lines = apply_kernels(model, cfg=cfg, layout=layout, head_loss=self.head_loss)
-        self.pm = parallelize_model(
-            model,
-            mesh=self.mesh,
-            section=cfg.distributed,
-            device=self.device,
-            seed=cfg.seed,
-            pipeline_loss_fn=self.pipeline_loss,
-            pretrained_path=cfg.model.pretrained_path,
-            allow_pickle_weights=cfg.model.allow_pickle_weights,
-            peft=cfg.peft,
-        )
+    def _build_optimizers(self) -> None:
+        """One optimizer (over the trainable parameters) and LR scheduler per model part."""
+        cfg = self.cfg
         opt_cls = locate("optimizer._target_", cfg.optimizer.target)
         # Only trainable parameters (all of them, or the LoRA adapters) reach the optimizer.
         self.optimizers = [
@@ -286,17 +317,6 @@ class Trainer:
         # The optimizers' parameters: the ones whose gradients are clipped and stepped (megatron-fsdp
         # swaps module parameters between forward and step; the optimizer holds the stepped ones).
         self.params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
-        self.head_loss.bind(self.pm.parts, unwrap=lambda part: getattr(part, "module", part))
-        check_linear_loss_bound(self.head_loss)
-        if cfg.fp8.enabled and cfg.fp8.precompute_float8_dynamic_scale_for_fsdp:
-            self.post_step_hooks.append(precompute_scales(self.pm.parts))
-        if self.rank == 0:
-            print("\n".join([*kernel_lines, self.head_loss.describe()]), file=sys.stderr, flush=True)
-        self._report_layout()
-        if cfg.rng.ranked:  # dropout masks per data-parallel replica (AutoModel's StatefulRNG ranked)
-            torch.manual_seed(cfg.seed + dp_rank_of(self.mesh))
-        if self.rank == 0 and cfg.notes:
-            print("\n".join(f"note: {line}" for line in cfg.notes), file=sys.stderr, flush=True)
 
     def _build_head_loss(self, model: torch.nn.Module) -> HeadLoss:
         """The loss (chunked over the head's weight, or on logits) for the loop and the pipeline."""
@@ -605,6 +625,7 @@ class Trainer:
             step=0,
             hf_config=self.hf_config,
             tokenizer=self.tokenizer,
+            strategy=self.pm.strategy,
         )
         checkpointer = Checkpointer(
             self.cfg.checkpoint,
@@ -626,8 +647,9 @@ def _resume_line(ckpt: Any, *, step: int) -> str:
     return f"resumed from step {step} ({path})"
 
 
-def run_training(cfg: RecipeConfig, *, files_checked: bool = False) -> TrainResult:
-    """Build and train; the process group is created if needed and left for the caller to destroy."""
-    trainer = Trainer(cfg, files_checked=files_checked)
+def run_training(run: ResolvedRun | RecipeConfig) -> TrainResult:
+    """Build and train `run` (a bare config is resolved in this process first); the process group
+    is created if needed and left for the caller to destroy."""
+    trainer = Trainer(run)
     trainer.build()
     return trainer.train()

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from automodel.fsdp2 import DDPConfig, DDPManager
 from automodel.mesh import MeshContext
@@ -26,6 +27,10 @@ class DDPStrategy(Strategy):
 
     def config_class(self) -> type:
         return DDPConfig
+
+    def unwrap(self, part: nn.Module) -> nn.Module:
+        """The module inside DDP's wrapper (none at dp = 1)."""
+        return part.module if isinstance(part, DistributedDataParallel) else part
 
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
         if sizes["dp_replicate_size"] is not None:

@@ -87,6 +87,7 @@ class FSDP2Strategy(Strategy):
     """automodel.fsdp2's FSDP2 (HSDP with dp_replicate_size), composed with TP/SP, CP, EP and PP."""
 
     name = "fsdp2"
+    float8_all_gather = True  # fully_shard all-gathers torchao's float8 weights
     machine_keys = ("backend", "mp_policy")
     layer_flags = ("activation_checkpointing", "enable_compile", "enable_fsdp2_prefetch")
 
