@@ -333,7 +333,7 @@ class Trainer:
         report = describe_rank(
             parts=self.pm.parts,
             mesh=self.mesh,
-            strategy=self.cfg.distributed.strategy,
+            strategy=self.pm.strategy,
             cp_backend=self.pm.cp_backend,
             pipeline=self.pm.pipeline,
         )
@@ -342,7 +342,7 @@ class Trainer:
             axis: layout.axis_size(axis)
             for axis in ("pp", "tp", "cp", "ep", "ep_shard", "dp_shard_cp", "dp_shard", "dp_replicate")
         }
-        lines = summary_lines(report, axis_sizes=sizes)
+        lines = summary_lines(report, axis_sizes=sizes, strategy=self.pm.strategy)
         section = self.cfg.distributed
         if section.chosen_because is not None:  # the YAML did not name the strategy: say why this one
             lines.append(f"[rank {self.rank}] strategy {section.strategy}: {section.chosen_because}")

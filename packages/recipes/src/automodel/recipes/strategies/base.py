@@ -81,6 +81,15 @@ class PartWrapping:
         share it)."""
         return t.full_tensor() if isinstance(t, DTensor) else t
 
+    def describe_wrapper(self, part: nn.Module) -> dict[str, Any]:
+        """What the wrapper around `part` holds beyond its parameters, for the layout report
+        (`layout_report.describe_part`); nothing by default."""
+        return {}
+
+    def wrapper_lines(self, part: dict[str, Any], *, rank: int) -> list[str]:
+        """The layout report's lines about the wrapper, from one part's report; none by default."""
+        return []
+
 
 #: The parts of a model no strategy wrapped (materialization, tests): torch's own state functions.
 PLAIN_PARTS = PartWrapping()

@@ -32,6 +32,13 @@ class DDPStrategy(Strategy):
         """The module inside DDP's wrapper (none at dp = 1)."""
         return part.module if isinstance(part, DistributedDataParallel) else part
 
+    def wrapper_lines(self, part: dict[str, Any], *, rank: int) -> list[str]:
+        """The DDP reducer the report found (`automodel.mesh.layout_report`: none at dp = 1)."""
+        if "ddp" not in part:
+            return []
+        ddp = part["ddp"]
+        return [f"[rank {rank}] {self.name} ({ddp['group_size']} ranks): reducer {ddp['reducer']}"]
+
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
         if sizes["dp_replicate_size"] is not None:
             raise ConfigError(

@@ -134,6 +134,18 @@ class MegatronFSDPStrategy(Strategy):
             return megatron_full_tensor(t)
         return super().full_tensor(t, part)
 
+    def describe_wrapper(self, part: nn.Module) -> dict[str, Any]:
+        """megatron-fsdp's parameter groups and their buffers (what each rank holds of them)."""
+        groups = _parameter_buffers(part)
+        return {} if groups is None else {"megatron_fsdp": {"parameter_groups": groups}}
+
+    def wrapper_lines(self, part: dict[str, Any], *, rank: int) -> list[str]:
+        if "megatron_fsdp" not in part:
+            return []
+        return [
+            f"[rank {rank}] {self.name}: {len(part['megatron_fsdp']['parameter_groups'])} parameter groups"
+        ]
+
     def grad_sync(
         self, parts: list[nn.Module], *, is_last_microbatch: bool, defer: bool
     ) -> contextlib.AbstractContextManager:
@@ -149,3 +161,22 @@ class MegatronFSDPStrategy(Strategy):
         self, params: list[nn.Parameter], *, max_norm: float | None, mesh: MeshContext, pipeline: Any
     ) -> torch.Tensor:
         return clip_grad_norm(params, max_norm=max_norm, tp_size=mesh.layout.tp)
+
+
+def _parameter_buffers(part: nn.Module) -> list[dict[str, Any]] | None:
+    buffer = getattr(part, "param_and_grad_buffer", None)
+    if buffer is None:
+        return None
+    groups = []
+    for group in buffer.parameter_groups:
+        entry: dict[str, Any] = {"num_params": len(group.params)}
+        for kind in ("model_weight_buffer", "main_weight_buffer", "main_grad_buffer"):
+            buf = getattr(group, kind, None)
+            if buf is not None:
+                entry[kind] = {
+                    "distributed": bool(buf.is_data_distributed),
+                    "local_numel": int(buf.data_size),
+                    "dp_world_size": int(buf.dp_world_size),
+                }
+        groups.append(entry)
+    return groups
