@@ -1,5 +1,6 @@
-"""One pre-launch validation entry (`launch_check.check_launch`): `recipes validate`, `recipes
-train`, the Python API and `recipes plan` refuse the same bad config with the same message."""
+"""One resolution per launch (`resolved_run.resolve_run`, running `launch_check.check_launch`):
+`recipes validate`, `recipes train`, the Python API and `recipes plan` refuse the same bad config
+with the same message and resolve the same config alike; the meta model is built once per process."""
 
 from __future__ import annotations
 

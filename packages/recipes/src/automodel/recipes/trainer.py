@@ -499,119 +499,99 @@ class Trainer:
             return self._train()
 
     def _train(self) -> TrainResult:
-        cfg = self.cfg
-        out = Path(cfg.output_dir)
+        out = Path(self.cfg.output_dir)
+        ckpt, state = self._start(out)
+        log = _StepLog(self, out=out)
+        try:
+            while self.step < self.total_steps:
+                if self._one_step(log, ckpt=ckpt, state=state):
+                    break  # pre-empted: saved, stop
+            log.finish()
+            if ckpt is not None:
+                assert state is not None
+                state.step = self.step
+                ckpt.save(state, last=self.step == self.total_steps)
+        finally:
+            log.close()
+            if ckpt is not None:
+                ckpt.close()
+        log.result.steps = self.step
+        return log.result
+
+    def _start(self, out: Path) -> tuple[Any, Any]:
+        """Write the run's config, restore the newest checkpoint (if any) and say what the run
+        starts from; returns the checkpointer and the training state (None, None without)."""
         is_main = self.rank == 0
         if is_main:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
+            (out / "config.yaml").write_text(yaml.safe_dump(self.cfg.raw, sort_keys=False))
         ckpt, state = self._checkpointer(out)
         if ckpt is not None:
             ckpt.restore(state)
             self.step = state.step
         if is_main:
             print(_resume_line(ckpt, step=self.step), file=sys.stderr, flush=True)
-        metrics = MetricsWriter(
-            out, enabled=is_main, tensorboard=cfg.logging.tensorboard, resumed_step=self.step
+        return ckpt, state
+
+    def _one_step(self, log: _StepLog, *, ckpt: Checkpointer | None, state: TrainingState | None) -> bool:
+        """One optimizer step, its numbers queued (validated / checked when due), then the
+        checkpoints due after it; True when pre-emption saved and the run must stop."""
+        ss = self.cfg.step_scheduler
+        started = time.perf_counter()
+        lr = self.schedulers[0].get_last_lr()[0]
+        numbers = self._timed_step(log, started=started)
+        self.step += 1
+        log.queue(
+            numbers,
+            {
+                "step": self.step,
+                "lr": lr,
+                "step_time_s": time.perf_counter() - started,
+                "peak_mem_bytes": peak_memory_bytes(self.device),
+            },
         )
-        result = TrainResult(output_dir=str(out))
-        bar = None
-        if is_main and cfg.logging.progress_bar:
-            bar = tqdm(
-                total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True
-            )
-        ss = cfg.step_scheduler
-        pending: tuple[StepResult, dict[str, Any]] | None = None
+        final = self.step == self.total_steps
+        validate = self.val_dataset is not None and (
+            (ss.val_every_steps and self.step % ss.val_every_steps == 0) or final
+        )
+        epoch_end = ss.save_checkpoint_every_epoch and self.step % self.steps_per_epoch == 0
+        saving = ckpt is not None and (
+            ckpt.preempted or epoch_end or (ss.ckpt_every_steps and self.step % ss.ckpt_every_steps == 0)
+        )
+        if validate or saving or final:
+            log.finish(validate=validate)  # checked before any checkpoint of this step is written
+        if ss.gc_every_steps and self.step % ss.gc_every_steps == 0:
+            gc.collect()
+        if ckpt is None:
+            return False
+        assert state is not None
+        state.step = self.step
+        ckpt.maybe_save(state, every_steps=ss.ckpt_every_steps)
+        if epoch_end and not final:
+            ckpt.save(state)  # the final step is saved once, by `_train`, as the last one
+        if ckpt.preempted:
+            ckpt.save(state)
+            return True
+        return False
 
-        def finish(*, validate: bool = False) -> None:
-            """Read the pending step's numbers (waits for it), check them, validate if asked,
-            write its record."""
-            nonlocal pending
-            if pending is None:
-                return
-            (numbers, timing), pending = pending, None
-            loss, norm, tokens = numbers.fetch(step=timing["step"])
-            elapsed = timing["step_time_s"]
-            record: dict[str, Any] = {
-                "step": timing["step"],
-                "loss": loss,
-                "grad_norm": norm,
-                "lr": timing["lr"],
-                "num_tokens": tokens,
-                "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-                "step_time_s": elapsed,
-                "peak_mem_bytes": timing["peak_mem_bytes"],
-            }
-            result.losses.append(loss)
-            result.grad_norms.append(norm)
-            if validate:
-                record["val_loss"] = result.val_losses[record["step"]] = self.validate()
-            metrics.write(record)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
-
+    def _timed_step(self, log: _StepLog, *, started: float) -> StepResult:
+        """`train_step` on the next batches, then the previous step's numbers read (step N's are
+        read once step N+1 is queued: the host never waits for the device in between; a
+        non-finite step N stops the run one step later); a collective time-out says so."""
         try:
-            while self.step < self.total_steps:
-                started = time.perf_counter()
-                lr = self.schedulers[0].get_last_lr()[0]
-                try:
-                    numbers = self.train_step(self.loader.next_step())
-                    # step N's numbers are read once step N+1 is queued: the host never waits
-                    # for the device in between (a non-finite step N stops the run one step later)
-                    finish()
-                except RuntimeError as e:
-                    timeout_s = cfg.dist_env.timeout_minutes * 60
-                    waited_s = time.perf_counter() - started
-                    if not is_collective_timeout(e, waited_s=waited_s, timeout_s=timeout_s):
-                        raise
-                    raise CollectiveTimeoutError(
-                        f"rank {self.rank}, step {self.step + 1}: a collective timed out after "
-                        f"dist_env.timeout_minutes={cfg.dist_env.timeout_minutes}; another rank died or "
-                        f"hangs ({type(e).__name__}: {e})"
-                    ) from e
-                self.step += 1
-                timing = {
-                    "step": self.step,
-                    "lr": lr,
-                    "step_time_s": time.perf_counter() - started,
-                    "peak_mem_bytes": peak_memory_bytes(self.device),
-                }
-                pending = (numbers, timing)
-                final = self.step == self.total_steps
-                validate = self.val_dataset is not None and (
-                    (ss.val_every_steps and self.step % ss.val_every_steps == 0) or final
-                )
-                epoch_end = ss.save_checkpoint_every_epoch and self.step % self.steps_per_epoch == 0
-                saving = ckpt is not None and (
-                    ckpt.preempted
-                    or epoch_end
-                    or (ss.ckpt_every_steps and self.step % ss.ckpt_every_steps == 0)
-                )
-                if validate or saving or final:
-                    finish(validate=validate)  # checked before any checkpoint of this step is written
-                if ss.gc_every_steps and self.step % ss.gc_every_steps == 0:
-                    gc.collect()
-                if ckpt is not None:
-                    state.step = self.step
-                    ckpt.maybe_save(state, every_steps=ss.ckpt_every_steps)
-                    if epoch_end and not final:
-                        ckpt.save(state)  # the final step is saved once below, as the last one
-                    if ckpt.preempted:
-                        ckpt.save(state)
-                        break
-            finish()
-            if ckpt is not None:
-                state.step = self.step
-                ckpt.save(state, last=self.step == self.total_steps)
-        finally:
-            if bar is not None:
-                bar.close()
-            metrics.close()
-            if ckpt is not None:
-                ckpt.close()
-        result.steps = self.step
-        return result
+            numbers = self.train_step(self.loader.next_step())
+            log.finish()
+        except RuntimeError as e:
+            minutes = self.cfg.dist_env.timeout_minutes
+            waited_s = time.perf_counter() - started
+            if not is_collective_timeout(e, waited_s=waited_s, timeout_s=minutes * 60):
+                raise
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}, step {self.step + 1}: a collective timed out after "
+                f"dist_env.timeout_minutes={minutes}; another rank died or "
+                f"hangs ({type(e).__name__}: {e})"
+            ) from e
+        return numbers
 
     def _checkpointer(self, out: Path) -> tuple[Any, Any]:
         if not self.cfg.checkpoint.enabled:
@@ -635,6 +615,61 @@ class Trainer:
             base_model_name_or_path=self.cfg.model.pretrained_path,
         )
         return checkpointer, state
+
+
+class _StepLog:
+    """The steps' numbers: a step's are read (`finish`) only once the next one is queued or when
+    they are due (validation, a checkpoint, the end), then checked, validated if asked, and
+    written to metrics.jsonl (rank 0) and the progress bar."""
+
+    def __init__(self, trainer: Trainer, *, out: Path) -> None:
+        cfg, is_main = trainer.cfg, trainer.rank == 0
+        self.trainer = trainer
+        self.metrics = MetricsWriter(
+            out, enabled=is_main, tensorboard=cfg.logging.tensorboard, resumed_step=trainer.step
+        )
+        self.result = TrainResult(output_dir=str(out))
+        self.bar = None
+        if is_main and cfg.logging.progress_bar:
+            self.bar = tqdm(
+                total=trainer.total_steps, initial=trainer.step, desc="train", unit="step", dynamic_ncols=True
+            )
+        self.pending: tuple[StepResult, dict[str, Any]] | None = None
+
+    def queue(self, numbers: StepResult, timing: dict[str, Any]) -> None:
+        self.pending = (numbers, timing)
+
+    def finish(self, *, validate: bool = False) -> None:
+        """Read the pending step's numbers (waits for it), check them, validate if asked, write
+        its record."""
+        if self.pending is None:
+            return
+        (numbers, timing), self.pending = self.pending, None
+        loss, norm, tokens = numbers.fetch(step=timing["step"])
+        elapsed = timing["step_time_s"]
+        record: dict[str, Any] = {
+            "step": timing["step"],
+            "loss": loss,
+            "grad_norm": norm,
+            "lr": timing["lr"],
+            "num_tokens": tokens,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": elapsed,
+            "peak_mem_bytes": timing["peak_mem_bytes"],
+        }
+        self.result.losses.append(loss)
+        self.result.grad_norms.append(norm)
+        if validate:
+            record["val_loss"] = self.result.val_losses[record["step"]] = self.trainer.validate()
+        self.metrics.write(record)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.metrics.close()
 
 
 def _resume_line(ckpt: Any, *, step: int) -> str:
