@@ -84,3 +84,68 @@ def test_the_check_catches_a_strategy_name() -> None:
         'label = f"distributed.strategy {name}"\n'
     )
     assert strategy_name_uses(sample, names=names) == [(1, "megatron_fsdp"), (3, "ddp"), (3, "fsdp2")]
+
+
+def _ddp_on_rank() -> tuple[bool, list[str], list[str]]:
+    """A DDP-wrapped module: the strategy unwraps it, torch's state dict keeps the user's names,
+    and the layout report's DDP line comes from the strategy."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from automodel.recipes.layout_report import describe_part, summary_lines
+    from automodel.recipes.strategies import get_strategy
+
+    inner = nn.Sequential(nn.Linear(2, 2))
+    wrapped = DistributedDataParallel(inner)
+    ddp = get_strategy("ddp")
+    report = describe_part(wrapped, strategy=ddp)
+    lines = summary_lines({"rank": 0, "strategy": ddp.name, "parts": [report]}, axis_sizes={}, strategy=ddp)
+    return ddp.unwrap(wrapped) is inner, sorted(ddp.model_state_dict(wrapped)), lines
+
+
+def test_each_strategy_knows_its_own_wrapper() -> None:
+    """DDP (a real wrapper) and megatron-fsdp (a stand-in with its attributes: it needs CUDA):
+    unwrap, the state module and the layout report's entries are the strategy's."""
+    from torch import nn
+
+    from automodel.mesh.testing import run_on_ranks
+    from automodel.recipes.strategies import get_strategy
+
+    unwrapped, keys, lines = run_on_ranks(_ddp_on_rank, world_size=1)[0]
+    assert unwrapped and keys == ["0.bias", "0.weight"]
+    assert any(line.startswith("[rank 0] ddp (1 ranks): reducer") for line in lines), lines
+
+    class Buffer:
+        is_data_distributed, data_size, dp_world_size = True, 6, 2
+
+    class Group:
+        params = [0, 1]
+        model_weight_buffer = Buffer()
+
+    class FakeMegatronFSDP(nn.Module):  # what `is_megatron_fsdp` recognises
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+            self.param_and_grad_buffer = type("B", (), {"parameter_groups": [Group()]})()
+            self.swapped = False
+
+        def finish_grad_sync(self) -> None: ...
+
+        def _replace_param_with_distributed_if_needed(self) -> None:
+            self.swapped = True
+
+    inner = nn.Linear(2, 2)
+    part = FakeMegatronFSDP(inner)
+    megatron = get_strategy("megatron_fsdp")
+    assert megatron.unwrap(part) is inner and megatron.unwrap(inner) is inner
+    assert megatron.state_module(part) is inner and part.swapped
+    described = megatron.describe_wrapper(part)
+    assert described["megatron_fsdp"]["parameter_groups"][0]["model_weight_buffer"]["local_numel"] == 6
+    assert megatron.wrapper_lines(described, rank=3) == ["[rank 3] megatron_fsdp: 1 parameter groups"]
+    for name in ("fsdp2", "single", "ddp"):  # no wrapper of theirs: the part itself, nothing to report
+        strategy = get_strategy(name)
+        assert strategy.unwrap(inner) is inner and strategy.describe_wrapper(inner) == {}
+    assert (get_strategy("fsdp2").float8_all_gather, get_strategy("megatron_fsdp").float8_linears) == (
+        True,
+        False,
+    )
