@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.dynamic_module_utils import init_hf_modules
 
 from automodel.mesh import ResolvedLayout, detect_launch_env
 from automodel.recipes._dist_setup import resolve_machine_defaults
@@ -95,10 +96,7 @@ class ResolvedRun:
     @staticmethod
     def load(path: Path) -> ResolvedRun:
         """A run `save` wrote on this machine (the launcher's private directory: trusted)."""
-        # lazy: transformers' remote-code modules are importable only once its module cache is on sys.path
-        from transformers.dynamic_module_utils import init_hf_modules
-
-        init_hf_modules()
+        init_hf_modules()  # a remote-code config's module is importable once its cache is on sys.path
         run = pickle.loads(path.read_bytes())
         assert isinstance(run, ResolvedRun), type(run)
         return run
