@@ -133,18 +133,22 @@ def launch_torchrun(
     env.setdefault("OMP_NUM_THREADS", "1")
     error_dir = tempfile.mkdtemp(prefix="automodel-rank-errors-")
     run_dir = Path(tempfile.mkdtemp(prefix="automodel-run-"))
-    run.save(run_dir / "run.pkl")
     log = Path(run.output_dir) / "logs" / "torchrun.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "automodel.recipes._agent", f"--parent={os.getpid()}", f"--log={log}", "--",
-        *torchrun_args(
-            opts, [*train_args, f"--launcher-error-dir={error_dir}", f"--launcher-resolved={run_dir / 'run.pkl'}"]
-        ),
-    ]  # fmt: skip
-    agent = subprocess.Popen(cmd, env=env, start_new_session=True)
-    with _Forwarder(agent, saves=saves_on_sigterm) as forwarder:
-        code = agent.wait()
+    try:
+        run.save(run_dir / "run.pkl")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "automodel.recipes._agent", f"--parent={os.getpid()}", f"--log={log}", "--",
+            *torchrun_args(
+                opts,
+                [*train_args, f"--launcher-error-dir={error_dir}", f"--launcher-resolved={run_dir / 'run.pkl'}"],
+            ),
+        ]  # fmt: skip
+        agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+        with _Forwarder(agent, saves=saves_on_sigterm) as forwarder:
+            code = agent.wait()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # the ranks have stopped (or never started)
     try:
         reports = rank_errors.read_reports(error_dir) if code != 0 else []
         if forwarder.received is not None and not any(r.line for r in reports):
@@ -161,6 +165,5 @@ def launch_torchrun(
         rank_errors.print_lines(lines)
         return code
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
         if not any(p.suffix == ".log" for p in Path(error_dir).iterdir()):
             shutil.rmtree(error_dir, ignore_errors=True)
