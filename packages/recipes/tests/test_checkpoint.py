@@ -36,6 +36,7 @@ from automodel.recipes.checkpoint import (
     load_pretrained_weights,
 )
 from automodel.recipes.checkpoint import paths as ckpt_paths
+from automodel.recipes.strategies.base import PLAIN_PARTS
 from automodel.testing.ranks import RankFailure, run_on_ranks
 from automodel.testing.tiny_model import tiny_causal_lm
 
@@ -163,7 +164,12 @@ def _state(kind: str, layout: str) -> tuple[TrainingState, int, int]:
     opt, sched = _optimizer(model)
     torch.manual_seed(1234)  # training RNG, identical on every rank
     state = TrainingState(
-        model_parts=[model], optimizers=[opt], lr_schedulers=[sched], dataloader=PositionLoader(), step=0
+        model_parts=[model],
+        optimizers=[opt],
+        lr_schedulers=[sched],
+        dataloader=PositionLoader(),
+        step=0,
+        strategy=PLAIN_PARTS,
     )
     return state, dp_rank, dp_size
 
@@ -277,7 +283,14 @@ def test_config_defaults_and_dir(tmp_path):
 def test_training_state_rejects_unpaired_optimizers():
     m = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="optimizers"):
-        TrainingState(model_parts=[m, m], optimizers=[object()], lr_schedulers=[], dataloader=None, step=0)
+        TrainingState(
+            model_parts=[m, m],
+            optimizers=[object()],
+            lr_schedulers=[],
+            dataloader=None,
+            step=0,
+            strategy=PLAIN_PARTS,
+        )
 
 
 # ---- exact resume ------------------------------------------------------------------------------
@@ -359,7 +372,12 @@ def _restore_into_pp_stages(*, ckpt_dir: str, out_dir: str) -> dict:
     model = _pp_stage(_model(seed=99), stage)
     opt, sched = _optimizer(model)
     state = TrainingState(
-        model_parts=[model], optimizers=[opt], lr_schedulers=[sched], dataloader=PositionLoader(), step=0
+        model_parts=[model],
+        optimizers=[opt],
+        lr_schedulers=[sched],
+        dataloader=PositionLoader(),
+        step=0,
+        strategy=PLAIN_PARTS,
     )
     ckpt = Checkpointer(
         CheckpointConfig(checkpoint_dir=out_dir, restore_from=str(Path(ckpt_dir) / "step_3")),

@@ -111,9 +111,12 @@ def _load_on_rank(kind: str, layout: str, directory: str, export: str) -> dict[s
     with mock.patch.object(SafetensorsReader, "__call__", recording):
         load_pretrained_weights([model], directory)
     from automodel.recipes.checkpoint.consolidated import save_consolidated
+    from automodel.recipes.strategies.base import PLAIN_PARTS
 
     Path(export).mkdir(exist_ok=True)
-    save_consolidated(model_parts=[model], directory=Path(export), model_save_format="safetensors")
+    save_consolidated(
+        model_parts=[model], directory=Path(export), model_save_format="safetensors", strategy=PLAIN_PARTS
+    )
     params = {}
     for name, tensor in model.state_dict().items():
         params[name] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

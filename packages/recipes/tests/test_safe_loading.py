@@ -38,6 +38,7 @@ from automodel.recipes.checkpoint.safe_dcp import (
 )
 from automodel.recipes.checkpoint.state import decode_extra, encode_extra
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.strategies.base import PLAIN_PARTS
 from automodel.testing.ranks import run_on_ranks
 
 TIMEOUT = 180
@@ -92,7 +93,12 @@ def _state(seed: int = 0) -> TrainingState:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     return TrainingState(
-        model_parts=[model], optimizers=[opt], lr_schedulers=[sched], dataloader=CountingLoader(), step=0
+        model_parts=[model],
+        optimizers=[opt],
+        lr_schedulers=[sched],
+        dataloader=CountingLoader(),
+        step=0,
+        strategy=PLAIN_PARTS,
     )
 
 

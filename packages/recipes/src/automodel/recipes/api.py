@@ -7,10 +7,10 @@
     print(result.losses)
 
 `load_config` is the one path from YAML to a validated `RecipeConfig`, shared by the CLI's
-`train` and `validate`; `train` runs the pre-launch checks every path shares
-(`launch_check.check_launch`: the same refusals, with the same messages, as `recipes train` and
-`recipes validate`) before it builds anything, then trains and tears the process group down (also
-on failure).
+`train` and `validate`; `train` resolves the config in this process (`resolved_run.resolve_run`,
+the resolution every path shares: the same refusals, with the same messages, as `recipes train`
+and `recipes validate`) before it builds anything, unless it is handed a `ResolvedRun` (the
+`recipes` launcher's), then trains and tears the process group down (also on failure).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from automodel.mesh import destroy_distributed
 from automodel.recipes.loader import apply_overrides
 from automodel.recipes.loader import load_config as load_config_file
 from automodel.recipes.recipe_config import RecipeConfig, parse_recipe_config
+from automodel.recipes.resolved_run import ResolvedRun
 from automodel.recipes.trainer import run_training
 
-if TYPE_CHECKING:  # the trainer (data, loop) is imported only by `train`, not by `load_config`
+if TYPE_CHECKING:
     from automodel.recipes.trainer import TrainResult
 
 
@@ -44,20 +45,19 @@ def load_config(source: str | Path | dict[str, Any], *, overrides: Sequence[str]
 
 
 def train(
-    config: RecipeConfig | str | Path | dict[str, Any],
-    *,
-    overrides: Sequence[str] = (),
-    files_checked: bool = False,
+    config: ResolvedRun | RecipeConfig | str | Path | dict[str, Any], *, overrides: Sequence[str] = ()
 ) -> TrainResult:
     """Train `config` in this process, one rank of the job (world size from torchrun's environment).
 
-    The process group is created here and destroyed when training ends or fails. `files_checked`:
-    the `recipes` launcher of this machine already read the run's files (data rows, pretrained
-    weights, the checkpoint to restore), so the rank does not read them again.
+    A `ResolvedRun` (resolved once by the `recipes` launcher for every rank of its machine) is
+    trained as is: the rank checks only its own process group; anything else is resolved here.
+    The process group is created here and destroyed when training ends or fails.
     """
-    cfg = config if isinstance(config, RecipeConfig) else load_config(config, overrides=overrides)
+    run = (
+        config if isinstance(config, RecipeConfig | ResolvedRun) else load_config(config, overrides=overrides)
+    )
     try:
-        result = run_training(cfg, files_checked=files_checked)
+        result = run_training(run)
     except BaseException:
         destroy_distributed(barrier=False)  # peers may be stuck in a collective: fail, don't hang
         raise

@@ -12,7 +12,9 @@ import importlib.metadata
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from automodel.mesh import detect_launch_env
 from automodel.recipes import __version__
@@ -21,6 +23,10 @@ from automodel.recipes.errors import ConfigError, DataError
 from automodel.recipes.lifetime import die_with_parent
 from automodel.recipes.plot import plot_losses
 from automodel.recipes.resume_check import check_config_changes
+
+if TYPE_CHECKING:  # imported by the commands that need them (start-up, recipes --help)
+    from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.resolved_run import ResolvedRun
 
 EXIT_CONFIG_ERROR = 2
 
@@ -107,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     # Set by the `recipes` launcher on the ranks it starts (see automodel.recipes.launch).
     t.add_argument("--launcher-error-dir", default=None, dest="launcher_error_dir", help=argparse.SUPPRESS)
     t.add_argument("--launcher-pid", type=int, default=None, dest="launcher_pid", help=argparse.SUPPRESS)
+    t.add_argument("--launcher-resolved", default=None, dest="launcher_resolved", help=argparse.SUPPRESS)
     v = sub.add_parser("validate", help="resolve config and layout for --world-size ranks; no training")
     v.add_argument("config")
     v.add_argument("--world-size", "--world_size", type=int, default=None, dest="world_size")
@@ -225,16 +232,16 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if opts.nproc_per_node < 1:
         raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
     cfg = load_and_parse(args.config, overrides)
-    # lazy: start-up, recipes --help: launch_check ~5 s
-    from automodel.recipes.launch_check import check_launch
+    # lazy: start-up, recipes --help: resolved_run ~5 s
+    from automodel.recipes.resolved_run import resolve_run
 
     # lazy: start-up, recipes --help: run_lock ~2.8 s
     from automodel.recipes.run_lock import acquire_run_lock, run_checkpoint_dir
 
     nnodes = int(opts.nnodes.split(":")[-1])
-    # every check, before any process starts or anything is written (each rank checks again in
-    # `Trainer.build`, for its own machine)
-    check_launch(cfg, world_size=opts.nproc_per_node * nnodes, this_machine=True)
+    # the run resolved once for this machine (every check), before any process starts or anything
+    # is written; the ranks get this value and check only their own process group
+    run = resolve_run(cfg, world_size=opts.nproc_per_node * nnodes, this_machine=True)
     # One launcher per node: on a single node it holds the output_dir lock for the whole job
     # (restarts included); on several nodes rank 0 takes it, wherever it runs.
     lock = (
@@ -249,10 +256,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
             return launch_torchrun(
                 opts,
                 [args.config, *overrides],
-                output_dir=cfg.output_dir,
+                run=run,
                 saves_on_sigterm=cfg.checkpoint.enabled,
             )
-        return _run_guarded(lambda: cfg, rank=0, error_dir=None, files_checked=True)  # checked above
+        return _run_guarded(lambda: run, rank=0, error_dir=None)
     finally:
         if lock is not None:
             lock.release()
@@ -263,27 +270,31 @@ def _check_resume(cfg, *, allow_changes: bool) -> None:
 
 
 def _train_rank(args: argparse.Namespace, overrides: list[str]) -> int:
-    """One rank of a job started by torchrun, srun or the `recipes` launcher (`--launcher-pid`)."""
+    """One rank of a job started by torchrun, srun or the `recipes` launcher (`--launcher-pid`).
+
+    Under the `recipes` launcher the rank trains the run it resolved (`--launcher-resolved`);
+    started by a plain torchrun or srun, each rank resolves the run itself (`api.train`)."""
     launch = detect_launch_env()
     if args.launcher_pid is not None or launch.launcher == "torchrun":
         die_with_parent(expected_parent=args.launcher_pid)  # never outlive the launcher
 
-    def config():
-        cfg = load_and_parse(args.config, overrides)  # `Trainer.build` runs every check
-        if args.launcher_pid is None and launch.rank == 0:  # no `recipes` launcher checked it
+    def config() -> RecipeConfig | ResolvedRun:
+        if args.launcher_resolved is not None:
+            # lazy: start-up, recipes --help: resolved_run ~5 s
+            from automodel.recipes.resolved_run import ResolvedRun
+
+            return ResolvedRun.load(Path(args.launcher_resolved))
+        cfg = load_and_parse(args.config, overrides)  # `api.train` resolves it in this rank
+        if launch.rank == 0:  # no `recipes` launcher checked it
             _check_resume(cfg, allow_changes=args.resume_with_changes)
         return cfg
 
-    # the `recipes` launcher on this node read the run's files before starting the ranks
-    return _run_guarded(
-        config,
-        rank=launch.rank,
-        error_dir=args.launcher_error_dir,
-        files_checked=args.launcher_pid is not None,
-    )
+    return _run_guarded(config, rank=launch.rank, error_dir=args.launcher_error_dir)
 
 
-def _run_guarded(config, *, rank: int, error_dir: str | None, files_checked: bool) -> int:
+def _run_guarded(
+    config: Callable[[], RecipeConfig | ResolvedRun], *, rank: int, error_dir: str | None
+) -> int:
     """Train; a failure becomes a traceback file plus one line (or the launcher's report).
 
     Without a launcher, a user mistake (config, data, file system, checkpoint) prints one line and
@@ -296,14 +307,15 @@ def _run_guarded(config, *, rank: int, error_dir: str | None, files_checked: boo
     # lazy: start-up, recipes --help: rank_errors ~3 s
     from automodel.recipes.rank_errors import report_failure
 
-    cfg = None
+    output_dir = None
     try:
-        cfg = config()
-        result = train(cfg, files_checked=files_checked)
+        run = config()
+        output_dir = run.output_dir
+        result = train(run)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        report = report_failure(e, rank=rank, output_dir=cfg.output_dir if cfg else None, error_dir=error_dir)
+        report = report_failure(e, rank=rank, output_dir=output_dir, error_dir=error_dir)
         if error_dir is not None:
             return report.exit_code
         if not report.line:

@@ -20,11 +20,14 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from automodel.mesh import detect_launch_env
 from automodel.recipes import rank_errors
 from automodel.recipes.lifetime import children_of
+
+if TYPE_CHECKING:
+    from automodel.recipes.resolved_run import ResolvedRun
 
 
 @dataclass(frozen=True)
@@ -116,9 +119,12 @@ class _Forwarder:
 
 
 def launch_torchrun(
-    opts: LaunchOptions, train_args: list[str], *, output_dir: str, saves_on_sigterm: bool = True
+    opts: LaunchOptions, train_args: list[str], *, run: ResolvedRun, saves_on_sigterm: bool = True
 ) -> int:
     """Run the ranks under torchrun's agent; return 0 when every rank succeeded.
+
+    `run` (resolved once on this machine) is pickled into a private directory the ranks are named
+    (``--launcher-resolved``): they train it without resolving the config again.
 
     On failure, print one line per distinct error the ranks reported (exit 2 for user mistakes),
     or the root-cause rank's traceback, or the tail of torchrun's log when no rank reported.
@@ -126,15 +132,23 @@ def launch_torchrun(
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     error_dir = tempfile.mkdtemp(prefix="automodel-rank-errors-")
-    log = Path(output_dir) / "logs" / "torchrun.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "automodel.recipes._agent", f"--parent={os.getpid()}", f"--log={log}", "--",
-        *torchrun_args(opts, [*train_args, f"--launcher-error-dir={error_dir}"]),
-    ]  # fmt: skip
-    agent = subprocess.Popen(cmd, env=env, start_new_session=True)
-    with _Forwarder(agent, saves=saves_on_sigterm) as forwarder:
-        code = agent.wait()
+    run_dir = Path(tempfile.mkdtemp(prefix="automodel-run-"))
+    log = Path(run.output_dir) / "logs" / "torchrun.log"
+    try:
+        run.save(run_dir / "run.pkl")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "automodel.recipes._agent", f"--parent={os.getpid()}", f"--log={log}", "--",
+            *torchrun_args(
+                opts,
+                [*train_args, f"--launcher-error-dir={error_dir}", f"--launcher-resolved={run_dir / 'run.pkl'}"],
+            ),
+        ]  # fmt: skip
+        agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+        with _Forwarder(agent, saves=saves_on_sigterm) as forwarder:
+            code = agent.wait()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)  # the ranks have stopped (or never started)
     try:
         reports = rank_errors.read_reports(error_dir) if code != 0 else []
         if forwarder.received is not None and not any(r.line for r in reports):

@@ -1,9 +1,10 @@
 """The one pre-launch validation of a recipe: every check a run makes before it trains.
 
-`recipes validate`, `recipes train` (the launcher before it starts any rank, and every rank before
-its process group), the Python API (`automodel.recipes.train`, through `Trainer.build`) and
-`recipes plan` (each layout it proposes) all call `check_launch`, so a config one of them refuses
-is refused by every one with the same message. In order:
+It runs inside the one resolution of a run (`resolved_run.resolve_run`), shared by `recipes
+validate`, `recipes train` (the launcher, once per machine before it starts any rank; the ranks it
+starts do not check again), the Python API (`automodel.recipes.train`, in the process that
+resolves) and `recipes plan` (each layout it proposes, through `planning.admit`), so a config one of
+them refuses is refused by every one with the same message. In order:
 
 1. the optimizer's arguments (`preflight.check_optimizer_kwargs`);
 2. on the machine that runs (``this_machine=True``): the data paths, what this machine cannot run

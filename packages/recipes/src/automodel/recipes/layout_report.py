@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -21,6 +21,10 @@ from automodel.mesh import MeshContext
 from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
 from automodel.recipes.parallelisms import parallelisms
 from automodel.recipes.parallelisms.base import is_shard_placement as is_shard_placement
+from automodel.recipes.strategies.base import PLAIN_PARTS, PartWrapping
+
+if TYPE_CHECKING:
+    from automodel.recipes.strategies.base import Strategy
 
 
 def layer_list_fqn(part: nn.Module) -> str | None:
@@ -36,45 +40,27 @@ def layer_list_fqn(part: nn.Module) -> str | None:
     return default_layers_fqn(part)
 
 
-def _megatron_buffers(part: nn.Module) -> list[dict[str, Any]] | None:
-    buffer = getattr(part, "param_and_grad_buffer", None)
-    if buffer is None:
-        return None
-    groups = []
-    for group in buffer.parameter_groups:
-        entry: dict[str, Any] = {"num_params": len(group.params)}
-        for kind in ("model_weight_buffer", "main_weight_buffer", "main_grad_buffer"):
-            buf = getattr(group, kind, None)
-            if buf is not None:
-                entry[kind] = {
-                    "distributed": bool(buf.is_data_distributed),
-                    "local_numel": int(buf.data_size),
-                    "dp_world_size": int(buf.dp_world_size),
-                }
-        groups.append(entry)
-    return groups
-
-
-def describe_part(part: nn.Module, *, stage_ids: list[int] | None = None) -> dict[str, Any]:
+def describe_part(
+    part: nn.Module, *, stage_ids: list[int] | None = None, strategy: PartWrapping = PLAIN_PARTS
+) -> dict[str, Any]:
     """One model part (the model, or one pipeline stage module) as this rank holds it
-    (`automodel.mesh.layout_report.describe_module`, plus megatron-fsdp's buffers)."""
+    (`automodel.mesh.layout_report.describe_module`, plus what the strategy's wrapper holds,
+    `Strategy.describe_wrapper`)."""
     report = describe_module(part, layers_fqn=layer_list_fqn(part), stage_ids=stage_ids)
-    megatron = _megatron_buffers(part)
-    if megatron is not None:
-        report["megatron_fsdp"] = {"parameter_groups": megatron}
+    report.update(strategy.describe_wrapper(part))
     return report
 
 
 def describe_rank(
-    *, parts: list[nn.Module], mesh: MeshContext, strategy: str, cp_backend: str, pipeline: Any
+    *, parts: list[nn.Module], mesh: MeshContext, strategy: Strategy, cp_backend: str, pipeline: Any
 ) -> dict[str, Any]:
     """The whole report of this rank: layout coordinates plus every part it holds."""
     stage_ids = None if pipeline is None else list(pipeline.stage_ids)
     per_part = [
-        describe_part(part, stage_ids=None if stage_ids is None else [stage_ids[i]])
+        describe_part(part, stage_ids=None if stage_ids is None else [stage_ids[i]], strategy=strategy)
         for i, part in enumerate(parts)
     ]
-    return rank_report(parts=per_part, mesh=mesh, strategy=strategy, cp_backend=cp_backend)
+    return rank_report(parts=per_part, mesh=mesh, strategy=strategy.name, cp_backend=cp_backend)
 
 
 def write_rank_report(report: dict[str, Any], *, output_dir: Path) -> Path:
@@ -85,11 +71,14 @@ def write_rank_report(report: dict[str, Any], *, output_dir: Path) -> Path:
     return path
 
 
-def summary_lines(report: dict[str, Any], *, axis_sizes: dict[str, int]) -> list[str]:
+def summary_lines(
+    report: dict[str, Any], *, axis_sizes: dict[str, int], strategy: PartWrapping = PLAIN_PARTS
+) -> list[str]:
     """One line per parallelism this rank really holds, read off its report (not off the config).
 
     Mesh axes count parameters whose placement shards on them; pipeline stages, FSDP units, the
-    DDP reducer, checkpointed modules and megatron-fsdp buffers come from the parts themselves.
+    wrapper's (`Strategy.wrapper_lines`: the DDP reducer, megatron-fsdp's buffers) and checkpointed
+    modules come from the parts themselves.
     """
     rank = report["rank"]
     parts = report["parts"]
@@ -103,14 +92,7 @@ def summary_lines(report: dict[str, Any], *, axis_sizes: dict[str, int]) -> list
     units = sum(len(part["fsdp_units"]) for part in parts)
     if units:
         lines.append(f"[rank {rank}] fsdp2: {units} units")
-    for part in parts:
-        if "ddp" in part:
-            lines.append(
-                f"[rank {rank}] ddp ({part['ddp']['group_size']} ranks): reducer {part['ddp']['reducer']}"
-            )
-        if "megatron_fsdp" in part:
-            groups = part["megatron_fsdp"]["parameter_groups"]
-            lines.append(f"[rank {rank}] megatron_fsdp: {len(groups)} parameter groups")
+    lines += [line for part in parts for line in strategy.wrapper_lines(part, rank=rank)]
     checkpointed = sum(len(part["checkpointed"]) for part in parts)
     if checkpointed:
         lines.append(f"[rank {rank}] activation checkpointing: {checkpointed} modules")

@@ -23,9 +23,9 @@ from automodel.fsdp2 import default_init_fn, materialize_meta_model
 from automodel.mesh import MeshContext
 from automodel.recipes._dist_setup import DistributedSection
 from automodel.recipes.checkpoint import load_pretrained_weights
-from automodel.recipes.checkpoint.part_state import part_model_state_dict
 from automodel.recipes.peft import is_adapter_key, lora_init_fn
 from automodel.recipes.strategies import Initialize, ParallelModel, get_strategy
+from automodel.recipes.strategies.base import PLAIN_PARTS
 
 __all__ = ["ParallelModel", "parallelize_model"]
 
@@ -60,7 +60,8 @@ def _weight_initializer(
 
         adapters: set[str] = set()
         if peft is not None:
-            adapters = {k for p in parts for k in part_model_state_dict(p) if is_adapter_key(k)}
+            # every strategy materializes its parts before it wraps them: torch's own state dicts
+            adapters = {k for p in parts for k in PLAIN_PARTS.model_state_dict(p) if is_adapter_key(k)}
         load_pretrained_weights(
             parts, pretrained_path, allow_pickle_weights=allow_pickle_weights, optional_keys=adapters
         )

@@ -1,6 +1,6 @@
 """`recipes validate`: resolve the config and the whole layout for W ranks without training.
 
-Every pre-launch check runs (`launch_check.check_launch`: the meshes are built in one process
+Every pre-launch check runs (`resolved_run.resolve_run`, machine-neutral: the meshes are built in one process
 through torch's fake process-group backend, every rule is checked), and the per-rank peak memory of a step is estimated (`planning.memory`): parameters,
 gradients, optimizer state, activations by AC mode, logits and loss, in-flight pipeline
 micro-batches and communication buffers, from the meta-device model's sizes.
@@ -13,13 +13,13 @@ import dataclasses
 from automodel.mesh import AXES, ResolvedLayout
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.config.recipe import RecipeConfig
-from automodel.recipes.launch_check import check_launch
 from automodel.recipes.model import build_meta_model
 from automodel.recipes.parallelisms import memory_terms, parallelisms
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
 from automodel.recipes.planning.shape import model_shape
+from automodel.recipes.resolved_run import resolve_run
 
 
 def _trainable_params(cfg: RecipeConfig, model) -> int | None:
@@ -67,7 +67,7 @@ def _gib(x: float) -> str:
 def plan_layout(
     cfg: RecipeConfig, *, world_size: int, on_gpu: bool | None = None, expert_load_factor: float = 1.0
 ) -> tuple[ResolvedLayout, MemoryEstimate, list[str]]:
-    """`launch_check.check_launch` for `world_size` ranks (every check `recipes train` runs, except
+    """`resolved_run.resolve_run` for `world_size` ranks, machine-neutral (every check `recipes train` runs, except
     the files and the environment of this machine, which it reports as a line), then the memory
     estimate; returns the report lines.
 
@@ -75,7 +75,7 @@ def plan_layout(
     `expert_load_factor` the busiest EP rank's routed slots over the mean (1: balanced routing)."""
     # One meta-device model per call, shared by the rules, the parameter counts and LoRA (in that
     # order: LoRA adds adapters in place). A 70B model costs ~0.2 s to build.
-    checked = check_launch(cfg, world_size=world_size, this_machine=False)
+    checked = resolve_run(cfg, world_size=world_size, this_machine=False)
     layout, hf_config, stages = checked.layout, checked.hf_config, checked.stages
     mem = estimate_memory(
         cfg,
@@ -83,7 +83,7 @@ def plan_layout(
         hf_config,
         stages=stages,
         on_gpu=on_gpu,
-        model=checked.model,
+        model=checked.take_meta_model(),
         expert_load_factor=expert_load_factor,
     )
     ss = cfg.step_scheduler

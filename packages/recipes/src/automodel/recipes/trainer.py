@@ -8,7 +8,6 @@ same loss and gradients for the same global batch.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import sys
@@ -25,7 +24,7 @@ from tqdm import tqdm
 
 from automodel.mesh import MeshContext
 from automodel.mesh.model_parts import text_config
-from automodel.recipes._dist_setup import resolve_machine_defaults, setup_distributed
+from automodel.recipes._dist_setup import setup_distributed
 from automodel.recipes.checkpoint import Checkpointer, TrainingState
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.data import build_packed_dataset, build_tokenizer
@@ -35,18 +34,19 @@ from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.kernels.apply import apply_kernels, check_linear_loss_bound
 from automodel.recipes.kernels.float8 import precompute_scales
-from automodel.recipes.launch_check import check_launch, launch_world_size
+from automodel.recipes.launch_check import launch_world_size
 from automodel.recipes.layout_report import describe_rank, summary_lines, write_rank_report
 from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
-from automodel.recipes.model import build_hf_config, build_meta_model
+from automodel.recipes.model import build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.packed_probe import apply_packed_probe
 from automodel.recipes.parallelisms import BatchRun, MicroBatch, axis_sizes, parallelisms
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.peft import apply_lora
+from automodel.recipes.resolved_run import ResolvedRun, check_rank, resolve_run
 from automodel.recipes.run_lock import hold_output_dir, run_checkpoint_dir
 from automodel.recipes.strategies import get_strategy
 
@@ -138,39 +138,72 @@ def dp_rank_of(mesh: MeshContext) -> int:
 class Trainer:
     """Owns one run: built by `build`, driven by `train`; every method is collective over ranks."""
 
-    def __init__(self, cfg: RecipeConfig, *, files_checked: bool = False) -> None:
-        self.cfg = cfg
-        #: the `recipes` launcher on this machine already read the run's files (`check_launch`)
-        self.files_checked = files_checked
+    def __init__(self, run: ResolvedRun | RecipeConfig) -> None:
+        #: the resolved run (`resolved_run.resolve_run`); a bare config is resolved by `build`
+        self.run = run if isinstance(run, ResolvedRun) else None
+        self.cfg = run.cfg if isinstance(run, ResolvedRun) else run
         self.step = 0  # optimizer steps done (restored from a checkpoint by `train`)
-        self.pipeline_loss = StepScaledLoss(cfg.loss_fn)
+        self.pipeline_loss = StepScaledLoss(self.cfg.loss_fn)
         #: run after every optimizer step (fp8: the float8 scales of the next all-gathers)
         self.post_step_hooks: list[Callable[[], None]] = []
 
     # ---- construction --------------------------------------------------------------------
     def build(self) -> None:
-        # the machine-dependent defaults are this machine's (the YAML was parsed machine-neutral)
-        distributed = resolve_machine_defaults(
-            self.cfg.distributed,
-            cuda=torch.cuda.is_available(),
-            world_size=launch_world_size(),
-            param_dtype=self.cfg.model.dtype,
-        )
-        cfg = self.cfg = dataclasses.replace(self.cfg, distributed=distributed)
-        # every pre-launch check (the CLI's, `recipes validate`'s rules and this machine's), before
-        # the process group: the Python API reaches here without the CLI
-        check_launch(
-            cfg, world_size=launch_world_size(), this_machine=True, read_files=not self.files_checked
-        )
+        """Resolve (unless handed a resolved run), then this rank's process group, data, model,
+        optimizers; the pre-launch checks ran in `resolve_run`, a rank checks only its own facts."""
+        run = self._resolve()
+        cfg = self.cfg = run.cfg
+        self.hf_config = run.hf_config
         apply_packed_probe(
             cfg
         )  # transformers' per-layer packed-row probe: constant False when no row is packed
+        self._setup_process_group(run)
+        self._build_data()
+        model = self._build_model(run)
+        kernel_lines = apply_kernels(model, cfg=cfg, layout=self.mesh.layout, head_loss=self.head_loss)
+        self.pm = parallelize_model(
+            model,
+            mesh=self.mesh,
+            section=cfg.distributed,
+            device=self.device,
+            seed=cfg.seed,
+            pipeline_loss_fn=self.pipeline_loss,
+            pretrained_path=cfg.model.pretrained_path,
+            allow_pickle_weights=cfg.model.allow_pickle_weights,
+            peft=cfg.peft,
+        )
+        self._build_optimizers()
+        self.head_loss.bind(self.pm.parts, unwrap=self.pm.strategy.unwrap)
+        check_linear_loss_bound(self.head_loss)
+        if cfg.fp8.enabled and cfg.fp8.precompute_float8_dynamic_scale_for_fsdp:
+            self.post_step_hooks.append(precompute_scales(self.pm.parts))
+        if self.rank == 0:
+            print("\n".join([*kernel_lines, self.head_loss.describe()]), file=sys.stderr, flush=True)
+        self._report_layout()
+        if cfg.rng.ranked:  # dropout masks per data-parallel replica (AutoModel's StatefulRNG ranked)
+            torch.manual_seed(cfg.seed + dp_rank_of(self.mesh))
+        if self.rank == 0 and cfg.notes:
+            print("\n".join(f"note: {line}" for line in cfg.notes), file=sys.stderr, flush=True)
+
+    def _resolve(self) -> ResolvedRun:
+        """The run this rank trains: the one it was handed, else resolved here (the Python API in a
+        process no launcher resolved for: every check, before the process group)."""
+        if self.run is None:
+            self.run = resolve_run(self.cfg, world_size=launch_world_size(), this_machine=True)
+        return self.run
+
+    def _setup_process_group(self, run: ResolvedRun) -> None:
+        """This rank's process group and meshes, checked against the run's world size."""
+        cfg = run.cfg
         setup = setup_distributed(
             cfg.distributed, backend=cfg.dist_env.backend, timeout_minutes=cfg.dist_env.timeout_minutes
         )
+        check_rank(run, world_size=setup.world_size)
         self.mesh, self.device, self.rank = setup.mesh, setup.device, setup.rank
-        layout = self.mesh.layout
-        self.hf_config = build_hf_config(cfg.model)
+
+    def _build_data(self) -> None:
+        """Tokenizer, this dp rank's training loader, the validation rows and the run's length."""
+        cfg = self.cfg
         self.tokenizer = build_tokenizer(
             cfg.tokenizer.path,
             trust_remote_code=cfg.tokenizer.trust_remote_code,
@@ -195,7 +228,7 @@ class Trainer:
                 global_batch_size=ss.global_batch_size,
                 local_batch_size=ss.local_batch_size,
                 dp_rank=dp_rank_of(self.mesh),
-                dp_size=layout.dp,
+                dp_size=self.mesh.layout.dp,
                 seed=cfg.seed,
                 shuffle=cfg.dataloader.shuffle,
             )
@@ -218,28 +251,26 @@ class Trainer:
         total = steps_per_epoch * ss.num_epochs
         self.total_steps = min(total, ss.max_steps) if ss.max_steps is not None else total
 
+    def _build_model(self, run: ResolvedRun) -> torch.nn.Module:
+        """The meta-device model (the one the checks ran on when this process resolved the run,
+        else built once here), with LoRA, its position offset and the loss."""
+        cfg = run.cfg
+        model = run.take_meta_model()
+        if model is None:  # resolved in another process (the launcher): one build in this one
+            model = build_meta_model(
+                self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
+            )
         torch.manual_seed(cfg.seed)
-        model = build_meta_model(
-            self.hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
-        )
         self.lora = None
         if cfg.peft is not None:  # LoRA on the meta model: every parallelism below composes with it
             self.lora = apply_lora(model, section=cfg.peft)
         self.position_offset = position_id_offset(model)
         self.head_loss = self._build_head_loss(model)
+        return model
 
-        kernel_lines = apply_kernels(model, cfg=cfg, layout=layout, head_loss=self.head_loss)
-        self.pm = parallelize_model(
-            model,
-            mesh=self.mesh,
-            section=cfg.distributed,
-            device=self.device,
-            seed=cfg.seed,
-            pipeline_loss_fn=self.pipeline_loss,
-            pretrained_path=cfg.model.pretrained_path,
-            allow_pickle_weights=cfg.model.allow_pickle_weights,
-            peft=cfg.peft,
-        )
+    def _build_optimizers(self) -> None:
+        """One optimizer (over the trainable parameters) and LR scheduler per model part."""
+        cfg = self.cfg
         opt_cls = locate("optimizer._target_", cfg.optimizer.target)
         # Only trainable parameters (all of them, or the LoRA adapters) reach the optimizer.
         self.optimizers = [
@@ -256,17 +287,6 @@ class Trainer:
         # The optimizers' parameters: the ones whose gradients are clipped and stepped (megatron-fsdp
         # swaps module parameters between forward and step; the optimizer holds the stepped ones).
         self.params = [p for opt in self.optimizers for group in opt.param_groups for p in group["params"]]
-        self.head_loss.bind(self.pm.parts, unwrap=lambda part: getattr(part, "module", part))
-        check_linear_loss_bound(self.head_loss)
-        if cfg.fp8.enabled and cfg.fp8.precompute_float8_dynamic_scale_for_fsdp:
-            self.post_step_hooks.append(precompute_scales(self.pm.parts))
-        if self.rank == 0:
-            print("\n".join([*kernel_lines, self.head_loss.describe()]), file=sys.stderr, flush=True)
-        self._report_layout()
-        if cfg.rng.ranked:  # dropout masks per data-parallel replica (AutoModel's StatefulRNG ranked)
-            torch.manual_seed(cfg.seed + dp_rank_of(self.mesh))
-        if self.rank == 0 and cfg.notes:
-            print("\n".join(f"note: {line}" for line in cfg.notes), file=sys.stderr, flush=True)
 
     def _build_head_loss(self, model: torch.nn.Module) -> HeadLoss:
         """The loss (chunked over the head's weight, or on logits) for the loop and the pipeline."""
@@ -283,12 +303,14 @@ class Trainer:
         report = describe_rank(
             parts=self.pm.parts,
             mesh=self.mesh,
-            strategy=self.cfg.distributed.strategy,
+            strategy=self.pm.strategy,
             cp_backend=self.pm.cp_backend,
             pipeline=self.pm.pipeline,
         )
         section = self.cfg.distributed
-        lines = summary_lines(report, axis_sizes=axis_sizes(section, self.mesh.layout))
+        lines = summary_lines(
+            report, axis_sizes=axis_sizes(section, self.mesh.layout), strategy=self.pm.strategy
+        )
         if section.chosen_because is not None:  # the YAML did not name the strategy: say why this one
             lines.append(f"[rank {self.rank}] strategy {section.strategy}: {section.chosen_because}")
         print("\n".join(lines), file=sys.stderr, flush=True)
@@ -446,119 +468,99 @@ class Trainer:
             return self._train()
 
     def _train(self) -> TrainResult:
-        cfg = self.cfg
-        out = Path(cfg.output_dir)
+        out = Path(self.cfg.output_dir)
+        ckpt, state = self._start(out)
+        log = _StepLog(self, out=out)
+        try:
+            while self.step < self.total_steps:
+                if self._one_step(log, ckpt=ckpt, state=state):
+                    break  # pre-empted: saved, stop
+            log.finish()
+            if ckpt is not None:
+                assert state is not None
+                state.step = self.step
+                ckpt.save(state, last=self.step == self.total_steps)
+        finally:
+            log.close()
+            if ckpt is not None:
+                ckpt.close()
+        log.result.steps = self.step
+        return log.result
+
+    def _start(self, out: Path) -> tuple[Any, Any]:
+        """Write the run's config, restore the newest checkpoint (if any) and say what the run
+        starts from; returns the checkpointer and the training state (None, None without)."""
         is_main = self.rank == 0
         if is_main:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(yaml.safe_dump(cfg.raw, sort_keys=False))
+            (out / "config.yaml").write_text(yaml.safe_dump(self.cfg.raw, sort_keys=False))
         ckpt, state = self._checkpointer(out)
         if ckpt is not None:
             ckpt.restore(state)
             self.step = state.step
         if is_main:
             print(_resume_line(ckpt, step=self.step), file=sys.stderr, flush=True)
-        metrics = MetricsWriter(
-            out, enabled=is_main, tensorboard=cfg.logging.tensorboard, resumed_step=self.step
+        return ckpt, state
+
+    def _one_step(self, log: _StepLog, *, ckpt: Checkpointer | None, state: TrainingState | None) -> bool:
+        """One optimizer step, its numbers queued (validated / checked when due), then the
+        checkpoints due after it; True when pre-emption saved and the run must stop."""
+        ss = self.cfg.step_scheduler
+        started = time.perf_counter()
+        lr = self.schedulers[0].get_last_lr()[0]
+        numbers = self._timed_step(log, started=started)
+        self.step += 1
+        log.queue(
+            numbers,
+            {
+                "step": self.step,
+                "lr": lr,
+                "step_time_s": time.perf_counter() - started,
+                "peak_mem_bytes": peak_memory_bytes(self.device),
+            },
         )
-        result = TrainResult(output_dir=str(out))
-        bar = None
-        if is_main and cfg.logging.progress_bar:
-            bar = tqdm(
-                total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True
-            )
-        ss = cfg.step_scheduler
-        pending: tuple[StepResult, dict[str, Any]] | None = None
+        final = self.step == self.total_steps
+        validate = self.val_dataset is not None and (
+            (ss.val_every_steps and self.step % ss.val_every_steps == 0) or final
+        )
+        epoch_end = ss.save_checkpoint_every_epoch and self.step % self.steps_per_epoch == 0
+        saving = ckpt is not None and (
+            ckpt.preempted or epoch_end or (ss.ckpt_every_steps and self.step % ss.ckpt_every_steps == 0)
+        )
+        if validate or saving or final:
+            log.finish(validate=validate)  # checked before any checkpoint of this step is written
+        if ss.gc_every_steps and self.step % ss.gc_every_steps == 0:
+            gc.collect()
+        if ckpt is None:
+            return False
+        assert state is not None
+        state.step = self.step
+        ckpt.maybe_save(state, every_steps=ss.ckpt_every_steps)
+        if epoch_end and not final:
+            ckpt.save(state)  # the final step is saved once, by `_train`, as the last one
+        if ckpt.preempted:
+            ckpt.save(state)
+            return True
+        return False
 
-        def finish(*, validate: bool = False) -> None:
-            """Read the pending step's numbers (waits for it), check them, validate if asked,
-            write its record."""
-            nonlocal pending
-            if pending is None:
-                return
-            (numbers, timing), pending = pending, None
-            loss, norm, tokens = numbers.fetch(step=timing["step"])
-            elapsed = timing["step_time_s"]
-            record: dict[str, Any] = {
-                "step": timing["step"],
-                "loss": loss,
-                "grad_norm": norm,
-                "lr": timing["lr"],
-                "num_tokens": tokens,
-                "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-                "step_time_s": elapsed,
-                "peak_mem_bytes": timing["peak_mem_bytes"],
-            }
-            result.losses.append(loss)
-            result.grad_norms.append(norm)
-            if validate:
-                record["val_loss"] = result.val_losses[record["step"]] = self.validate()
-            metrics.write(record)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
-
+    def _timed_step(self, log: _StepLog, *, started: float) -> StepResult:
+        """`train_step` on the next batches, then the previous step's numbers read (step N's are
+        read once step N+1 is queued: the host never waits for the device in between; a
+        non-finite step N stops the run one step later); a collective time-out says so."""
         try:
-            while self.step < self.total_steps:
-                started = time.perf_counter()
-                lr = self.schedulers[0].get_last_lr()[0]
-                try:
-                    numbers = self.train_step(self.loader.next_step())
-                    # step N's numbers are read once step N+1 is queued: the host never waits
-                    # for the device in between (a non-finite step N stops the run one step later)
-                    finish()
-                except RuntimeError as e:
-                    timeout_s = cfg.dist_env.timeout_minutes * 60
-                    waited_s = time.perf_counter() - started
-                    if not is_collective_timeout(e, waited_s=waited_s, timeout_s=timeout_s):
-                        raise
-                    raise CollectiveTimeoutError(
-                        f"rank {self.rank}, step {self.step + 1}: a collective timed out after "
-                        f"dist_env.timeout_minutes={cfg.dist_env.timeout_minutes}; another rank died or "
-                        f"hangs ({type(e).__name__}: {e})"
-                    ) from e
-                self.step += 1
-                timing = {
-                    "step": self.step,
-                    "lr": lr,
-                    "step_time_s": time.perf_counter() - started,
-                    "peak_mem_bytes": peak_memory_bytes(self.device),
-                }
-                pending = (numbers, timing)
-                final = self.step == self.total_steps
-                validate = self.val_dataset is not None and (
-                    (ss.val_every_steps and self.step % ss.val_every_steps == 0) or final
-                )
-                epoch_end = ss.save_checkpoint_every_epoch and self.step % self.steps_per_epoch == 0
-                saving = ckpt is not None and (
-                    ckpt.preempted
-                    or epoch_end
-                    or (ss.ckpt_every_steps and self.step % ss.ckpt_every_steps == 0)
-                )
-                if validate or saving or final:
-                    finish(validate=validate)  # checked before any checkpoint of this step is written
-                if ss.gc_every_steps and self.step % ss.gc_every_steps == 0:
-                    gc.collect()
-                if ckpt is not None:
-                    state.step = self.step
-                    ckpt.maybe_save(state, every_steps=ss.ckpt_every_steps)
-                    if epoch_end and not final:
-                        ckpt.save(state)  # the final step is saved once below, as the last one
-                    if ckpt.preempted:
-                        ckpt.save(state)
-                        break
-            finish()
-            if ckpt is not None:
-                state.step = self.step
-                ckpt.save(state, last=self.step == self.total_steps)
-        finally:
-            if bar is not None:
-                bar.close()
-            metrics.close()
-            if ckpt is not None:
-                ckpt.close()
-        result.steps = self.step
-        return result
+            numbers = self.train_step(self.loader.next_step())
+            log.finish()
+        except RuntimeError as e:
+            minutes = self.cfg.dist_env.timeout_minutes
+            waited_s = time.perf_counter() - started
+            if not is_collective_timeout(e, waited_s=waited_s, timeout_s=minutes * 60):
+                raise
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}, step {self.step + 1}: a collective timed out after "
+                f"dist_env.timeout_minutes={minutes}; another rank died or "
+                f"hangs ({type(e).__name__}: {e})"
+            ) from e
+        return numbers
 
     def _checkpointer(self, out: Path) -> tuple[Any, Any]:
         if not self.cfg.checkpoint.enabled:
@@ -572,6 +574,7 @@ class Trainer:
             step=0,
             hf_config=self.hf_config,
             tokenizer=self.tokenizer,
+            strategy=self.pm.strategy,
         )
         checkpointer = Checkpointer(
             self.cfg.checkpoint,
@@ -581,6 +584,61 @@ class Trainer:
             base_model_name_or_path=self.cfg.model.pretrained_path,
         )
         return checkpointer, state
+
+
+class _StepLog:
+    """The steps' numbers: a step's are read (`finish`) only once the next one is queued or when
+    they are due (validation, a checkpoint, the end), then checked, validated if asked, and
+    written to metrics.jsonl (rank 0) and the progress bar."""
+
+    def __init__(self, trainer: Trainer, *, out: Path) -> None:
+        cfg, is_main = trainer.cfg, trainer.rank == 0
+        self.trainer = trainer
+        self.metrics = MetricsWriter(
+            out, enabled=is_main, tensorboard=cfg.logging.tensorboard, resumed_step=trainer.step
+        )
+        self.result = TrainResult(output_dir=str(out))
+        self.bar = None
+        if is_main and cfg.logging.progress_bar:
+            self.bar = tqdm(
+                total=trainer.total_steps, initial=trainer.step, desc="train", unit="step", dynamic_ncols=True
+            )
+        self.pending: tuple[StepResult, dict[str, Any]] | None = None
+
+    def queue(self, numbers: StepResult, timing: dict[str, Any]) -> None:
+        self.pending = (numbers, timing)
+
+    def finish(self, *, validate: bool = False) -> None:
+        """Read the pending step's numbers (waits for it), check them, validate if asked, write
+        its record."""
+        if self.pending is None:
+            return
+        (numbers, timing), self.pending = self.pending, None
+        loss, norm, tokens = numbers.fetch(step=timing["step"])
+        elapsed = timing["step_time_s"]
+        record: dict[str, Any] = {
+            "step": timing["step"],
+            "loss": loss,
+            "grad_norm": norm,
+            "lr": timing["lr"],
+            "num_tokens": tokens,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "step_time_s": elapsed,
+            "peak_mem_bytes": timing["peak_mem_bytes"],
+        }
+        self.result.losses.append(loss)
+        self.result.grad_norms.append(norm)
+        if validate:
+            record["val_loss"] = self.result.val_losses[record["step"]] = self.trainer.validate()
+        self.metrics.write(record)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.metrics.close()
 
 
 def _resume_line(ckpt: Any, *, step: int) -> str:
@@ -593,8 +651,9 @@ def _resume_line(ckpt: Any, *, step: int) -> str:
     return f"resumed from step {step} ({path})"
 
 
-def run_training(cfg: RecipeConfig, *, files_checked: bool = False) -> TrainResult:
-    """Build and train; the process group is created if needed and left for the caller to destroy."""
-    trainer = Trainer(cfg, files_checked=files_checked)
+def run_training(run: ResolvedRun | RecipeConfig) -> TrainResult:
+    """Build and train `run` (a bare config is resolved in this process first); the process group
+    is created if needed and left for the caller to destroy."""
+    trainer = Trainer(run)
     trainer.build()
     return trainer.train()

@@ -179,6 +179,7 @@ class Checkpointer:
                 directory=tmp / paths.ADAPTER_DIR,
                 info=self.lora,
                 base_model_name_or_path=self.base_model_name_or_path,
+                strategy=state.strategy,
             )
             lora_scales = dict.fromkeys(self.lora.module_fqns, self.lora.section.scale)
         consolidate = self.config.save_consolidated is True or (
@@ -193,6 +194,7 @@ class Checkpointer:
                 hf_config=state.hf_config,
                 tokenizer=state.tokenizer,
                 lora_scales=lora_scales,
+                strategy=state.strategy,
             )
         _barrier()
         listed = _broadcast_from_0(sorted(paths.file_sizes(tmp)) if _rank() == 0 else None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from automodel.recipes.checkpoint.key_mapping import find_hf_model, to_checkpoint_layout
-from automodel.recipes.checkpoint.part_state import full_tensor, part_model_state_dict
 from automodel.recipes.peft.lora import merged_weight
+
+if TYPE_CHECKING:  # strategies -> planning -> peft -> checkpoint: the type only
+    from automodel.recipes.strategies.base import PartWrapping
 
 _FILE_NAMES = {
     "safetensors": (
@@ -54,8 +56,11 @@ def save_consolidated(
     hf_config: Any = None,
     tokenizer: Any = None,
     lora_scales: Mapping[str, float] | None = None,
+    strategy: PartWrapping,
 ) -> list[str]:
     """Write this rank's share of the consolidated checkpoint; collective over all ranks.
+
+    `strategy`: the one that wrapped `model_parts` (their state dicts and full tensors).
 
     `lora_scales` (adapted linear FQN -> alpha / dim) merges LoRA adapters into their weights.
     Returns the file names written by all ranks (the same list on every rank).
@@ -80,7 +85,7 @@ def save_consolidated(
     # save_pretrained does; from_pretrained ties them again. Every rank drops the same keys.
     tied_copies = set(getattr(hf_model, "all_tied_weights_keys", None) or {})
     for part in model_parts:
-        part_sd = {k: v for k, v in part_model_state_dict(part).items() if k not in tied_copies}
+        part_sd = {k: v for k, v in strategy.model_state_dict(part).items() if k not in tied_copies}
         local.update(part_sd)
         owner.update(dict.fromkeys(part_sd, part))
     sizes = {k: _nbytes(v) for k, v in local.items() if adapted(k) is None}
@@ -106,7 +111,7 @@ def save_consolidated(
     mine: dict[str, torch.Tensor] = {}
     adapters: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in local.items():
-        full = full_tensor(value, owner[key])
+        full = strategy.full_tensor(value, owner[key])
         lora = adapted(key)
         if lora is not None:  # the writer of the linear's weight holds its adapters too (same part)
             adapters.setdefault(lora[0], {})[lora[1]] = full.detach()

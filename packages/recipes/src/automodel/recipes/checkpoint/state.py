@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,8 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from automodel.recipes.checkpoint.part_state import part_model_state_dict, state_module
 from automodel.recipes.lr_schedule import restore_lr_scheduler
+
+if TYPE_CHECKING:  # strategies -> planning -> peft -> checkpoint: the type only
+    from automodel.recipes.strategies.base import PartWrapping
 
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
@@ -52,6 +54,9 @@ class TrainingState:
     step: int
     hf_config: Any = None
     tokenizer: Any = None
+    #: The strategy that wrapped `model_parts`: their state dicts and optimizer-state modules
+    #: (`strategies.base.PLAIN_PARTS` for parts no strategy wrapped).
+    strategy: PartWrapping = field(kw_only=True)
 
     def __post_init__(self) -> None:
         if not self.model_parts:
@@ -68,18 +73,20 @@ class TrainingState:
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def model_state_dict(model_parts: list[nn.Module]) -> dict[str, Any]:
+def model_state_dict(model_parts: list[nn.Module], *, strategy: PartWrapping) -> dict[str, Any]:
     """FQN -> (sharded) tensor over all parts of this rank."""
     merged: dict[str, Any] = {}
     for part in model_parts:
-        merged.update(part_model_state_dict(part))
+        merged.update(strategy.model_state_dict(part))
     return merged
 
 
 def _optim_state_dict(state: TrainingState) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for part, opt in zip(state.model_parts, state.optimizers):
-        merged.update(get_optimizer_state_dict(state_module(part), opt, options=_OPTIM_OPTIONS))
+        merged.update(
+            get_optimizer_state_dict(state.strategy.state_module(part), opt, options=_OPTIM_OPTIONS)
+        )
     return merged
 
 
@@ -212,7 +219,7 @@ def has_legacy_extra(metadata: Metadata, extra_key: str) -> bool:
 def build_save_state(state: TrainingState) -> dict[str, Any]:
     """The DCP state dict to save for this rank."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    sd: dict[str, Any] = {MODEL_KEY: model_state_dict(state.model_parts)}
+    sd: dict[str, Any] = {MODEL_KEY: model_state_dict(state.model_parts, strategy=state.strategy)}
     if state.optimizers:
         sd[OPTIM_KEY] = _optim_state_dict(state)
     sd[f"{EXTRA_PREFIX}{rank}"] = _extra_state(state)
@@ -223,7 +230,7 @@ def build_load_state(
     state: TrainingState, *, metadata: Metadata, extra_key: str, with_optim: bool
 ) -> dict[str, Any]:
     """Placeholders shaped like this rank's state, for ``dcp.load`` to fill in place."""
-    sd: dict[str, Any] = {MODEL_KEY: model_state_dict(state.model_parts)}
+    sd: dict[str, Any] = {MODEL_KEY: model_state_dict(state.model_parts, strategy=state.strategy)}
     if with_optim and state.optimizers:
         sd[OPTIM_KEY] = _optim_state_dict(state)
     sd[extra_key] = extra_placeholders(metadata, extra_key)
@@ -234,12 +241,13 @@ def apply_loaded_state(
     state: TrainingState, loaded: dict[str, Any], *, extra_key: str, restore_rng: bool
 ) -> None:
     """Push a filled state dict into the modules, optimizers, schedulers, dataloader and RNG."""
+    wrapping = state.strategy
     for part in state.model_parts:
-        keys = part_model_state_dict(part).keys()
-        set_model_state_dict(state_module(part), {k: loaded[MODEL_KEY][k] for k in keys})
+        keys = wrapping.model_state_dict(part).keys()
+        set_model_state_dict(wrapping.state_module(part), {k: loaded[MODEL_KEY][k] for k in keys})
     if OPTIM_KEY in loaded:
         for part, opt in zip(state.model_parts, state.optimizers):
-            module = state_module(part)
+            module = wrapping.state_module(part)
             keys = get_optimizer_state_dict(module, opt, options=_OPTIM_OPTIONS).keys()
             set_optimizer_state_dict(
                 module, opt, {k: loaded[OPTIM_KEY][k] for k in keys}, options=_OPTIM_OPTIONS

@@ -13,6 +13,7 @@ from automodel.recipes.kernels.float8 import fp8_unavailable
 from automodel.recipes.kernels.liger import KEY, liger_unavailable, resolve_patches
 from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.output_head import build_head_loss
+from automodel.recipes.strategies import get_strategy, strategy_names
 
 
 def check_kernels_environment(cfg: RecipeConfig) -> None:
@@ -36,8 +37,9 @@ def liger_layout_refusal(layout: Any) -> str | None:
 
 def chunked_head_refusal(cfg: RecipeConfig, model: Any) -> str | None:
     """Why this run's loss does not read the head's weight (None: the chunked path is used)."""
-    if cfg.distributed.strategy == "megatron_fsdp":
-        return "distributed.strategy megatron_fsdp keeps the full logits"
+    name = cfg.distributed.strategy
+    if not get_strategy(name).head_weight_readable:
+        return f"distributed.strategy {name} keeps the full logits"
 
     plan = build_head_loss(cfg.loss_fn, model=model, logits_loss=masked_cross_entropy_sum).plan
     return None if plan.chunked else plan.reason
@@ -68,11 +70,13 @@ def check_kernels_rules(cfg: RecipeConfig, layout: Any, hf_config: Any, *, model
         raise ConfigError(
             "fp8.enabled", True, "is not wired with peft (LoRA's frozen base weights); remove one"
         )
-    if cfg.distributed.strategy == "megatron_fsdp":
+    strategy = get_strategy(cfg.distributed.strategy)
+    if not strategy.float8_linears:
+        able = " or ".join(n for n in strategy_names() if get_strategy(n).float8_linears)
         raise ConfigError(
-            "fp8.enabled", True, "is not wired with distributed.strategy megatron_fsdp; use fsdp2 or ddp"
+            "fp8.enabled", True, f"is not wired with distributed.strategy {strategy.name}; use {able}"
         )
-    if fp8.enable_fsdp_float8_all_gather and cfg.distributed.strategy != "fsdp2":
+    if fp8.enable_fsdp_float8_all_gather and not strategy.float8_all_gather:
         raise ConfigError(
             "fp8.enable_fsdp_float8_all_gather",
             True,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from automodel.recipes.peft.lora import LoRAInfo, is_adapter_key
+
+if TYPE_CHECKING:  # strategies -> planning -> peft: the type only
+    from automodel.recipes.strategies.base import PartWrapping
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -53,16 +56,14 @@ def adapter_config(info: LoRAInfo, *, base_model_name_or_path: str | None) -> di
     }
 
 
-def gather_adapters(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+def gather_adapters(model_parts: list[nn.Module], *, strategy: PartWrapping) -> dict[str, torch.Tensor]:
     """Every adapter weight at full size on rank 0 (``{}`` on the other ranks); collective."""
-    # lazy: cycle recipes.peft.export -> recipes.checkpoint -> recipes.checkpoint.consolidated -> recipes.peft -> recipes.peft.export
-    from automodel.recipes.checkpoint.part_state import full_tensor, part_model_state_dict
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     local: dict[str, tuple[torch.Tensor, nn.Module]] = {}
     for part in model_parts:
-        for key, value in part_model_state_dict(part).items():
+        for key, value in strategy.model_state_dict(part).items():
             if is_adapter_key(key):
                 local[key] = (value, part)
     held: list[Any] = [None] * world
@@ -76,7 +77,7 @@ def gather_adapters(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
             sender.setdefault(key, r)
     mine: dict[str, torch.Tensor] = {}
     for key, (value, part) in local.items():  # same order on the ranks sharing a part
-        full = full_tensor(value, part)
+        full = strategy.full_tensor(value, part)
         if sender[key] == rank:
             mine[key] = full.detach().to("cpu").contiguous().clone()
     if not dist.is_initialized():
@@ -97,12 +98,13 @@ def save_adapter(
     directory: Path,
     info: LoRAInfo,
     base_model_name_or_path: str | None = None,
+    strategy: PartWrapping,
 ) -> list[str]:
     """Write ``directory/adapter_config.json`` and ``adapter_model.safetensors`` (rank 0); collective.
 
     Returns the file names written.
     """
-    tensors = gather_adapters(model_parts)
+    tensors = gather_adapters(model_parts, strategy=strategy)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         expected = {

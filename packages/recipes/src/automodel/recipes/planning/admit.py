@@ -1,5 +1,5 @@
 """`recipes plan` proposes only layouts `recipes train` accepts: each one, as the recipe YAML it
-prints, goes through the pre-launch checks every path shares (`launch_check.check_launch`)."""
+prints, goes through the resolution every path shares (`resolved_run.resolve_run`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from torch import nn
 from automodel.mesh import PARALLEL_AXES
 from automodel.recipes.api import load_config
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.launch_check import check_launch
 from automodel.recipes.planning.search import Candidate
 from automodel.recipes.planning.table import yaml_block
+from automodel.recipes.resolved_run import resolve_run
 from automodel.recipes.rules import ModelChecks
 
 
@@ -72,7 +72,7 @@ def admit_layouts(
     seq_len: int,
     peft: str | None,
 ) -> Admission:
-    """The best candidate of each distinct layout that passes `check_launch` for `gpus` ranks
+    """The best candidate of each distinct layout that passes `resolve_run` for `gpus` ranks
     (as `recipes validate` runs it: for another machine), up to `top` of them.
 
     `cands` are ranked best first; each layout is checked once (its best candidate's batch)."""
@@ -86,7 +86,7 @@ def admit_layouts(
         seen.add(key)
         try:
             cfg = load_config(candidate_recipe(c, hf_config=hf_config, seq_len=seq_len, peft=peft))
-            check_launch(
+            resolve_run(
                 cfg,
                 world_size=gpus,
                 this_machine=False,

@@ -3,8 +3,9 @@ the recipes, and `ParallelModel`, what it hands the training loop.
 
 A strategy names its config class (its constructor arguments are the YAML flags of the
 ``distributed:`` section), its machine-dependent defaults, its rules against the layout sizes, how
-it parallelizes and materializes the meta-device model, and how the loop syncs gradients, hands it
-an optimizer and clips the gradient norm. A new strategy is one module subclassing `Strategy`
+it parallelizes and materializes the meta-device model, how the loop syncs gradients, hands it
+an optimizer and clips the gradient norm, and what its wrapper means for checkpoints, exports and
+kernels (`PartWrapping`, the capability flags). A new strategy is one module subclassing `Strategy`
 plus one `register_strategy` call (see `registry.py`).
 """
 
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from automodel.fsdp2 import grad_sync_context
 from automodel.mesh import MeshContext, ResolvedLayout
@@ -54,7 +57,46 @@ class ParallelModel:
         return self.strategy.prepare_optimizer(optimizer, part)
 
 
-class Strategy(ABC):
+class PartWrapping:
+    """What a strategy's wrapper around a model part means for the code that reads the part:
+    checkpoints, exports, the loss. The defaults are torch's own (FSDP2, plain modules); a strategy
+    whose wrapper hides the user's module or its state overrides them, and nothing outside
+    `strategies/` knows which wrapper it is."""
+
+    def unwrap(self, part: nn.Module) -> nn.Module:
+        """The user's module inside `part` (whose attributes the loss reads); `part` by default."""
+        return part
+
+    def state_module(self, part: nn.Module) -> nn.Module:
+        """The module whose ``named_parameters`` carry the HF names and the optimizer's parameters
+        (what torch's optimizer-state functions take); `part` by default."""
+        return part
+
+    def model_state_dict(self, part: nn.Module) -> dict[str, Any]:
+        """HF FQN -> (sharded) tensor of `part`, ready for DCP (default: torch's `get_model_state_dict`,
+        which strips DDP's and FSDP2's wrapper names)."""
+        return get_model_state_dict(part)
+
+    def full_tensor(self, t: torch.Tensor, part: nn.Module) -> torch.Tensor:
+        """The whole of `t`, a value of `model_state_dict(part)` (a collective over the ranks that
+        share it)."""
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def describe_wrapper(self, part: nn.Module) -> dict[str, Any]:
+        """What the wrapper around `part` holds beyond its parameters, for the layout report
+        (`layout_report.describe_part`); nothing by default."""
+        return {}
+
+    def wrapper_lines(self, part: dict[str, Any], *, rank: int) -> list[str]:
+        """The layout report's lines about the wrapper, from one part's report; none by default."""
+        return []
+
+
+#: The parts of a model no strategy wrapped (materialization, tests): torch's own state functions.
+PLAIN_PARTS = PartWrapping()
+
+
+class Strategy(PartWrapping, ABC):
     """One data-parallel strategy; subclasses set `name` and implement `config_class` and `parallelize`."""
 
     #: The ``distributed.strategy`` value that selects it.
@@ -72,6 +114,10 @@ class Strategy(ABC):
     #: Whether the loss may read the LM head's weight outside the model's forward (the chunked
     #: linear cross-entropy, `output_head`); False keeps full logits.
     head_weight_readable: ClassVar[bool] = True
+    #: Whether float8 linears (``fp8.enabled``) compose with its wrapper.
+    float8_linears: ClassVar[bool] = True
+    #: Whether its wrapper all-gathers float8 weights (``fp8.enable_fsdp_float8_all_gather``).
+    float8_all_gather: ClassVar[bool] = False
 
     @abstractmethod
     def config_class(self) -> type:

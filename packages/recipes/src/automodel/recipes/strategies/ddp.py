@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from automodel.fsdp2 import DDPConfig, DDPManager
 from automodel.mesh import MeshContext
@@ -32,6 +33,17 @@ class DDPStrategy(Strategy):
         if parallelism.name == "dp_replicate":
             return f"is FSDP2-only (strategy={self.name})"
         return "ddp is data parallelism only (must be 1)"
+
+    def unwrap(self, part: nn.Module) -> nn.Module:
+        """The module inside DDP's wrapper (none at dp = 1)."""
+        return part.module if isinstance(part, DistributedDataParallel) else part
+
+    def wrapper_lines(self, part: dict[str, Any], *, rank: int) -> list[str]:
+        """The DDP reducer the report found (`automodel.mesh.layout_report`: none at dp = 1)."""
+        if "ddp" not in part:
+            return []
+        ddp = part["ddp"]
+        return [f"[rank {rank}] {self.name} ({ddp['group_size']} ranks): reducer {ddp['reducer']}"]
 
     def memory_model(self, config: Any) -> StrategyMemory:
         """Replicated; gradients in flat buckets, all-reduced as they appear."""

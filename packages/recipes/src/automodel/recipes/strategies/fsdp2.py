@@ -124,6 +124,7 @@ class FSDP2Strategy(Strategy):
 
     name = "fsdp2"
     supported_axes = ("dp_shard", "dp_replicate", "tp", "pp", "cp", "ep")
+    float8_all_gather = True  # fully_shard all-gathers torchao's float8 weights
     machine_keys = ("backend", "mp_policy")
     layer_flags = ("activation_checkpointing", "enable_compile", "enable_fsdp2_prefetch")
 

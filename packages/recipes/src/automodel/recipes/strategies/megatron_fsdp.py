@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from automodel.megatron_fsdp import (
     MegatronFSDPConfig,
@@ -17,9 +18,12 @@ from automodel.megatron_fsdp import (
     MegatronFSDPUnavailableError,
     clip_grad_norm,
     import_megatron_fsdp,
+    is_megatron_fsdp,
     microbatch_grad_sync,
+    model_state_dict,
     shard_optimizer,
 )
+from automodel.megatron_fsdp import full_tensor as megatron_full_tensor
 from automodel.mesh import MeshContext
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import StrategyMemory
@@ -39,6 +43,7 @@ class MegatronFSDPStrategy(Strategy):
     layer_flags = ()
     # it unshards the LM head only inside its own forward (CUDA only, unchecked on CPU)
     head_weight_readable = False
+    float8_linears = False  # megatron-fsdp's buffers hold plain tensors, not torchao's float8 subclasses
 
     def config_class(self) -> type:
         return MegatronFSDPConfig
@@ -105,6 +110,37 @@ class MegatronFSDPStrategy(Strategy):
             raise ConfigError("distributed.strategy", self.name, str(e)) from None
         return ParallelModel(parts=[wrapped], strategy=self, defer_grad_sync=True)
 
+    def unwrap(self, part: nn.Module) -> nn.Module:
+        return part.get_submodule("module") if is_megatron_fsdp(part) else part
+
+    def state_module(self, part: nn.Module) -> nn.Module:
+        """The inner module, its parameters swapped back to the distributed ones the optimizer holds."""
+        if not is_megatron_fsdp(part):
+            return part
+        part._replace_param_with_distributed_if_needed()  # pyright: ignore[reportCallIssue]  # megatron-fsdp's method
+        return part.get_submodule("module")
+
+    def model_state_dict(self, part: nn.Module) -> dict[str, Any]:
+        """Through the inner module, with uneven-shard metadata (HF names, as every strategy's)."""
+        return model_state_dict(part) if is_megatron_fsdp(part) else super().model_state_dict(part)
+
+    def full_tensor(self, t: torch.Tensor, part: nn.Module) -> torch.Tensor:
+        if isinstance(t, DTensor) and is_megatron_fsdp(part):
+            return megatron_full_tensor(t)
+        return super().full_tensor(t, part)
+
+    def describe_wrapper(self, part: nn.Module) -> dict[str, Any]:
+        """megatron-fsdp's parameter groups and their buffers (what each rank holds of them)."""
+        groups = _parameter_buffers(part)
+        return {} if groups is None else {"megatron_fsdp": {"parameter_groups": groups}}
+
+    def wrapper_lines(self, part: dict[str, Any], *, rank: int) -> list[str]:
+        if "megatron_fsdp" not in part:
+            return []
+        return [
+            f"[rank {rank}] {self.name}: {len(part['megatron_fsdp']['parameter_groups'])} parameter groups"
+        ]
+
     def grad_sync(
         self, parts: list[nn.Module], *, is_last_microbatch: bool, defer: bool
     ) -> contextlib.AbstractContextManager:
@@ -120,3 +156,22 @@ class MegatronFSDPStrategy(Strategy):
         self, params: list[nn.Parameter], *, max_norm: float | None, mesh: MeshContext, pipeline: Any
     ) -> torch.Tensor:
         return clip_grad_norm(params, max_norm=max_norm, tp_size=mesh.layout.tp)
+
+
+def _parameter_buffers(part: nn.Module) -> list[dict[str, Any]] | None:
+    buffer = getattr(part, "param_and_grad_buffer", None)
+    if buffer is None:
+        return None
+    groups = []
+    for group in buffer.parameter_groups:
+        entry: dict[str, Any] = {"num_params": len(group.params)}
+        for kind in ("model_weight_buffer", "main_weight_buffer", "main_grad_buffer"):
+            buf = getattr(group, kind, None)
+            if buf is not None:
+                entry[kind] = {
+                    "distributed": bool(buf.is_data_distributed),
+                    "local_numel": int(buf.data_size),
+                    "dp_world_size": int(buf.dp_world_size),
+                }
+        groups.append(entry)
+    return groups
