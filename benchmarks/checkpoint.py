@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.recipes.checkpoint import CheckpointConfig, Checkpointer, TrainingState
+from automodel.recipes.strategies.base import PLAIN_PARTS
 from automodel.testing.ranks import run_on_ranks
 
 
@@ -57,7 +58,12 @@ def _bench(*, root: str, hidden: int, layers: int, vocab: int, repeats: int) -> 
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     state = TrainingState(
-        model_parts=[model], optimizers=[opt], lr_schedulers=[], dataloader=_Loader(), step=0
+        model_parts=[model],
+        optimizers=[opt],
+        lr_schedulers=[],
+        dataloader=_Loader(),
+        step=0,
+        strategy=PLAIN_PARTS,
     )
     times: dict[str, list[float]] = {
         k: [] for k in ("naive_save", "naive_load", "dcp_save", "dcp_consolidated_save", "dcp_restore")

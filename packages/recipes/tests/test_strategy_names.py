@@ -108,8 +108,8 @@ def test_each_strategy_knows_its_own_wrapper() -> None:
     unwrap, the state module and the layout report's entries are the strategy's."""
     from torch import nn
 
-    from automodel.mesh.testing import run_on_ranks
     from automodel.recipes.strategies import get_strategy
+    from automodel.testing.ranks import run_on_ranks
 
     unwrapped, keys, lines = run_on_ranks(_ddp_on_rank, world_size=1)[0]
     assert unwrapped and keys == ["0.bias", "0.weight"]
