@@ -54,8 +54,7 @@ def test_layout_matches_single_process(layout: Layout, reference: list[float], t
     # what every rank holds: with the parallelism switched off these checks fail
     check_layout_applied(
         reports,
-        ranks=layout.ranks,
-        distributed={**TINY["distributed"], **layout.distributed},
+        layout=layout,
         layers=TINY["model"]["config"]["num_hidden_layers"],
         num_experts=0,
     )
