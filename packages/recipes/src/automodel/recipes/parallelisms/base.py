@@ -26,7 +26,7 @@ from automodel.recipes.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic

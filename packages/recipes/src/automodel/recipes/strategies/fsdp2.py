@@ -23,14 +23,14 @@ from automodel.fsdp2 import (
     default_mp_policy,
 )
 from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
-from automodel.mesh import MeshContext
+from automodel.mesh import MeshContext, StrategyConfig
 from automodel.moe import MoEParallelizerConfig, parallelize_experts
 from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
     from automodel.pipeline import BoundaryLayout
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
 
 
 def apply_fsdp2_stack(
@@ -138,10 +138,10 @@ class FSDP2Strategy(Strategy):
             options["mp_policy"] = default_mp_policy() if cuda else MixedPrecisionPolicy()
         return options
 
-    def needed_alone(self, config: Any, *, param_dtype: torch.dtype) -> bool:
+    def needed_alone(self, config: StrategyConfig, *, param_dtype: torch.dtype) -> bool:
         """Alone, FSDP2 matters only through its mixed precision: compute in another dtype than the
         parameters' (bf16 over fp32 weights on CUDA by default)."""
-        compute = getattr(config.mp_policy, "param_dtype", None)
+        compute = config.compute_dtype
         return compute is not None and compute != param_dtype
 
     def memory_model(self, config: Any) -> StrategyMemory:
