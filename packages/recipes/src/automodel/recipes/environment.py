@@ -31,7 +31,7 @@ def check_machine(cfg: RecipeConfig) -> None:
     _check_backend(cfg.dist_env.backend)
 
     check_kernels_environment(cfg)
-    get_strategy(cfg.distributed.strategy).check_environment()
+    get_strategy(cfg.distributed.strategy).check_environment(cfg.distributed.strategy_config)
 
 
 def refusal_error(refusals: tuple[ConfigError, ...]) -> ConfigError:

@@ -133,9 +133,10 @@ class Strategy(PartWrapping, ABC):
         values = self.machine_defaults({}, cuda=cuda)
         return dataclasses.replace(config, **{k: values[k] for k in keys})
 
-    def check_environment(self) -> None:
-        """`ConfigError` naming ``distributed.strategy`` when this machine cannot run the strategy
-        (called before any rank starts, not by `recipes validate`); none by default."""
+    def check_environment(self, config: StrategyConfig) -> None:
+        """`ConfigError` naming the ``distributed.<key>`` this machine cannot run, the strategy or
+        one of its flags `config` (called before any rank starts; `recipes validate` reports it as a
+        line); none by default."""
         return None
 
     def axis_refusal(self, parallelism: Parallelism) -> str:
