@@ -118,6 +118,7 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("microbatches_vs_pp", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 2}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
     ("local_batch_vs_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 3}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
     ("pipeline_bad_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 0}}, ["--nproc-per-node=2"], "distributed.pipeline.pp_microbatch_size"),
+    ("pipeline_csv_missing", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule_csv": "/nonexistent/schedule.csv"}}, ["--nproc-per-node=2"], "distributed.pipeline.pp_schedule_csv"),
     ("megatron_meta_init", {"distributed.strategy": "megatron_fsdp", "distributed.init_fsdp_with_meta_device": True}, [], "distributed.init_fsdp_with_meta_device"),
     ("batch_vs_dp", {"step_scheduler.global_batch_size": 6}, ["--nproc-per-node=2"], "step_scheduler.global_batch_size"),
     ("layout_report", {"logging.layout_report": "rank1"}, [], "logging.layout_report"),

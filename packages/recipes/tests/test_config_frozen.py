@@ -233,9 +233,9 @@ def test_importing_the_config_package_runs_no_other_recipes_module() -> None:
 
 
 def test_parsing_reads_no_disk_and_the_launch_check_refuses_with_the_old_message(tmp_path: Path) -> None:
-    """A missing tokenizer directory and a ``bad_rows: skip`` on a file skip cannot read parse (the
-    config layer reads no disk); `check_launch` on this machine refuses each with the message the
-    section gave before."""
+    """A missing tokenizer directory, a ``bad_rows: skip`` on a file skip cannot read and a missing
+    pipeline schedule CSV parse (the config layer reads no disk); `check_launch` on this machine
+    refuses each with the message the section gave before."""
     cfg = load_config(tiny_config(str(tmp_path / "a"), tokenizer={"path": "/nonexistent/tok"}))
     assert cfg.tokenizer.path == "/nonexistent/tok"
     with pytest.raises(ConfigError, match=r"^tokenizer.path='/nonexistent/tok': is not a local directory$"):
@@ -257,6 +257,17 @@ def test_parsing_reads_no_disk_and_the_launch_check_refuses_with_the_old_message
         match=r"^dataset.bad_rows='skip': applies to .jsonl, .json, .csv, .parquet files, not .*d.txt$",
     ):
         check_launch(cfg, world_size=1, this_machine=True)
+
+    missing = "/nonexistent/schedule.csv"  # automodel.pipeline's PipelineConfig reads no disk either
+    pipeline = {"pp_size": 2, "pipeline": {"pp_schedule_csv": missing}}
+    cfg = load_config(tiny_config(str(tmp_path / "c"), distributed=pipeline))
+    assert cfg.distributed.pipeline_config is not None
+    assert cfg.distributed.pipeline_config.pp_schedule_csv == missing
+    with pytest.raises(
+        ConfigError,
+        match=rf"^distributed.pipeline.pp_schedule_csv='{missing}': pp_schedule_csv='{missing}' does not exist",
+    ):
+        check_launch(cfg, world_size=2, this_machine=True)
 
 
 def test_machine_defaults_and_resolution_give_new_values(tmp_path: Path) -> None:

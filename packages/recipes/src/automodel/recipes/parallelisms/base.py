@@ -180,6 +180,12 @@ class Parallelism(ABC):
         """Rules against the model and the batch, run before launch (`rules.check_layout_rules`)."""
         return None
 
+    def check_files(self, *, cfg: RecipeConfig) -> None:
+        """The files its section names exist on this machine (`ConfigError` naming the key): run
+        before any rank starts, with the other checks of this machine (`environment.check_environment`;
+        the typed config reads no disk); none by default."""
+        return None
+
     # ---- the planner ---------------------------------------------------------------------
     def memory_terms(self, *, size: int, setup: StepSetup, shape: ModelShape) -> dict[str, float]:
         """Per-rank bytes it holds through the step, by name, beyond the terms `planning.memory`
