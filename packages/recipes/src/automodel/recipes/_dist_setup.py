@@ -11,6 +11,8 @@ YAML distributed section
   -> setup_distributed()           process group and MeshContext
   -> recipes.parallelize           applies them to the model (composition order: see its docstring)
 
+The section's type, `DistributedSection`, is in the config leaf (`config/distributed.py`); this
+module builds it (it needs the strategy and parallelism registries, which the leaf may not import).
 Each flag's own rule (type, range) lives in its package's config class; a parallelism's rules
 against the other sizes in its `Parallelism.check_sizes`, against the model in its `check_model`
 (run by `rules.py`); only the strategy's allow-list of parallelisms is read here.
