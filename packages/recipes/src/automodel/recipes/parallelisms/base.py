@@ -26,7 +26,7 @@ from automodel.recipes.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
@@ -178,6 +178,12 @@ class Parallelism(ABC):
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
     ) -> None:
         """Rules against the model and the batch, run before launch (`rules.check_layout_rules`)."""
+        return None
+
+    def check_files(self, *, cfg: RecipeConfig) -> None:
+        """The files its section names exist on this machine (`ConfigError` naming the key): run
+        before any rank starts, with the other checks of this machine (`environment.check_environment`;
+        the typed config reads no disk); none by default."""
         return None
 
     # ---- the planner ---------------------------------------------------------------------

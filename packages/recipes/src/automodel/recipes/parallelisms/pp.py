@@ -134,6 +134,18 @@ class PipelineParallel(Parallelism):
                 f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
             )
 
+    def check_files(self, *, cfg: RecipeConfig) -> None:
+        pcfg = cfg.distributed.pipeline_config
+        if pcfg is None or pcfg.pp_schedule_csv is None:
+            return
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+        from automodel.pipeline.schedules import check_schedule_csv
+
+        try:
+            check_schedule_csv(pcfg.pp_schedule_csv)
+        except ValueError as e:
+            raise ConfigError("distributed.pipeline.pp_schedule_csv", pcfg.pp_schedule_csv, str(e)) from None
+
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Activations and their gradients cross each stage boundary."""
         t, s = traffic, traffic.setup

@@ -8,7 +8,7 @@ from automodel.mesh import ResolvedLayout
 from automodel.recipes.parallelisms.base import Parallelism
 
 if TYPE_CHECKING:
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.shape import ModelShape
 

@@ -24,13 +24,13 @@ from automodel.megatron_fsdp import (
     shard_optimizer,
 )
 from automodel.megatron_fsdp import full_tensor as megatron_full_tensor
-from automodel.mesh import MeshContext
+from automodel.mesh import MeshContext, StrategyConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.parallelisms import Parallelism
 
 
@@ -69,7 +69,7 @@ class MegatronFSDPStrategy(Strategy):
             defer_unsharded_grads=False,
         )
 
-    def check_environment(self) -> None:
+    def check_environment(self, config: StrategyConfig) -> None:
         """megatron-fsdp must import (it needs CUDA at run time)."""
         try:
             import_megatron_fsdp()
