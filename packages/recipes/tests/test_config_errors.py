@@ -86,6 +86,7 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("megatron_with_pp", {"distributed.strategy": "megatron_fsdp", "distributed.pp_size": 2, "distributed.pipeline": {}}, [], "distributed.pp_size"),
     ("megatron_with_sp", {"distributed.strategy": "megatron_fsdp", "distributed.tp_size": 2, "distributed.sequence_parallel": True}, [], "distributed.sequence_parallel"),
     ("megatron_with_ep", {"distributed.strategy": "megatron_fsdp", "distributed.ep_size": 2}, [], "distributed.ep_size"),
+    ("megatron_with_cp", {"distributed.strategy": "megatron_fsdp", "distributed.cp_size": 2}, [], "distributed.cp_size"),
     ("replicate_with_ddp", {"distributed.strategy": "ddp", "distributed.dp_replicate_size": 2}, [], "distributed.dp_replicate_size"),
     ("sp_without_tp", {"distributed.sequence_parallel": True}, [], "distributed.sequence_parallel"),
     ("defer_with_ddp", {"distributed.strategy": "ddp", "distributed.defer_fsdp_grad_sync": True}, [], "distributed.defer_fsdp_grad_sync"),
