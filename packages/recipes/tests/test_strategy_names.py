@@ -24,7 +24,7 @@ SRC = Path(__file__).parents[1] / "src" / "automodel" / "recipes"
 EXEMPT_DIRS = ("strategies", "compat")
 #: (file relative to SRC, the word): another vocabulary's word that spells a strategy name.
 OTHER_VOCABULARIES = {
-    ("sections.py", "single"),  # dataloader.dataloader_type, NeMo AutoModel's value
+    ("config/sections.py", "single"),  # dataloader.dataloader_type, NeMo AutoModel's value
     ("launch.py", "single"),  # automodel.mesh.LaunchEnv.launcher: no torchrun / srun
 }
 
