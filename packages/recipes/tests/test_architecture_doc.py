@@ -12,7 +12,7 @@ Every backticked name of the page is checked when it looks like one of:
 - a path (it holds ``/`` or ends in ``.py``): a file or folder under the repository root, under
   ``packages/recipes/src/automodel/recipes/`` (the page's shorthand) or under a package's
   ``src/automodel/`` (``fsdp2/config.py``); ``path: name`` also needs ``name`` defined in the file,
-  and ``dir/module.name`` (``data/file_check.check_section_files``) an attribute of the module.
+  and ``dir/module.name`` (``data/file_check.check_text_rows``) an attribute of the module.
 
 Names of other kinds (YAML values, commands, functions named without their module) are not checked.
 """
@@ -196,7 +196,7 @@ def test_the_check_passes_good_names() -> None:
         "PARALLEL_AXES",
         "ValueError",  # a builtin: not checked
         "planning/search.py: enumerate_layouts",
-        "data/file_check.check_section_files",
+        "data/file_check.check_text_rows",
         "fsdp2/config.py",
         "recipes/strategies/",
     ):
