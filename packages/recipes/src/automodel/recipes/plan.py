@@ -14,7 +14,7 @@ from automodel.mesh import AXES, ResolvedLayout
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.model import build_meta_model
-from automodel.recipes.parallelisms import memory_terms, parallelisms
+from automodel.recipes.parallelisms import memory_terms, parallelisms, planner_sizes
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
@@ -51,7 +51,11 @@ def estimate_memory(
         model = _meta_model(cfg, hf_config)
     shape = model_shape(hf_config, model=model)
     setup = step_setup(cfg, layout, stages=stages, on_gpu=on_gpu, expert_load_factor=expert_load_factor)
-    setup = dataclasses.replace(setup, trainable_params=_trainable_params(cfg, model))
+    setup = dataclasses.replace(
+        setup,
+        trainable_params=_trainable_params(cfg, model),
+        extra_sizes=planner_sizes(cfg.distributed, layout),
+    )
     extra = memory_terms(cfg.distributed, layout, setup=setup, shape=shape)
     return estimate_step_memory(shape, dataclasses.replace(setup, extra_bytes=extra) if extra else setup)
 

@@ -16,7 +16,7 @@ import contextlib
 from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
@@ -63,6 +63,42 @@ class BatchRun:
     pad_token_id: int
     #: Rows are packed documents (positions restart at 0 per document).
     packed: bool
+
+
+@dataclass(frozen=True)
+class MemoryShares:
+    """How much of one rank's model and activations a parallelism leaves it, as divisors of the
+    whole (1: all of it); the memory estimate multiplies every registered parallelism's shares
+    (`registry.memory_shares`), so a new parallelism scales the estimate without editing it."""
+
+    #: Decoder layers (and their activations) on this rank: pp.
+    layers: int = 1
+    #: Tokens of each sequence on this rank: cp.
+    tokens: int = 1
+    #: Attention heads, MLP width, the untied vocabulary head, dense layer weights: tp.
+    heads: int = 1
+    #: Hidden-state width saved between the TP regions (sequence parallelism): tp with SP.
+    norm_width: int = 1
+    #: The routed experts' weights: ep (tp without ep).
+    experts: int = 1
+    #: Multiplier (not a divisor): the busiest rank's routed slots over its balanced share.
+    expert_load: float = 1.0
+
+    def times(self, other: MemoryShares) -> MemoryShares:
+        """Both parallelisms' shares at once (the sizes multiply: integer products stay exact)."""
+        return MemoryShares(
+            layers=self.layers * other.layers,
+            tokens=self.tokens * other.tokens,
+            heads=self.heads * other.heads,
+            norm_width=self.norm_width * other.norm_width,
+            experts=self.experts * other.experts,
+            expert_load=self.expert_load * other.expert_load,
+        )
+
+
+#: Where in a decoder layer's saved activations a parallelism adds bytes per token: after the
+#: norms, after attention, after the routed experts (the estimate's order of addition).
+ActivationSite = Literal["norms", "attention", "experts"]
 
 
 def is_shard_placement(placement: str) -> bool:
@@ -182,9 +218,27 @@ class Parallelism(ABC):
 
     # ---- the planner ---------------------------------------------------------------------
     def memory_terms(self, *, size: int, setup: StepSetup, shape: ModelShape) -> dict[str, float]:
-        """Per-rank bytes it holds through the step, by name, beyond the terms `planning.memory`
-        computes for the built-in axes (their sizes are `StepSetup` fields); none by default."""
+        """Per-rank bytes it holds through the whole step, by name (added to the static part of
+        the estimate, `StepSetup.extra_bytes`); none by default."""
         return {}
+
+    def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
+        """The share of the model and of the activations it leaves each rank (`MemoryShares`);
+        all of it by default. `size` is its size in `setup` (`StepSetup.size_of`)."""
+        return MemoryShares()
+
+    def layer_activation_terms(
+        self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool
+    ) -> dict[ActivationSite, float]:
+        """Bytes per token (of this rank) one decoder layer saves for backward because of it, by
+        where they add up; `shares` are every parallelism's together, `moe` whether the layer
+        routes to experts. None by default."""
+        return {}
+
+    def search_sizes(self, *, room: int, shape: ModelShape) -> tuple[int, ...] | None:
+        """The sizes `recipes plan` tries for it when `room` ranks are left (None: the planner
+        does not search it; the built-in axes' nesting is `planning.search`'s)."""
+        return None
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Seconds its collectives add to one step on the critical path (the roofline of `recipes

@@ -11,13 +11,22 @@ from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.moe import MoEParallelizerConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
-from automodel.recipes.parallelisms.base import Options, Parallelism, config_error, section_mapping
+from automodel.recipes.parallelisms.base import (
+    ActivationSite,
+    MemoryShares,
+    Options,
+    Parallelism,
+    config_error,
+    section_mapping,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
+    from automodel.recipes.planning.shape import ModelShape
 
 
 def build_moe_config(moe: Options | None) -> MoEParallelizerConfig:
@@ -66,6 +75,21 @@ class ExpertParallel(Parallelism):
             raise ConfigError(
                 "distributed.ep_size", size, f"must divide the model's number of experts ({experts})"
             )
+
+    def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
+        """The experts' weights over ep; the busiest rank computes `StepSetup.expert_load` times
+        its balanced share of the routed slots (the router decides it at run time)."""
+        if size == 1:
+            return MemoryShares()
+        return MemoryShares(experts=size, expert_load=setup.expert_load)
+
+    def layer_activation_terms(
+        self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool
+    ) -> dict[ActivationSite, float]:
+        """The dispatched copy of each routed slot, on its expert's owner."""
+        if size == 1 or not moe:
+            return {}
+        return {"experts": shape.top_k * setup.compute_bytes * shape.hidden * shares.expert_load}
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Token dispatch and combine, forward and backward (the busiest rank's load)."""

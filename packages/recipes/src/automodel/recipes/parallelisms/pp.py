@@ -11,6 +11,7 @@ from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
+    MemoryShares,
     Options,
     Parallelism,
     RankReport,
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
 
     from automodel.pipeline import PipelineConfig
     from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
+    from automodel.recipes.planning.shape import ModelShape
 
 
 def build_pipeline_config(pipeline: Options | None, *, local_batch_size: int) -> PipelineConfig:
@@ -133,6 +136,10 @@ class PipelineParallel(Parallelism):
                 seq,
                 f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
             )
+
+    def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
+        """Each rank runs 1/pp of the decoder layers (its stages)."""
+        return MemoryShares(layers=size)
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Activations and their gradients cross each stage boundary."""

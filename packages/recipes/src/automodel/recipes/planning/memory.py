@@ -24,7 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from automodel.mesh import PARALLEL_AXES
+from automodel.mesh import FLATTENED_AXES, PARALLEL_AXES
+from automodel.recipes.parallelisms import MemoryShares, layer_activation_terms, memory_shares
 from automodel.recipes.planning.shape import ModelShape
 
 GiB = 2**30
@@ -100,6 +101,17 @@ class StepSetup:
     # per-rank bytes held through the whole step by registered parallelisms beyond the built-in
     # axes' terms above, by name (`automodel.recipes.parallelisms.memory_terms`)
     extra_bytes: tuple[tuple[str, float], ...] = ()
+    # the sizes of registered parallelisms that have no field above, by name (`size_of`); out of
+    # the repr, which the built-in layouts print as before
+    extra_sizes: tuple[tuple[str, int], ...] = field(default=(), repr=False)
+
+    def size_of(self, name: str) -> int:
+        """The size of parallelism `name`: its field, else `extra_sizes`, else 1 (not used)."""
+        if name in PARALLEL_AXES:
+            value = getattr(self, name)
+            assert isinstance(value, int)
+            return value
+        return dict(self.extra_sizes).get(name, 1)
 
     @property
     def dp_shard_cp(self) -> int:
@@ -150,12 +162,14 @@ class MemoryEstimate:
         return self.peak_bytes
 
 
-def _chunked_loss_bytes(shape: ModelShape, s: StepSetup, *, tokens: float, e_c: int) -> float:
+def _chunked_loss_bytes(
+    shape: ModelShape, s: StepSetup, *, shares: MemoryShares, tokens: float, e_c: int
+) -> float:
     """Peak of the chunked linear cross-entropy (its gradients are computed in its forward): fp32
     gradients of the hidden states and of the head's rows this rank holds, plus one chunk's
     logits (see `automodel.recipes.linear_ce._chunked_pass` for what is in place)."""
     tied = shape.tied_embeddings
-    v_local = shape.vocab / s.tp if s.tp > 1 and not tied else shape.vocab
+    v_local = shape.vocab / shares.heads if shares.heads > 1 and not tied else shape.vocab
     chunk = s.loss_chunk_tokens or max(
         16, 1 << int(math.log2(max(1, s.loss_chunk_elements // max(1, v_local))))
     )
@@ -190,28 +204,33 @@ def _norm_bytes(setup: StepSetup, width: float) -> float:
     return (4 + 2 * setup.compute_bytes) * width
 
 
-def layer_activation_bytes(shape: ModelShape, setup: StepSetup, *, tokens: float, moe: bool) -> float:
-    """Bytes one decoder layer saves for backward for `tokens` tokens on this rank (no AC)."""
-    e, tp = setup.compute_bytes, setup.tp
+def layer_activation_bytes(
+    shape: ModelShape, setup: StepSetup, *, shares: MemoryShares, tokens: float, moe: bool
+) -> float:
+    """Bytes one decoder layer saves for backward for `tokens` tokens on this rank (no AC): the
+    layer's own tensors at the rank's `shares`, plus each parallelism's terms where they add up
+    (`Parallelism.layer_activation_terms`)."""
+    e, tp = setup.compute_bytes, shares.heads
+    terms = layer_activation_terms(setup, shape, shares=shares, moe=moe)
     h = shape.hidden
-    h_norm = h / tp if setup.sequence_parallel else h
+    h_norm = h / shares.norm_width if shares.norm_width > 1 else h
     per_token = 2 * _norm_bytes(setup, h_norm)
-    if setup.sequence_parallel:  # the all-gathered norm outputs the column-parallel linears keep
-        per_token += 2 * e * h
+    for term in terms.get("norms", ()):
+        per_token += term
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     # q and k after RoPE, v, attention output (compute dtype) and log-sum-exp per head (fp32)
     per_token += e * (2 * q + 2 * kv) / tp + 4 * shape.heads / tp
-    if setup.cp > 1:  # the ring keeps the other ranks' k and v for backward
-        per_token += e * 2 * kv / tp * (setup.cp - 1)
+    for term in terms.get("attention", ()):
+        per_token += term
     if moe:
         k, inter = shape.top_k, shape.moe_intermediate
         # router: fp32 logits and softmax per expert; per routed slot: the gathered input and the
         # weighted expert output where the token lives, gate|up, silu(gate) and their product where
-        # its expert lives (with EP, the busiest owner computes `expert_load_factor` times its share)
-        load = setup.expert_load
+        # its expert lives (the busiest owner computes `expert_load` times its share)
+        load = shares.expert_load
         per_token += 2 * 4 * shape.experts + k * e * (2 * h + 4 * inter * load)
-        if setup.ep > 1:  # the dispatched copy of each routed slot, on its expert's owner
-            per_token += k * e * h * load
+        for term in terms.get("experts", ()):
+            per_token += term
         if shape.shared_intermediate:
             per_token += 4 * e * shape.shared_intermediate / tp
     else:
@@ -219,14 +238,16 @@ def layer_activation_bytes(shape: ModelShape, setup: StepSetup, *, tokens: float
     return per_token * tokens
 
 
-def _backward_transient(shape: ModelShape, setup: StepSetup, *, tokens: float, moe: bool) -> float:
+def _backward_transient(
+    shape: ModelShape, setup: StepSetup, *, shares: MemoryShares, tokens: float, moe: bool
+) -> float:
     """Gradients of activations alive inside one layer's backward (two MLP-wide, one hidden-wide)."""
     e = setup.compute_bytes
     if moe:
-        load = setup.expert_load
+        load = shares.expert_load
         width = shape.top_k * (2 * shape.moe_intermediate + shape.hidden) * load
     else:
-        width = 2 * shape.intermediate / setup.tp + shape.hidden
+        width = 2 * shape.intermediate / shares.heads + shape.hidden
     return e * width * tokens
 
 
@@ -237,10 +258,16 @@ def estimate_step_memory(shape: ModelShape, setup: StepSetup) -> MemoryEstimate:
     return max(estimates, key=lambda m: m.peak_bytes)
 
 
+def _shard_group(s: StepSetup, axis: str) -> int:
+    """Ranks of a flattened mesh axis (`automodel.mesh.FLATTENED_AXES`) in `s`."""
+    return math.prod(s.size_of(a) for a in FLATTENED_AXES[axis])
+
+
 def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEstimate:
-    tp, e_s, e_c = s.tp, s.storage_bytes, s.compute_bytes
+    shares = memory_shares(s, shape)
+    tp, e_s, e_c = shares.heads, s.storage_bytes, s.compute_bytes
     v = s.stages_per_rank
-    layers = shape.layers / s.pp  # layers on this rank (all its stages)
+    layers = shape.layers / shares.layers  # layers on this rank (all its stages)
     moe_frac = shape.moe_layers / shape.layers if shape.is_moe else 0.0
     first = pp_rank == 0
     # the last stage lives on rank 0 for V-shape schedules, on the last rank otherwise
@@ -248,7 +275,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     last = pp_rank == (0 if v_shape and s.pp > 1 else s.pp - 1)
 
     # ---- parameters: model-parallel split, then the data-parallel shard ----------------------
-    expert_mp = shape.layer_expert_params / (s.ep if s.ep > 1 else tp)
+    expert_mp = shape.layer_expert_params / shares.experts
     layer_mp = shape.layer_dense_params / tp + expert_mp  # elements of one layer on this rank
     root_mp = (shape.embed_params if first or shape.tied_embeddings and last else 0) / tp
     root_mp += (shape.head_params if last else 0) / tp
@@ -256,9 +283,9 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     if sh.shard_over == "none":
         fs_dense = fs_expert = 1
     elif sh.shard_over == "dp_cp":
-        fs_dense = fs_expert = s.dp_replicate * s.dp_shard * s.cp
+        fs_dense = fs_expert = _shard_group(s, "dp_cp")
     else:
-        fs_dense = s.dp_shard_cp
+        fs_dense = _shard_group(s, "dp_shard_cp")
         fs_expert = s.ep_shard if s.ep > 1 else fs_dense
     layer_shard = shape.layer_dense_params / tp / fs_dense + expert_mp / fs_expert
     root_shard = root_mp / fs_dense
@@ -281,12 +308,12 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
 
     # ---- activations of one micro-batch --------------------------------------------------------
     rows = s.pp_microbatch if s.pp > 1 else s.local_batch
-    tokens = rows * s.seq_len / s.cp
+    tokens = rows * s.seq_len / shares.tokens
     tokens_norm = tokens  # SP shards are inside the per-layer formula
-    a_dense = layer_activation_bytes(shape, s, tokens=tokens, moe=False)
-    a_moe = layer_activation_bytes(shape, s, tokens=tokens, moe=True) if moe_frac else 0.0
+    a_dense = layer_activation_bytes(shape, s, shares=shares, tokens=tokens, moe=False)
+    a_moe = layer_activation_bytes(shape, s, shares=shares, tokens=tokens, moe=True) if moe_frac else 0.0
     a_layer = (1 - moe_frac) * a_dense + moe_frac * a_moe
-    h_saved = shape.hidden / tp if s.sequence_parallel else shape.hidden
+    h_saved = shape.hidden / shares.norm_width if shares.norm_width > 1 else shape.hidden
     x_in = e_c * h_saved * tokens_norm  # what a checkpointed layer keeps: its input
     a_save = x_in if s.activation_checkpointing else a_layer
     a_peak_layer = max(a_dense, a_moe) if moe_frac else a_dense
@@ -298,8 +325,8 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     logits_peak = tokens * shape.vocab * (e_c + extra_fp32 + 12) if last else 0.0
     logits_live = tokens * shape.vocab * e_c if last and s.pp == 1 else 0.0  # the loop's `logits`
     if s.loss_chunk_elements and last:
-        logits_peak, logits_live = _chunked_loss_bytes(shape, s, tokens=tokens, e_c=e_c), 0.0
-    transient = _backward_transient(shape, s, tokens=tokens, moe=bool(moe_frac))
+        logits_peak, logits_live = _chunked_loss_bytes(shape, s, shares=shares, tokens=tokens, e_c=e_c), 0.0
+    transient = _backward_transient(shape, s, shares=shares, tokens=tokens, moe=bool(moe_frac))
 
     n_mb = max(1, s.local_batch // s.pp_microbatch) if s.pp > 1 else 1
     chunks = _in_flight_chunks(s, n_mb) if s.pp > 1 else v
