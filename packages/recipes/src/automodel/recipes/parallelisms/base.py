@@ -101,6 +101,34 @@ class MemoryShares:
 ActivationSite = Literal["norms", "attention", "experts"]
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending (the sizes a search tries)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchPoint:
+    """Where `recipes plan`'s search stands when it asks a parallelism which sizes to try."""
+
+    shape: ModelShape
+    gpus: int
+    gpus_per_node: int
+    #: The sizes chosen so far, by parallelism name (the earlier `search_order`s).
+    sizes: Mapping[str, int]
+    #: Ranks the dense mesh axes chosen so far leave: gpus over their product.
+    room: int
+
+
+@dataclass(frozen=True)
+class PlanColumn:
+    """A searched parallelism's column in `recipes plan`'s table."""
+
+    header: str
+    width: int
+    #: The format alignment: ``>`` (numbers) or ``<``.
+    align: str = ">"
+
+
 def is_shard_placement(placement: str) -> bool:
     """Whether a placement as the report writes it shards: ``S(d)``, the strided ``_S(d, k)`` FSDP
     puts on top of TP (older torch: ``Shard(dim=d)``), as opposed to ``R`` or ``P(...)``."""
@@ -235,10 +263,37 @@ class Parallelism(ABC):
         routes to experts. None by default."""
         return {}
 
-    def search_sizes(self, *, room: int, shape: ModelShape) -> tuple[int, ...] | None:
-        """The sizes `recipes plan` tries for it when `room` ranks are left (None: the planner
-        does not search it; the built-in axes' nesting is `planning.search`'s)."""
-        return None
+    #: Its place in `recipes plan`'s search (outermost first) and in its table and YAML; None:
+    #: the planner leaves it at 1.
+    search_order: ClassVar[int | None] = None
+    #: Its column in `recipes plan`'s table (default: its name, 3 wide).
+    plan_column: ClassVar[PlanColumn | None] = None
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """The assignments `recipes plan` tries at `point`, each ``{name: size}`` (one may also
+        resize a parallelism chosen earlier: HSDP splits dp_shard); by default every divisor of
+        the room left."""
+        return [{self.name: d} for d in divisors(point.room)]
+
+    def plan_cell(self, setup: StepSetup) -> str:
+        """Its cell in `recipes plan`'s table: its size."""
+        return str(setup.size_of(self.name))
+
+    def plan_yaml(self, setup: StepSetup) -> list[str]:
+        """Its ``distributed:`` lines in the YAML `recipes plan` proposes: the size key when > 1."""
+        size = setup.size_of(self.name)
+        return [f"  {self.size_key}: {size}"] if size > 1 else []
+
+    def plan_yaml_section(self, setup: StepSetup) -> list[str]:
+        """Its own options section in that YAML (``pipeline:``, ``moe:``), after the flags."""
+        return []
+
+    def validate_lines(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int, stages: int, setup: StepSetup
+    ) -> list[str]:
+        """What `recipes validate` says of it under the model line (the pipeline's schedule, the
+        expert load the estimate assumed); `setup` is the estimate's. Nothing by default."""
+        return []
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Seconds its collectives add to one step on the critical path (the roofline of `recipes

@@ -19,7 +19,10 @@ from automodel.recipes.parallelisms.base import (
     MemoryShares,
     MicroBatch,
     Parallelism,
+    PlanColumn,
     RankReport,
+    SearchPoint,
+    divisors,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +71,11 @@ class ContextParallel(Parallelism):
     name = "cp"
     size_key = "cp_size"
     report_axes = ("cp",)
+    search_order = 2
+    plan_column = PlanColumn("cp", 3)
+
+    #: The largest cp `recipes plan` tries.
+    max_searched = 8
 
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
@@ -93,6 +101,9 @@ class ContextParallel(Parallelism):
             packed=run.packed,
         )
         return MicroBatch(fields=fields, extra=extra, context=ctx)
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        return [{self.name: c} for c in divisors(point.room) if c <= self.max_searched]
 
     def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
         """Each rank holds 1/cp of every sequence's tokens."""

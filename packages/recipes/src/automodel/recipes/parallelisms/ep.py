@@ -16,7 +16,10 @@ from automodel.recipes.parallelisms.base import (
     MemoryShares,
     Options,
     Parallelism,
+    PlanColumn,
+    SearchPoint,
     config_error,
+    divisors,
     section_mapping,
 )
 
@@ -45,6 +48,8 @@ class ExpertParallel(Parallelism):
     size_key = "ep_size"
     section_key = "moe"
     report_axes = ("ep", "ep_shard")
+    search_order = 3
+    plan_column = PlanColumn("ep", 3)
 
     def check_sizes(
         self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
@@ -75,6 +80,28 @@ class ExpertParallel(Parallelism):
             raise ConfigError(
                 "distributed.ep_size", size, f"must divide the model's number of experts ({experts})"
             )
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """Divisors of the experts that divide the dp x cp ranks left (ep_shard = dp*cp / ep)."""
+        if not point.shape.is_moe:
+            return [{self.name: 1}]
+        dp_cp = point.room * point.sizes.get("cp", 1)
+        return [{self.name: e} for e in divisors(point.shape.experts) if e <= dp_cp and dp_cp % e == 0]
+
+    def validate_lines(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int, stages: int, setup: StepSetup
+    ) -> list[str]:
+        if size == 1:
+            return []
+        return [
+            f"expert load factor {setup.expert_load:g} (the busiest ep rank's routed tokens "
+            "over the mean; --moe-load-factor)"
+        ]
+
+    def plan_yaml_section(self, setup: StepSetup) -> list[str]:
+        if setup.ep == 1:
+            return []
+        return [f"  moe: {{reshard_after_forward: {'true' if setup.reshard_after_forward else 'false'}}}"]
 
     def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
         """The experts' weights over ep; the busiest rank computes `StepSetup.expert_load` times

@@ -14,7 +14,9 @@ from automodel.recipes.parallelisms.base import (
     MemoryShares,
     Options,
     Parallelism,
+    PlanColumn,
     RankReport,
+    SearchPoint,
     config_error,
     section_mapping,
 )
@@ -81,6 +83,8 @@ class PipelineParallel(Parallelism):
     name = "pp"
     size_key = "pp_size"
     section_key = "pipeline"
+    search_order = 1
+    plan_column = PlanColumn("pp (schedule)", 19, "<")
 
     def check_sizes(
         self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
@@ -136,6 +140,31 @@ class PipelineParallel(Parallelism):
                 seq,
                 f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
             )
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """At least two layers per stage."""
+        pps = super().search_sizes(point)
+        return [a for a in pps if a[self.name] == 1 or point.shape.layers >= 2 * a[self.name]]
+
+    def validate_lines(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int, stages: int, setup: StepSetup
+    ) -> list[str]:
+        pipe = cfg.distributed.pipeline_config
+        if size == 1 or pipe is None:
+            return []
+        return [f"pipeline: {pipe.pp_schedule}, {stages} stages, micro-batch {pipe.pp_microbatch_size}"]
+
+    def plan_cell(self, setup: StepSetup) -> str:
+        return f"{setup.pp}" if setup.pp == 1 else f"{setup.pp} {setup.pp_schedule}"
+
+    def plan_yaml_section(self, setup: StepSetup) -> list[str]:
+        if setup.pp == 1:
+            return []
+        return [
+            "  pipeline:",
+            f"    pp_schedule: {setup.pp_schedule}",
+            f"    pp_microbatch_size: {setup.pp_microbatch}",
+        ]
 
     def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
         """Each rank runs 1/pp of the decoder layers (its stages)."""

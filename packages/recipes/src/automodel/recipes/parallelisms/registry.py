@@ -76,6 +76,18 @@ def memory_terms(
     )
 
 
+def in_plan_order() -> tuple[Parallelism, ...]:
+    """Every registered parallelism, the searched ones first in `Parallelism.search_order` (the
+    order `recipes plan` and `recipes validate` print them in), then the others as registered."""
+    return tuple(sorted(_PARALLELISMS.values(), key=lambda p: (p.search_order is None, p.search_order or 0)))
+
+
+def searched() -> tuple[Parallelism, ...]:
+    """The parallelisms `recipes plan` searches, in `Parallelism.search_order` (its table's and
+    its YAML's order too)."""
+    return tuple(p for p in in_plan_order() if p.search_order is not None)
+
+
 def memory_shares(setup: StepSetup, shape: ModelShape) -> MemoryShares:
     """Every registered parallelism's `Parallelism.memory_shares` at once (their product)."""
     shares = MemoryShares()

@@ -9,7 +9,14 @@ from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import positive_ints, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
-from automodel.recipes.parallelisms.base import ActivationSite, MemoryShares, Parallelism
+from automodel.recipes.parallelisms.base import (
+    ActivationSite,
+    MemoryShares,
+    Parallelism,
+    PlanColumn,
+    SearchPoint,
+    divisors,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -26,6 +33,8 @@ class TensorParallel(Parallelism):
     name = "tp"
     size_key = "tp_size"
     report_axes = ("tp",)
+    search_order = 0
+    plan_column = PlanColumn("tp", 3)
 
     def check_sizes(
         self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
@@ -60,6 +69,10 @@ class TensorParallel(Parallelism):
                 f"is not supported for MoE models ({hf_config.model_type}: the expert block has no "
                 "sequence-parallel plan); use tp_size > 1 without it",
             )
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """Inside one node (its collectives are on the critical path of every layer)."""
+        return [{self.name: d} for d in divisors(min(point.room, point.gpus_per_node))]
 
     def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
         """Heads, MLP width, the untied head and the dense weights over tp; the norms' hidden
