@@ -96,6 +96,27 @@ class MemoryShares:
         )
 
 
+@dataclass(frozen=True)
+class RankPosition:
+    """One rank's place in a schedule that splits the model over ranks and runs micro-batches
+    through them (the pipeline's stages); the memory estimate takes the worst of the positions a
+    parallelism names (`Parallelism.memory_positions`). The defaults: the whole model, one batch."""
+
+    holds_embedding: bool = True
+    holds_head: bool = True
+    #: The micro-batches run inside the schedule (forward and backward interleaved): every layer
+    #: keeps its gathered weights, the loop holds no logits, gradients are not kept unsharded.
+    scheduled: bool = False
+    #: Rows of one micro-batch (None: the local batch), micro-batches per local batch.
+    micro_batch_rows: int | None = None
+    micro_batches: int = 1
+    #: Micro-batches whose saved activations (of all the rank's layers) are alive at once.
+    in_flight: float = 1.0
+    #: Stage boundaries the rank sends and receives one micro-batch's hidden states across (two
+    #: buffers each).
+    p2p_stages: int = 0
+
+
 #: Where in a decoder layer's saved activations a parallelism adds bytes per token: after the
 #: norms, after attention, after the routed experts (the estimate's order of addition).
 ActivationSite = Literal["norms", "attention", "experts"]
@@ -254,6 +275,11 @@ class Parallelism(ABC):
         """The share of the model and of the activations it leaves each rank (`MemoryShares`);
         all of it by default. `size` is its size in `setup` (`StepSetup.size_of`)."""
         return MemoryShares()
+
+    def memory_positions(self, *, size: int, setup: StepSetup) -> tuple[RankPosition, ...] | None:
+        """The ranks' places in its schedule whose peaks the estimate compares (None: it runs
+        none; the first parallelism that names positions decides them)."""
+        return None
 
     def layer_activation_terms(
         self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool

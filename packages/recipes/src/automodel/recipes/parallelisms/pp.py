@@ -15,6 +15,7 @@ from automodel.recipes.parallelisms.base import (
     Options,
     Parallelism,
     PlanColumn,
+    RankPosition,
     RankReport,
     SearchPoint,
     config_error,
@@ -75,6 +76,19 @@ def pipeline_stages(cfg: RecipeConfig, layout: ResolvedLayout, hf_config: Pretra
         )
     except ValueError as e:
         raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
+
+
+def in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
+    """Stage-micro-batches whose activations the first pipeline rank holds at once."""
+    name = setup.pp_schedule.lower().replace("_", "")
+    v, pp = setup.stages_per_rank, setup.pp
+    if "gpipe" in name or "loopedbfs" in name:
+        return n_mb * v
+    if "zbv" in name or "dualpipe" in name:
+        return min(n_mb * v, 2 * pp)
+    if "interleaved" in name:  # torch's warm-up on rank 0, plus the one in flight
+        return min(n_mb * v, (v - 1) * pp + 2 * (pp - 1) + 1)
+    return min(n_mb, pp) * v  # 1F1B
 
 
 class PipelineParallel(Parallelism):
@@ -169,6 +183,25 @@ class PipelineParallel(Parallelism):
     def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
         """Each rank runs 1/pp of the decoder layers (its stages)."""
         return MemoryShares(layers=size)
+
+    def memory_positions(self, *, size: int, setup: StepSetup) -> tuple[RankPosition, ...] | None:
+        """The first rank (the embedding, the most micro-batches in flight) and the last (the
+        head and the loss); V-shape schedules put the last stage on the first rank."""
+        if size == 1:
+            return None
+        v = setup.stages_per_rank
+        n_mb = max(1, setup.local_batch // setup.pp_microbatch)
+        v_shape = any(k in setup.pp_schedule.lower() for k in ("zbv", "dualpipe"))
+        common = {
+            "scheduled": True,
+            "micro_batch_rows": setup.pp_microbatch,
+            "micro_batches": n_mb,
+            "in_flight": in_flight_chunks(setup, n_mb) / v,
+            "p2p_stages": v,
+        }
+        first = RankPosition(holds_embedding=True, holds_head=v_shape, **common)
+        last = RankPosition(holds_embedding=False, holds_head=not v_shape, **common)
+        return (first, last)
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Activations and their gradients cross each stage boundary."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from automodel.mesh import ResolvedLayout
-from automodel.recipes.parallelisms.base import ActivationSite, MemoryShares, Parallelism
+from automodel.recipes.parallelisms.base import ActivationSite, MemoryShares, Parallelism, RankPosition
 
 if TYPE_CHECKING:
     from automodel.recipes._dist_setup import DistributedSection
@@ -94,6 +94,16 @@ def memory_shares(setup: StepSetup, shape: ModelShape) -> MemoryShares:
     for p in _PARALLELISMS.values():
         shares = shares.times(p.memory_shares(size=setup.size_of(p.name), setup=setup, shape=shape))
     return shares
+
+
+def memory_positions(setup: StepSetup) -> tuple[RankPosition, ...]:
+    """The positions the memory estimate compares: the first registered parallelism's that names
+    them (`Parallelism.memory_positions`), else one rank holding the whole model."""
+    for p in _PARALLELISMS.values():
+        positions = p.memory_positions(size=setup.size_of(p.name), setup=setup)
+        if positions:
+            return positions
+    return (RankPosition(),)
 
 
 def layer_activation_terms(

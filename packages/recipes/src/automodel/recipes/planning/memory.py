@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from automodel.mesh import FLATTENED_AXES, PARALLEL_AXES
-from automodel.recipes.parallelisms import MemoryShares, layer_activation_terms, memory_shares
+from automodel.recipes.parallelisms import (
+    MemoryShares,
+    RankPosition,
+    layer_activation_terms,
+    memory_positions,
+    memory_shares,
+)
 from automodel.recipes.planning.shape import ModelShape
 
 GiB = 2**30
@@ -185,19 +191,6 @@ def _chunked_loss_bytes(
     return grads + max(chunk_bytes + v_local * hidden * e_c, casts)
 
 
-def _in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
-    """Stage-micro-batches whose activations the first pipeline rank holds at once."""
-    name = setup.pp_schedule.lower().replace("_", "")
-    v, pp = setup.stages_per_rank, setup.pp
-    if "gpipe" in name or "loopedbfs" in name:
-        return n_mb * v
-    if "zbv" in name or "dualpipe" in name:
-        return min(n_mb * v, 2 * pp)
-    if "interleaved" in name:  # torch's warm-up on rank 0, plus the one in flight
-        return min(n_mb * v, (v - 1) * pp + 2 * (pp - 1) + 1)
-    return min(n_mb, pp) * v  # 1F1B
-
-
 def _norm_bytes(setup: StepSetup, width: float) -> float:
     """RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its output twice
     (x * rsqrt in fp32-or-compute dtype, then weight * that)."""
@@ -253,8 +246,7 @@ def _backward_transient(
 
 def estimate_step_memory(shape: ModelShape, setup: StepSetup) -> MemoryEstimate:
     """The per-rank peak of one step of `shape` under `setup` (the worst pipeline rank)."""
-    ranks = [0] if setup.pp == 1 else [0, setup.pp - 1]
-    estimates = [_estimate_rank(shape, setup, pp_rank=r) for r in ranks]
+    estimates = [_estimate_rank(shape, setup, pos=pos) for pos in memory_positions(setup)]
     return max(estimates, key=lambda m: m.peak_bytes)
 
 
@@ -263,16 +255,12 @@ def _shard_group(s: StepSetup, axis: str) -> int:
     return math.prod(s.size_of(a) for a in FLATTENED_AXES[axis])
 
 
-def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEstimate:
+def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> MemoryEstimate:
     shares = memory_shares(s, shape)
     tp, e_s, e_c = shares.heads, s.storage_bytes, s.compute_bytes
-    v = s.stages_per_rank
     layers = shape.layers / shares.layers  # layers on this rank (all its stages)
     moe_frac = shape.moe_layers / shape.layers if shape.is_moe else 0.0
-    first = pp_rank == 0
-    # the last stage lives on rank 0 for V-shape schedules, on the last rank otherwise
-    v_shape = any(k in s.pp_schedule.lower() for k in ("zbv", "dualpipe"))
-    last = pp_rank == (0 if v_shape and s.pp > 1 else s.pp - 1)
+    first, last = pos.holds_embedding, pos.holds_head
 
     # ---- parameters: model-parallel split, then the data-parallel shard ----------------------
     expert_mp = shape.layer_expert_params / shares.experts
@@ -307,7 +295,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
         static += extra
 
     # ---- activations of one micro-batch --------------------------------------------------------
-    rows = s.pp_microbatch if s.pp > 1 else s.local_batch
+    rows = pos.micro_batch_rows if pos.micro_batch_rows is not None else s.local_batch
     tokens = rows * s.seq_len / shares.tokens
     tokens_norm = tokens  # SP shards are inside the per-layer formula
     a_dense = layer_activation_bytes(shape, s, shares=shares, tokens=tokens, moe=False)
@@ -323,14 +311,12 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     # logits (compute dtype), their fp32 copy for the loss, log-softmax output, and in its
     # backward the gradient of the log-probabilities and of the logits
     logits_peak = tokens * shape.vocab * (e_c + extra_fp32 + 12) if last else 0.0
-    logits_live = tokens * shape.vocab * e_c if last and s.pp == 1 else 0.0  # the loop's `logits`
+    logits_live = tokens * shape.vocab * e_c if last and not pos.scheduled else 0.0  # the loop's `logits`
     if s.loss_chunk_elements and last:
         logits_peak, logits_live = _chunked_loss_bytes(shape, s, shares=shares, tokens=tokens, e_c=e_c), 0.0
     transient = _backward_transient(shape, s, shares=shares, tokens=tokens, moe=bool(moe_frac))
 
-    n_mb = max(1, s.local_batch // s.pp_microbatch) if s.pp > 1 else 1
-    chunks = _in_flight_chunks(s, n_mb) if s.pp > 1 else v
-    in_flight = chunks / v  # micro-batches of the whole rank's layers
+    in_flight = pos.in_flight  # micro-batches of the whole rank's layers
     pipe_extra = (in_flight - 1) * layers * a_save
 
     # ---- buffers: unsharded weights / grads (FSDP2), p2p buffers (PP) ----------------------
@@ -339,7 +325,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     g_layer_s = layer_shard * e_s * trainable_frac
     w_root_u = root_mp * e_c
     head_grad_u = (shape.head_params / tp if last else 0.0) * e_c * trainable_frac
-    keep_all = s.pp > 1 or s.reshard_after_forward is False
+    keep_all = pos.scheduled or s.reshard_after_forward is False
     if sh.gathered_weights == "layers":
         # layers reshard after forward except the last (none when keep_all); the root never
         held_fwd = (layers if keep_all else 1) * w_layer_u + w_root_u
@@ -355,11 +341,11 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
         if sh.reduce_scatter_in_flight and s.dp_shard_cp > 1
         else 0.0
     )
-    p2p = 2 * e_c * shape.hidden * tokens * v if s.pp > 1 else 0.0
+    p2p = 2 * e_c * shape.hidden * tokens * pos.p2p_stages if pos.p2p_stages else 0.0
 
     # ---- gradients held from earlier micro-batches of the step ----------------------------
-    accum = s.grad_accum * (n_mb if s.pp > 1 else 1)
-    unsharded_accum = sh.defer_unsharded_grads and s.pp == 1 and s.grad_accum > 1
+    accum = s.grad_accum * pos.micro_batches
+    unsharded_accum = sh.defer_unsharded_grads and not pos.scheduled and s.grad_accum > 1
     layers_int = max(1, round(layers))
     phases: dict[str, dict[str, float]] = {}
 
@@ -400,7 +386,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
                 + p2p
                 + (
                     held_fwd - w_root_u
-                    if s.pp > 1
+                    if pos.scheduled
                     else (i + 1) * w_layer_u
                     if keep_all  # each layer reshards after its backward
                     else w_layer_u + (prefetch if i else 0.0)
