@@ -301,6 +301,17 @@ class Parallelism(ABC):
         the room left."""
         return [{self.name: d} for d in divisors(point.room)]
 
+    def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
+        """The `StepSetup` fields `recipes plan` tries with each of its sizes (pp's schedules,
+        ep's resharding, tp's sequence parallelism), each a set of overrides; one, none changed,
+        by default."""
+        return [{}]
+
+    def search_local_batches(self, *, size: int) -> tuple[int, ...] | None:
+        """The local batch sizes `recipes plan` tries at its size (None: the planner's own; the
+        first parallelism that gives some decides)."""
+        return None
+
     def plan_cell(self, setup: StepSetup) -> str:
         """Its cell in `recipes plan`'s table: its size."""
         return str(setup.size_of(self.name))

@@ -98,6 +98,13 @@ class ExpertParallel(Parallelism):
             "over the mean; --moe-load-factor)"
         ]
 
+    def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
+        """moe.reshard_after_forward: False (the default) keeps every layer's gathered weights from
+        forward to backward, True frees them and gathers again in backward."""
+        if size == 1:
+            return [{}]
+        return [{"reshard_after_forward": False}, {"reshard_after_forward": True}]
+
     def plan_yaml_section(self, setup: StepSetup) -> list[str]:
         if setup.ep == 1:
             return []

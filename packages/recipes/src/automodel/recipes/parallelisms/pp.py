@@ -168,6 +168,17 @@ class PipelineParallel(Parallelism):
             return []
         return [f"pipeline: {pipe.pp_schedule}, {stages} stages, micro-batch {pipe.pp_microbatch_size}"]
 
+    def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
+        """1F1B, and interleaved 1F1B with two stages per rank where the layers allow it."""
+        if size == 1:
+            return [{}]
+        schedules = (("1f1b", 1), ("interleaved1f1b", 2))
+        return [{"pp_schedule": s, "stages_per_rank": v} for s, v in schedules if shape.layers >= size * v]
+
+    def search_local_batches(self, *, size: int) -> tuple[int, ...] | None:
+        """Enough micro-batches (of one row) to fill the pipeline."""
+        return (size, 2 * size, 4 * size) if size > 1 else None
+
     def plan_cell(self, setup: StepSetup) -> str:
         return f"{setup.pp}" if setup.pp == 1 else f"{setup.pp} {setup.pp_schedule}"
 

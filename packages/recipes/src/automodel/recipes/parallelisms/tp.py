@@ -74,6 +74,10 @@ class TensorParallel(Parallelism):
         """Inside one node (its collectives are on the critical path of every layer)."""
         return [{self.name: d} for d in divisors(min(point.room, point.gpus_per_node))]
 
+    def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
+        """Sequence parallelism with TP, but for MoE models (their expert block has no SP plan)."""
+        return [{"sequence_parallel": size > 1 and not shape.is_moe}]
+
     def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
         """Heads, MLP width, the untied head and the dense weights over tp; the norms' hidden
         states too under sequence parallelism; the experts' weights unless EP owns them."""

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
-from automodel.mesh import DENSE_AXES, PARALLEL_AXES
+from automodel.mesh import DENSE_AXES, FLATTENED_AXES, PARALLEL_AXES
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms import SearchPoint, searched
 from automodel.recipes.planning.memory import MemoryEstimate, StepSetup, estimate_step_memory
@@ -96,33 +96,31 @@ def _add_batches(
     sizes: Mapping[str, int],
     **k,
 ) -> None:
-    """The candidates of one size assignment: its schedules, AC, batch sizes (the options the
-    built-in pp and ep add are still searched here)."""
+    """The candidates of one size assignment: the searched parallelisms' options
+    (`Parallelism.search_options`, in search order), then AC, then the local batch sizes."""
     axes = {name: size for name, size in sizes.items() if name in PARALLEL_AXES}
     extra_sizes = tuple((name, size) for name, size in sizes.items() if name not in PARALLEL_AXES)
-    tp, pp, ep = axes.get("tp", 1), axes.get("pp", 1), axes.get("ep", 1)
-    dp = axes.get("dp_shard", 1) * axes.get("dp_replicate", 1)
-    schedules = ["1f1b", "interleaved1f1b"] if pp > 1 else ["1f1b"]
-    for schedule in schedules:
-        v = 2 if schedule == "interleaved1f1b" else 1
-        if pp > 1 and shape.layers < pp * v:
-            continue
-        # moe.reshard_after_forward (EP only): False (the default) keeps every layer's gathered
-        # weights from forward to backward, True frees them and gathers again in backward
-        for reshard, ac in itertools.product((False, True) if ep > 1 else (None,), (False, True)):
-            for lbs in (1, 2, 4, 8) if pp == 1 else (pp, 2 * pp, 4 * pp):
+    dp = math.prod(axes.get(a, 1) for a in FLATTENED_AXES["dp"])
+    order = searched()
+    per_axis = [p.search_options(size=sizes.get(p.name, 1), shape=shape) for p in order]
+    batches = next(
+        (lbs for p in order if (lbs := p.search_local_batches(size=sizes.get(p.name, 1))) is not None),
+        (1, 2, 4, 8),
+    )
+    for options in itertools.product(*per_axis):
+        overrides = {key: value for option in options for key, value in option.items()}
+        for ac in (False, True):
+            for lbs in batches:
                 gb = k["global_batch"] or lbs * dp
                 if gb % (lbs * dp):
                     continue
                 base = StepSetup(
-                    **axes, extra_sizes=extra_sizes,
-                    sequence_parallel=tp > 1 and not shape.is_moe, activation_checkpointing=ac,
+                    **axes, extra_sizes=extra_sizes, activation_checkpointing=ac,
                     seq_len=k["seq_len"], local_batch=lbs, grad_accum=gb // (lbs * dp), pp_microbatch=1,
-                    pp_schedule=schedule, stages_per_rank=v, storage_bytes=4, compute_bytes=2, reduce_bytes=4,
-                    trainable_params=k["trainable"],
-                    reshard_after_forward=reshard,
+                    storage_bytes=4, compute_bytes=2, reduce_bytes=4, trainable_params=k["trainable"],
                     expert_load_factor=k["expert_load_factor"],
                 )  # fmt: skip
+                base = replace(base, **overrides)
                 mem = estimate_step_memory(shape, base)
                 if mem.peak_bytes > capacity:
                     continue
