@@ -3,11 +3,18 @@ ep, or a new one) owns in the recipes.
 
 A parallelism names its ``distributed.<size_key>`` YAML key (and its own options section, parsed
 into its package's typed config), its rules against the other sizes and against the model, the
-per-rank memory it adds, the line the layout report prints for it and what a checkpoint records of
-it. The section parser, `rules.check_layout_rules`, the memory estimate, the layout report, the
-checkpoint's layout and the strategies' allow-lists (`Strategy.supported_axes`) iterate the
-registry (`registry.py`) instead of naming axes. A new parallelism is one module subclassing
-`Parallelism` plus one `register_parallelism` call.
+line the layout report prints for it and what a checkpoint records of it. The section parser,
+`rules.check_layout_rules`, the layout report, the checkpoint's layout and the strategies'
+allow-lists (`Strategy.supported_axes`) iterate the registry (`registry.py`) instead of naming axes.
+
+For `recipes plan` / `recipes validate` it owns its terms of the estimates: the share of the model
+and of the activations it leaves a rank (`memory_shares`), the tensors it adds to a layer's saved
+activations (`layer_activation_terms`), the places of a schedule it runs (`memory_positions`),
+bytes it holds all step (`memory_terms`), its exposed communication (`exposed_comm_s`), the sizes
+and options the search tries (`search_order`, `search_sizes`, `search_options`) and its column,
+YAML and report lines. What the data-parallel strategy keeps is the strategy's
+(`Strategy.memory_model`). A new parallelism is one module subclassing `Parallelism` plus one
+`register_parallelism` call.
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ The estimate follows what the step keeps alive, moment by moment (nothing is run
 * the optimizer step: parameters, gradients, state and the optimizer's temporaries.
 
 The peak is the largest of these moments; `MemoryEstimate` reports its parts at that moment.
+The parallelisms scale it through their hooks, multiplied over the registry: the share of the
+layers, tokens, heads and experts each rank holds (`Parallelism.memory_shares`), the tensors they
+add to a layer's saved activations (`layer_activation_terms`), the schedule positions whose peaks
+are compared (`memory_positions`, the pipeline's first and last rank) and bytes held all step
+(`memory_terms`); the data-parallel sharding is the strategy's (`StrategyMemory`).
 Saved activations are counted tensor by tensor as Hugging Face decoder layers save them for
 backward (RMSNorm keeps an fp32 copy of its input and its normalized output, attention keeps
 q, k, v after RoPE, its output and log-sum-exp, the SwiGLU MLP keeps gate, up, silu(gate) and
@@ -289,7 +294,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> Mem
     if sh.fp32_master:
         opt_b += opt_shard * 4
     static = param_b + opt_b
-    if sh.gradient_buckets and s.dp_replicate * s.dp_shard > 1:
+    if sh.gradient_buckets and _shard_group(s, "dp") > 1:
         static += grad_shard * e_s * trainable_frac  # flat gradient buckets, allocated once
     for _, extra in s.extra_bytes:  # other parallelisms' own terms (`StepSetup.extra_bytes`)
         static += extra
@@ -338,7 +343,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> Mem
     # the previous layer's reduce-scatter input is still in flight while this layer's grads appear
     rs_in_flight = (
         layer_mp * s.reduce_bytes * trainable_frac
-        if sh.reduce_scatter_in_flight and s.dp_shard_cp > 1
+        if sh.reduce_scatter_in_flight and _shard_group(s, "dp_shard_cp") > 1
         else 0.0
     )
     p2p = 2 * e_c * shape.hidden * tokens * pos.p2p_stages if pos.p2p_stages else 0.0

@@ -1,5 +1,9 @@
 """`recipes plan`: enumerate the layouts of a model on N GPUs, keep those whose estimated peak
-fits, rank them by estimated throughput (`planning.admit` then keeps those `recipes train` accepts)."""
+fits, rank them by estimated throughput (`planning.admit` then keeps those `recipes train` accepts).
+
+The layouts are the registered parallelisms' sizes (`Parallelism.search_sizes`, nested in their
+`search_order`) crossed with their options (`search_options`), activation checkpointing and the
+local batch size."""
 
 from __future__ import annotations
 
