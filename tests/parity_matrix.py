@@ -145,8 +145,7 @@ def check_reports(layout: Layout, reports: list[dict[str, Any]]) -> None:
     model = MOE_MODEL if layout.model == "moe" else DENSE_MODEL
     check_layout_applied(
         reports,
-        ranks=layout.ranks,
-        distributed=layout.distributed,
+        layout=layout,
         layers=model["num_hidden_layers"],
         num_experts=model.get("num_experts", 0),
     )

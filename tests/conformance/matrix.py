@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from automodel.testing.layout_check import check_layout_applied
-from automodel.testing.layout_table import layouts_named
+from automodel.testing.layout_table import Layout, layouts_named
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -65,9 +65,10 @@ _SHARED_NAMES = {
     "ep2_pp2": "pp2xep2",
     "ep2_pp2_ac": "pp2xep2_ac",
 }
+#: The shared table's entry of each column (what `check_applied` checks).
+SHARED: dict[str, Layout] = dict(zip(_SHARED_NAMES, layouts_named(*_SHARED_NAMES.values()), strict=True))
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
-    column: (shared.ranks, {"strategy": "fsdp2", **shared.distributed})
-    for column, shared in zip(_SHARED_NAMES, layouts_named(*_SHARED_NAMES.values()), strict=True)
+    column: (shared.ranks, {"strategy": "fsdp2", **shared.distributed}) for column, shared in SHARED.items()
 }
 DENSE_LAYOUTS = ("fsdp2", "tp2", "tp2_sp", "pp2", "cp2")
 MOE_LAYOUTS = ("fsdp2", "tp2", "pp2", "ep2")
@@ -287,11 +288,9 @@ def check_applied(
 ) -> None:
     """AssertionError unless every rank holds what conformance `layout` asks for (the shared
     checker, `automodel.testing.layout_check.check_layout_applied`, generic over architectures)."""
-    ranks, distributed = LAYOUTS[layout]
     check_layout_applied(
         reports,
-        ranks=ranks,
-        distributed=distributed,
+        layout=SHARED[layout],
         layers=num_layers,
         num_experts=num_experts,
         any_architecture=True,

@@ -69,8 +69,7 @@ def test_loss_parity_adamw(name: str) -> None:
     reports = [r["report"] for r in results]
     check_layout_applied(
         reports,
-        ranks=layout.ranks,
-        distributed=layout.distributed,
+        layout=layout,
         layers=spec.get("layers", 2),
         num_experts=0,
     )

@@ -81,7 +81,7 @@ def test_unknown_schedule_lists_known_ones() -> None:
         ({"pp_seq_len": 0}, "pp_seq_len"),
         ({"dtype": "int7"}, "dtype must be a torch dtype .*got 'int7'"),
         ({"scale_grads_in_schedule": "yes"}, "scale_grads_in_schedule"),
-        ({"pp_schedule_csv": "/nonexistent/schedule.csv"}, "pp_schedule_csv"),
+        ({"pp_schedule_csv": 3}, "pp_schedule_csv must be a path, got 3"),
         ({"module_fqns_per_model_part": [["a"], []]}, r"module_fqns_per_model_part\[1\]"),
         (
             {"module_fqns_per_model_part": [["a"]], "layers_per_stage": 2},
@@ -92,6 +92,23 @@ def test_unknown_schedule_lists_known_ones() -> None:
 def test_bad_config_values(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PipelineConfig(**kwargs)
+
+
+def test_config_reads_no_disk_the_csv_check_does(tmp_path) -> None:
+    """A missing schedule CSV is met where it is read (`check_schedule_csv`: the build, the recipes'
+    pre-launch check), with the message the config gave before."""
+    from automodel.pipeline.schedules import check_schedule_csv
+
+    assert (
+        PipelineConfig(pp_schedule_csv="/nonexistent/schedule.csv").pp_schedule_csv
+        == "/nonexistent/schedule.csv"
+    )
+    with pytest.raises(
+        ValueError, match=r"^pp_schedule_csv='/nonexistent/schedule.csv' does not exist or is not a file$"
+    ):
+        check_schedule_csv("/nonexistent/schedule.csv")
+    (tmp_path / "s.csv").write_text("0F0\n")
+    check_schedule_csv(tmp_path / "s.csv")
 
 
 # ---- stage arithmetic -------------------------------------------------------------------
@@ -246,6 +263,11 @@ def _build_error(config_kwargs: dict, model_kind: str) -> str:
             {"pp_schedule": "1f1b", "module_fqns_per_model_part": [["0", "1"], ["3"]]},
             "seq",
             "in no pipeline stage",
+        ),
+        (  # the config reads no disk: a missing schedule file is met when the pipeline is built
+            {"pp_schedule": "1f1b", "pp_schedule_csv": "/nonexistent/schedule.csv"},
+            "llama",
+            "pp_schedule_csv='/nonexistent/schedule.csv' does not exist or is not a file",
         ),
     ],
 )

@@ -16,7 +16,7 @@ import torch
 
 from automodel.recipes.config.sections import DatasetSection, SFTDatasetSection, build_section
 from automodel.recipes.data import ByteTokenizer, build_packed_dataset
-from automodel.recipes.data.file_check import check_section_files
+from automodel.recipes.data.kinds import check_rows
 from automodel.recipes.errors import ConfigError
 
 KW = {"source": "instruction", "column_mapping": {"question": "q", "answer": "a"}, "seq_length": 16}
@@ -52,7 +52,7 @@ def test_csv_bad_rows_are_skipped_and_counted(tmp_path: Path, capsys: pytest.Cap
         b'"2+5=","7"\n'
     )
     section = _sft(path, bad_rows="skip")
-    check_section_files(section)
+    check_rows(section)
     ds = build_packed_dataset(section, ByteTokenizer(), packed_sequence_size=0)
     assert ds.stats["skipped"] == {"encoding": 1, "malformed_csv": 1} and ds.stats["records"] == 5
     assert "skipped 2 of 5 (1 encoding, 1 malformed_csv)" in capsys.readouterr().err
@@ -81,7 +81,7 @@ def test_parquet_null_values_are_counted_and_a_wrong_column_type_refused(tmp_pat
     pq.write_table(pa.table({"q": qs, "a": [2, 6, 7]}), ints)
     says = r"dataset.path_or_dataset_id=.*ints.parquet.: column 'a' holds int64, not text: a Parquet column"
     with pytest.raises(ConfigError, match=says):
-        check_section_files(_sft(ints, bad_rows="skip"))  # before launch
+        check_rows(_sft(ints, bad_rows="skip"))  # before launch
     lacking = tmp_path / "lacking.parquet"
     pq.write_table(pa.table({"q": qs}), lacking)
     with pytest.raises(ConfigError, match=r"lacking.parquet.: has no column 'a' \(its columns: q\)"):
@@ -180,7 +180,7 @@ def test_pretraining_parquet_and_text_sources_skip_bad_rows(
     with pytest.raises(
         ConfigError, match="dataset.path=.*ints.parquet.: column 'body' holds int64, not text"
     ):
-        check_section_files(DatasetSection(source="parquet", path=str(ints), bad_rows="skip", **kw))
+        check_rows(DatasetSection(source="parquet", path=str(ints), bad_rows="skip", **kw))
     with pytest.raises(
         ConfigError, match="dataset.bad_rows='skip': applies to the json, text, parquet sources, not embedded"
     ):
@@ -192,7 +192,7 @@ def test_csv_reads_the_same_under_error_and_skip(tmp_path: Path) -> None:
     path = tmp_path / "d.csv"
     path.write_text('q,a\n1+1=,2\nNA,4\n"2+5=","7"\n')
     strict, skip = _sft(path), _sft(path, bad_rows="skip")
-    check_section_files(strict)
+    check_rows(strict)
     ds = build_packed_dataset(strict, ByteTokenizer(), packed_sequence_size=0)
     assert ds.stats["records"] == 3
     _same_rows(ds, build_packed_dataset(skip, ByteTokenizer(), packed_sequence_size=0))
@@ -204,6 +204,6 @@ def test_csv_bad_row_under_error_names_file_and_line_before_launch(tmp_path: Pat
     path = tmp_path / "d.csv"
     path.write_text('q,a\n1+1=,2\n"a",b,c\n3+3=,6\n')
     with pytest.raises(DataError, match=r"d\.csv:3: 3 fields where the header has 2"):
-        check_section_files(_sft(path))
+        check_rows(_sft(path))
     with pytest.raises(DataError, match=r"d\.csv:3: "):
         build_packed_dataset(_sft(path), ByteTokenizer(), packed_sequence_size=0)

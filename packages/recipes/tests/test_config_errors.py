@@ -86,6 +86,7 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("megatron_with_pp", {"distributed.strategy": "megatron_fsdp", "distributed.pp_size": 2, "distributed.pipeline": {}}, [], "distributed.pp_size"),
     ("megatron_with_sp", {"distributed.strategy": "megatron_fsdp", "distributed.tp_size": 2, "distributed.sequence_parallel": True}, [], "distributed.sequence_parallel"),
     ("megatron_with_ep", {"distributed.strategy": "megatron_fsdp", "distributed.ep_size": 2}, [], "distributed.ep_size"),
+    ("megatron_with_cp", {"distributed.strategy": "megatron_fsdp", "distributed.cp_size": 2}, [], "distributed.cp_size"),
     ("replicate_with_ddp", {"distributed.strategy": "ddp", "distributed.dp_replicate_size": 2}, [], "distributed.dp_replicate_size"),
     ("sp_without_tp", {"distributed.sequence_parallel": True}, [], "distributed.sequence_parallel"),
     ("defer_with_ddp", {"distributed.strategy": "ddp", "distributed.defer_fsdp_grad_sync": True}, [], "distributed.defer_fsdp_grad_sync"),
@@ -118,6 +119,7 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("microbatches_vs_pp", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 2}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
     ("local_batch_vs_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 3}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
     ("pipeline_bad_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 0}}, ["--nproc-per-node=2"], "distributed.pipeline.pp_microbatch_size"),
+    ("pipeline_csv_missing", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule_csv": "/nonexistent/schedule.csv"}}, ["--nproc-per-node=2"], "distributed.pipeline.pp_schedule_csv"),
     ("megatron_meta_init", {"distributed.strategy": "megatron_fsdp", "distributed.init_fsdp_with_meta_device": True}, [], "distributed.init_fsdp_with_meta_device"),
     ("batch_vs_dp", {"step_scheduler.global_batch_size": 6}, ["--nproc-per-node=2"], "step_scheduler.global_batch_size"),
     ("layout_report", {"logging.layout_report": "rank1"}, [], "logging.layout_report"),
@@ -179,6 +181,27 @@ def test_megatron_fsdp_without_cuda_is_refused_before_any_rank_starts(
     assert not out.exists()
     # validate plans for a GPU cluster from any machine: no refusal there
     assert run_cli(["validate", str(path), "--world-size", "8"]) == 0
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="checks the refusal on machines without CUDA")
+@pytest.mark.parametrize("extra", [[], ["--nproc-per-node=2"]], ids=["in_place", "before_launch"])
+def test_pinned_offload_without_cuda_is_refused_before_any_rank_starts(
+    extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Torch's CPUOffloadPolicy pins memory by default, through the CUDA driver: it failed in every
+    rank (`automodel.fsdp2.fsdp.check_offload_policy`); the FSDP2 strategy's `check_environment`
+    refuses it in the launching process, with torch's reason."""
+    path, out = _write(tmp_path, {"distributed.offload_policy": {"pin_memory": True}})
+    assert run_cli(["train", str(path), *extra]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(
+        "error: distributed.offload_policy=CPUOffloadPolicy(pin_memory=True): needs CUDA: torch pins"
+    ), line
+    assert "pin_memory=False" in line
+    assert not out.exists()
+    assert run_cli(["validate", str(path), "--world-size", "2"]) == 0  # planning for a GPU cluster
+    unpinned, _ = _write(tmp_path, {"distributed.offload_policy": {"pin_memory": False}})
+    assert run_cli(["validate", str(unpinned), "--world-size", "2"]) == 0
 
 
 @pytest.mark.skipif(cuda_device_count() > 0, reason="checks the refusals on machines without CUDA")

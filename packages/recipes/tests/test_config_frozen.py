@@ -16,10 +16,8 @@ from typing import Any
 import pytest
 
 from automodel.mesh import StrategyConfig
-from automodel.moe import MoEParallelizerConfig
-from automodel.pipeline import PipelineConfig
 from automodel.recipes import load_config
-from automodel.recipes._dist_setup import DistributedSection
+from automodel.recipes.config.distributed import DistributedSection
 from automodel.recipes.config.recipe import DatasetConfig, RecipeConfig
 from automodel.recipes.data.kinds import kinds
 from automodel.recipes.errors import ConfigError
@@ -33,13 +31,6 @@ from _recipe_helpers import tiny_config  # noqa: E402
 SRC = Path(__file__).resolve().parents[1] / "src" / "automodel" / "recipes"
 REPO = Path(__file__).resolve().parents[3]
 CONFIG_PACKAGE = SRC / "config"
-#: Names the config layer imports only under TYPE_CHECKING (built elsewhere: `_dist_setup`, the
-#: pipeline's start-up cost), resolved for `typing.get_type_hints`.
-LOCALNS = {
-    "DistributedSection": DistributedSection,
-    "PipelineConfig": PipelineConfig,
-    "MoEParallelizerConfig": MoEParallelizerConfig,
-}
 #: Reachable config dataclasses of packages this change does not own, not frozen yet (named, so a
 #: new one fails): automodel.moe's config belongs to the EP work of issue 39.
 NOT_FROZEN_YET: set[str] = set()
@@ -71,9 +62,9 @@ def _expand(cls: object) -> list[type]:
     return [cls] if isinstance(cls, type) else []
 
 
-def config_types(root: type) -> list[type]:
+def config_types(root: type, *, localns: dict[str, object] | None = None) -> list[type]:
     """Every dataclass (but torch's) reachable from `root`'s field hints (registered kinds and strategies
-    included)."""
+    included); `localns`: names of classes defined in a test function."""
     seen: list[type] = []
     todo: list[type] = [root]
     while todo:
@@ -81,14 +72,14 @@ def config_types(root: type) -> list[type]:
         if cls in seen or not dataclasses.is_dataclass(cls) or cls.__module__.startswith("torch."):
             continue  # torch's policies (MixedPrecisionPolicy, OffloadPolicy) are torch's
         seen.append(cls)
-        for hint in typing.get_type_hints(cls, localns=LOCALNS).values():
+        for hint in typing.get_type_hints(cls, localns=localns).values():
             for leaf in _leaves(hint):
                 todo += _expand(leaf)
     return seen
 
 
-def not_frozen(root: type) -> list[str]:
-    return [c.__name__ for c in config_types(root) if not c.__dataclass_params__.frozen]  # type: ignore[attr-defined]
+def not_frozen(root: type, *, localns: dict[str, object] | None = None) -> list[str]:
+    return [c.__name__ for c in config_types(root, localns=localns) if not c.__dataclass_params__.frozen]  # type: ignore[attr-defined]
 
 
 def any_fields(root: type) -> list[str]:
@@ -96,7 +87,7 @@ def any_fields(root: type) -> list[str]:
     return [
         f"{cls.__name__}.{name}"
         for cls in config_types(root)
-        for name, hint in typing.get_type_hints(cls, localns=LOCALNS).items()
+        for name, hint in typing.get_type_hints(cls).items()
         if any(leaf is Any for leaf in _leaves(hint))
     ]
 
@@ -137,11 +128,7 @@ def test_the_frozen_walk_catches_a_mutable_section() -> None:
         inner: Loose | None = None
         many: tuple[Loose, ...] = ()
 
-    LOCALNS["Loose"] = Loose
-    try:
-        assert not_frozen(Holder) == ["Loose"]
-    finally:
-        del LOCALNS["Loose"]
+    assert not_frozen(Holder, localns={"Loose": Loose}) == ["Loose"]
 
 
 def test_no_section_field_and_no_cfg_parameter_is_any() -> None:
@@ -246,9 +233,9 @@ def test_importing_the_config_package_runs_no_other_recipes_module() -> None:
 
 
 def test_parsing_reads_no_disk_and_the_launch_check_refuses_with_the_old_message(tmp_path: Path) -> None:
-    """A missing tokenizer directory and a ``bad_rows: skip`` on a file skip cannot read parse (the
-    config layer reads no disk); `check_launch` on this machine refuses each with the message the
-    section gave before."""
+    """A missing tokenizer directory, a ``bad_rows: skip`` on a file skip cannot read and a missing
+    pipeline schedule CSV parse (the config layer reads no disk); `check_launch` on this machine
+    refuses each with the message the section gave before."""
     cfg = load_config(tiny_config(str(tmp_path / "a"), tokenizer={"path": "/nonexistent/tok"}))
     assert cfg.tokenizer.path == "/nonexistent/tok"
     with pytest.raises(ConfigError, match=r"^tokenizer.path='/nonexistent/tok': is not a local directory$"):
@@ -270,6 +257,17 @@ def test_parsing_reads_no_disk_and_the_launch_check_refuses_with_the_old_message
         match=r"^dataset.bad_rows='skip': applies to .jsonl, .json, .csv, .parquet files, not .*d.txt$",
     ):
         check_launch(cfg, world_size=1, this_machine=True)
+
+    missing = "/nonexistent/schedule.csv"  # automodel.pipeline's PipelineConfig reads no disk either
+    pipeline = {"pp_size": 2, "pipeline": {"pp_schedule_csv": missing}}
+    cfg = load_config(tiny_config(str(tmp_path / "c"), distributed=pipeline))
+    assert cfg.distributed.pipeline_config is not None
+    assert cfg.distributed.pipeline_config.pp_schedule_csv == missing
+    with pytest.raises(
+        ConfigError,
+        match=rf"^distributed.pipeline.pp_schedule_csv='{missing}': pp_schedule_csv='{missing}' does not exist",
+    ):
+        check_launch(cfg, world_size=2, this_machine=True)
 
 
 def test_machine_defaults_and_resolution_give_new_values(tmp_path: Path) -> None:
@@ -318,3 +316,28 @@ def test_strategy_configs_answer_the_cross_cutting_facts_typed() -> None:
         (),
     )
     assert MegatronFSDPConfig(grad_reduce_in_fp32=True).reduce_dtype == torch.float32
+    # facts only some strategies have a flag for: a property of the base, a field where they do
+    for name in strategy_names():
+        config_class = get_strategy(name).config_class()
+        assert config_class(backend="gloo").backend == "gloo", name
+        assert isinstance(config_class().backend, str), name
+    assert StrategyConfig().backend is None and StrategyConfig().custom_tp_plan is None
+    assert FSDP2Config(patch_is_packed_sequence=True).patch_is_packed_sequence is True
+    assert FSDP2Config().patch_is_packed_sequence is False and ddp.patch_is_packed_sequence is False
+    assert FSDP2Config(tp_plan="m.plan").custom_tp_plan == "m.plan"
+    assert MegatronFSDPConfig(tp_plan="m.plan").custom_tp_plan == "m.plan"
+    assert ddp.custom_tp_plan is None
+
+
+def test_no_getattr_reads_a_strategy_config() -> None:
+    """What code outside a strategy reads of its config is a typed attribute of `StrategyConfig`."""
+    found = [
+        f"{p.relative_to(REPO)}:{n.lineno}"
+        for p in SRC.rglob("*.py")
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.Call)
+        and getattr(n.func, "id", None) == "getattr"
+        and n.args
+        and "strategy_config" in ast.unparse(n.args[0])
+    ]
+    assert found == []

@@ -199,8 +199,7 @@ def test_parity_pure_sum(family: str, layout: str) -> None:
     # and holds what the layout says: experts split over ep (and ep_shard), the rest FSDP-sharded
     check_layout_applied(
         [r["report"] for r in results],
-        ranks=shared.ranks,
-        distributed=shared.distributed,
+        layout=shared,
         layers=2,
         num_experts=8,
     )

@@ -24,14 +24,24 @@ from automodel.recipes.cli import run_cli
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.layout_report import summary_lines
 from automodel.recipes.parallelisms import (
+    ActivationSite,
+    MemoryShares,
     Parallelism,
     RankReport,
+    SearchPoint,
     axis_sizes,
     parallelisms,
     register_parallelism,
+    searched,
     unregister_parallelism,
 )
 from automodel.recipes.plan import plan_layout
+from automodel.recipes.planning.memory import StepSetup, estimate_step_memory
+from automodel.recipes.planning.models import resolve_model_config
+from automodel.recipes.planning.roofline import Hardware
+from automodel.recipes.planning.search import enumerate_layouts
+from automodel.recipes.planning.shape import model_shape
+from automodel.recipes.planning.table import format_table, yaml_block
 from automodel.recipes.strategies import get_strategy, register_strategy, registry, strategy_names
 from automodel.recipes.strategies.fsdp2 import FSDP2Strategy
 
@@ -39,7 +49,6 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes.config.recipe import RecipeConfig
-    from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.shape import ModelShape
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -93,6 +102,43 @@ def toy(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
     finally:
         unregister_parallelism("toy")
+
+
+#: Bytes per token of the toy sequence split's own saved tensor, per layer.
+SPLIT_BYTES = 64.0
+
+
+class _ToySequenceSplit(Parallelism):
+    """A parallelism that splits the sequence (like cp) and saves one tensor per layer, searched by
+    `recipes plan` after the built-in axes: all through its hooks, no planning/ edit."""
+
+    name = "toy_split"
+    size_key = "toy_split_size"
+    search_order = 6
+
+    def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
+        return MemoryShares(tokens=size)
+
+    def layer_activation_terms(
+        self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool
+    ) -> dict[ActivationSite, float]:
+        return {"attention": SPLIT_BYTES} if size > 1 else {}
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        return [{self.name: 1}, {self.name: 2}]
+
+    def plan_yaml(self, setup: StepSetup) -> list[str]:
+        size = setup.size_of(self.name)
+        return [f"  {self.size_key}: {size}"] if size > 1 else []
+
+
+@pytest.fixture
+def toy_split() -> Iterator[None]:
+    register_parallelism(_ToySequenceSplit())
+    try:
+        yield
+    finally:
+        unregister_parallelism("toy_split")
 
 
 def _cfg(tmp_path: Path, **distributed: object) -> RecipeConfig:
@@ -207,3 +253,33 @@ def test_a_toy_parallelism_is_refused_by_a_strategy_that_does_not_list_it(toy: N
 def test_unregistered_the_toy_size_is_an_unknown_key() -> None:
     with pytest.raises(ConfigError, match="distributed.toy_size"):
         parse_distributed_section({"toy_size": 2})
+
+
+def test_plan_searches_the_built_in_axes_in_their_order() -> None:
+    # the table's columns and the YAML's keys come in this order too
+    assert [p.name for p in searched()] == ["tp", "pp", "cp", "ep", "dp_shard", "dp_replicate"]
+
+
+def test_a_new_parallelism_scales_the_memory_estimate_through_its_hooks(toy_split: None) -> None:
+    shape = model_shape(resolve_model_config("llama3.1-8b"))
+    base = StepSetup(dp_shard=4, seq_len=4096, compute_bytes=2)
+    off = estimate_step_memory(shape, base)
+    on = estimate_step_memory(
+        shape, StepSetup(dp_shard=4, seq_len=4096, compute_bytes=2, extra_sizes=(("toy_split", 2),))
+    )
+    half = estimate_step_memory(shape, StepSetup(dp_shard=4, seq_len=2048, compute_bytes=2))
+    assert base.size_of("toy_split") == 1 and on.params_per_rank == off.params_per_rank
+    # half the tokens on each rank, plus its own tensor per layer and token
+    assert on.activation_bytes == half.activation_bytes + shape.layers * SPLIT_BYTES * 2048
+    assert on.activation_bytes < off.activation_bytes
+
+
+def test_a_new_parallelism_is_searched_and_proposed(toy_split: None) -> None:
+    shape = model_shape(resolve_model_config("llama3.1-8b"))
+    cands = enumerate_layouts(shape, gpus=8, seq_len=4096, hardware=Hardware(memory_bytes=1e15))
+    split = [c for c in cands if c.setup.size_of("toy_split") == 2]
+    assert split and len(split) == len(cands) // 2
+    head = format_table(split[:1])[0].split()
+    assert head[:8] == ["#", "tp", "pp", "(schedule)", "cp", "ep", "dp_shard", "dp_repl"]
+    assert head[8] == "toy_split"
+    assert "  toy_split_size: 2" in yaml_block(split[0], global_batch=8)

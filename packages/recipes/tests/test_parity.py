@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from automodel.recipes.strategies import get_strategy
 from automodel.testing.layout_check import Q_PROJ, check_layout_applied, placement_on
+from automodel.testing.layout_table import LAYOUTS as TABLE
 from automodel.testing.layout_table import Layout, layouts_named
 from automodel.testing.ranks import RankFailure, run_on_ranks
 
@@ -34,6 +36,15 @@ def test_reference_is_independent_of_accumulation(reference: list[float], tmp_pa
     assert_losses_close(losses, reference)
 
 
+@pytest.mark.parametrize("layout", TABLE, ids=[layout.name for layout in TABLE])
+def test_the_table_says_replicated_exactly_when_the_strategy_copies_parameters(layout: Layout) -> None:
+    """The strategy-blind checker trusts an entry's ``replicated``; it must match the strategy the
+    section names (whose memory model shards the parameters over no axis)."""
+    strategy = get_strategy(layout.distributed.get("strategy", TINY["distributed"]["strategy"]))
+    memory = strategy.memory_model(strategy.config_class()())
+    assert layout.replicated == (memory.shard_over == "none")
+
+
 #: The shared layouts (`automodel.testing.layout_table`) on the recipes tests' 2-layer model: eight of
 #: the parity matrix's, and two it does not run.
 LAYOUTS = layouts_named(
@@ -54,8 +65,7 @@ def test_layout_matches_single_process(layout: Layout, reference: list[float], t
     # what every rank holds: with the parallelism switched off these checks fail
     check_layout_applied(
         reports,
-        ranks=layout.ranks,
-        distributed={**TINY["distributed"], **layout.distributed},
+        layout=layout,
         layers=TINY["model"]["config"]["num_hidden_layers"],
         num_experts=0,
     )

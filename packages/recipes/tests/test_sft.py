@@ -316,7 +316,7 @@ def test_bad_file_row_is_skipped_and_counted_with_bad_rows_skip(
 ) -> None:
     """``bad_rows: skip``: the bad row is counted under its reason and the rows are exactly those of
     the good rows alone; the default (error) names the file and line."""
-    from automodel.recipes.data.file_check import check_section_files
+    from automodel.recipes.data.file_check import check_sft_rows
     from automodel.recipes.errors import DataError
 
     good = [{"q": "1+1=", "a": "2"}, {"q": "3+3=", "a": "6"}]
@@ -326,9 +326,9 @@ def test_bad_file_row_is_skipped_and_counted_with_bad_rows_skip(
     clean.write_bytes(b"".join(lines))
     kw = {"source": "instruction", "column_mapping": {"question": "q", "answer": "a"}, "seq_length": 16}
     with pytest.raises(DataError, match=f"{path}:2: "):
-        check_section_files(_section(**kw, path_or_dataset_id=str(path)))
+        check_sft_rows(_section(**kw, path_or_dataset_id=str(path)))
     section = _section(**kw, path_or_dataset_id=str(path), bad_rows="skip")
-    check_section_files(section)  # the pre-launch check leaves the row to the reader
+    check_sft_rows(section)  # the pre-launch check leaves the row to the reader
     ds = build_packed_dataset(section, ByteTokenizer(), packed_sequence_size=0)
     assert ds.stats["skipped"] == {reason: 1} and ds.stats["records"] == 3
     assert f"skipped 1 of 3 (1 {reason})" in capsys.readouterr().err

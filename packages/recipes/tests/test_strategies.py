@@ -90,3 +90,37 @@ def test_the_memory_planner_reads_a_registered_strategy_through_its_memory_model
 def test_unknown_strategy_lists_the_registered_ones() -> None:
     with pytest.raises(ConfigError, match="must be one of fsdp2, megatron_fsdp, ddp, single"):
         parse_distributed_section({"strategy": "zero"})
+
+
+def _ddp_alone_with_activation_checkpointing() -> tuple[bool, list[str]]:
+    """One rank, ddp with activation_checkpointing: no DDP wrapper, but the layers are checkpointed."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.nn.parallel import DistributedDataParallel
+
+    from automodel.mesh import MeshContext
+    from automodel.testing.tiny_model import tiny_causal_lm
+
+    section = parse_distributed_section({"strategy": "ddp", "activation_checkpointing": True})
+    model = tiny_causal_lm("llama", layers=2)
+    pm = get_strategy("ddp").parallelize(
+        model,
+        mesh=MeshContext.build(section.sizes, device_type="cpu"),
+        section=section,
+        device=torch.device("cpu"),
+        initialize=lambda parts: None,
+        gradient_divide_factor=None,
+        pipeline_loss_fn=None,
+    )
+    part = pm.parts[0]
+    wrapped = isinstance(part, DistributedDataParallel)
+    return wrapped, [n for n, m in part.named_modules() if isinstance(m, CheckpointWrapper)]
+
+
+def test_ddp_at_dp_1_still_applies_activation_checkpointing() -> None:
+    """The flag is honoured without the wrapper (the memory planner counts it either way)."""
+    from automodel.testing.ranks import run_on_ranks
+
+    wrapped, checkpointed = run_on_ranks(_ddp_alone_with_activation_checkpointing, world_size=1)[0]
+    assert not wrapped
+    assert checkpointed == ["model.layers.0", "model.layers.1"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from automodel.mesh import AXES
 from automodel.mesh.layout_report import default_layers_fqn, describe_module
 from automodel.testing.layout_check import check_layout_applied
 from automodel.testing.layout_table import LAYOUTS, MATRIX_LAYOUTS, Layout, layouts_named
@@ -17,7 +18,7 @@ pytest.importorskip("transformers")
 
 from automodel.testing.tiny_model import TINY_MOE_SIZES, tiny_causal_lm  # noqa: E402
 
-_COORDS = {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0, "ep_shard": 0, "ep": 0}
+_COORDS = {a.name: 0 for a in AXES if a.mesh != "flattened"}
 _MODEL_TYPE = {"dense": "llama", "moe": "qwen3_moe"}
 
 
@@ -36,22 +37,17 @@ def _experts(layout: Layout) -> int:
 def test_one_process_standing_in_for_every_rank_fails(layout: Layout) -> None:
     stand_ins = [_single_process_report(layout.model, rank) for rank in range(layout.ranks)]
     with pytest.raises(AssertionError):
-        check_layout_applied(
-            stand_ins,
-            ranks=layout.ranks,
-            distributed=layout.distributed,
-            layers=2,
-            num_experts=_experts(layout),
-        )
+        check_layout_applied(stand_ins, layout=layout, layers=2, num_experts=_experts(layout))
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_one_process_passes_the_one_rank_layout(model: str) -> None:
     report = _single_process_report(model)
-    num_experts = TINY_MOE_SIZES["num_experts"] if model == "moe" else 0
-    check_layout_applied([report], ranks=1, distributed={}, layers=2, num_experts=num_experts)
+    one_rank = Layout("one_process", 1, {}, model=model)
+    num_experts = _experts(one_rank)
+    check_layout_applied([report], layout=one_rank, layers=2, num_experts=num_experts)
     check_layout_applied(
-        [report], ranks=1, distributed={}, layers=2, num_experts=num_experts or None, any_architecture=True
+        [report], layout=one_rank, layers=2, num_experts=num_experts or None, any_architecture=True
     )
 
 
@@ -63,3 +59,19 @@ def test_the_table_has_one_entry_per_name_and_the_matrix_is_its_marked_part() ->
     assert tp2.sizes().tp_size == 2 and tp2.axes == {"tp"} and tp2.dp == 1
     with pytest.raises(KeyError):
         layouts_named("no_such_layout")
+
+
+def test_the_entry_not_the_strategy_name_says_replicated() -> None:
+    """Reports of a whole model under a 2-rank gradient reducer pass an entry marked ``replicated``
+    whatever its section names, and fail the same sizes unmarked (checked as FSDP shards)."""
+    reports = []
+    for rank in range(2):
+        report = _single_process_report("dense", rank)
+        (part,) = report["parts"]
+        part.update(wrapper="DistributedDataParallel", ddp={"reducer": True, "group_size": 2})
+        reports.append({**report, "coordinates": dict(_COORDS)})
+    check_layout_applied(reports, layout=Layout("copies", 2, {}, replicated=True), layers=2, num_experts=0)
+    with pytest.raises(AssertionError, match="not sharded on dp_shard_cp"):
+        check_layout_applied(
+            reports, layout=Layout("shards", 2, {"strategy": "ddp"}), layers=2, num_experts=0
+        )

@@ -152,6 +152,10 @@ class FSDP2Config(StrategyConfig):
     def reduce_dtype(self) -> torch.dtype | None:
         return None if self.mp_policy is None else self.mp_policy.reduce_dtype
 
+    @property
+    def custom_tp_plan(self) -> dict | str | None:
+        return self.tp_plan
+
     def to_dict(self) -> dict[str, Any]:
         """Shallow dict of every field (policy objects are kept as objects)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}

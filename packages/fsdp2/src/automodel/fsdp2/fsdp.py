@@ -157,15 +157,23 @@ def _shard_submodules_within(
         )
 
 
-def check_offload_policy(policy: OffloadPolicy | None) -> None:
-    """Refuse what torch refuses on this machine, saying why: it pins offloaded parameters through
-    the CUDA driver, so ``CPUOffloadPolicy(pin_memory=True)`` fails without one (dense or MoE)."""
+def offload_policy_refusal(policy: OffloadPolicy | None) -> str | None:
+    """Why torch would refuse `policy` on this machine (None: it would not): it pins offloaded
+    parameters through the CUDA driver, so ``CPUOffloadPolicy(pin_memory=True)`` fails without one.
+    A callee of both `check_offload_policy` and the recipes' pre-launch check (one message)."""
     if isinstance(policy, CPUOffloadPolicy) and policy.pin_memory and not torch.cuda.is_available():
-        raise ValueError(
-            "offload_policy: CPUOffloadPolicy(pin_memory=True) needs CUDA: torch pins the offloaded "
-            "parameters through the CUDA driver and fails without one ('Found no NVIDIA driver'); "
-            "pass pin_memory=False on this machine"
+        return (
+            "needs CUDA: torch pins the offloaded parameters through the CUDA driver and fails "
+            "without one ('Found no NVIDIA driver'); pass pin_memory=False on this machine"
         )
+    return None
+
+
+def check_offload_policy(policy: OffloadPolicy | None) -> None:
+    """Refuse what torch refuses on this machine, saying why (dense or MoE), before it fails."""
+    reason = offload_policy_refusal(policy)
+    if reason is not None:
+        raise ValueError(f"offload_policy: CPUOffloadPolicy(pin_memory=True) {reason}")
 
 
 def _groups_sharing_parameters(layers: list[nn.Module]) -> list[list[nn.Module]]:

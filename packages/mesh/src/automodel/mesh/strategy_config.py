@@ -5,6 +5,11 @@ rules, the layout report) are answered here the same way for every strategy, as 
 no ``getattr(config, "sequence_parallel", False)`` on a config of unknown class. A strategy's own
 flags stay fields of its subclass (whose constructor arguments are the accepted YAML flags); the
 base adds no field, so it accepts no YAML key of its own.
+
+A fact only some strategies have a flag for (`backend`, `patch_is_packed_sequence`,
+`custom_tp_plan`) is a property here answering "none"; a subclass answers it with a field of the
+same name and a plain default, whose class attribute hides the property (a field without one would
+leave the property in place and fail loudly in ``__init__``: the property has no setter).
 """
 
 from __future__ import annotations
@@ -36,6 +41,21 @@ class StrategyConfig:
     @property
     def reduce_dtype(self) -> torch.dtype | None:
         """The dtype gradients are reduced in across data-parallel ranks; None: the compute dtype."""
+        return None
+
+    @property
+    def backend(self) -> str | None:
+        """The process-group backend the strategy's flags name (nccl / gloo); None: they name none."""
+        return None
+
+    @property
+    def patch_is_packed_sequence(self) -> bool:
+        """Whether transformers' packed-sequence probe is replaced (FSDP2's flag); False elsewhere."""
+        return False
+
+    @property
+    def custom_tp_plan(self) -> dict | str | None:
+        """The YAML's custom TP plan (None: the model's own HF plan, else the Llama default)."""
         return None
 
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import PurePath
 from typing import Literal
 
 import torch
@@ -60,9 +60,9 @@ class PipelineConfig:
             raise ValueError(f"scale_grads_in_schedule must be a bool, got {self.scale_grads_in_schedule!r}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, key="dtype"))
         self._check_fqns()
-        if self.pp_schedule_csv is not None:
-            if not isinstance(self.pp_schedule_csv, str | Path) or not Path(self.pp_schedule_csv).is_file():
-                raise ValueError(f"pp_schedule_csv={self.pp_schedule_csv!r} does not exist or is not a file")
+        if self.pp_schedule_csv is not None:  # its file is checked where it is read (`check_schedule_csv`)
+            if not isinstance(self.pp_schedule_csv, str | PurePath):
+                raise ValueError(f"pp_schedule_csv must be a path, got {self.pp_schedule_csv!r}")
             object.__setattr__(self, "pp_schedule_csv", str(self.pp_schedule_csv))
         if self.module_fqns_per_model_part is not None and self.layers_per_stage is not None:
             raise ValueError(

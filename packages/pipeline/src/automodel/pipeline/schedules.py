@@ -87,15 +87,21 @@ def resolve_schedule(name: str) -> ScheduleSpec:
     )
 
 
+def check_schedule_csv(path: str | Path) -> None:
+    """`path` is a file on this machine: checked when the pipeline is built (`read_csv_stage_layout`)
+    and by the recipes before launch, not when `PipelineConfig` is constructed (a config reads no disk)."""
+    if not Path(path).is_file():
+        raise ValueError(f"pp_schedule_csv={str(path)!r} does not exist or is not a file")
+
+
 def read_csv_stage_layout(path: str | Path, *, pp_size: int) -> dict[int, list[int]]:
     """Stage ids of every rank as a compute-only schedule CSV lays them out (one row per rank).
 
     Rows are lists of actions such as ``0F0``, ``1B0``, ``2W1`` (stage, type, micro-batch); empty
     cells are idle steps. The layout decides which stages each rank builds.
     """
+    check_schedule_csv(path)
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"pp_schedule_csv={str(path)!r} does not exist or is not a file")
     with path.open(newline="") as f:
         rows = list(csv.reader(f))
     if len(rows) != pp_size:

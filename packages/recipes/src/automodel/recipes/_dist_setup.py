@@ -11,6 +11,8 @@ YAML distributed section
   -> setup_distributed()           process group and MeshContext
   -> recipes.parallelize           applies them to the model (composition order: see its docstring)
 
+The section's type, `DistributedSection`, is in the config leaf (`config/distributed.py`); this
+module builds it (it needs the strategy and parallelism registries, which the leaf may not import).
 Each flag's own rule (type, range) lives in its package's config class; a parallelism's rules
 against the other sizes in its `Parallelism.check_sizes`, against the model in its `check_model`
 (run by `rules.py`); only the strategy's allow-list of parallelisms is read here.
@@ -21,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,19 +32,15 @@ from automodel.mesh import (
     MeshContext,
     ParallelismSizes,
     ResolvedLayout,
-    StrategyConfig,
     init_distributed,
     parse_dtype,
 )
+from automodel.recipes.config.distributed import DistributedSection
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import instantiate
 from automodel.recipes.parallelisms import config_error, parallelisms, section_keys, size_keys
 from automodel.recipes.parallelisms.base import section_mapping
 from automodel.recipes.strategies import Strategy, get_strategy, strategy_names, world_of_one_strategy
-
-if TYPE_CHECKING:
-    from automodel.moe import MoEParallelizerConfig
-    from automodel.pipeline import PipelineConfig
 
 #: The `ParallelismSizes` fields: the size keys of the parallelisms that form mesh axes; the other
 #: registered parallelisms' sizes are `DistributedSection.other_sizes`.
@@ -94,7 +92,7 @@ def resolve_machine_defaults(
     dtype = parse_dtype(param_dtype, key="model.dtype") or torch.float32
     if get_strategy(section.strategy).needed_alone(section.strategy_config, param_dtype=dtype):
         return section
-    backend = getattr(section.strategy_config, "backend", None)
+    backend = section.strategy_config.backend
     return dataclasses.replace(
         section,
         strategy=alone.name,
@@ -102,52 +100,6 @@ def resolve_machine_defaults(
         chosen_because=f"a world of one shards nothing, so no {section.strategy} wrapping "
         f"(distributed.strategy unset; set it to {section.strategy} to wrap)",
     )
-
-
-@dataclass(frozen=True)
-class DistributedSection:
-    """The parsed ``distributed:`` section, every part built by its package: the sizes, the
-    strategy's config (its flags), automodel.pipeline's `PipelineConfig` (pp_size > 1) and
-    automodel.moe's `MoEParallelizerConfig` (ep_size > 1)."""
-
-    strategy: str
-    sizes: ParallelismSizes
-    strategy_config: StrategyConfig
-    #: Strategy flags the YAML left to the machine; `resolve_machine_defaults` fills them at launch
-    #: (empty afterwards).
-    machine_keys: frozenset[str] = frozenset()
-    #: Each registered parallelism's typed config from its own section, by parallelism name
-    #: (``pp``: `PipelineConfig` when pp_size > 1, ``ep``: `MoEParallelizerConfig` when ep_size > 1).
-    parallelism_configs: Mapping[str, object] = field(default_factory=dict)
-    #: Sizes of registered parallelisms that form no mesh axis (size key -> size; 1 when unset).
-    other_sizes: Mapping[str, int] = field(default_factory=dict)
-    #: The strategy flags the YAML set (the others are the config class's defaults).
-    explicit_flags: frozenset[str] = frozenset()
-    #: False when the YAML named no strategy and no strategy flag (a world of one may then get the
-    #: world-of-one strategy, `resolve_machine_defaults`).
-    strategy_given: bool = True
-    #: Why `resolve_machine_defaults` chose the strategy, when the YAML did not (the start-up line).
-    chosen_because: str | None = None
-
-    @property
-    def pipeline_config(self) -> PipelineConfig | None:
-        """automodel.pipeline's config (``distributed.pipeline``) when pp_size > 1."""
-        return cast("PipelineConfig | None", self.parallelism_configs.get("pp"))
-
-    @property
-    def moe_config(self) -> MoEParallelizerConfig | None:
-        """automodel.moe's config (``distributed.moe``) when ep_size > 1."""
-        return cast("MoEParallelizerConfig | None", self.parallelism_configs.get("ep"))
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.strategy_config.sequence_parallel_enabled
-
-    @property
-    def tp_plan(self) -> Any:
-        """The YAML's custom TP plan (None: the model's own HF plan, else the Llama default)."""
-        config = self.strategy_config
-        return getattr(config, "custom_tp_plan", getattr(config, "tp_plan", None))
 
 
 def check_supported_axes(strategy: Strategy, sizes: Mapping[str, int | None]) -> None:

@@ -8,16 +8,20 @@ from transformers.utils import is_flash_attn_2_available
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import check_kernels_environment
+from automodel.recipes.parallelisms import parallelisms
 from automodel.recipes.preflight import check_tokenizer_dir
 from automodel.recipes.strategies import get_strategy
 
 
 def check_environment(cfg: RecipeConfig) -> None:
     """`ConfigError` naming the key when the config cannot run here: first the settings that parse
-    but run on no machine (`RecipeConfig.refusals`, all of them named), then `check_machine`."""
+    but run on no machine (`RecipeConfig.refusals`, all of them named), then the files the config
+    names (tokenizer directory, each parallelism's `check_files`), then `check_machine`."""
     if cfg.refusals:  # AutoModel settings that parse but are not implemented here (compat.translate)
         raise refusal_error(cfg.refusals)
     check_tokenizer_dir(cfg.tokenizer)
+    for parallelism in parallelisms():  # the files a parallelism's section names (a pp schedule CSV)
+        parallelism.check_files(cfg=cfg)
     check_machine(cfg)
 
 
@@ -31,7 +35,7 @@ def check_machine(cfg: RecipeConfig) -> None:
     _check_backend(cfg.dist_env.backend)
 
     check_kernels_environment(cfg)
-    get_strategy(cfg.distributed.strategy).check_environment()
+    get_strategy(cfg.distributed.strategy).check_environment(cfg.distributed.strategy_config)
 
 
 def refusal_error(refusals: tuple[ConfigError, ...]) -> ConfigError:

@@ -30,7 +30,7 @@ from automodel.recipes.model_inputs import check_defaulted_inputs
 from automodel.recipes.trust import announce_remote_code
 
 
-def build_hf_config(section: Any, *, announce: bool = True) -> Any:
+def build_hf_config(section: ModelSection, *, announce: bool = True) -> Any:
     """A transformers config from ``model.config`` (with ``model_type``) or a pretrained directory
     (``model.pretrained_model_name_or_path``, alias ``model.pretrained_path``).
 
@@ -71,7 +71,7 @@ def build_hf_config(section: Any, *, announce: bool = True) -> Any:
                 ) from None
             raise
         _refuse_quantized(cfg, section)
-        overrides = getattr(section, "config_overrides", None) or {}
+        overrides = section.config_overrides or {}
         check_config_keys(cfg, overrides, prefix="model.config_overrides")
         for key, value in overrides.items():
             setattr(cfg, key, value)
@@ -153,7 +153,7 @@ def _refuse_quantized(cfg: PretrainedConfig, section: ModelSection) -> None:
     )
 
 
-def pretrained_dir(section: Any) -> Path:
+def pretrained_dir(section: ModelSection) -> Path:
     """The local directory of ``model.pretrained_model_name_or_path`` (alias ``model.pretrained_path``):
     the directory itself, or the cached snapshot of a Hub id (never downloaded; `ConfigError` naming
     the key when it is not cached or has no config.json)."""

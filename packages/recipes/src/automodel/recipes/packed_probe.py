@@ -14,15 +14,13 @@ from __future__ import annotations
 from automodel.fsdp2.packed_sequence import patch_is_packed_sequence, restore_is_packed_sequence
 from automodel.recipes.config.recipe import RecipeConfig
 
-KEY = "patch_is_packed_sequence"
-
 
 def packed_probe_patched(cfg: RecipeConfig) -> bool:
     """Whether the probe is replaced for `cfg`: the YAML's ``distributed.patch_is_packed_sequence``,
     else True exactly when no row is packed."""
     d = cfg.distributed
-    if KEY in d.explicit_flags:
-        return bool(getattr(d.strategy_config, KEY))
+    if "patch_is_packed_sequence" in d.explicit_flags:
+        return d.strategy_config.patch_is_packed_sequence
     return cfg.packed_sequence.packed_sequence_size == 0
 
 

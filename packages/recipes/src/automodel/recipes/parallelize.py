@@ -21,8 +21,8 @@ from torch import nn
 
 from automodel.fsdp2 import default_init_fn, materialize_meta_model
 from automodel.mesh import MeshContext
-from automodel.recipes._dist_setup import DistributedSection
 from automodel.recipes.checkpoint import load_pretrained_weights
+from automodel.recipes.config.distributed import DistributedSection
 from automodel.recipes.peft import is_adapter_key, lora_init_fn
 from automodel.recipes.strategies import Initialize, ParallelModel, get_strategy
 from automodel.recipes.strategies.base import PLAIN_PARTS

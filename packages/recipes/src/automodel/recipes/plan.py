@@ -14,9 +14,9 @@ from automodel.mesh import AXES, ResolvedLayout
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.model import build_meta_model
-from automodel.recipes.parallelisms import memory_terms, parallelisms
+from automodel.recipes.parallelisms import in_plan_order, memory_terms, parallelisms, planner_sizes
 from automodel.recipes.peft import apply_lora
-from automodel.recipes.planning.memory import MemoryEstimate, estimate_step_memory
+from automodel.recipes.planning.memory import MemoryEstimate, StepSetup, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
 from automodel.recipes.planning.shape import model_shape
 from automodel.recipes.resolved_run import resolve_run
@@ -47,13 +47,41 @@ def estimate_memory(
 
     `model`: the meta-device model of `cfg` if the caller built it (it gets LoRA adapters when
     `cfg.peft` is set, so it must not be used afterwards); otherwise one is built here."""
+    return _estimate(
+        cfg,
+        layout,
+        hf_config,
+        stages=stages,
+        on_gpu=on_gpu,
+        model=model,
+        expert_load_factor=expert_load_factor,
+    )[0]
+
+
+def _estimate(
+    cfg: RecipeConfig,
+    layout: ResolvedLayout,
+    hf_config,
+    *,
+    stages: int,
+    on_gpu: bool | None,
+    model,
+    expert_load_factor: float,
+) -> tuple[MemoryEstimate, StepSetup]:
+    """`estimate_memory` and the step setup it estimated (the parallelisms' report lines read it)."""
     if model is None:
         model = _meta_model(cfg, hf_config)
     shape = model_shape(hf_config, model=model)
     setup = step_setup(cfg, layout, stages=stages, on_gpu=on_gpu, expert_load_factor=expert_load_factor)
-    setup = dataclasses.replace(setup, trainable_params=_trainable_params(cfg, model))
+    setup = dataclasses.replace(
+        setup,
+        trainable_params=_trainable_params(cfg, model),
+        extra_sizes=planner_sizes(cfg.distributed, layout),
+    )
     extra = memory_terms(cfg.distributed, layout, setup=setup, shape=shape)
-    return estimate_step_memory(shape, dataclasses.replace(setup, extra_bytes=extra) if extra else setup)
+    if extra:
+        setup = dataclasses.replace(setup, extra_bytes=extra)
+    return estimate_step_memory(shape, setup), setup
 
 
 def _meta_model(cfg: RecipeConfig, hf_config):
@@ -77,7 +105,7 @@ def plan_layout(
     # order: LoRA adds adapters in place). A 70B model costs ~0.2 s to build.
     checked = resolve_run(cfg, world_size=world_size, this_machine=False)
     layout, hf_config, stages = checked.layout, checked.hf_config, checked.stages
-    mem = estimate_memory(
+    mem, setup = _estimate(
         cfg,
         layout,
         hf_config,
@@ -106,13 +134,13 @@ def plan_layout(
         f"sequence length {cfg.seq_length}, global batch {ss.global_batch_size}, local batch {ss.local_batch_size}, "
         f"gradient accumulation {accum}",
     ]
-    if layout.pp_enabled:
-        pipe = cfg.distributed.pipeline_config
-        lines.append(f"pipeline: {pipe.pp_schedule}, {stages} stages, micro-batch {pipe.pp_microbatch_size}")
-    if layout.ep_enabled:
-        lines.append(
-            f"expert load factor {min(expert_load_factor, layout.ep):g} (the busiest ep rank's routed tokens "
-            "over the mean; --moe-load-factor)"
+    for parallelism in in_plan_order():  # the pipeline's schedule, the expert load assumed
+        lines += parallelism.validate_lines(
+            cfg=cfg,
+            layout=layout,
+            size=parallelism.size(cfg.distributed, layout),
+            stages=stages,
+            setup=setup,
         )
     lines += [
         "",

@@ -25,7 +25,7 @@ from automodel.recipes.checkpoint.paths import (
 )
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
-from automodel.recipes.data.file_check import check_section_files
+from automodel.recipes.data.kinds import check_rows
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.model import pretrained_dir
@@ -141,7 +141,7 @@ def check_run_files(cfg: RecipeConfig) -> None:
     pretrained weights (run by `launch_check.check_launch` with the optimizer check above)."""
     check_restore_from(cfg)
 
-    check_section_files(cfg.dataset)
-    check_section_files(cfg.validation_dataset)
+    check_rows(cfg.dataset)
+    check_rows(cfg.validation_dataset)
     if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
         check_safetensors_files(pretrained_dir(cfg.model), key=cfg.model.pretrained_key)

@@ -225,8 +225,10 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
             ss.local_batch_size,
             "must be 1 for packed sequences (packed_sequence_size > 0), or pipeline micro-batches of 1 row",
         )
-    packed_probe = getattr(cfg.distributed.strategy_config, "patch_is_packed_sequence", False)
-    if packed_probe and cfg.packed_sequence.packed_sequence_size > 0:
+    if (
+        cfg.distributed.strategy_config.patch_is_packed_sequence
+        and cfg.packed_sequence.packed_sequence_size > 0
+    ):
         raise ConfigError(
             "distributed.patch_is_packed_sequence",
             True,

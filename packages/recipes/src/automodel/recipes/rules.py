@@ -62,7 +62,7 @@ def check_model_supports_layout(
         return
     if model is None:  # callers that already hold the meta-device model pass it (built once per validate)
         model = build_meta_model(
-            hf_config, dtype=cfg.model.dtype, trust_remote_code=getattr(cfg.model, "trust_remote_code", False)
+            hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code
         )
     if layout.tp > 1:  # megatron_fsdp applies TP with the same plan rules (fsdp2's apply_tp)
 

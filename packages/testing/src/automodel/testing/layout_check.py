@@ -3,11 +3,14 @@
 Parity alone cannot tell a layout from one process: a run with the parallelism silently off
 reproduces the reference losses too. `check_layout_applied` reads what every rank really holds
 (`automodel.mesh.layout_report`: written by `recipes train` to ``layout/rank_<N>.json``, or built
-by a package test from its live model) and fails unless each strategy of the layout was applied:
+by a package test from its live model) and fails unless each parallelism of the layout was applied:
 FSDP shards on dim 0 over ``dp_shard_cp``, HSDP replicates over ``dp_replicate``, TP shards
 attention and MLP per the plan, SP puts the norms on the tp mesh, pipeline stages hold disjoint
-layers, experts are split over ``ep``, DDP wraps the model with a reducer, CP runs the ring
-backend, activation checkpointing wraps every decoder layer.
+layers, experts are split over ``ep``, a replicated layout (DDP) wraps the whole model with a
+gradient reducer, CP runs the ring backend, activation checkpointing wraps every decoder layer.
+
+It is strategy-blind: it reads a `Layout` entry (`automodel.testing.layout_table`) - the axis
+sizes and the entry's own facts such as ``replicated`` - never a strategy name or YAML key.
 
 By default it knows the tiny models' parameter names (`automodel.testing.tiny_model`) and checks
 each placement exactly; with ``any_architecture`` it checks the same idea generically over model
@@ -20,6 +23,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
+from automodel.mesh import DENSE_AXES, FLATTENED_AXES
+from automodel.testing.layout_table import Layout
+
 #: One rank's report (`automodel.mesh.layout_report.rank_report`), as JSON-able data.
 Report = dict[str, Any]
 
@@ -29,6 +35,9 @@ NORM = "model.layers.{i}.input_layernorm.weight"
 EXPERTS = "model.layers.{i}.mlp.experts.gate_up_proj"
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
+
+#: The dense axes outside ``dp_shard_cp``: ranks equal on these hold the FSDP slices of one tensor.
+_OUTSIDE_FSDP_SHARD: tuple[str, ...] = tuple(a for a in DENSE_AXES if a not in FLATTENED_AXES["dp_shard_cp"])
 
 
 def placement_on(entry: dict[str, Any], axis: str) -> str | None:
@@ -53,7 +62,8 @@ def _layers(report: Report) -> list[int]:
     return sorted(i for part in report["parts"] for i in part["layers"])
 
 
-def _check_ddp(reports: list[Report], ranks: int) -> None:
+def _check_replicated(reports: list[Report], ranks: int) -> None:
+    """The whole model wrapped with a gradient reducer over all `ranks`; every parameter whole."""
     for report in reports:
         (part,) = report["parts"]
         assert part["wrapper"] == "DistributedDataParallel", (
@@ -90,14 +100,14 @@ def _check_fsdp(reports: list[Report], shards: int, *, replicate: int = 1) -> No
             )
     if shards > 1:
         # Ranks that differ only in their dp_shard / cp coordinates hold different slices.
-        offsets: dict[tuple[int, int, int], list[tuple[int, ...]]] = defaultdict(list)
+        offsets: dict[tuple[int, ...], list[tuple[int, ...]]] = defaultdict(list)
         for report in reports:
             c = report["coordinates"]
             norm = _params(report)[NORM.format(i=_layers(report)[0])]
-            offsets[(c["pp"], c["tp"], c["dp_replicate"])].append(tuple(norm["offset"]))
+            offsets[tuple(c[a] for a in _OUTSIDE_FSDP_SHARD)].append(tuple(norm["offset"]))
         for key, found in offsets.items():
             assert len(found) == shards and len(set(found)) == shards, (
-                f"(pp, tp, dp_replicate)={key}: {found}"
+                f"({', '.join(_OUTSIDE_FSDP_SHARD)})={key}: {found}"
             )
 
 
@@ -186,40 +196,43 @@ def _check_experts_replicated(reports: list[Report], *, num_experts: int) -> Non
             assert placement_on(entry, "tp") is None and entry["local_shape"][0] == num_experts, entry
 
 
+def _sizes(layout: Layout) -> tuple[int, int, int, int, int]:
+    """(tp, pp, cp, ep, dp) of `layout`."""
+    tp, pp, cp, ep = (layout.axis_size(a) for a in ("tp", "pp", "cp", "ep"))
+    return tp, pp, cp, ep, layout.dp
+
+
 def check_layout_applied(
     reports: list[Report],
     *,
-    ranks: int,
-    distributed: dict[str, Any],
+    layout: Layout,
     layers: int,
     num_experts: int | None,
     any_architecture: bool = False,
 ) -> None:
-    """AssertionError unless every rank's report (`automodel.mesh.layout_report`) holds what the
-    layout (`ranks`, the ``distributed`` section) asks for, on a model of `layers` decoder layers
-    and `num_experts` experts (0 or None: dense). A composed layout gets the check of each axis.
+    """AssertionError unless every rank's report (`automodel.mesh.layout_report`) holds what
+    `layout` (a `automodel.testing.layout_table` entry) asks for, on a model of `layers` decoder
+    layers and `num_experts` experts (0 or None: dense). A composed layout gets the check of each axis.
 
     By default the tiny models' parameter names (`automodel.testing.tiny_model`: Llama, Qwen3,
     the MoE families) are checked exactly; `any_architecture` checks the same per axis generically,
     the decoder layers found from each report's ``layers_fqn`` (the conformance sweep)."""
+    ranks = layout.ranks
     assert len(reports) == ranks, f"{len(reports)} reports for {ranks} ranks"
     if any_architecture:
-        _check_any_architecture(
-            reports, ranks=ranks, distributed=distributed, num_layers=layers, num_experts=num_experts
-        )
+        _check_any_architecture(reports, layout=layout, num_layers=layers, num_experts=num_experts)
         return
-    tp, pp, cp, ep = (int(distributed.get(k) or 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size"))
-    replicate = int(distributed.get("dp_replicate_size") or 1)
-    dp = ranks // (tp * pp * cp)
-    if distributed.get("activation_checkpointing"):
+    tp, pp, cp, ep, dp = _sizes(layout)
+    replicate = layout.axis_size("dp_replicate")
+    if layout.activation_checkpointing:
         _check_activation_checkpointing(reports)
-    if distributed.get("strategy") == "ddp":
-        _check_ddp(reports, ranks)
+    if layout.replicated:
+        _check_replicated(reports, ranks)
         return
     if dp * cp > 1:
         _check_fsdp(reports, dp * cp // replicate, replicate=replicate)
     if tp > 1:
-        _check_tp(reports, tp, sequence_parallel=bool(distributed.get("sequence_parallel")))
+        _check_tp(reports, tp, sequence_parallel=layout.sequence_parallel)
     if pp > 1:
         _check_pp(reports, layers=layers, dp_copies=dp * cp * tp)
     if cp > 1:
@@ -239,15 +252,9 @@ def _layer_of(name: str, layers_fqn: str) -> int | None:
 
 
 def _check_any_architecture(
-    reports: list[Report],
-    *,
-    ranks: int,
-    distributed: dict[str, Any],
-    num_layers: int,
-    num_experts: int | None,
+    reports: list[Report], *, layout: Layout, num_layers: int, num_experts: int | None
 ) -> None:
-    tp, pp, cp, ep = (int(distributed.get(k) or 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size"))
-    dp = ranks // (tp * pp * cp)
+    tp, pp, cp, ep, dp = _sizes(layout)
     for report in reports:
         params = _params(report)
         layers_fqn = next((p["layers_fqn"] for p in report["parts"] if p.get("layers_fqn")), None)
@@ -272,12 +279,12 @@ def _check_any_architecture(
             norms = [
                 n for n, e in params.items() if _layer_of(n, layers_fqn) is not None and len(e["shape"]) == 1
             ]
-            if distributed.get("sequence_parallel") and norms:  # (OLMo's norms have no weights to place)
+            if layout.sequence_parallel and norms:  # (OLMo's norms have no weights to place)
                 on_tp = [n for n in norms if placement_on(params[n], "tp") == "R"]
                 assert on_tp, f"rank {report['rank']}: no norm weight on the tp mesh under SP"
         if pp > 1:
             assert 0 < len(held) < num_layers, f"rank {report['rank']} holds layers {held} of {num_layers}"
-            if distributed.get("activation_checkpointing"):
+            if layout.activation_checkpointing:
                 assert all(part["checkpointed"] for part in report["parts"]), f"rank {report['rank']}: no AC"
         if cp > 1:
             assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']}"

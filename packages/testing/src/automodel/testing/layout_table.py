@@ -9,7 +9,10 @@ end to end; a package runs the ones it composes alone, picked by a documented fi
 parallelism), never a copy. A layout only one suite runs is still listed here, with
 ``in_matrix=False``, so the names and sections stay one. `layouts_named` picks by name.
 
-`automodel.testing.layout_check.check_layout_applied` asserts a layout was applied.
+An entry also states what the checker (`automodel.testing.layout_check.check_layout_applied`)
+cannot read off the sizes: ``replicated`` says its data parallelism copies the parameters (DDP)
+rather than shards them, so the checker never compares strategy names. The axes and their YAML
+size keys come from `automodel.mesh.AXES`, so an axis added there is sized here too.
 """
 
 from __future__ import annotations
@@ -18,23 +21,20 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from automodel.mesh.sizes import ParallelismSizes
+from automodel.mesh import AXES, ParallelismSizes
 
-#: The axes a ``distributed`` section sizes, by their YAML keys.
-_SIZE_KEYS: dict[str, str] = {
-    "pp": "pp_size",
-    "dp_replicate": "dp_replicate_size",
-    "cp": "cp_size",
-    "tp": "tp_size",
-    "ep": "ep_size",
-}
+#: The axes a ``distributed`` section sizes, by their YAML keys (`AXES`' parallel, sized rows: pp,
+#: dp_replicate, cp, tp, ep).
+_SIZE_KEYS: dict[str, str] = {a.name: a.size_key for a in AXES if a.parallel and a.size_key is not None}
 
 
 @dataclass(frozen=True)
 class Layout:
     """A named ``distributed`` section on `ranks` ranks, for the tiny `model` ("dense": Llama,
     "moe": Qwen3-MoE, or another tiny model_type such as "qwen3"); `extra` overrides other
-    sections (merged into them); `in_matrix`: run by the recipes' parity matrix."""
+    sections (merged into them); `in_matrix`: run by the recipes' parity matrix; `replicated`: its
+    data parallelism keeps a whole copy of every parameter on each rank and all-reduces gradients
+    (DDP) instead of sharding them (FSDP), which is what the checker asserts."""
 
     name: str
     ranks: int
@@ -42,15 +42,30 @@ class Layout:
     model: str = "dense"
     extra: dict[str, Any] = field(default_factory=dict)
     in_matrix: bool = True
+    replicated: bool = False
 
     def size(self, key: str) -> int:
         """The section's `key` (``tp_size``, ...), 1 when unset."""
         return int(self.distributed.get(key) or 1)
 
+    def axis_size(self, axis: str) -> int:
+        """The size of sized mesh `axis` (``tp``, ...; see `axes`), 1 when unset (KeyError: not sized)."""
+        return self.size(_SIZE_KEYS[axis])
+
     @property
     def dp(self) -> int:
         """Data-parallel ranks (replicate x shard): what the sizes leave of `ranks`."""
-        return self.ranks // (self.size("tp_size") * self.size("pp_size") * self.size("cp_size"))
+        return self.ranks // (self.axis_size("tp") * self.axis_size("pp") * self.axis_size("cp"))
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """TP also shards the norms' activations over the sequence (the norms live on the tp mesh)."""
+        return bool(self.distributed.get("sequence_parallel"))
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Every decoder layer is activation-checkpointed."""
+        return bool(self.distributed.get("activation_checkpointing"))
 
     @property
     def axes(self) -> frozenset[str]:
@@ -59,14 +74,10 @@ class Layout:
 
     def sizes(self) -> ParallelismSizes:
         """The section's sizes as `ParallelismSizes` (the package tests build their mesh from it)."""
+        sizes: dict[str, int | None] = {key: self.size(key) for key in _SIZE_KEYS.values()}
         replicate = self.distributed.get("dp_replicate_size")
-        return ParallelismSizes(
-            dp_replicate_size=int(replicate) if replicate else None,
-            tp_size=self.size("tp_size"),
-            pp_size=self.size("pp_size"),
-            cp_size=self.size("cp_size"),
-            ep_size=self.size("ep_size"),
-        )
+        sizes["dp_replicate_size"] = int(replicate) if replicate else None  # unset: derived, not 1
+        return ParallelismSizes(**sizes)
 
 
 def _pp(schedule: str) -> dict[str, Any]:
@@ -89,7 +100,7 @@ _AC = {"activation_checkpointing": True}
 _TP2_SP = {"tp_size": 2, "sequence_parallel": True}
 
 LAYOUTS: list[Layout] = [
-    Layout("ddp2", 2, {"strategy": "ddp"}),
+    Layout("ddp2", 2, {"strategy": "ddp"}, replicated=True),
     Layout("fsdp2_dp2", 2, {}),
     Layout("fsdp2_dp4", 4, {}),
     Layout("hsdp_2x2", 4, {"dp_replicate_size": 2}),
@@ -121,7 +132,7 @@ LAYOUTS: list[Layout] = [
     # ---- not in the parity matrix: run by one suite each -------------------------------------
     # activation checkpointing under each data-parallel strategy and under TP + SP (fsdp2, recipes)
     Layout("fsdp2_dp2_ac", 2, dict(_AC), in_matrix=False),
-    Layout("ddp2_ac", 2, {"strategy": "ddp", **_AC}, in_matrix=False),
+    Layout("ddp2_ac", 2, {"strategy": "ddp", **_AC}, in_matrix=False, replicated=True),
     Layout("fsdp2xtp2_sp_ac", 4, {**_TP2_SP, **_AC}, in_matrix=False),
     # SP on a model with q/k norms inside attention (fsdp2)
     Layout("fsdp2xtp2_sp_qwen3", 4, dict(_TP2_SP), model="qwen3", in_matrix=False),

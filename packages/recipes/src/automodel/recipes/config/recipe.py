@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
 from automodel.recipes.config.checkpoint import CheckpointConfig
+from automodel.recipes.config.distributed import DistributedSection
 from automodel.recipes.config.kernels import FP8Section, KernelsSection
 from automodel.recipes.config.peft import PeftSection
 from automodel.recipes.config.sections import (
@@ -25,9 +26,6 @@ from automodel.recipes.config.sections import (
     ValidationDataloaderSection,
 )
 from automodel.recipes.errors import ConfigError
-
-if TYPE_CHECKING:  # built by _dist_setup with the strategy registry: the config layer names its type only
-    from automodel.recipes._dist_setup import DistributedSection
 
 
 class DatasetConfig(Protocol):

@@ -198,21 +198,30 @@ def check_text_file(path: Path) -> None:
         raise DataError(f"{path} holds no text (an empty file)")
 
 
-def check_section_files(section: Any) -> None:
-    """The local files of a dataset section (pretraining ``path`` or SFT ``path_or_dataset_id``)."""
-    source = getattr(section, "source", None)  # kinds without one (megatron, nanogpt) read binary shards
-    if section is None or source not in ("instruction", "chat", "json", "text", "parquet"):
+def check_text_rows(section: Any) -> None:
+    """The text kind's rows before launch (`DatasetKind.check_rows`): its json / text / parquet
+    files; the ``embedded`` source reads none."""
+    if section.source == "embedded" or section.path is None:
         return
-    if hasattr(section, "path_or_dataset_id"):  # SFT
-        src = section.path_or_dataset_id
-        files = [Path(p).expanduser() for p in (src if isinstance(src, list) else [src])]
-        limit = section.limit_dataset_samples
-    else:
-        if section.path is None:
-            return
-        files = [Path(p) for p in (section.path if isinstance(section.path, list) else [section.path])]
-        limit = None
-    skip = getattr(section, "bad_rows", "error") == "skip"
+    paths = section.path if isinstance(section.path, list) else [section.path]
+    _check_row_files(section, [Path(p) for p in paths], key=f"{section.SECTION}.path", limit=None)
+
+
+def check_sft_rows(section: Any) -> None:
+    """The SFT kind's rows before launch (`DatasetKind.check_rows`): instruction and chat files;
+    ``stdlib_docstrings`` builds its rows and reads none."""
+    if section.source == "stdlib_docstrings":
+        return
+    src = section.path_or_dataset_id
+    files = [Path(p).expanduser() for p in (src if isinstance(src, list) else [src])]
+    key = f"{section.SECTION}.{section.PATH_KEY}"
+    _check_row_files(section, files, key=key, limit=section.limit_dataset_samples)
+
+
+def _check_row_files(section: Any, files: list[Path], *, key: str, limit: int | None) -> None:
+    """Every bad row a local file holds, as the run would meet it (`key`: the section's path key)."""
+    source = section.source
+    skip = section.bad_rows == "skip"
     text_columns, list_columns = section_columns(section)
     list_columns = list_columns if skip else ()  # `error`: a non-list is the encoder's counted skip
     for f in files:
@@ -220,13 +229,11 @@ def check_section_files(section: Any) -> None:
             continue  # a directory or a Hub id: read by `datasets` itself
         if source == "parquet" or f.suffix in PARQUET_SUFFIXES:
             if skip:  # a column of the wrong type cannot be skipped row by row: refused before launch
-                key = f"{section.SECTION}.{'path_or_dataset_id' if hasattr(section, 'path_or_dataset_id') else 'path'}"
                 schema = read_parquet_schema(f, key=key)
                 check_parquet_columns(
                     f, schema, text_columns=text_columns, list_columns=list_columns, key=key
                 )
         elif f.suffix in CSV_SUFFIXES and not skip:  # the same strict reader the run uses
-            key = f"{section.SECTION}.{'path_or_dataset_id' if hasattr(section, 'path_or_dataset_id') else 'path'}"
             read_csv_rows(f, columns=text_columns, key=key, strict=True)
         elif f.suffix in JSON_SUFFIXES:
             check_json_rows(f, text_columns=text_columns, list_columns=list_columns, limit=limit, skip=skip)

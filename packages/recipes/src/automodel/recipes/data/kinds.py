@@ -10,7 +10,9 @@ dotted name, e.g. ``...megatron_dataset.MegatronPretraining``). Each kind names:
   without a length, an object whose ``loader(global_batch_size=, local_batch_size=, dp_rank=,
   dp_size=)`` gives the rank's stateful loader (``next_step``, ``state_dict``, ``load_state_dict``);
 - ``check_paths``: ``"module:function"`` called as ``f(section)`` in the launching process to
-  refuse missing or unreadable files before any rank starts (``recipes validate`` skips it).
+  refuse missing or unreadable files before any rank starts (``recipes validate`` skips it);
+- ``check_rows`` (optional): ``"module:function"`` called as ``f(section)`` where the run's files are
+  read before launch, to refuse the first bad row of its local files.
 
 Builders are named, not imported, so parsing a config imports no data library.
 
@@ -63,6 +65,9 @@ class DatasetKind:
     validation_section: type
     build: str  # "module:function"
     check_paths: str  # "module:function"
+    #: "module:function" called as ``f(section)`` with the run's files (not by ``recipes validate``):
+    #: the first bad row of its local files before any rank starts; None: it reads no row files.
+    check_rows: str | None = None
 
 
 _KINDS: list[DatasetKind] = []
@@ -136,14 +141,23 @@ def check_paths(section: DatasetConfig | None) -> None:
         _call(kind_of(section).check_paths, section)
 
 
+def check_rows(section: DatasetConfig | None) -> None:
+    """The section's kind's row check (`DatasetKind.check_rows`), where it has one."""
+    if section is not None and (ref := kind_of(section).check_rows) is not None:
+        _call(ref, section)
+
+
 def _register_builtin() -> None:
     loader = "automodel.recipes.data.loader"
     build = "automodel.recipes.data.pretrain_build"
+    rows = "automodel.recipes.data.file_check"
     register(DatasetKind("text", DATA_SOURCES, {}, DatasetSection, ValidationDatasetSection,
-                         f"{loader}:build_text_dataset", f"{loader}:check_text_paths"))  # fmt: skip
+                         f"{loader}:build_text_dataset", f"{loader}:check_text_paths",
+                         f"{rows}:check_text_rows"))  # fmt: skip
     register(DatasetKind("sft", SFT_SOURCES, SFT_TARGETS,
                          SFTDatasetSection, SFTValidationDatasetSection,
-                         f"{loader}:build_sft_rows", f"{loader}:check_sft_paths"))  # fmt: skip
+                         f"{loader}:build_sft_rows", f"{loader}:check_sft_paths",
+                         f"{rows}:check_sft_rows"))  # fmt: skip
     register(DatasetKind("megatron", ("megatron",), dict.fromkeys(("MegatronPretraining", "MegatronPretrainingConfig"), "megatron"),
                          MegatronPretrainingSection, MegatronPretrainingValidationSection,
                          f"{build}:build_megatron", f"{build}:check_megatron_paths"))  # fmt: skip

@@ -7,7 +7,19 @@ its sums had before the registry: the step times are unchanged to the bit). A ne
 one module plus one `register_parallelism` call (a test may register one itself).
 """
 
-from automodel.recipes.parallelisms.base import BatchRun, MicroBatch, Parallelism, RankReport, config_error
+from automodel.recipes.parallelisms.base import (
+    ActivationSite,
+    BatchRun,
+    MemoryShares,
+    MicroBatch,
+    Parallelism,
+    PlanColumn,
+    RankPosition,
+    RankReport,
+    SearchPoint,
+    config_error,
+    divisors,
+)
 from automodel.recipes.parallelisms.cp import ContextParallel
 from automodel.recipes.parallelisms.dp_replicate import DataParallelReplicate
 from automodel.recipes.parallelisms.dp_shard import DataParallelShard
@@ -16,9 +28,15 @@ from automodel.recipes.parallelisms.pp import PipelineParallel
 from automodel.recipes.parallelisms.registry import (
     axis_sizes,
     get_parallelism,
+    in_plan_order,
+    layer_activation_terms,
+    memory_positions,
+    memory_shares,
     memory_terms,
     parallelisms,
+    planner_sizes,
     register_parallelism,
+    searched,
     section_keys,
     size_keys,
     unregister_parallelism,
@@ -37,16 +55,28 @@ BUILT_IN: tuple[str, ...] = tuple(p.name for p in parallelisms())
 
 __all__ = [
     "BUILT_IN",
+    "ActivationSite",
     "BatchRun",
+    "MemoryShares",
     "MicroBatch",
     "Parallelism",
+    "PlanColumn",
+    "RankPosition",
     "RankReport",
+    "SearchPoint",
     "axis_sizes",
     "config_error",
+    "divisors",
     "get_parallelism",
+    "in_plan_order",
+    "layer_activation_terms",
+    "memory_positions",
+    "memory_shares",
     "memory_terms",
     "parallelisms",
+    "planner_sizes",
     "register_parallelism",
+    "searched",
     "section_keys",
     "size_keys",
     "unregister_parallelism",

@@ -3,11 +3,18 @@ ep, or a new one) owns in the recipes.
 
 A parallelism names its ``distributed.<size_key>`` YAML key (and its own options section, parsed
 into its package's typed config), its rules against the other sizes and against the model, the
-per-rank memory it adds, the line the layout report prints for it and what a checkpoint records of
-it. The section parser, `rules.check_layout_rules`, the memory estimate, the layout report, the
-checkpoint's layout and the strategies' allow-lists (`Strategy.supported_axes`) iterate the
-registry (`registry.py`) instead of naming axes. A new parallelism is one module subclassing
-`Parallelism` plus one `register_parallelism` call.
+line the layout report prints for it and what a checkpoint records of it. The section parser,
+`rules.check_layout_rules`, the layout report, the checkpoint's layout and the strategies'
+allow-lists (`Strategy.supported_axes`) iterate the registry (`registry.py`) instead of naming axes.
+
+For `recipes plan` / `recipes validate` it owns its terms of the estimates: the share of the model
+and of the activations it leaves a rank (`memory_shares`), the tensors it adds to a layer's saved
+activations (`layer_activation_terms`), the places of a schedule it runs (`memory_positions`),
+bytes it holds all step (`memory_terms`), its exposed communication (`exposed_comm_s`), the sizes
+and options the search tries (`search_order`, `search_sizes`, `search_options`) and its column,
+YAML and report lines. What the data-parallel strategy keeps is the strategy's
+(`Strategy.memory_model`). A new parallelism is one module subclassing `Parallelism` plus one
+`register_parallelism` call.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import contextlib
 from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
@@ -26,7 +33,7 @@ from automodel.recipes.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
@@ -63,6 +70,91 @@ class BatchRun:
     pad_token_id: int
     #: Rows are packed documents (positions restart at 0 per document).
     packed: bool
+
+
+@dataclass(frozen=True)
+class MemoryShares:
+    """How much of one rank's model and activations a parallelism leaves it, as divisors of the
+    whole (1: all of it); the memory estimate multiplies every registered parallelism's shares
+    (`registry.memory_shares`), so a new parallelism scales the estimate without editing it."""
+
+    #: Decoder layers (and their activations) on this rank: pp.
+    layers: int = 1
+    #: Tokens of each sequence on this rank: cp.
+    tokens: int = 1
+    #: Attention heads, MLP width, the untied vocabulary head, dense layer weights: tp.
+    heads: int = 1
+    #: Hidden-state width saved between the TP regions (sequence parallelism): tp with SP.
+    norm_width: int = 1
+    #: The routed experts' weights: ep (tp without ep).
+    experts: int = 1
+    #: Multiplier (not a divisor): the busiest rank's routed slots over its balanced share.
+    expert_load: float = 1.0
+
+    def times(self, other: MemoryShares) -> MemoryShares:
+        """Both parallelisms' shares at once (the sizes multiply: integer products stay exact)."""
+        return MemoryShares(
+            layers=self.layers * other.layers,
+            tokens=self.tokens * other.tokens,
+            heads=self.heads * other.heads,
+            norm_width=self.norm_width * other.norm_width,
+            experts=self.experts * other.experts,
+            expert_load=self.expert_load * other.expert_load,
+        )
+
+
+@dataclass(frozen=True)
+class RankPosition:
+    """One rank's place in a schedule that splits the model over ranks and runs micro-batches
+    through them (the pipeline's stages); the memory estimate takes the worst of the positions a
+    parallelism names (`Parallelism.memory_positions`). The defaults: the whole model, one batch."""
+
+    holds_embedding: bool = True
+    holds_head: bool = True
+    #: The micro-batches run inside the schedule (forward and backward interleaved): every layer
+    #: keeps its gathered weights, the loop holds no logits, gradients are not kept unsharded.
+    scheduled: bool = False
+    #: Rows of one micro-batch (None: the local batch), micro-batches per local batch.
+    micro_batch_rows: int | None = None
+    micro_batches: int = 1
+    #: Micro-batches whose saved activations (of all the rank's layers) are alive at once.
+    in_flight: float = 1.0
+    #: Stage boundaries the rank sends and receives one micro-batch's hidden states across (two
+    #: buffers each).
+    p2p_stages: int = 0
+
+
+#: Where in a decoder layer's saved activations a parallelism adds bytes per token: after the
+#: norms, after attention, after the routed experts (the estimate's order of addition).
+ActivationSite = Literal["norms", "attention", "experts"]
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of `n`, ascending (the sizes a search tries)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchPoint:
+    """Where `recipes plan`'s search stands when it asks a parallelism which sizes to try."""
+
+    shape: ModelShape
+    gpus: int
+    gpus_per_node: int
+    #: The sizes chosen so far, by parallelism name (the earlier `search_order`s).
+    sizes: Mapping[str, int]
+    #: Ranks the dense mesh axes chosen so far leave: gpus over their product.
+    room: int
+
+
+@dataclass(frozen=True)
+class PlanColumn:
+    """A searched parallelism's column in `recipes plan`'s table."""
+
+    header: str
+    width: int
+    #: The format alignment: ``>`` (numbers) or ``<``.
+    align: str = ">"
 
 
 def is_shard_placement(placement: str) -> bool:
@@ -180,11 +272,78 @@ class Parallelism(ABC):
         """Rules against the model and the batch, run before launch (`rules.check_layout_rules`)."""
         return None
 
+    def check_files(self, *, cfg: RecipeConfig) -> None:
+        """The files its section names exist on this machine (`ConfigError` naming the key): run
+        before any rank starts, with the other checks of this machine (`environment.check_environment`;
+        the typed config reads no disk); none by default."""
+        return None
+
     # ---- the planner ---------------------------------------------------------------------
     def memory_terms(self, *, size: int, setup: StepSetup, shape: ModelShape) -> dict[str, float]:
-        """Per-rank bytes it holds through the step, by name, beyond the terms `planning.memory`
-        computes for the built-in axes (their sizes are `StepSetup` fields); none by default."""
+        """Per-rank bytes it holds through the whole step, by name (added to the static part of
+        the estimate, `StepSetup.extra_bytes`); none by default."""
         return {}
+
+    def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
+        """The share of the model and of the activations it leaves each rank (`MemoryShares`);
+        all of it by default. `size` is its size in `setup` (`StepSetup.size_of`)."""
+        return MemoryShares()
+
+    def memory_positions(self, *, size: int, setup: StepSetup) -> tuple[RankPosition, ...] | None:
+        """The ranks' places in its schedule whose peaks the estimate compares (None: it runs
+        none; the first parallelism that names positions decides them)."""
+        return None
+
+    def layer_activation_terms(
+        self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool
+    ) -> dict[ActivationSite, float]:
+        """Bytes per token (of this rank) one decoder layer saves for backward because of it, by
+        where they add up; `shares` are every parallelism's together, `moe` whether the layer
+        routes to experts. None by default."""
+        return {}
+
+    #: Its place in `recipes plan`'s search (outermost first) and in its table and YAML; None:
+    #: the planner leaves it at 1.
+    search_order: ClassVar[int | None] = None
+    #: Its column in `recipes plan`'s table (default: its name, 3 wide).
+    plan_column: ClassVar[PlanColumn | None] = None
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """The assignments `recipes plan` tries at `point`, each ``{name: size}`` (one may also
+        resize a parallelism chosen earlier: HSDP splits dp_shard); by default every divisor of
+        the room left."""
+        return [{self.name: d} for d in divisors(point.room)]
+
+    def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
+        """The `StepSetup` fields `recipes plan` tries with each of its sizes (pp's schedules,
+        ep's resharding, tp's sequence parallelism), each a set of overrides; one, none changed,
+        by default."""
+        return [{}]
+
+    def search_local_batches(self, *, size: int) -> tuple[int, ...] | None:
+        """The local batch sizes `recipes plan` tries at its size (None: the planner's own; the
+        first parallelism that gives some decides)."""
+        return None
+
+    def plan_cell(self, setup: StepSetup) -> str:
+        """Its cell in `recipes plan`'s table: its size."""
+        return str(setup.size_of(self.name))
+
+    def plan_yaml(self, setup: StepSetup) -> list[str]:
+        """Its ``distributed:`` lines in the YAML `recipes plan` proposes: the size key when > 1."""
+        size = setup.size_of(self.name)
+        return [f"  {self.size_key}: {size}"] if size > 1 else []
+
+    def plan_yaml_section(self, setup: StepSetup) -> list[str]:
+        """Its own options section in that YAML (``pipeline:``, ``moe:``), after the flags."""
+        return []
+
+    def validate_lines(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int, stages: int, setup: StepSetup
+    ) -> list[str]:
+        """What `recipes validate` says of it under the model line (the pipeline's schedule, the
+        expert load the estimate assumed); `setup` is the estimate's. Nothing by default."""
+        return []
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Seconds its collectives add to one step on the critical path (the roofline of `recipes

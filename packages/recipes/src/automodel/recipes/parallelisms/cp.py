@@ -13,18 +13,25 @@ from automodel.context_parallel import make_cp_batch_and_ctx
 from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
+    ActivationSite,
     BatchContext,
     BatchRun,
+    MemoryShares,
     MicroBatch,
     Parallelism,
+    PlanColumn,
     RankReport,
+    SearchPoint,
+    divisors,
 )
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
+    from automodel.recipes.planning.shape import ModelShape
 
 
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
@@ -64,6 +71,11 @@ class ContextParallel(Parallelism):
     name = "cp"
     size_key = "cp_size"
     report_axes = ("cp",)
+    search_order = 2
+    plan_column = PlanColumn("cp", 3)
+
+    #: The largest cp `recipes plan` tries.
+    max_searched = 8
 
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
@@ -89,6 +101,22 @@ class ContextParallel(Parallelism):
             packed=run.packed,
         )
         return MicroBatch(fields=fields, extra=extra, context=ctx)
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        return [{self.name: c} for c in divisors(point.room) if c <= self.max_searched]
+
+    def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
+        """Each rank holds 1/cp of every sequence's tokens."""
+        return MemoryShares(tokens=size)
+
+    def layer_activation_terms(
+        self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool
+    ) -> dict[ActivationSite, float]:
+        """The ring keeps the other ranks' k and v for backward."""
+        if size == 1:
+            return {}
+        kv = shape.kv_heads * shape.head_dim
+        return {"attention": setup.compute_bytes * 2 * kv / shares.heads * (size - 1)}
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Every rank's k/v chunk visits the others, forward and backward."""

@@ -3,9 +3,11 @@ dp_shard-sharded model, gradients all-reduced across them."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
-from automodel.recipes.parallelisms.base import Parallelism
+from automodel.mesh import DENSE_AXES
+from automodel.recipes.parallelisms.base import Parallelism, PlanColumn, SearchPoint, divisors
 
 if TYPE_CHECKING:
     from automodel.recipes.planning.roofline import StepTraffic
@@ -19,6 +21,16 @@ class DataParallelReplicate(Parallelism):
     derived_when_unset = True
     unused = "unset"
     report_axes = ("dp_replicate",)
+    search_order = 5
+    plan_column = PlanColumn("dp_repl", 7)
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """None, or replicas whose shard group (the dense axes inside dp_replicate) fills one node."""
+        dp = point.sizes["dp_shard"]
+        inner = DENSE_AXES[DENSE_AXES.index(self.name) + 1 :]
+        group = math.prod(point.sizes.get(a, 1) for a in inner)
+        replicas = [r for r in divisors(dp) if r > 1 and group // r == point.gpus_per_node]
+        return [{self.name: 1}] + [{self.name: r, "dp_shard": dp // r} for r in replicas]
 
     def in_use(self, size: int | None) -> bool:
         return size is not None

@@ -3,7 +3,12 @@ rows of each global batch split over them; FSDP shards parameters over dp_shard 
 
 from __future__ import annotations
 
-from automodel.recipes.parallelisms.base import Parallelism
+from typing import TYPE_CHECKING
+
+from automodel.recipes.parallelisms.base import Parallelism, PlanColumn, SearchPoint
+
+if TYPE_CHECKING:
+    from automodel.recipes.planning.memory import StepSetup
 
 
 class DataParallelShard(Parallelism):
@@ -13,3 +18,12 @@ class DataParallelShard(Parallelism):
     size_key = "dp_size"
     derived_when_unset = True
     report_axes = ("dp_shard_cp", "dp_shard")
+    search_order = 4
+    plan_column = PlanColumn("dp_shard", 8)
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """The ranks the model-parallel axes leave (dp_replicate splits them next)."""
+        return [{self.name: point.room}]
+
+    def plan_yaml(self, setup: StepSetup) -> list[str]:
+        return []  # dp_size is derived from the world size

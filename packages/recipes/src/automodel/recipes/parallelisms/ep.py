@@ -11,13 +11,25 @@ from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.moe import MoEParallelizerConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
-from automodel.recipes.parallelisms.base import Options, Parallelism, config_error, section_mapping
+from automodel.recipes.parallelisms.base import (
+    ActivationSite,
+    MemoryShares,
+    Options,
+    Parallelism,
+    PlanColumn,
+    SearchPoint,
+    config_error,
+    divisors,
+    section_mapping,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
+    from automodel.recipes.planning.shape import ModelShape
 
 
 def build_moe_config(moe: Options | None) -> MoEParallelizerConfig:
@@ -36,6 +48,8 @@ class ExpertParallel(Parallelism):
     size_key = "ep_size"
     section_key = "moe"
     report_axes = ("ep", "ep_shard")
+    search_order = 3
+    plan_column = PlanColumn("ep", 3)
 
     def check_sizes(
         self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
@@ -66,6 +80,50 @@ class ExpertParallel(Parallelism):
             raise ConfigError(
                 "distributed.ep_size", size, f"must divide the model's number of experts ({experts})"
             )
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """Divisors of the experts that divide the dp x cp ranks left (ep_shard = dp*cp / ep)."""
+        if not point.shape.is_moe:
+            return [{self.name: 1}]
+        dp_cp = point.room * point.sizes.get("cp", 1)
+        return [{self.name: e} for e in divisors(point.shape.experts) if e <= dp_cp and dp_cp % e == 0]
+
+    def validate_lines(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int, stages: int, setup: StepSetup
+    ) -> list[str]:
+        if size == 1:
+            return []
+        return [
+            f"expert load factor {setup.expert_load:g} (the busiest ep rank's routed tokens "
+            "over the mean; --moe-load-factor)"
+        ]
+
+    def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
+        """moe.reshard_after_forward: False (the default) keeps every layer's gathered weights from
+        forward to backward, True frees them and gathers again in backward."""
+        if size == 1:
+            return [{}]
+        return [{"reshard_after_forward": False}, {"reshard_after_forward": True}]
+
+    def plan_yaml_section(self, setup: StepSetup) -> list[str]:
+        if setup.ep == 1:
+            return []
+        return [f"  moe: {{reshard_after_forward: {'true' if setup.reshard_after_forward else 'false'}}}"]
+
+    def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
+        """The experts' weights over ep; the busiest rank computes `StepSetup.expert_load` times
+        its balanced share of the routed slots (the router decides it at run time)."""
+        if size == 1:
+            return MemoryShares()
+        return MemoryShares(experts=size, expert_load=setup.expert_load)
+
+    def layer_activation_terms(
+        self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool
+    ) -> dict[ActivationSite, float]:
+        """The dispatched copy of each routed slot, on its expert's owner."""
+        if size == 1 or not moe:
+            return {}
+        return {"experts": shape.top_k * setup.compute_bytes * shape.hidden * shares.expert_load}
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Token dispatch and combine, forward and backward (the busiest rank's load)."""

@@ -11,9 +11,13 @@ from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
+    MemoryShares,
     Options,
     Parallelism,
+    PlanColumn,
+    RankPosition,
     RankReport,
+    SearchPoint,
     config_error,
     section_mapping,
 )
@@ -23,7 +27,9 @@ if TYPE_CHECKING:
 
     from automodel.pipeline import PipelineConfig
     from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
+    from automodel.recipes.planning.shape import ModelShape
 
 
 def build_pipeline_config(pipeline: Options | None, *, local_batch_size: int) -> PipelineConfig:
@@ -72,12 +78,27 @@ def pipeline_stages(cfg: RecipeConfig, layout: ResolvedLayout, hf_config: Pretra
         raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
 
 
+def in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
+    """Stage-micro-batches whose activations the first pipeline rank holds at once."""
+    name = setup.pp_schedule.lower().replace("_", "")
+    v, pp = setup.stages_per_rank, setup.pp
+    if "gpipe" in name or "loopedbfs" in name:
+        return n_mb * v
+    if "zbv" in name or "dualpipe" in name:
+        return min(n_mb * v, 2 * pp)
+    if "interleaved" in name:  # torch's warm-up on rank 0, plus the one in flight
+        return min(n_mb * v, (v - 1) * pp + 2 * (pp - 1) + 1)
+    return min(n_mb, pp) * v  # 1F1B
+
+
 class PipelineParallel(Parallelism):
     """Stages over pp ranks; one pipeline step takes one local batch in micro-batches."""
 
     name = "pp"
     size_key = "pp_size"
     section_key = "pipeline"
+    search_order = 1
+    plan_column = PlanColumn("pp (schedule)", 19, "<")
 
     def check_sizes(
         self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
@@ -133,6 +154,77 @@ class PipelineParallel(Parallelism):
                 seq,
                 f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
             )
+
+    def check_files(self, *, cfg: RecipeConfig) -> None:
+        pcfg = cfg.distributed.pipeline_config
+        if pcfg is None or pcfg.pp_schedule_csv is None:
+            return
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+        from automodel.pipeline.schedules import check_schedule_csv
+
+        try:
+            check_schedule_csv(pcfg.pp_schedule_csv)
+        except ValueError as e:
+            raise ConfigError("distributed.pipeline.pp_schedule_csv", pcfg.pp_schedule_csv, str(e)) from None
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """At least two layers per stage."""
+        pps = super().search_sizes(point)
+        return [a for a in pps if a[self.name] == 1 or point.shape.layers >= 2 * a[self.name]]
+
+    def validate_lines(
+        self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int, stages: int, setup: StepSetup
+    ) -> list[str]:
+        pipe = cfg.distributed.pipeline_config
+        if size == 1 or pipe is None:
+            return []
+        return [f"pipeline: {pipe.pp_schedule}, {stages} stages, micro-batch {pipe.pp_microbatch_size}"]
+
+    def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
+        """1F1B, and interleaved 1F1B with two stages per rank where the layers allow it."""
+        if size == 1:
+            return [{}]
+        schedules = (("1f1b", 1), ("interleaved1f1b", 2))
+        return [{"pp_schedule": s, "stages_per_rank": v} for s, v in schedules if shape.layers >= size * v]
+
+    def search_local_batches(self, *, size: int) -> tuple[int, ...] | None:
+        """Enough micro-batches (of one row) to fill the pipeline."""
+        return (size, 2 * size, 4 * size) if size > 1 else None
+
+    def plan_cell(self, setup: StepSetup) -> str:
+        return f"{setup.pp}" if setup.pp == 1 else f"{setup.pp} {setup.pp_schedule}"
+
+    def plan_yaml_section(self, setup: StepSetup) -> list[str]:
+        if setup.pp == 1:
+            return []
+        return [
+            "  pipeline:",
+            f"    pp_schedule: {setup.pp_schedule}",
+            f"    pp_microbatch_size: {setup.pp_microbatch}",
+        ]
+
+    def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
+        """Each rank runs 1/pp of the decoder layers (its stages)."""
+        return MemoryShares(layers=size)
+
+    def memory_positions(self, *, size: int, setup: StepSetup) -> tuple[RankPosition, ...] | None:
+        """The first rank (the embedding, the most micro-batches in flight) and the last (the
+        head and the loss); V-shape schedules put the last stage on the first rank."""
+        if size == 1:
+            return None
+        v = setup.stages_per_rank
+        n_mb = max(1, setup.local_batch // setup.pp_microbatch)
+        v_shape = any(k in setup.pp_schedule.lower() for k in ("zbv", "dualpipe"))
+        common = {
+            "scheduled": True,
+            "micro_batch_rows": setup.pp_microbatch,
+            "micro_batches": n_mb,
+            "in_flight": in_flight_chunks(setup, n_mb) / v,
+            "p2p_stages": v,
+        }
+        first = RankPosition(holds_embedding=True, holds_head=v_shape, **common)
+        last = RankPosition(holds_embedding=False, holds_head=not v_shape, **common)
+        return (first, last)
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Activations and their gradients cross each stage boundary."""

@@ -9,13 +9,22 @@ from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import positive_ints, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
-from automodel.recipes.parallelisms.base import Parallelism
+from automodel.recipes.parallelisms.base import (
+    ActivationSite,
+    MemoryShares,
+    Parallelism,
+    PlanColumn,
+    SearchPoint,
+    divisors,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
+    from automodel.recipes.planning.shape import ModelShape
 
 
 class TensorParallel(Parallelism):
@@ -24,6 +33,8 @@ class TensorParallel(Parallelism):
     name = "tp"
     size_key = "tp_size"
     report_axes = ("tp",)
+    search_order = 0
+    plan_column = PlanColumn("tp", 3)
 
     def check_sizes(
         self, *, sizes: Mapping[str, int | None], data: Mapping[str, object], strategy_config: StrategyConfig
@@ -58,6 +69,31 @@ class TensorParallel(Parallelism):
                 f"is not supported for MoE models ({hf_config.model_type}: the expert block has no "
                 "sequence-parallel plan); use tp_size > 1 without it",
             )
+
+    def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
+        """Inside one node (its collectives are on the critical path of every layer)."""
+        return [{self.name: d} for d in divisors(min(point.room, point.gpus_per_node))]
+
+    def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
+        """Sequence parallelism with TP, but for MoE models (their expert block has no SP plan)."""
+        return [{"sequence_parallel": size > 1 and not shape.is_moe}]
+
+    def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
+        """Heads, MLP width, the untied head and the dense weights over tp; the norms' hidden
+        states too under sequence parallelism; the experts' weights unless EP owns them."""
+        return MemoryShares(
+            heads=size,
+            norm_width=size if setup.sequence_parallel else 1,
+            experts=size if setup.ep == 1 else 1,
+        )
+
+    def layer_activation_terms(
+        self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool
+    ) -> dict[ActivationSite, float]:
+        """Sequence parallelism: the all-gathered norm outputs the column-parallel linears keep."""
+        if not setup.sequence_parallel:
+            return {}
+        return {"norms": 2 * setup.compute_bytes * shape.hidden}
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """2 collectives forward, 2 backward per layer (+2 for the recompute)."""

@@ -27,7 +27,7 @@ def global_batch_of(c: Candidate) -> int:
 
 def layout_key(c: Candidate) -> tuple:
     s = c.setup
-    return (*(getattr(s, axis) for axis in PARALLEL_AXES), s.pp_schedule)
+    return (*(getattr(s, axis) for axis in PARALLEL_AXES), *s.extra_sizes, s.pp_schedule)
 
 
 def _model_section(hf_config: Any) -> dict[str, Any]:

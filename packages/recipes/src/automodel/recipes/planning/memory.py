@@ -12,6 +12,11 @@ The estimate follows what the step keeps alive, moment by moment (nothing is run
 * the optimizer step: parameters, gradients, state and the optimizer's temporaries.
 
 The peak is the largest of these moments; `MemoryEstimate` reports its parts at that moment.
+The parallelisms scale it through their hooks, multiplied over the registry: the share of the
+layers, tokens, heads and experts each rank holds (`Parallelism.memory_shares`), the tensors they
+add to a layer's saved activations (`layer_activation_terms`), the schedule positions whose peaks
+are compared (`memory_positions`, the pipeline's first and last rank) and bytes held all step
+(`memory_terms`); the data-parallel sharding is the strategy's (`StrategyMemory`).
 Saved activations are counted tensor by tensor as Hugging Face decoder layers save them for
 backward (RMSNorm keeps an fp32 copy of its input and its normalized output, attention keeps
 q, k, v after RoPE, its output and log-sum-exp, the SwiGLU MLP keeps gate, up, silu(gate) and
@@ -24,7 +29,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from automodel.mesh import PARALLEL_AXES
+from automodel.mesh import FLATTENED_AXES, PARALLEL_AXES
+from automodel.recipes.parallelisms import (
+    MemoryShares,
+    RankPosition,
+    layer_activation_terms,
+    memory_positions,
+    memory_shares,
+)
 from automodel.recipes.planning.shape import ModelShape
 
 GiB = 2**30
@@ -100,6 +112,17 @@ class StepSetup:
     # per-rank bytes held through the whole step by registered parallelisms beyond the built-in
     # axes' terms above, by name (`automodel.recipes.parallelisms.memory_terms`)
     extra_bytes: tuple[tuple[str, float], ...] = ()
+    # the sizes of registered parallelisms that have no field above, by name (`size_of`); out of
+    # the repr, which the built-in layouts print as before
+    extra_sizes: tuple[tuple[str, int], ...] = field(default=(), repr=False)
+
+    def size_of(self, name: str) -> int:
+        """The size of parallelism `name`: its field, else `extra_sizes`, else 1 (not used)."""
+        if name in PARALLEL_AXES:
+            value = getattr(self, name)
+            assert isinstance(value, int)
+            return value
+        return dict(self.extra_sizes).get(name, 1)
 
     @property
     def dp_shard_cp(self) -> int:
@@ -150,12 +173,14 @@ class MemoryEstimate:
         return self.peak_bytes
 
 
-def _chunked_loss_bytes(shape: ModelShape, s: StepSetup, *, tokens: float, e_c: int) -> float:
+def _chunked_loss_bytes(
+    shape: ModelShape, s: StepSetup, *, shares: MemoryShares, tokens: float, e_c: int
+) -> float:
     """Peak of the chunked linear cross-entropy (its gradients are computed in its forward): fp32
     gradients of the hidden states and of the head's rows this rank holds, plus one chunk's
     logits (see `automodel.recipes.linear_ce._chunked_pass` for what is in place)."""
     tied = shape.tied_embeddings
-    v_local = shape.vocab / s.tp if s.tp > 1 and not tied else shape.vocab
+    v_local = shape.vocab / shares.heads if shares.heads > 1 and not tied else shape.vocab
     chunk = s.loss_chunk_tokens or max(
         16, 1 << int(math.log2(max(1, s.loss_chunk_elements // max(1, v_local))))
     )
@@ -171,47 +196,39 @@ def _chunked_loss_bytes(shape: ModelShape, s: StepSetup, *, tokens: float, e_c: 
     return grads + max(chunk_bytes + v_local * hidden * e_c, casts)
 
 
-def _in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
-    """Stage-micro-batches whose activations the first pipeline rank holds at once."""
-    name = setup.pp_schedule.lower().replace("_", "")
-    v, pp = setup.stages_per_rank, setup.pp
-    if "gpipe" in name or "loopedbfs" in name:
-        return n_mb * v
-    if "zbv" in name or "dualpipe" in name:
-        return min(n_mb * v, 2 * pp)
-    if "interleaved" in name:  # torch's warm-up on rank 0, plus the one in flight
-        return min(n_mb * v, (v - 1) * pp + 2 * (pp - 1) + 1)
-    return min(n_mb, pp) * v  # 1F1B
-
-
 def _norm_bytes(setup: StepSetup, width: float) -> float:
     """RMSNorm saves an fp32 copy of its input (the input itself in fp32) and its output twice
     (x * rsqrt in fp32-or-compute dtype, then weight * that)."""
     return (4 + 2 * setup.compute_bytes) * width
 
 
-def layer_activation_bytes(shape: ModelShape, setup: StepSetup, *, tokens: float, moe: bool) -> float:
-    """Bytes one decoder layer saves for backward for `tokens` tokens on this rank (no AC)."""
-    e, tp = setup.compute_bytes, setup.tp
+def layer_activation_bytes(
+    shape: ModelShape, setup: StepSetup, *, shares: MemoryShares, tokens: float, moe: bool
+) -> float:
+    """Bytes one decoder layer saves for backward for `tokens` tokens on this rank (no AC): the
+    layer's own tensors at the rank's `shares`, plus each parallelism's terms where they add up
+    (`Parallelism.layer_activation_terms`)."""
+    e, tp = setup.compute_bytes, shares.heads
+    terms = layer_activation_terms(setup, shape, shares=shares, moe=moe)
     h = shape.hidden
-    h_norm = h / tp if setup.sequence_parallel else h
+    h_norm = h / shares.norm_width if shares.norm_width > 1 else h
     per_token = 2 * _norm_bytes(setup, h_norm)
-    if setup.sequence_parallel:  # the all-gathered norm outputs the column-parallel linears keep
-        per_token += 2 * e * h
+    for term in terms.get("norms", ()):
+        per_token += term
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     # q and k after RoPE, v, attention output (compute dtype) and log-sum-exp per head (fp32)
     per_token += e * (2 * q + 2 * kv) / tp + 4 * shape.heads / tp
-    if setup.cp > 1:  # the ring keeps the other ranks' k and v for backward
-        per_token += e * 2 * kv / tp * (setup.cp - 1)
+    for term in terms.get("attention", ()):
+        per_token += term
     if moe:
         k, inter = shape.top_k, shape.moe_intermediate
         # router: fp32 logits and softmax per expert; per routed slot: the gathered input and the
         # weighted expert output where the token lives, gate|up, silu(gate) and their product where
-        # its expert lives (with EP, the busiest owner computes `expert_load_factor` times its share)
-        load = setup.expert_load
+        # its expert lives (the busiest owner computes `expert_load` times its share)
+        load = shares.expert_load
         per_token += 2 * 4 * shape.experts + k * e * (2 * h + 4 * inter * load)
-        if setup.ep > 1:  # the dispatched copy of each routed slot, on its expert's owner
-            per_token += k * e * h * load
+        for term in terms.get("experts", ()):
+            per_token += term
         if shape.shared_intermediate:
             per_token += 4 * e * shape.shared_intermediate / tp
     else:
@@ -219,36 +236,39 @@ def layer_activation_bytes(shape: ModelShape, setup: StepSetup, *, tokens: float
     return per_token * tokens
 
 
-def _backward_transient(shape: ModelShape, setup: StepSetup, *, tokens: float, moe: bool) -> float:
+def _backward_transient(
+    shape: ModelShape, setup: StepSetup, *, shares: MemoryShares, tokens: float, moe: bool
+) -> float:
     """Gradients of activations alive inside one layer's backward (two MLP-wide, one hidden-wide)."""
     e = setup.compute_bytes
     if moe:
-        load = setup.expert_load
+        load = shares.expert_load
         width = shape.top_k * (2 * shape.moe_intermediate + shape.hidden) * load
     else:
-        width = 2 * shape.intermediate / setup.tp + shape.hidden
+        width = 2 * shape.intermediate / shares.heads + shape.hidden
     return e * width * tokens
 
 
 def estimate_step_memory(shape: ModelShape, setup: StepSetup) -> MemoryEstimate:
     """The per-rank peak of one step of `shape` under `setup` (the worst pipeline rank)."""
-    ranks = [0] if setup.pp == 1 else [0, setup.pp - 1]
-    estimates = [_estimate_rank(shape, setup, pp_rank=r) for r in ranks]
+    estimates = [_estimate_rank(shape, setup, pos=pos) for pos in memory_positions(setup)]
     return max(estimates, key=lambda m: m.peak_bytes)
 
 
-def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEstimate:
-    tp, e_s, e_c = s.tp, s.storage_bytes, s.compute_bytes
-    v = s.stages_per_rank
-    layers = shape.layers / s.pp  # layers on this rank (all its stages)
+def _shard_group(s: StepSetup, axis: str) -> int:
+    """Ranks of a flattened mesh axis (`automodel.mesh.FLATTENED_AXES`) in `s`."""
+    return math.prod(s.size_of(a) for a in FLATTENED_AXES[axis])
+
+
+def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> MemoryEstimate:
+    shares = memory_shares(s, shape)
+    tp, e_s, e_c = shares.heads, s.storage_bytes, s.compute_bytes
+    layers = shape.layers / shares.layers  # layers on this rank (all its stages)
     moe_frac = shape.moe_layers / shape.layers if shape.is_moe else 0.0
-    first = pp_rank == 0
-    # the last stage lives on rank 0 for V-shape schedules, on the last rank otherwise
-    v_shape = any(k in s.pp_schedule.lower() for k in ("zbv", "dualpipe"))
-    last = pp_rank == (0 if v_shape and s.pp > 1 else s.pp - 1)
+    first, last = pos.holds_embedding, pos.holds_head
 
     # ---- parameters: model-parallel split, then the data-parallel shard ----------------------
-    expert_mp = shape.layer_expert_params / (s.ep if s.ep > 1 else tp)
+    expert_mp = shape.layer_expert_params / shares.experts
     layer_mp = shape.layer_dense_params / tp + expert_mp  # elements of one layer on this rank
     root_mp = (shape.embed_params if first or shape.tied_embeddings and last else 0) / tp
     root_mp += (shape.head_params if last else 0) / tp
@@ -256,9 +276,9 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     if sh.shard_over == "none":
         fs_dense = fs_expert = 1
     elif sh.shard_over == "dp_cp":
-        fs_dense = fs_expert = s.dp_replicate * s.dp_shard * s.cp
+        fs_dense = fs_expert = _shard_group(s, "dp_cp")
     else:
-        fs_dense = s.dp_shard_cp
+        fs_dense = _shard_group(s, "dp_shard_cp")
         fs_expert = s.ep_shard if s.ep > 1 else fs_dense
     layer_shard = shape.layer_dense_params / tp / fs_dense + expert_mp / fs_expert
     root_shard = root_mp / fs_dense
@@ -274,19 +294,19 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     if sh.fp32_master:
         opt_b += opt_shard * 4
     static = param_b + opt_b
-    if sh.gradient_buckets and s.dp_replicate * s.dp_shard > 1:
+    if sh.gradient_buckets and _shard_group(s, "dp") > 1:
         static += grad_shard * e_s * trainable_frac  # flat gradient buckets, allocated once
     for _, extra in s.extra_bytes:  # other parallelisms' own terms (`StepSetup.extra_bytes`)
         static += extra
 
     # ---- activations of one micro-batch --------------------------------------------------------
-    rows = s.pp_microbatch if s.pp > 1 else s.local_batch
-    tokens = rows * s.seq_len / s.cp
+    rows = pos.micro_batch_rows if pos.micro_batch_rows is not None else s.local_batch
+    tokens = rows * s.seq_len / shares.tokens
     tokens_norm = tokens  # SP shards are inside the per-layer formula
-    a_dense = layer_activation_bytes(shape, s, tokens=tokens, moe=False)
-    a_moe = layer_activation_bytes(shape, s, tokens=tokens, moe=True) if moe_frac else 0.0
+    a_dense = layer_activation_bytes(shape, s, shares=shares, tokens=tokens, moe=False)
+    a_moe = layer_activation_bytes(shape, s, shares=shares, tokens=tokens, moe=True) if moe_frac else 0.0
     a_layer = (1 - moe_frac) * a_dense + moe_frac * a_moe
-    h_saved = shape.hidden / tp if s.sequence_parallel else shape.hidden
+    h_saved = shape.hidden / shares.norm_width if shares.norm_width > 1 else shape.hidden
     x_in = e_c * h_saved * tokens_norm  # what a checkpointed layer keeps: its input
     a_save = x_in if s.activation_checkpointing else a_layer
     a_peak_layer = max(a_dense, a_moe) if moe_frac else a_dense
@@ -296,14 +316,12 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     # logits (compute dtype), their fp32 copy for the loss, log-softmax output, and in its
     # backward the gradient of the log-probabilities and of the logits
     logits_peak = tokens * shape.vocab * (e_c + extra_fp32 + 12) if last else 0.0
-    logits_live = tokens * shape.vocab * e_c if last and s.pp == 1 else 0.0  # the loop's `logits`
+    logits_live = tokens * shape.vocab * e_c if last and not pos.scheduled else 0.0  # the loop's `logits`
     if s.loss_chunk_elements and last:
-        logits_peak, logits_live = _chunked_loss_bytes(shape, s, tokens=tokens, e_c=e_c), 0.0
-    transient = _backward_transient(shape, s, tokens=tokens, moe=bool(moe_frac))
+        logits_peak, logits_live = _chunked_loss_bytes(shape, s, shares=shares, tokens=tokens, e_c=e_c), 0.0
+    transient = _backward_transient(shape, s, shares=shares, tokens=tokens, moe=bool(moe_frac))
 
-    n_mb = max(1, s.local_batch // s.pp_microbatch) if s.pp > 1 else 1
-    chunks = _in_flight_chunks(s, n_mb) if s.pp > 1 else v
-    in_flight = chunks / v  # micro-batches of the whole rank's layers
+    in_flight = pos.in_flight  # micro-batches of the whole rank's layers
     pipe_extra = (in_flight - 1) * layers * a_save
 
     # ---- buffers: unsharded weights / grads (FSDP2), p2p buffers (PP) ----------------------
@@ -312,7 +330,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     g_layer_s = layer_shard * e_s * trainable_frac
     w_root_u = root_mp * e_c
     head_grad_u = (shape.head_params / tp if last else 0.0) * e_c * trainable_frac
-    keep_all = s.pp > 1 or s.reshard_after_forward is False
+    keep_all = pos.scheduled or s.reshard_after_forward is False
     if sh.gathered_weights == "layers":
         # layers reshard after forward except the last (none when keep_all); the root never
         held_fwd = (layers if keep_all else 1) * w_layer_u + w_root_u
@@ -325,14 +343,14 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
     # the previous layer's reduce-scatter input is still in flight while this layer's grads appear
     rs_in_flight = (
         layer_mp * s.reduce_bytes * trainable_frac
-        if sh.reduce_scatter_in_flight and s.dp_shard_cp > 1
+        if sh.reduce_scatter_in_flight and _shard_group(s, "dp_shard_cp") > 1
         else 0.0
     )
-    p2p = 2 * e_c * shape.hidden * tokens * v if s.pp > 1 else 0.0
+    p2p = 2 * e_c * shape.hidden * tokens * pos.p2p_stages if pos.p2p_stages else 0.0
 
     # ---- gradients held from earlier micro-batches of the step ----------------------------
-    accum = s.grad_accum * (n_mb if s.pp > 1 else 1)
-    unsharded_accum = sh.defer_unsharded_grads and s.pp == 1 and s.grad_accum > 1
+    accum = s.grad_accum * pos.micro_batches
+    unsharded_accum = sh.defer_unsharded_grads and not pos.scheduled and s.grad_accum > 1
     layers_int = max(1, round(layers))
     phases: dict[str, dict[str, float]] = {}
 
@@ -373,7 +391,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pp_rank: int) -> MemoryEs
                 + p2p
                 + (
                     held_fwd - w_root_u
-                    if s.pp > 1
+                    if pos.scheduled
                     else (i + 1) * w_layer_u
                     if keep_all  # each layer reshards after its backward
                     else w_layer_u + (prefetch if i else 0.0)

@@ -1,14 +1,20 @@
 """`recipes plan`: enumerate the layouts of a model on N GPUs, keep those whose estimated peak
-fits, rank them by estimated throughput (`planning.admit` then keeps those `recipes train` accepts)."""
+fits, rank them by estimated throughput (`planning.admit` then keeps those `recipes train` accepts).
+
+The layouts are the registered parallelisms' sizes (`Parallelism.search_sizes`, nested in their
+`search_order`) crossed with their options (`search_options`), activation checkpointing and the
+local batch size."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
-from automodel.mesh import DENSE_AXES
+from automodel.mesh import DENSE_AXES, FLATTENED_AXES, PARALLEL_AXES
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.parallelisms import SearchPoint, searched
 from automodel.recipes.planning.memory import MemoryEstimate, StepSetup, estimate_step_memory
 from automodel.recipes.planning.roofline import Hardware, StepTime, estimate_step_time
 from automodel.recipes.planning.shape import ModelShape
@@ -27,8 +33,21 @@ class Candidate:
         return self.time.tokens / self.time.seconds / world
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _layouts(shape: ModelShape, *, gpus: int, gpus_per_node: int) -> Iterator[dict[str, int]]:
+    """Every size assignment of the searched parallelisms (`Parallelism.search_sizes`), nested in
+    their `search_order`, outermost first."""
+    order = searched()
+
+    def walk(i: int, sizes: dict[str, int]) -> Iterator[dict[str, int]]:
+        if i == len(order):
+            yield sizes
+            return
+        room = gpus // math.prod(sizes.get(axis, 1) for axis in DENSE_AXES)
+        point = SearchPoint(shape=shape, gpus=gpus, gpus_per_node=gpus_per_node, sizes=sizes, room=room)
+        for assignment in order[i].search_sizes(point):
+            yield from walk(i + 1, {**sizes, **assignment})
+
+    yield from walk(0, {})
 
 
 def enumerate_layouts(
@@ -53,66 +72,59 @@ def enumerate_layouts(
         raise ConfigError("--seq-len", seq_len, "must be >= 2")
     if global_batch is not None and global_batch < 1:
         raise ConfigError("--global-batch", global_batch, "must be >= 1")
-    g = hardware.gpus_per_node
     capacity = hardware.memory_bytes * hardware.memory_headroom
     out: list[Candidate] = []
-    for tp in _divisors(min(gpus, g)):
-        for pp in _divisors(gpus // tp):
-            if pp > 1 and shape.layers < 2 * pp:
-                continue
-            for cp in (c for c in _divisors(gpus // (tp * pp)) if c <= 8):
-                dp = gpus // (tp * pp * cp)
-                eps = [1]
-                if shape.is_moe:
-                    eps = [e for e in _divisors(shape.experts) if e <= dp * cp and (dp * cp) % e == 0]
-                for ep in eps:
-                    reps = [1] + [r for r in _divisors(dp) if r > 1 and (dp // r) * cp * tp == g]
-                    for rep in reps:
-                        _add_batches(
-                            out,
-                            shape,
-                            hardware,
-                            capacity,
-                            gpus=gpus,
-                            seq_len=seq_len,
-                            global_batch=global_batch,
-                            trainable=trainable_params,
-                            expert_load_factor=expert_load_factor,
-                            tp=tp,
-                            pp=pp,
-                            cp=cp,
-                            ep=ep,
-                            dp_shard=dp // rep,
-                            dp_replicate=rep,
-                        )
+    for sizes in _layouts(shape, gpus=gpus, gpus_per_node=hardware.gpus_per_node):
+        _add_batches(
+            out,
+            shape,
+            hardware,
+            capacity,
+            sizes=sizes,
+            gpus=gpus,
+            seq_len=seq_len,
+            global_batch=global_batch,
+            trainable=trainable_params,
+            expert_load_factor=expert_load_factor,
+        )
     out.sort(key=lambda c: (-c.tokens_per_s_per_gpu, c.memory.peak_bytes))
     return out
 
 
-def _add_batches(out: list[Candidate], shape: ModelShape, hw: Hardware, capacity: float, **k) -> None:
-    tp, pp, cp, ep, dps, rep = k["tp"], k["pp"], k["cp"], k["ep"], k["dp_shard"], k["dp_replicate"]
-    dp = dps * rep
-    schedules = ["1f1b", "interleaved1f1b"] if pp > 1 else ["1f1b"]
-    for schedule in schedules:
-        v = 2 if schedule == "interleaved1f1b" else 1
-        if pp > 1 and shape.layers < pp * v:
-            continue
-        # moe.reshard_after_forward (EP only): False (the default) keeps every layer's gathered
-        # weights from forward to backward, True frees them and gathers again in backward
-        for reshard, ac in itertools.product((False, True) if ep > 1 else (None,), (False, True)):
-            for lbs in (1, 2, 4, 8) if pp == 1 else (pp, 2 * pp, 4 * pp):
+def _add_batches(
+    out: list[Candidate],
+    shape: ModelShape,
+    hw: Hardware,
+    capacity: float,
+    *,
+    sizes: Mapping[str, int],
+    **k,
+) -> None:
+    """The candidates of one size assignment: the searched parallelisms' options
+    (`Parallelism.search_options`, in search order), then AC, then the local batch sizes."""
+    axes = {name: size for name, size in sizes.items() if name in PARALLEL_AXES}
+    extra_sizes = tuple((name, size) for name, size in sizes.items() if name not in PARALLEL_AXES)
+    dp = math.prod(axes.get(a, 1) for a in FLATTENED_AXES["dp"])
+    order = searched()
+    per_axis = [p.search_options(size=sizes.get(p.name, 1), shape=shape) for p in order]
+    batches = next(
+        (lbs for p in order if (lbs := p.search_local_batches(size=sizes.get(p.name, 1))) is not None),
+        (1, 2, 4, 8),
+    )
+    for options in itertools.product(*per_axis):
+        overrides = {key: value for option in options for key, value in option.items()}
+        for ac in (False, True):
+            for lbs in batches:
                 gb = k["global_batch"] or lbs * dp
                 if gb % (lbs * dp):
                     continue
                 base = StepSetup(
-                    tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dps, dp_replicate=rep,
-                    sequence_parallel=tp > 1 and not shape.is_moe, activation_checkpointing=ac,
+                    **axes, extra_sizes=extra_sizes, activation_checkpointing=ac,
                     seq_len=k["seq_len"], local_batch=lbs, grad_accum=gb // (lbs * dp), pp_microbatch=1,
-                    pp_schedule=schedule, stages_per_rank=v, storage_bytes=4, compute_bytes=2, reduce_bytes=4,
-                    trainable_params=k["trainable"],
-                    reshard_after_forward=reshard,
+                    storage_bytes=4, compute_bytes=2, reduce_bytes=4, trainable_params=k["trainable"],
                     expert_load_factor=k["expert_load_factor"],
                 )  # fmt: skip
+                base = replace(base, **overrides)
                 mem = estimate_step_memory(shape, base)
                 if mem.peak_bytes > capacity:
                     continue

@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+from automodel.recipes.parallelisms import Parallelism, PlanColumn, searched
 from automodel.recipes.planning.memory import GiB
 from automodel.recipes.planning.search import Candidate
 
 
-def _sched(c: Candidate) -> str:
-    s = c.setup
-    return f"{s.pp}" if s.pp == 1 else f"{s.pp} {s.pp_schedule}"
+def _column(p: Parallelism) -> PlanColumn:
+    return p.plan_column or PlanColumn(p.name, max(3, len(p.name)))
 
 
 def format_table(cands: list[Candidate]) -> list[str]:
+    """One row per candidate: the searched parallelisms' sizes (their columns, in search order),
+    then the batch, the memory and time estimates."""
+    columns = [(p, _column(p)) for p in searched()]
+    sizes_head = "".join(f"{col.header:{col.align}{col.width}} " for _, col in columns)
     head = (
-        f"{'#':>2} {'tp':>3} {'pp (schedule)':<19} {'cp':>3} {'ep':>3} {'dp_shard':>8} {'dp_repl':>7} "
+        f"{'#':>2} {sizes_head}"
         f"{'AC':>4} {'lbs':>4} {'accum':>5} {'peak GiB':>9} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>5}"
     )
     lines = [head, "-" * len(head)]
     for i, c in enumerate(cands, 1):
         s = c.setup
+        sizes = "".join(f"{p.plan_cell(s):{col.align}{col.width}} " for p, col in columns)
         lines.append(
-            f"{i:>2} {s.tp:>3} {_sched(c):<19} {s.cp:>3} {s.ep:>3} {s.dp_shard:>8} {s.dp_replicate:>7} "
+            f"{i:>2} {sizes}"
             f"{'full' if s.activation_checkpointing else 'none':>4} {s.local_batch:>4} {s.grad_accum:>5} "
             f"{c.memory.peak_bytes / GiB:>9.1f} {c.time.seconds:>8.2f} {c.tokens_per_s_per_gpu:>10,.0f} "
             f"{c.time.mfu:>5.0%}"
@@ -44,11 +49,8 @@ def format_memory(c: Candidate) -> list[str]:
 def yaml_block(c: Candidate, *, global_batch: int) -> list[str]:
     s = c.setup
     lines = ["distributed:", "  strategy: fsdp2"]
-    for key, value in (("tp_size", s.tp), ("pp_size", s.pp), ("cp_size", s.cp), ("ep_size", s.ep)):
-        if value > 1:
-            lines.append(f"  {key}: {value}")
-    if s.dp_replicate > 1:
-        lines.append(f"  dp_replicate_size: {s.dp_replicate}")
+    for p in searched():
+        lines += p.plan_yaml(s)
     if s.sequence_parallel:
         lines.append("  sequence_parallel: true")
     lines.append(f"  activation_checkpointing: {'true' if s.activation_checkpointing else 'false'}")
@@ -56,13 +58,7 @@ def yaml_block(c: Candidate, *, global_batch: int) -> list[str]:
         "  mp_policy: {_target_: torch.distributed.fsdp.MixedPrecisionPolicy, param_dtype: bfloat16, "
         "reduce_dtype: float32}"
     )
-    if s.pp > 1:
-        lines += [
-            "  pipeline:",
-            f"    pp_schedule: {s.pp_schedule}",
-            f"    pp_microbatch_size: {s.pp_microbatch}",
-        ]
-    if s.ep > 1:
-        lines += [f"  moe: {{reshard_after_forward: {'true' if s.reshard_after_forward else 'false'}}}"]
+    for p in searched():
+        lines += p.plan_yaml_section(s)
     lines.append(f"step_scheduler: {{global_batch_size: {global_batch}, local_batch_size: {s.local_batch}}}")
     return lines

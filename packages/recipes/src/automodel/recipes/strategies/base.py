@@ -24,12 +24,12 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from automodel.fsdp2 import grad_sync_context
-from automodel.mesh import MeshContext, ResolvedLayout
+from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.recipes.grad_norm import clip_grad_norm
 from automodel.recipes.planning.memory import StrategyMemory
 
 if TYPE_CHECKING:
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.parallelisms import Parallelism
 
 #: Materialize (seeded init, then pretrained weights) the given parts in place.
@@ -133,9 +133,10 @@ class Strategy(PartWrapping, ABC):
         values = self.machine_defaults({}, cuda=cuda)
         return dataclasses.replace(config, **{k: values[k] for k in keys})
 
-    def check_environment(self) -> None:
-        """`ConfigError` naming ``distributed.strategy`` when this machine cannot run the strategy
-        (called before any rank starts, not by `recipes validate`); none by default."""
+    def check_environment(self, config: StrategyConfig) -> None:
+        """`ConfigError` naming the ``distributed.<key>`` this machine cannot run, the strategy or
+        one of its flags `config` (called before any rank starts; `recipes validate` reports it as a
+        line); none by default."""
         return None
 
     def axis_refusal(self, parallelism: Parallelism) -> str:
@@ -152,7 +153,7 @@ class Strategy(PartWrapping, ABC):
         """Rules across this strategy and the resolved layout (the world size known); none by default."""
         return None
 
-    def needed_alone(self, config: Any, *, param_dtype: torch.dtype) -> bool:
+    def needed_alone(self, config: StrategyConfig, *, param_dtype: torch.dtype) -> bool:
         """Whether a world of one needs this strategy with `config` and parameters of `param_dtype`
         (False: it would shard and reduce nothing and change no numerics); True by default."""
         return True

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from automodel.fsdp2 import DDPConfig, DDPManager
+from automodel.fsdp2 import DDPConfig, DDPManager, apply_activation_checkpointing
 from automodel.mesh import MeshContext
 from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.parallelisms import Parallelism
 
 
@@ -67,7 +67,11 @@ class DDPStrategy(Strategy):
         pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     ) -> ParallelModel:
         initialize([model])
-        if mesh.layout.dp == 1:
+        config = section.strategy_config
+        assert isinstance(config, DDPConfig)
+        if mesh.layout.dp == 1:  # no wrapper, but the flags still apply (the planner counts them)
+            if config.activation_checkpointing:
+                apply_activation_checkpointing(model)
             return ParallelModel(parts=[model], strategy=self, defer_grad_sync=False)
-        manager = DDPManager(section.strategy_config, mesh, gradient_divide_factor=gradient_divide_factor)
+        manager = DDPManager(config, mesh, gradient_divide_factor=gradient_divide_factor)
         return ParallelModel(parts=[manager.parallelize(model)], strategy=self, defer_grad_sync=True)

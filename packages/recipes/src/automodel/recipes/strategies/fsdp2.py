@@ -22,15 +22,17 @@ from automodel.fsdp2 import (
     apply_tensor_parallel_from_config,
     default_mp_policy,
 )
+from automodel.fsdp2.fsdp import offload_policy_refusal
 from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
-from automodel.mesh import MeshContext
+from automodel.mesh import MeshContext, StrategyConfig
 from automodel.moe import MoEParallelizerConfig, parallelize_experts
+from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
     from automodel.pipeline import BoundaryLayout
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
 
 
 def apply_fsdp2_stack(
@@ -138,10 +140,18 @@ class FSDP2Strategy(Strategy):
             options["mp_policy"] = default_mp_policy() if cuda else MixedPrecisionPolicy()
         return options
 
-    def needed_alone(self, config: Any, *, param_dtype: torch.dtype) -> bool:
+    def check_environment(self, config: StrategyConfig) -> None:
+        """Pinned CPU offload needs CUDA: refused here, before any rank starts, not in every rank's
+        `automodel.fsdp2.fsdp.check_offload_policy`."""
+        assert isinstance(config, FSDP2Config)  # parsed by this strategy's config_class
+        reason = offload_policy_refusal(config.offload_policy)
+        if reason is not None:
+            raise ConfigError("distributed.offload_policy", config.offload_policy, reason)
+
+    def needed_alone(self, config: StrategyConfig, *, param_dtype: torch.dtype) -> bool:
         """Alone, FSDP2 matters only through its mixed precision: compute in another dtype than the
         parameters' (bf16 over fp32 weights on CUDA by default)."""
-        compute = getattr(config.mp_policy, "param_dtype", None)
+        compute = config.compute_dtype
         return compute is not None and compute != param_dtype
 
     def memory_model(self, config: Any) -> StrategyMemory:

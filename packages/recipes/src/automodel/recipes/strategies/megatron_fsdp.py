@@ -24,13 +24,13 @@ from automodel.megatron_fsdp import (
     shard_optimizer,
 )
 from automodel.megatron_fsdp import full_tensor as megatron_full_tensor
-from automodel.mesh import MeshContext
+from automodel.mesh import MeshContext, StrategyConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.memory import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
-    from automodel.recipes._dist_setup import DistributedSection
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.parallelisms import Parallelism
 
 
@@ -38,7 +38,9 @@ class MegatronFSDPStrategy(Strategy):
     """automodel.megatron_fsdp's adapter around megatron-fsdp's ``fully_shard``."""
 
     name = "megatron_fsdp"
-    supported_axes = ("dp_shard", "tp", "cp")
+    # cp is not listed: this strategy applies no context-parallel hooks to the model, so each cp
+    # rank would attend over the whole sequence (a layout that silently does nothing is refused)
+    supported_axes = ("dp_shard", "tp")
     # it checkpoints the MLPs of its unit modules (checked by the adapter), not each decoder layer
     layer_flags = ()
     # it unshards the LM head only inside its own forward (CUDA only, unchecked on CPU)
@@ -69,7 +71,7 @@ class MegatronFSDPStrategy(Strategy):
             defer_unsharded_grads=False,
         )
 
-    def check_environment(self) -> None:
+    def check_environment(self, config: StrategyConfig) -> None:
         """megatron-fsdp must import (it needs CUDA at run time)."""
         try:
             import_megatron_fsdp()
@@ -79,6 +81,11 @@ class MegatronFSDPStrategy(Strategy):
     def axis_refusal(self, parallelism: Parallelism) -> str:
         if parallelism.name == "dp_replicate":
             return f"is FSDP2-only (strategy={self.name})"
+        if parallelism.name == "cp":
+            return (
+                f"strategy {self.name} applies no context-parallel attention here (each cp rank would "
+                "attend over the whole sequence); use strategy fsdp2 for cp_size > 1"
+            )
         return "megatron_fsdp does not support it (must be 1)"
 
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
