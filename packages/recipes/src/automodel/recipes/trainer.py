@@ -43,7 +43,7 @@ from automodel.recipes.model import build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.packed_probe import apply_packed_probe
-from automodel.recipes.parallelisms import BatchRun, MicroBatch, axis_sizes, parallelisms
+from automodel.recipes.parallelisms import BatchRun, MicroBatch, Parallelism, axis_sizes, parallelisms
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.resolved_run import ResolvedRun, check_rank, resolve_run
@@ -349,25 +349,22 @@ class Trainer:
                 loss.backward()
         return loss.detach()
 
-    def _pipeline_loss_sum(self, batch: Batch, *, train: bool) -> torch.Tensor:
-        """One local batch through the pipeline; the loss (already / tokens) summed over the pp group."""
-        pipe = self.pm.pipeline
+    def _batch_runner(self) -> Parallelism | None:
+        """The parallelism that runs a whole local batch itself (pp's schedule), if any."""
+        return next((p for p in parallelisms() if p.runs_local_batch(self.pm)), None)
+
+    def _local_batch_loss_sum(self, runner: Parallelism, batch: Batch, *, train: bool) -> torch.Tensor:
+        """One local batch run by `runner` (`Parallelism.run_local_batch`); its loss (already over
+        the step's tokens when training) summed over the runner's group."""
         fields = {
             "input_ids": batch.input_ids.to(self.device),
             "labels": batch.labels.to(self.device),
             "position_ids": batch.position_ids.to(self.device),
         }
         ctx, fields, extra = self._cp_shard(fields)
-        args = {
-            "labels": fields["labels"],
-            "position_ids": fields["position_ids"] + self.position_offset,
-            **extra,
-        }
-        ids = fields["input_ids"]
-        # the schedule runs every micro-batch's forward and backward inside them
+        fields["position_ids"] = fields["position_ids"] + self.position_offset
         with ctx(), self.head_loss.capturing():
-            loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
-        return pipe.reduce_loss(loss)
+            return runner.run_local_batch(MicroBatch(fields=fields, extra=extra), model=self.pm, train=train)
 
     def _cp_shard(
         self, fields: dict[str, torch.Tensor]
@@ -399,14 +396,15 @@ class Trainer:
         )
         loss_sum = torch.zeros((), device=self.device)
         self.pipeline_loss.set_divisor(tokens)
+        runner = self._batch_runner()
         for i, batch in enumerate(batches):
-            if self.pm.pipeline is not None:
-                loss_sum += self._pipeline_loss_sum(batch, train=True)
+            if runner is not None:
+                loss_sum += self._local_batch_loss_sum(runner, batch, train=True)
                 continue
             with self.pm.grad_sync(is_last_microbatch=i == len(batches) - 1):
                 loss_sum += self._micro_batch_loss(batch, divisor=tokens, backward=True)
-        if self.pm.pipeline is not None:
-            self.pm.pipeline.sync_tied_gradients()  # tied embedding/head copies on first and last stage
+        for parallelism in parallelisms():
+            parallelism.finish_backward(self.pm)
         loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
         grad_norm = self._clip_grad_norm()
         for opt in self.optimizers:
@@ -445,12 +443,13 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         self.pipeline_loss.set_divisor(1.0)
+        runner = self._batch_runner()
         for b in range(n_batches):
             start = b * gbs + rank * per_rank
             for mb in range(start, start + per_rank, ss.local_batch_size):
                 batch = Batch(*self.val_dataset.batch(list(range(mb, mb + ss.local_batch_size))))
-                if self.pm.pipeline is not None:
-                    loss_sum += self._pipeline_loss_sum(batch, train=False).float()
+                if runner is not None:
+                    loss_sum += self._local_batch_loss_sum(runner, batch, train=False).float()
                 else:
                     loss_sum += self._micro_batch_loss(batch, divisor=None, backward=False).float()
                 tokens += float((batch.labels != -100).sum())

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
+    from automodel.recipes.strategies.base import ParallelModel
 
 #: One rank's layout report (`automodel.mesh.layout_report.rank_report`): JSON-like values.
 RankReport = Mapping[str, object]
@@ -354,6 +355,20 @@ class Parallelism(ABC):
     def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:
         """This rank's share of one micro-batch (CP's sequence split); unchanged by default."""
         return batch
+
+    def runs_local_batch(self, model: ParallelModel) -> bool:
+        """Whether it runs a whole local batch itself (`run_local_batch`: the pipeline schedule
+        runs every micro-batch's forward and backward) instead of the loop's micro-batches."""
+        return False
+
+    def run_local_batch(self, batch: MicroBatch, *, model: ParallelModel, train: bool) -> torch.Tensor:
+        """One local batch (already through every `shard_batch`, inside its context), forward and,
+        when `train`, backward; the sum of its losses over this parallelism's group."""
+        raise NotImplementedError(f"parallelism {self.name} does not run local batches")
+
+    def finish_backward(self, model: ParallelModel) -> None:
+        """After the step's last backward, before the gradient norm (pp: the tied copies' sums)."""
+        return None
 
     # ---- the layout report ---------------------------------------------------------------
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:

@@ -12,6 +12,7 @@ from automodel.mesh.model_parts import text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
     MemoryShares,
+    MicroBatch,
     Options,
     Parallelism,
     PlanColumn,
@@ -23,6 +24,7 @@ from automodel.recipes.parallelisms.base import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
     from automodel.pipeline import PipelineConfig
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
+    from automodel.recipes.strategies.base import ParallelModel
 
 
 def build_pipeline_config(pipeline: Options | None, *, local_batch_size: int) -> PipelineConfig:
@@ -166,6 +169,24 @@ class PipelineParallel(Parallelism):
             check_schedule_csv(pcfg.pp_schedule_csv)
         except ValueError as e:
             raise ConfigError("distributed.pipeline.pp_schedule_csv", pcfg.pp_schedule_csv, str(e)) from None
+
+    def runs_local_batch(self, model: ParallelModel) -> bool:
+        return model.pipeline is not None
+
+    def run_local_batch(self, batch: MicroBatch, *, model: ParallelModel, train: bool) -> torch.Tensor:
+        """The schedule runs every micro-batch's forward (and backward) itself; the loss (already
+        over the step's tokens) summed over the pp group."""
+        pipe = model.pipeline
+        assert pipe is not None
+        fields = batch.fields
+        args = {"labels": fields["labels"], "position_ids": fields["position_ids"], **batch.extra}
+        ids = fields["input_ids"]
+        loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
+        return pipe.reduce_loss(loss)
+
+    def finish_backward(self, model: ParallelModel) -> None:
+        if model.pipeline is not None:  # tied embedding/head copies on the first and last stage
+            model.pipeline.sync_tied_gradients()
 
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """At least two layers per stage."""
