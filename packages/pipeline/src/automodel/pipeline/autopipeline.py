@@ -8,7 +8,6 @@ torch `PipelineStage`s -> the schedule.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
-from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from automodel.mesh import MeshContext
+from automodel.pipeline import torch_internals
 from automodel.pipeline.config import PipelineConfig
 from automodel.pipeline.dtensor_boundary import BoundaryLayouts, attach_boundary_layouts, normalize_layouts
 from automodel.pipeline.forward_only import run_forward
@@ -181,13 +180,13 @@ class AutoPipeline:
             guard_loss(loss_fn, errors=errors, last_stage=num_stages - 1) if loss_fn is not None else None
         )
         if cfg.pp_schedule_csv is not None:
-            schedule = _PipelineScheduleRuntime(
-                [st for st in stages],
+            schedule = torch_internals.csv_schedule(
+                list(stages),
                 n_microbatches=cfg.n_microbatches,
                 loss_fn=schedule_loss,
                 scale_grads=cfg.scale_grads_in_schedule,
+                path=cfg.pp_schedule_csv,
             )
-            schedule._load_csv(cfg.pp_schedule_csv)
         else:
             schedule = spec.cls(
                 stages if spec.multi_stage else stages[0],
@@ -249,7 +248,7 @@ def _check_fsdp_root(part: nn.Module, stage_index: int) -> None:
         )
 
 
-_STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(_PipelineScheduleRuntime.step).parameters
+_STEP_TAKES_RETURN_OUTPUTS = torch_internals.schedule_step_takes_return_outputs()
 
 
 class PipelineModel:
