@@ -30,7 +30,12 @@ from automodel.pipeline.hf import (
     validate_hf_model_for_pipeline_support,
 )
 from automodel.pipeline.hf_structure import HFStructure
-from automodel.pipeline.layout import check_stages_per_rank, num_stages_for, stage_ids_this_rank
+from automodel.pipeline.layout import (
+    check_adjacent_stages_on_one_rank,
+    check_stages_per_rank,
+    num_stages_for,
+    stage_ids_this_rank,
+)
 from automodel.pipeline.schedules import read_csv_stage_layout
 from automodel.pipeline.split import check_parameter_coverage, modules_in_several_stages, split_module
 from automodel.pipeline.step_guard import (
@@ -130,6 +135,11 @@ class AutoPipeline:
         layouts = normalize_layouts(boundary_layouts)
         cfg, spec = self.config, self.config.schedule_spec
         fqns_per_stage, ranks, structure = self._stage_layout(model)
+        check_adjacent_stages_on_one_rank(
+            ranks,
+            backend=dist.get_backend(self.mesh.get_mesh("pp").get_group()),
+            torch_version=torch.__version__,
+        )
         tied = tied_parameter_names(model, fqns_per_stage)  # HF or generic: found by parameter identity
         check_parameter_coverage(model, fqns_per_stage, shared_ok=tied)
         pp_mesh = self.mesh.get_mesh("pp")

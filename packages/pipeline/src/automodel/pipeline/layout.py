@@ -88,3 +88,32 @@ def split_layers_evenly(num_layers: int, num_stages: int) -> list[range]:
         ranges.append(range(start, start + count))
         start += count
     return ranges
+
+
+#: torch releases whose schedule set-up sends a tensor between adjacent stages even when one rank
+#: holds both; gloo cannot send from a rank to itself, so such layouts fail there on these releases
+_SELF_SEND_AT_SETUP = ("2.11.",)
+
+
+def check_adjacent_stages_on_one_rank(
+    stage_ids_per_rank: dict[int, list[int]], *, backend: str, torch_version: str
+) -> None:
+    """Refuse, before any stage is built, a layout that torch cannot set up on this backend.
+
+    On torch 2.11 every schedule with several stages per rank first exchanges a tensor between
+    neighbouring stages over the process group; when one rank holds stages i and i+1 (the V of
+    zbv / dualpipev, or a CSV schedule) that is a send to itself, which gloo rejects ("Pair is not
+    connected"). torch >= 2.12 sets local neighbours up without the process group.
+    """
+    if backend != "gloo" or not torch_version.startswith(_SELF_SEND_AT_SETUP):
+        return
+    for rank, stages in stage_ids_per_rank.items():
+        held = set(stages)
+        pair = next((s for s in sorted(held) if s + 1 in held), None)
+        if pair is not None:
+            raise ValueError(
+                f"pp rank {rank} holds the adjacent stages {pair} and {pair + 1} (V-shape schedules such as "
+                f"zbv and dualpipev always do): torch {torch_version} sets such stages up with a send from "
+                "the rank to itself, which the gloo backend cannot do. Use torch >= 2.12, the nccl backend, "
+                "or a schedule that places adjacent stages on different ranks (interleaved1f1b, 1f1b)"
+            )
