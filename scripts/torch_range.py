@@ -2,6 +2,7 @@
 
     python scripts/torch_range.py                                   # every package, floor and newest
     python scripts/torch_range.py --only automodel-pipeline --torch 2.15.0
+    python scripts/torch_range.py --ends newest --only automodel-mesh   # one end of each range
     python scripts/torch_range.py -- -k parity                      # after `--`: pytest arguments
 
 The range a package declares (`torch>=2.11,<3`) is a claim; this is its test. For each package and
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--torch", nargs="*", default=None, help="these torch versions instead of floor and newest"
     )
+    ap.add_argument(
+        "--ends", choices=["both", "floor", "newest"], default="both", help="which end of each range"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / ".nox" / "torch_range")
     args = ap.parse_args(argv)
 
@@ -201,7 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.only and p.name not in args.only:
             continue
         spec = torch_spec(p.dependencies)
-        versions = args.torch or sorted(set(versions_for(spec, releases)))
+        floor, newest = versions_for(spec, releases) if args.torch is None else ("", "")
+        ends = {"both": [floor, newest], "floor": [floor], "newest": [newest]}[args.ends]
+        versions = args.torch or list(dict.fromkeys(ends))
         for v in versions:
             ok, seconds, summary = run_one(
                 name=p.name, folder=p.folder, wheels=wheels, torch_version=v, base=base,
