@@ -32,7 +32,7 @@ from automodel.pipeline.hf import (
 )
 from automodel.pipeline.hf_structure import HFStructure
 from automodel.pipeline.layout import check_stages_per_rank, num_stages_for, stage_ids_this_rank
-from automodel.pipeline.schedules import read_csv_stage_layout
+from automodel.pipeline.schedules import check_microbatch_count, read_csv_stage_layout
 from automodel.pipeline.split import check_parameter_coverage, modules_in_several_stages, split_module
 from automodel.pipeline.step_guard import (
     GuardedStage,
@@ -96,6 +96,14 @@ class AutoPipeline:
                 )
                 for r in range(pp_size)
             }
+        if cfg.pp_schedule_csv is None:  # a CSV schedule runs whatever micro-batches its rows name
+            check_microbatch_count(
+                spec=spec,
+                pp_batch_size=cfg.pp_batch_size,
+                pp_microbatch_size=cfg.pp_microbatch_size,
+                num_stages=num_stages,
+                pp_size=pp_size,
+            )
         if cfg.module_fqns_per_model_part is not None:
             fqns = [list(p) for p in cfg.module_fqns_per_model_part]
             if len(fqns) != num_stages:
@@ -180,21 +188,13 @@ class AutoPipeline:
         schedule_loss = (
             guard_loss(loss_fn, errors=errors, last_stage=num_stages - 1) if loss_fn is not None else None
         )
-        if cfg.pp_schedule_csv is not None:
-            schedule = _PipelineScheduleRuntime(
-                [st for st in stages],
-                n_microbatches=cfg.n_microbatches,
-                loss_fn=schedule_loss,
-                scale_grads=cfg.scale_grads_in_schedule,
-            )
-            schedule._load_csv(cfg.pp_schedule_csv)
-        else:
-            schedule = spec.cls(
-                stages if spec.multi_stage else stages[0],
-                n_microbatches=cfg.n_microbatches,
-                loss_fn=schedule_loss,
-                scale_grads=cfg.scale_grads_in_schedule,
-            )
+        try:
+            schedule = _make_schedule(cfg, stages, schedule_loss)
+        except ValueError as e:  # a rule of a newer torch that `check_microbatch_count` does not know
+            raise ValueError(
+                f"{e} (pp_batch_size={cfg.pp_batch_size}, pp_microbatch_size={cfg.pp_microbatch_size}: "
+                f"{cfg.n_microbatches} micro-batches; {num_stages} pipeline stages)"
+            ) from e
         return PipelineModel(
             config=cfg,
             stages=stages,
@@ -209,6 +209,26 @@ class AutoPipeline:
             needs_token_ids=needs_token_ids,
             step_errors=errors,
         )
+
+
+def _make_schedule(cfg: PipelineConfig, stages: list[GuardedStage], loss_fn: LossFn | None) -> Any:
+    """The torch schedule over this rank's stages (a CSV schedule runs torch's schedule runtime)."""
+    if cfg.pp_schedule_csv is not None:
+        schedule = _PipelineScheduleRuntime(
+            list(stages),
+            n_microbatches=cfg.n_microbatches,
+            loss_fn=loss_fn,
+            scale_grads=cfg.scale_grads_in_schedule,
+        )
+        schedule._load_csv(cfg.pp_schedule_csv)
+        return schedule
+    spec = cfg.schedule_spec
+    return spec.cls(
+        stages if spec.multi_stage else stages[0],
+        n_microbatches=cfg.n_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=cfg.scale_grads_in_schedule,
+    )
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
