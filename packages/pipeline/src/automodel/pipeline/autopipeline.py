@@ -137,7 +137,7 @@ class AutoPipeline:
         them (see `dtensor_boundary`). A stage sending an undeclared DTensor is a ValueError.
         """
         layouts = normalize_layouts(boundary_layouts)
-        cfg, spec = self.config, self.config.schedule_spec
+        cfg = self.config
         fqns_per_stage, ranks, structure = self._stage_layout(model)
         tied = tied_parameter_names(model, fqns_per_stage)  # HF or generic: found by parameter identity
         check_parameter_coverage(model, fqns_per_stage, shared_ok=tied)
