@@ -33,7 +33,12 @@ from automodel.pipeline.hf import (
 from automodel.pipeline.hf_structure import HFStructure
 from automodel.pipeline.layout import check_stages_per_rank, num_stages_for, stage_ids_this_rank
 from automodel.pipeline.schedules import check_microbatch_count, read_csv_stage_layout
-from automodel.pipeline.split import check_parameter_coverage, modules_in_several_stages, split_module
+from automodel.pipeline.split import (
+    check_parameter_coverage,
+    is_transformers_model,
+    modules_in_several_stages,
+    split_module,
+)
 from automodel.pipeline.step_guard import (
     GuardedStage,
     OutputSpec,
@@ -183,6 +188,7 @@ class AutoPipeline:
             stage_ids_per_rank=ranks,
             model_parts=parts,
             part_stage_ids=list(ranks[pp_rank]),
+            hf_model=is_transformers_model(model),
         )
 
         schedule_loss = (
@@ -231,15 +237,10 @@ def _make_schedule(cfg: PipelineConfig, stages: list[GuardedStage], loss_fn: Los
     )
 
 
-def _is_transformers_model(model: nn.Module) -> bool:
-    """Decided by class, not by a ``.config`` attribute (torchtitan and nanoGPT models have one too)."""
-    return any(c.__module__.split(".")[0] == "transformers" for c in type(model).__mro__)
-
-
 def _hf_structure_or_refuse(model: nn.Module) -> HFStructure:
     """The stage structure of a transformers causal LM; any other model must name its stages."""
     cls = type(model).__name__
-    if not _is_transformers_model(model):
+    if not is_transformers_model(model):
         raise ValueError(
             f"{cls} is not a Hugging Face transformers model, so its stages cannot be derived: set "
             "module_fqns_per_model_part (one list of module FQNs per stage, e.g. "

@@ -18,6 +18,17 @@ from torch.distributed.tensor import DTensor
 from automodel.mesh import MeshContext
 
 
+def untie_advice(*, hf_model: bool, place: str = "lm_head.weight") -> str:
+    """How to untie a weight, for an error message: the config key of a transformers model, plain
+    torch otherwise (a separate `nn.Parameter` at the weight's second place, `place`)."""
+    if hf_model:
+        return "build the model with tie_word_embeddings=False"
+    return (
+        "untie the weights in your model before build, e.g. "
+        f"`model.{place} = nn.Parameter(model.{place}.detach().clone())`"
+    )
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return t.to_local() if isinstance(t, DTensor) else t
@@ -45,6 +56,7 @@ class TiedParameters:
         stage_ids_per_rank: dict[int, list[int]],
         model_parts: list[nn.Module],
         part_stage_ids: list[int] | None = None,
+        hf_model: bool = False,
     ) -> TiedParameters:
         """Collective over the world: every rank makes the same process groups in the same order.
 
@@ -85,12 +97,20 @@ class TiedParameters:
             entries.append((name, copies, groups[holder_pp]))
         tied = cls(entries, duplicates)
         tied._check(
-            mesh, holders, {n: tuple(sorted({pp_rank_of[s] for s in st})) for n, st in holders.items()}
+            mesh,
+            holders,
+            {n: tuple(sorted({pp_rank_of[s] for s in st})) for n, st in holders.items()},
+            hf_model=hf_model,
         )
         return tied
 
     def _check(
-        self, mesh: MeshContext, holders: dict[str, list[int]], holder_pp: dict[str, tuple[int, ...]]
+        self,
+        mesh: MeshContext,
+        holders: dict[str, list[int]],
+        holder_pp: dict[str, tuple[int, ...]],
+        *,
+        hf_model: bool = False,
     ) -> None:
         """Every holder must have its copies, laid out alike, or summing their gradients is wrong (or,
         worse, the ranks issue different collectives and hang). One gather over the world, so every
@@ -118,8 +138,8 @@ class TiedParameters:
                 if len(found) > 1:
                     raise ValueError(
                         f"the pipeline stages holding the tied weight {name} shard it differently "
-                        f"({sorted(found)} local shapes); keep it replicated over tp or build the model "
-                        "with tie_word_embeddings=False"
+                        f"({sorted(found)} local shapes); keep it replicated over tp (the same placements "
+                        f"on every stage holding it) or {untie_advice(hf_model=hf_model)}"
                     )
 
     def duplicate_ids(self) -> set[int]:
