@@ -20,6 +20,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from automodel.mesh import MeshContext
+from automodel.mesh.distributed import release_groups_at_teardown
 from automodel.pipeline.config import PipelineConfig
 from automodel.pipeline.dtensor_boundary import BoundaryLayouts, attach_boundary_layouts, normalize_layouts
 from automodel.pipeline.forward_only import run_forward
@@ -305,7 +306,7 @@ class PipelineModel:
         self.loss_fn = loss_fn
         self.fqns_per_stage = fqns_per_stage
         self.stage_ids_per_rank = stage_ids_per_rank
-        self.pp_group = pp_group
+        self._pp_group: dist.ProcessGroup | None = pp_group
         self.device = device
         self.tied_parameters = tied_parameters or TiedParameters.none()
         #: a stage of this rank runs the model from the token ids (`CausalLMStage.needs_token_ids`)
@@ -314,6 +315,23 @@ class PipelineModel:
         self._tied_synced = False  # the tied copies' gradients were summed by the last `step`
         self._step_errors = step_errors or StepErrors()
         self._checked_forward = False  # the first `step` runs one forward-only micro-batch first
+        # A script keeps `pipe` until its end: destroy_distributed() must be able to drop our groups.
+        release_groups_at_teardown(self)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        if self._pp_group is None:
+            raise RuntimeError("this pipeline's process groups were released by destroy_distributed()")
+        return self._pp_group
+
+    def release_process_groups(self) -> None:
+        """Drop this pipeline's references to process groups (its pp group, the torch stages' group,
+        the tied weights' groups), so `destroy_distributed` can free them and join their gloo
+        threads; the pipeline is unusable afterwards."""
+        self._pp_group = None
+        for stage in self.stages:
+            stage.group = None
+        self.tied_parameters.release_process_groups()
 
     # ---- layout --------------------------------------------------------------------------
     @property

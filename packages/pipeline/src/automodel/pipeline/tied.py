@@ -142,6 +142,10 @@ class TiedParameters:
                         f"on every stage holding it) or {untie_advice(hf_model=hf_model)}"
                     )
 
+    def release_process_groups(self) -> None:
+        """Forget the groups (at teardown: `PipelineModel.release_process_groups`)."""
+        self._entries = [(name, copies, None) for name, copies, _ in self._entries]
+
     def duplicate_ids(self) -> set[int]:
         """Ids of the copies not counted in a gradient norm (all but the lowest stage's)."""
         return set(self._duplicates)
