@@ -18,10 +18,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+from torch.nn.parallel import DistributedDataParallel
 
 from automodel.mesh import MeshContext
 from automodel.mesh.distributed import release_groups_at_teardown
 from automodel.pipeline.config import PipelineConfig
+from automodel.pipeline.ddp_stage import PipelineStageWithDDP, check_ddp_schedule
 from automodel.pipeline.dtensor_boundary import BoundaryLayouts, attach_boundary_layouts, normalize_layouts
 from automodel.pipeline.forward_only import run_forward
 from automodel.pipeline.hf import (
@@ -48,6 +50,7 @@ from automodel.pipeline.step_guard import (
     raise_if_any_failed,
 )
 from automodel.pipeline.tied import TiedParameters
+from automodel.pipeline.wrappers import named_parameters_in_model
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ParallelizeFn = Callable[..., nn.Module | None]
@@ -178,20 +181,12 @@ class AutoPipeline:
             _check_fsdp_root(part, stage_index)
             attach_boundary_layouts(part, layouts=layouts, stage_index=stage_index, num_stages=num_stages)
             parts.append(part)
+            stage_cls = PipelineStageWithDDP if isinstance(part, DistributedDataParallel) else GuardedStage
             stages.append(
-                GuardedStage(
+                stage_cls(
                     part, stage_index, num_stages, self.device, group=pp_mesh.get_group(), errors=errors
                 )
             )
-        tied_parameters = TiedParameters.build(
-            mesh=self.mesh,
-            holders=tied,
-            stage_ids_per_rank=ranks,
-            model_parts=parts,
-            part_stage_ids=list(ranks[pp_rank]),
-            hf_model=is_transformers_model(model),
-        )
-
         schedule_loss = (
             guard_loss(loss_fn, errors=errors, last_stage=num_stages - 1) if loss_fn is not None else None
         )
@@ -202,6 +197,21 @@ class AutoPipeline:
                 f"{e} (pp_batch_size={cfg.pp_batch_size}, pp_microbatch_size={cfg.pp_microbatch_size}: "
                 f"{cfg.n_microbatches} micro-batches; {num_stages} pipeline stages)"
             ) from e
+        check_ddp_schedule(
+            schedule,
+            parts=parts,
+            stage_ids=list(ranks[pp_rank]),
+            name=cfg.pp_schedule_csv or cfg.schedule_spec.name,
+        )
+        # The first collective of the build: every local refusal above comes before it.
+        tied_parameters = TiedParameters.build(
+            mesh=self.mesh,
+            holders=tied,
+            stage_ids_per_rank=ranks,
+            model_parts=parts,
+            part_stage_ids=list(ranks[pp_rank]),
+            hf_model=is_transformers_model(model),
+        )
         return PipelineModel(
             config=cfg,
             stages=stages,
@@ -355,9 +365,10 @@ class PipelineModel:
             yield from part.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters of this rank's stages under their FQNs in the full model."""
+        """Parameters of this rank's stages under their FQNs in the full model (also through the
+        wrappers `parallelize_fn` put around a stage: DDP's ``module.``, torch.compile's ``_orig_mod.``)."""
         for part in self.model_parts:
-            yield from part.named_parameters()
+            yield from named_parameters_in_model(part)
 
     def sync_tied_gradients(self) -> None:
         """Sum the gradients of tied weights over the stages holding them, so every copy steps alike.

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from automodel.mesh import MeshContext
+from automodel.pipeline.wrappers import named_parameters_in_model, unwrap
 
 
 def untie_advice(*, hf_model: bool, place: str = "lm_head.weight") -> str:
@@ -85,10 +86,11 @@ class TiedParameters:
                 continue
             copies = []
             for i, part in enumerate(model_parts):
-                params = dict(part.named_parameters(remove_duplicate=False))
+                # by full-model name: a stage wrapped by parallelize_fn (DDP: module.<fqn>) holds it too
+                params = dict(named_parameters_in_model(part, remove_duplicate=False))
                 stage_of_part = part_stage_ids[i] if part_stage_ids is not None else None
                 if stage_of_part is None:
-                    stage_of_part = getattr(part, "stage_index", min(stages))
+                    stage_of_part = getattr(unwrap(part), "stage_index", min(stages))
                 if name in params:
                     copies.append(params[name])
                     if stage_of_part != min(stages):
