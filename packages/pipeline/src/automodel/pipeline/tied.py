@@ -133,7 +133,9 @@ class TiedParameters:
                     raise ValueError(
                         f"rank {rank} runs a pipeline stage holding the tied weight {name} (stages "
                         f"{holders[name]}) but has no copy of it under that name; the stage must hold the "
-                        "module the weight has in one process"
+                        "module the weight has in one process, under that name (names are read through "
+                        "DistributedDataParallel and torch.compile around a stage; another wrapper that "
+                        "renames parameters must go inside the stage, around its submodules)"
                     )
                 shapes.setdefault(pp_group, set()).update(tuple(s) for s in held[name])
             for found in shapes.values():
