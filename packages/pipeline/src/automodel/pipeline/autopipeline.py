@@ -50,7 +50,7 @@ from automodel.pipeline.step_guard import (
     raise_if_any_failed,
 )
 from automodel.pipeline.tied import TiedParameters
-from automodel.pipeline.wrappers import named_parameters_in_model
+from automodel.pipeline.wrappers import named_parameters_in_model, unwrap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ParallelizeFn = Callable[..., nn.Module | None]
@@ -178,6 +178,8 @@ class AutoPipeline:
             if parallelize_fn is not None:
                 returned = parallelize_fn(part, stage_index=stage_index, num_stages=num_stages)
                 part = part if returned is None else returned
+            # A stage that runs the model's forward from the token ids (`LayerListStage`) needs them.
+            needs_token_ids |= bool(getattr(unwrap(part), "needs_token_ids", False))
             _check_fsdp_root(part, stage_index)
             attach_boundary_layouts(part, layouts=layouts, stage_index=stage_index, num_stages=num_stages)
             parts.append(part)
