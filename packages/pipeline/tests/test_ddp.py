@@ -10,6 +10,10 @@ whole-batch gradients of one process: checked here for several micro-batches and
 
 from __future__ import annotations
 
+import re
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.pipeline import AutoPipeline, PipelineConfig
-from automodel.testing.ranks import run_on_ranks
+from automodel.testing.ranks import run_on_ranks, run_torchrun
 
 VOCAB, DIM, SEQ, BATCH, MICRO, DP, STEPS, LR = 32, 16, 6, 4, 1, 2, 2, 0.5
 FQNS = [["wte", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head", "wte"]]
@@ -160,3 +164,45 @@ def test_ddp_under_a_split_backward_schedule_is_refused(schedule: str) -> None:
         assert "in DistributedDataParallel, but pp_schedule" in message, message
         assert "splits each backward into an input and a weight pass" in message
         assert "with DDP use a schedule with full backward passes (gpipe, 1f1b, interleaved1f1b" in message
+
+
+TEARDOWN_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from automodel.mesh import MeshContext, ParallelismSizes, destroy_distributed, init_distributed
+    from automodel.pipeline import AutoPipeline, PipelineConfig
+
+    init_distributed()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    mesh = MeshContext.build(ParallelismSizes(pp_size=2))
+    config = PipelineConfig(pp_batch_size=4, pp_microbatch_size=2, module_fqns_per_model_part=[["0", "1"], ["2", "3"]])
+
+
+    def wrap(stage, **_):
+        return DistributedDataParallel(stage, process_group=mesh.get_mesh("dp_shard").get_group())
+
+
+    pipe = AutoPipeline(mesh=mesh, config=config).build(
+        model, loss_fn=lambda out, y: ((out - y) ** 2).sum(), parallelize_fn=wrap
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    loss = pipe.reduce_loss(pipe.step(torch.randn(4, 8), labels=torch.randn(4, 8)))
+    opt.step()
+    print(f"rank {mesh.rank} loss {loss.item():.4f}")
+    destroy_distributed()
+    """
+)
+
+
+def test_ddp_stages_release_their_group_at_destroy_distributed(tmp_path: Path) -> None:
+    """`pipe` (and through it the DDP stages and their reducers) is still in the script's scope when
+    destroy_distributed() runs: the dp group's gloo threads must not outlive it."""
+    script = tmp_path / "ddp_teardown.py"
+    script.write_text(TEARDOWN_SCRIPT)
+    proc = run_torchrun(script, nproc_per_node=4, timeout_s=300, cwd=tmp_path)
+    # the ranks share one stdout pipe: their lines may interleave
+    assert sorted(re.findall(r"rank (\d) loss", proc.stdout)) == list("0123"), proc.stdout
+    assert "outlive" not in proc.stderr and "RuntimeWarning" not in proc.stderr, proc.stderr[-4000:]

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from automodel.mesh import MeshContext
 from automodel.mesh.distributed import release_groups_at_teardown
 from automodel.pipeline.config import PipelineConfig
-from automodel.pipeline.ddp_stage import PipelineStageWithDDP, check_ddp_schedule
+from automodel.pipeline.ddp_stage import PipelineStageWithDDP, check_ddp_schedule, release_ddp_process_groups
 from automodel.pipeline.dtensor_boundary import BoundaryLayouts, attach_boundary_layouts, normalize_layouts
 from automodel.pipeline.forward_only import run_forward
 from automodel.pipeline.hf import (
@@ -338,11 +338,13 @@ class PipelineModel:
 
     def release_process_groups(self) -> None:
         """Drop this pipeline's references to process groups (its pp group, the torch stages' group,
-        the tied weights' groups), so `destroy_distributed` can free them and join their gloo
+        the tied weights' groups, a DDP stage's group), so `destroy_distributed` can free them and join their gloo
         threads; the pipeline is unusable afterwards."""
         self._pp_group = None
         for stage in self.stages:
             stage.group = None
+        for part in self.model_parts:  # DDP stages from parallelize_fn: their dp group
+            release_ddp_process_groups(part)
         self.tied_parameters.release_process_groups()
 
     # ---- layout --------------------------------------------------------------------------

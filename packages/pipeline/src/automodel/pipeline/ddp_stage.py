@@ -55,3 +55,13 @@ def check_ddp_schedule(schedule: Any, *, parts: list[nn.Module], stage_ids: list
             "dp): with DDP use a schedule with full backward passes (gpipe, 1f1b, interleaved1f1b, "
             "looped_bfs), or do not wrap the stages in DDP"
         )
+
+
+def release_ddp_process_groups(module: nn.Module) -> None:
+    """At teardown (`PipelineModel.release_process_groups`): drop what keeps a DDP stage's process
+    group alive (the group, and the C++ reducer and logger holding it); the module cannot train after."""
+    if isinstance(module, DistributedDataParallel):
+        for attr in ("reducer", "logger"):
+            if attr in vars(module):
+                delattr(module, attr)
+        module.process_group = None
