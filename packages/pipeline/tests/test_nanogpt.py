@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from automodel.mesh import MeshContext, ParallelismSizes
 from automodel.pipeline import AutoPipeline, LayerListForward, PipelineConfig
@@ -43,20 +44,20 @@ def gpt() -> GPT:
     return GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=4, n_head=2, n_embd=16, dropout=0.0))
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ids = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (rows, SEQ), generator=g)
     targets[::3, -4:] = -1  # nanoGPT's ignore index, unevenly over the micro-batches
     return ids, targets
 
 
-def reference() -> tuple[list[float], list[dict[str, torch.Tensor]], torch.Tensor]:
+def reference(rows: int = BATCH) -> tuple[list[float], list[dict[str, torch.Tensor]], torch.Tensor]:
     model = gpt()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], []
     for step in range(STEPS):
-        ids, targets = batch(step)
+        ids, targets = batch(step, rows)
         _, loss = model(ids, targets)
         loss.backward()
         losses.append(loss.item())
@@ -64,12 +65,18 @@ def reference() -> tuple[list[float], list[dict[str, torch.Tensor]], torch.Tenso
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
-        logits, _ = model(*batch(0))  # with targets: logits of every position
+        logits, _ = model(*batch(0, rows))  # with targets: logits of every position
     return losses, grads, logits
 
 
-def _nanogpt_ranks(schedule: str, num_stages: int) -> dict:
+def _nanogpt_ranks(schedule: str, num_stages: int, ddp: bool = False) -> dict:
     mesh = MeshContext.build(ParallelismSizes(pp_size=2))
+    dp, dp_rank = mesh.size("dp_shard"), mesh.coordinates["dp_shard"]
+
+    def stage_forward_in_ddp(stage: torch.nn.Module, **kw: int) -> torch.nn.Module:
+        dp_group = mesh.get_mesh("dp_shard").get_group()
+        return DistributedDataParallel(STAGE_FORWARD(stage, **kw), process_group=dp_group)
+
     config = PipelineConfig(
         pp_schedule=schedule,
         pp_batch_size=BATCH,
@@ -81,20 +88,25 @@ def _nanogpt_ranks(schedule: str, num_stages: int) -> dict:
         gpt(),
         loss_fn=lambda logits, targets: (
             F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="sum")
+            * dp  # DDP averages over dp
             / tokens[0]
         ),
-        parallelize_fn=STAGE_FORWARD,
+        parallelize_fn=stage_forward_in_ddp if ddp else STAGE_FORWARD,
     )
+    rows = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
     opt = torch.optim.SGD(list(pipe.parameters()), lr=LR)
     out: dict = {"losses": [], "grads": [], "stage_ids": pipe.stage_ids}
     for step in range(STEPS):
-        ids, targets = batch(step)
-        tokens[0] = int((targets != -1).sum())
-        out["losses"].append(pipe.reduce_loss(pipe.step(ids, labels=targets)).item())
+        ids, targets = batch(step, BATCH * dp)
+        tokens[0] = int((targets != -1).sum())  # global: every dp rank's rows
+        loss = pipe.reduce_loss(pipe.step(ids[rows], labels=targets[rows])) / dp
+        if dp > 1:
+            dist.all_reduce(loss, group=mesh.get_mesh("dp_shard").get_group())
+        out["losses"].append(loss.item())
         out["grads"].append({n: p.grad.clone() for n, p in pipe.named_parameters()})
         opt.step()
         opt.zero_grad()
-    out["logits"] = pipe.eval(batch(0)[0])
+    out["logits"] = pipe.eval(batch(0, BATCH * dp)[0][rows])
     dist.barrier()
     return out
 
@@ -116,3 +128,16 @@ def test_nanogpt_matches_single_process(schedule: str, num_stages: int) -> None:
     # eval(): logits of every position on the rank holding the last stage (rank 1), None on the other
     assert results[0]["logits"] is None
     torch.testing.assert_close(results[1]["logits"], ref_logits, rtol=1e-5, atol=1e-6)
+
+
+def test_nanogpt_in_ddp_pp2_dp2_matches_single_process() -> None:
+    """`LayerListForward` composed with DDP (pp2 x dp2): the whole 16-row batch of one process."""
+    ref_losses, ref_grads, ref_logits = reference(rows=2 * BATCH)
+    results = run_on_ranks(_nanogpt_ranks, world_size=4, args=("1f1b", 2, True), timeout_s=300)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        for step in range(STEPS):
+            for name, grad in r["grads"][step].items():
+                torch.testing.assert_close(grad, ref_grads[step][name], rtol=1e-5, atol=1e-6, msg=name)
+    last = [r["logits"] for r in results if r["logits"] is not None]  # the last stage's two dp ranks
+    torch.testing.assert_close(torch.cat(last), ref_logits, rtol=1e-5, atol=1e-6)
