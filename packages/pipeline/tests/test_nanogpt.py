@@ -1,6 +1,7 @@
 """nanoGPT's ``GPT`` (its model.py as written, `nanogpt_model`) pipelined through its own forward
 with `LayerListForward`: losses, every gradient (the tied wte/lm_head one included) and the last
-stage's logits match one process within 1e-5, on pp2 (1F1B) and on 4 stages (Interleaved1F1B).
+stage's logits match one process within 1e-5, on pp2 (1F1B), on 4 stages (Interleaved1F1B), and
+composed with DDP (pp2 x dp2).
 
 The one-process reference is nanoGPT's own loss path, ``model(idx, targets)`` (mean CE over the
 batch, ``ignore_index=-1``); the pipeline's loss divides the summed CE by the batch's label count.
