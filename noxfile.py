@@ -2,7 +2,8 @@
 `typecheck` (basedpyright over every file),
 `build` (wheel + sdist per package, checked), `install_alone` (each wheel alone in a fresh venv,
 imported, checked free of test code and smoke-run), `release_check` (versions, changelogs and release tags agree), `conformance`
-(every causal LM of the transformers registry under every layout; writes docs/models.md), `composed`
+(every causal LM of the transformers registry under every layout; writes docs/models.md), `torch_range`
+(each package's tests in a fresh venv on the oldest and newest torch it admits), `composed`
 (composed layouts on common families; writes docs/composed.md), `faults` (every fault and
 bad-input case of the recipes and the pipeline package).
 
@@ -91,6 +92,15 @@ def install_alone(session: nox.Session) -> None:
     .ci/run runs it. See scripts/dists.py and scripts/install_alone/.
     """
     session.run(sys.executable, str(ROOT / "scripts" / "dists.py"), "install-alone", *session.posargs)
+
+
+@nox.session
+def torch_range(session: nox.Session) -> None:
+    """Each package's tests in a fresh venv outside the workspace, on the oldest and the newest torch
+    its `torch` specifier admits (`-- --only automodel-pipeline --torch 2.15.0`; after a second `--`,
+    pytest arguments). .ci/run runs mesh, pipeline and context-parallel on the newest torch.
+    See scripts/torch_range.py."""
+    session.run(sys.executable, str(ROOT / "scripts" / "torch_range.py"), *session.posargs)
 
 
 @nox.session

@@ -8,7 +8,6 @@ torch `PipelineStage`s -> the schedule.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,11 +16,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
-from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from torch.nn.parallel import DistributedDataParallel
 
 from automodel.mesh import MeshContext
 from automodel.mesh.distributed import release_groups_at_teardown
+from automodel.pipeline import torch_internals
 from automodel.pipeline.config import PipelineConfig
 from automodel.pipeline.ddp_stage import PipelineStageWithDDP, check_ddp_schedule, release_ddp_process_groups
 from automodel.pipeline.dtensor_boundary import BoundaryLayouts, attach_boundary_layouts, normalize_layouts
@@ -233,14 +232,13 @@ class AutoPipeline:
 def _make_schedule(cfg: PipelineConfig, stages: list[GuardedStage], loss_fn: LossFn | None) -> Any:
     """The torch schedule over this rank's stages (a CSV schedule runs torch's schedule runtime)."""
     if cfg.pp_schedule_csv is not None:
-        schedule = _PipelineScheduleRuntime(
+        return torch_internals.csv_schedule(
             list(stages),
             n_microbatches=cfg.n_microbatches,
             loss_fn=loss_fn,
             scale_grads=cfg.scale_grads_in_schedule,
+            path=cfg.pp_schedule_csv,
         )
-        schedule._load_csv(cfg.pp_schedule_csv)
-        return schedule
     spec = cfg.schedule_spec
     return spec.cls(
         stages if spec.multi_stage else stages[0],
@@ -283,7 +281,7 @@ def _check_fsdp_root(part: nn.Module, stage_index: int) -> None:
         )
 
 
-_STEP_TAKES_RETURN_OUTPUTS = "return_outputs" in inspect.signature(_PipelineScheduleRuntime.step).parameters
+_STEP_TAKES_RETURN_OUTPUTS = torch_internals.schedule_step_takes_return_outputs()
 
 
 class PipelineModel:

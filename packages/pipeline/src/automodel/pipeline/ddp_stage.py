@@ -7,7 +7,8 @@ micro-batch's backward, so gradients are all-reduced once per step. Its stage-sh
 outside ``no_sync``: DDP then arms its reducer for a backward that never comes, and the first real
 micro-batch's backward all-reduces early (GPipe: "rebuilt parameter indices size is not same as
 original model parameters size" on the next step). Rule: a DDP stage runs shape inference under
-``no_sync`` like any other forward.
+``no_sync`` like any other forward (on torch 2.11, shape inference goes through the stage's
+``forward_maybe_with_nosync``, which torch already runs under ``no_sync``; see `torch_internals`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.pipelining.schedules import _ComputationType
 from torch.nn.parallel import DistributedDataParallel
 
+from automodel.pipeline import torch_internals
 from automodel.pipeline.step_guard import GuardedStage
 
 
@@ -41,13 +42,7 @@ def check_ddp_schedule(schedule: Any, *, parts: list[nn.Module], stage_ids: list
     sets them, so DDP would never sync them over dp (the ranks' weights drift apart silently).
     """
     wrapped = [s for s, part in zip(stage_ids, parts) if isinstance(part, DistributedDataParallel)]
-    order = getattr(schedule, "pipeline_order", None) or {}
-    splits = any(
-        a is not None and a.computation_type == _ComputationType.BACKWARD_WEIGHT
-        for actions in order.values()
-        for a in actions
-    )
-    if wrapped and splits:
+    if wrapped and torch_internals.schedule_splits_backward(schedule):
         raise ValueError(
             f"parallelize_fn wrapped pipeline stage {wrapped[0]} in DistributedDataParallel, but "
             f"pp_schedule {name} splits each backward into an input and a weight pass, and DDP syncs "

@@ -24,8 +24,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from automodel.pipeline import torch_internals
+from automodel.pipeline.torch_internals import TorchDispatchMode, tree_leaves
 
 _aten = torch.ops.aten
 #: Operators whose outputs do not depend on the values of their tensor inputs (shape, dtype, device).
@@ -133,12 +134,12 @@ def _written(func: Any, args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
     (writing into a slice changes the tensor it is a slice of)."""
     values = [
         v
-        for arg, v in zip(func._schema.arguments, args)
+        for arg, v in zip(torch_internals.op_arguments(func), args)
         if arg.alias_info is not None and arg.alias_info.is_write
     ]
     values += [
         kwargs.get(arg.name)
-        for arg in func._schema.arguments
+        for arg in torch_internals.op_arguments(func)
         if arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
     ]
     for t in tensors_in(values):

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
 from automodel.pipeline.hf_boundary import EntrySpec
 from automodel.pipeline.hf_structure import HFStructure
+from automodel.pipeline.torch_internals import tree_map_only
 
 
 class StageOutput(Exception):  # noqa: N818 - control flow, not an error

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves, tree_map_only
 
 from automodel.mesh.model_parts import output_embeddings
 from automodel.pipeline.dtensor_boundary import sendable
@@ -55,6 +54,7 @@ from automodel.pipeline.hf_placeholders import (
     stand_in,
 )
 from automodel.pipeline.hf_structure import HFStructure
+from automodel.pipeline.torch_internals import tree_leaves, tree_map_only
 
 
 def _parent_and_name(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from automodel.pipeline.hf_boundary import (
     INSIDE,
@@ -28,6 +27,7 @@ from automodel.pipeline.hf_boundary import (
 )
 from automodel.pipeline.hf_dataflow import SourceTracker, tensors_in
 from automodel.pipeline.meta_fast_path import fast_meta_result
+from automodel.pipeline.torch_internals import FakeTensorMode
 
 #: Sequence length of the traced forward (any length the model accepts; shapes only).
 TRACE_SEQ = 16

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed.pipelining.schedules as torch_schedules
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle, _Action
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+from automodel.pipeline import torch_internals
 
 #: Schedules that place two stages per rank in a V (rank r holds stages r and 2p-1-r).
 V_SHAPE_SCHEDULES: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
@@ -147,7 +149,7 @@ def read_csv_stage_layout(path: str | Path, *, pp_size: int) -> dict[int, list[i
         stages: set[int] = set()
         for cell in row:
             try:
-                action = _Action.from_str(cell)
+                action = torch_internals.parse_schedule_action(cell)
             except (RuntimeError, ValueError) as e:
                 raise ValueError(
                     f"pp_schedule_csv={str(path)!r}: bad action {cell!r} in row {rank}: {e}"

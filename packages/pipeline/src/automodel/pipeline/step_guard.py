@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from automodel.pipeline import torch_internals
 from automodel.pipeline.forward_only import PipelineStageError
 
 #: (shape, dtype, requires_grad) of one output position, None where the stage returns None
@@ -162,7 +163,7 @@ class GuardedStage(PipelineStage):
     ) -> None:
         if not self.has_backward:
             return
-        cached = self.fwd_cache.get(bwd_chunk_id)
+        inputs = torch_internals.forward_inputs(self, bwd_chunk_id)
         if not self.errors.failed:
             try:
                 super().backward_one_chunk(
@@ -171,30 +172,29 @@ class GuardedStage(PipelineStage):
                 return
             except Exception as e:  # noqa: BLE001 - raised on every pp rank after the schedule
                 self.errors.record(stage=self.stage_index, phase="backward", error=e)
-        self._skip_backward(bwd_chunk_id, cached)
+        self._skip_backward(bwd_chunk_id, inputs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         if (self.stage_index, bwd_chunk_id) in self.errors.skipped_backward or self.errors.failed:
-            for name in ("dw_runner", "backward_state"):  # what a split backward left for this chunk
-                state = getattr(self, name, None)
-                if isinstance(state, dict):
-                    state.pop(bwd_chunk_id, None)
+            torch_internals.drop_split_backward(self, bwd_chunk_id)
             return
         try:
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         except Exception as e:  # noqa: BLE001 - raised on every pp rank after the schedule
             self.errors.record(stage=self.stage_index, phase="backward", error=e)
 
-    def _skip_backward(self, chunk: int, cached: tuple[Any, list[Any]] | None) -> None:
+    def _skip_backward(self, chunk: int, inputs: list[Any] | None) -> None:
         """Leave what the schedule reads after a backward: zero gradients for the inputs it sends back."""
-        self.fwd_cache.pop(chunk, None)
+        torch_internals.pop_forward_record(self, chunk)
+        if not self.is_last:  # the gradients the next stage sent for this chunk are taken, unused
+            torch_internals.consume_received_grads(self, chunk)
         self.errors.skipped_backward.add((self.stage_index, chunk))
-        inputs = cached[1] if cached is not None else []
-        n_args = 0 if self.is_first else len(self.args_recv_info[chunk])
-        self.bwd_cache[chunk] = tuple(
+        n_args = 0 if self.is_first else torch_internals.received_arg_count(self, chunk)
+        grads = tuple(
             torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
-            for v in list(inputs)[:n_args]
+            for v in (inputs or [])[:n_args]
         )
+        torch_internals.set_input_grads(self, chunk, grads)
 
 
 def guard_loss(
