@@ -16,12 +16,24 @@ SCRIPT = textwrap.dedent(
     """
     import torch, torch.distributed as dist
     from automodel.mesh import MeshContext, ParallelismSizes, distributed_session
+    from automodel.mesh.distributed import gloo_worker_threads, release_groups_at_teardown
+
+    class Holder:  # keeps a group, as a pipeline in a script's scope does, and registers to drop it
+        def __init__(self):
+            self.group = dist.new_group(list(range(dist.get_world_size())))
+
+        def release_process_groups(self):
+            self.group = None
+
     with distributed_session(timeout_minutes=2) as info:
         ctx = MeshContext.build(ParallelismSizes())
+        holder = Holder()
+        release_groups_at_teardown(holder)
         t = torch.tensor([info.rank + 1])
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=holder.group)
         print(f"RESULT rank={info.rank} world={info.world_size} backend={info.backend} sum={int(t)} dp={ctx.layout.dp}")
     assert not dist.is_initialized()
+    print(f"TEARDOWN rank={info.rank} released={holder.group is None} gloo_threads={gloo_worker_threads()}")
     """
 )
 
@@ -103,8 +115,11 @@ def test_torchrun_two_ranks(tmp_path) -> None:
         timeout=240,
     )
     assert out.returncode == 0, out.stderr
-    assert "RESULT rank=0 world=2 backend=gloo sum=3 dp=2" in out.stdout
-    assert "RESULT rank=1 world=2 backend=gloo sum=3 dp=2" in out.stdout
+    for rank in range(2):
+        assert f"RESULT rank={rank} world=2 backend=gloo sum=3 dp=2" in out.stdout
+        # the registered holder dropped its group at teardown: no gloo thread outlives it
+        assert f"TEARDOWN rank={rank} released=True gloo_threads=0" in out.stdout
+    assert "outlive" not in out.stderr, out.stderr
 
 
 def test_bad_arguments_are_clear() -> None:

@@ -72,7 +72,8 @@ def test_unknown_schedule_lists_known_ones() -> None:
     [
         (
             {"pp_batch_size": 8, "pp_microbatch_size": 3},
-            "pp_batch_size=8 is not divisible by pp_microbatch_size=3",
+            r"pp_batch_size=8 is not divisible by pp_microbatch_size=3 .*set pp_batch_size to a multiple "
+            r"of it \(e.g. 6 or 9\) or pp_microbatch_size to a divisor of 8",
         ),
         ({"pp_microbatch_size": 0}, "pp_microbatch_size must be a positive int"),
         ({"pp_batch_size": -2}, "pp_batch_size must be a positive int"),
@@ -260,9 +261,35 @@ def _build_error(config_kwargs: dict, model_kind: str) -> str:
             "not a Hugging Face transformers model, so its stages cannot be derived: set module_fqns_per_model_part",
         ),
         (
-            {"pp_schedule": "1f1b", "module_fqns_per_model_part": [["0", "1"], ["3"]]},
+            {"pp_schedule": "1f1b", "pp_batch_size": 2, "module_fqns_per_model_part": [["0", "1"], ["3"]]},
             "seq",
             "in no pipeline stage",
+        ),
+        (  # torch's own error named neither key: "Number of microbatches (1) must be greater ..."
+            {"pp_batch_size": 1, "module_fqns_per_model_part": [["0", "1"], ["2", "3"]]},
+            "seq",
+            "pp_batch_size=1 / pp_microbatch_size=1 gives 1 micro-batch, but 1F1B with 2 pipeline stages "
+            "(pp_size=2) needs at least one micro-batch per stage (2): set pp_batch_size to at least 2",
+        ),
+        (
+            {"pp_schedule": "dualpipev", "pp_batch_size": 6, "pp_microbatch_size": 2},
+            "llama",
+            "pp_batch_size=6 / pp_microbatch_size=2 gives 3 micro-batches, but DualPipeV with 4 pipeline "
+            "stages (pp_size=2) needs at least one micro-batch per stage (4): set pp_batch_size to at "
+            "least 8 (a multiple of pp_microbatch_size) or pp_microbatch_size to at most 1, or use gpipe",
+        ),
+        (
+            {"pp_schedule": "interleaved1f1b", "pp_batch_size": 10, "pp_microbatch_size": 2},
+            "llama",
+            "pp_batch_size=10 / pp_microbatch_size=2 gives 5 micro-batches, but Interleaved1F1B with 4 "
+            "pipeline stages (pp_size=2) runs micro-batches in rounds of equal size and needs a count that "
+            "is a multiple of 2 (= 5 // pp_size); any multiple of pp_size works: set pp_batch_size to a "
+            "multiple of pp_microbatch_size * pp_size = 4 (e.g. 8 or 12)",
+        ),
+        (
+            {"pp_schedule": "interleaved_zb", "pp_batch_size": 5, "pp_microbatch_size": 1},
+            "llama",
+            "InterleavedZeroBubble with 4 pipeline stages (pp_size=2) runs micro-batches in rounds",
         ),
         (  # the config reads no disk: a missing schedule file is met when the pipeline is built
             {"pp_schedule": "1f1b", "pp_schedule_csv": "/nonexistent/schedule.csv"},

@@ -1,4 +1,5 @@
-"""Tied weights across stages: ranks that disagree on their copies fail together, never hang.
+"""Tied weights across stages: ranks that disagree on their copies fail together, never hang; a
+refusal gives the fix for the kind of model (transformers' config key, or plain torch).
 
 A rank that misses its copy of a tied weight (its stage knows the weight by another name) once
 skipped the shape check's collective while its peer waited in it, and the run hung. The check is
@@ -7,12 +8,16 @@ now one gather over the world, so every rank raises the same error.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from automodel.mesh import MeshContext, ParallelismSizes
+from automodel.pipeline.hf import tied_parameter_names
+from automodel.pipeline.split import check_parameter_coverage
 from automodel.pipeline.tied import TiedParameters
 from automodel.testing.ranks import run_on_ranks
+from automodel.testing.tiny_model import tiny_llama
 
 
 class _Stage(nn.Module):
@@ -53,3 +58,85 @@ def test_a_missing_copy_fails_on_every_rank() -> None:
         assert result.startswith(
             "ValueError: rank 1 runs a pipeline stage holding the tied weight embed.weight"
         )
+
+
+# ---- the refusal says how to fix it, in the model's own terms ------------------------------------
+class _TiedLM(nn.Module):
+    """Not a transformers model: its tied head is `output`, its embedding `tok_embeddings`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(32, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.output = nn.Linear(8, 32, bias=False)
+        self.output.weight = self.tok_embeddings.weight
+
+
+def test_a_stage_without_the_tied_module_is_told_the_generic_fix() -> None:
+    """The fix for a model of one's own: list the module in both stages, or untie in plain torch;
+    the transformers config key is no advice for it."""
+    model = _TiedLM()
+    fqns = [["tok_embeddings", "layers.0"], ["layers.1", "output"]]
+    with pytest.raises(ValueError) as err:
+        tied_parameter_names(model, fqns)
+    message = str(err.value)
+    assert message.startswith(
+        "pipeline stage 1 holds the tied weight tok_embeddings.weight as output.weight; every stage "
+        "holding a tied weight must hold the module it has in one process: list 'tok_embeddings' in that "
+        "stage's module_fqns_per_model_part[1] too"
+    ), message
+    assert message.endswith(
+        "or untie the weights in your model before build, e.g. "
+        "`model.output.weight = nn.Parameter(model.output.weight.detach().clone())`"
+    ), message
+    assert "tie_word_embeddings" not in message
+    # Both fixes work: listed in both stages, or untied as the message shows.
+    assert tied_parameter_names(model, [fqns[0], [*fqns[1], "tok_embeddings"]]) == {
+        "tok_embeddings.weight": [0, 1]
+    }
+    model.output.weight = nn.Parameter(model.output.weight.detach().clone())
+    assert tied_parameter_names(model, fqns) == {}
+    check_parameter_coverage(model, fqns)
+
+
+def test_a_transformers_model_is_told_its_config_key() -> None:
+    model = tiny_llama(layers=2)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    fqns = [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]]
+    with pytest.raises(ValueError, match="or build the model with tie_word_embeddings=False$") as err:
+        tied_parameter_names(model, fqns)
+    assert "list 'model.embed_tokens' in that stage's module_fqns_per_model_part[1] too" in str(err.value)
+
+
+def _differently_shaped(hf_model: bool) -> str:
+    mesh = MeshContext.build(ParallelismSizes(pp_size=2))
+    me = mesh.get_mesh("pp").get_local_rank()
+    part = _Stage(me, "embed")
+    if me == 1:
+        part.embed = nn.Linear(4, 4, bias=False)  # another local shape than stage 0's copy
+    try:
+        TiedParameters.build(
+            mesh=mesh,
+            holders={"embed.weight": [0, 1]},
+            stage_ids_per_rank={0: [0], 1: [1]},
+            model_parts=[part],
+            hf_model=hf_model,
+        )
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_copies_shaped_differently_are_told_the_fix_for_their_kind_of_model() -> None:
+    generic, hf = (
+        run_on_ranks(_differently_shaped, world_size=2, args=(kind,), timeout_s=60) for kind in (False, True)
+    )
+    for message in generic:
+        assert "shard it differently ([(4, 4), (8, 4)] local shapes)" in message, message
+        assert message.endswith(
+            "`model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())`"
+        )
+        assert "tie_word_embeddings" not in message
+    for message in hf:
+        assert message.endswith("or build the model with tie_word_embeddings=False"), message

@@ -81,6 +81,16 @@ def _stage_internals_on_two_ranks() -> dict:
     return seen
 
 
+def test_weight_pass_actions_are_read_off_a_schedule() -> None:
+    class Order:  # a schedule's public pipeline_order: rank -> actions (None: idle)
+        def __init__(self, *cells: str) -> None:
+            self.pipeline_order = {0: [None, *(ti.parse_schedule_action(c) for c in cells)]}
+
+    assert ti.schedule_splits_backward(Order("0F0", "0I0", "0W0"))
+    assert not ti.schedule_splits_backward(Order("0F0", "0B0"))
+    assert not ti.schedule_splits_backward(object())  # no pipeline_order (GPipe, 1F1B)
+
+
 def test_stage_internals_are_where_checked() -> None:
     first, last = run_on_ranks(_stage_internals_on_two_ranks, world_size=2)
     # each micro-batch's forward record holds the stage input (2 rows of 4): the step guard's zeros

@@ -7,10 +7,12 @@ import os
 import socket
 import subprocess
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -184,17 +186,41 @@ def destroy_distributed(*, barrier: bool = True) -> None:
         free_process_groups()
 
 
+class HoldsProcessGroups(Protocol):
+    """An object that keeps process groups alive (a pipeline's stages and schedule, say)."""
+
+    def release_process_groups(self) -> None:
+        """Drop every reference to a process group; the object is unusable afterwards."""
+        ...
+
+
+#: Objects whose groups `free_process_groups` releases; held weakly, so registering keeps nothing alive.
+_GROUP_HOLDERS: weakref.WeakSet[HoldsProcessGroups] = weakref.WeakSet()
+
+
+def release_groups_at_teardown(holder: HoldsProcessGroups) -> None:
+    """Register `holder`: `destroy_distributed` calls its ``release_process_groups()`` before it frees
+    the groups. For library objects a script keeps in scope until its end (``pipe``, built at module
+    level and still alive when ``destroy_distributed()`` runs): their references would keep the
+    groups, and the groups' gloo worker threads, alive past the teardown."""
+    _GROUP_HOLDERS.add(holder)
+
+
 def free_process_groups() -> None:
     """Free the destroyed process groups now, joining their gloo worker threads.
 
     Call after ``destroy_process_group()``. Whatever still references a group keeps it (and its
-    threads) alive: our own objects (meshes, FSDP state, optimizers) usually sit in reference
-    cycles, so they go with a collection; and each root ``DeviceMesh`` keeps its groups in
+    threads) alive: objects registered with `release_groups_at_teardown` drop their references
+    first (a pipeline the script still holds); our own objects (meshes, FSDP state, optimizers)
+    usually sit in reference cycles, so they go with a collection; and each root ``DeviceMesh`` keeps its groups in
     ``_pg_registry`` while torch's DTensor caches (sharding propagation, redistribute plans) keep
     the meshes themselves alive until the process exits. Emptying those registries lets the groups
     go. The destructors run without the GIL, so a worker still freeing tensors finishes first.
     Objects frozen by ``gc.freeze()`` (a forked rank's inheritance) are not touched.
     """
+    for holder in list(_GROUP_HOLDERS):
+        holder.release_process_groups()
+    _GROUP_HOLDERS.clear()
     for obj in gc.get_objects():
         # By type, not isinstance(): some torch objects warn when their class is inspected.
         if DeviceMesh in type(obj).__mro__:

@@ -17,6 +17,7 @@ from automodel.pipeline.hf import (
 )
 from automodel.pipeline.hf_stage import CausalLMStage
 from automodel.pipeline.hf_structure import HFStructure, PipelineSplitError, trace_hf_structure
+from automodel.pipeline.layer_forward import LayerListForward, LayerListStage
 from automodel.pipeline.layout import num_stages_for, split_layers_evenly, stage_ids_this_rank
 from automodel.pipeline.schedules import ScheduleSpec, known_schedule_names, resolve_schedule
 from automodel.pipeline.split import check_parameter_coverage, split_module
@@ -27,6 +28,8 @@ __all__ = [
     "BoundaryLayout",
     "CausalLMStage",
     "HFStructure",
+    "LayerListForward",
+    "LayerListStage",
     "PipelineConfig",
     "PipelineModel",
     "PipelineSplitError",

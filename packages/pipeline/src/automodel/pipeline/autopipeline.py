@@ -16,10 +16,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.nn.parallel import DistributedDataParallel
 
 from automodel.mesh import MeshContext
+from automodel.mesh.distributed import release_groups_at_teardown
 from automodel.pipeline import torch_internals
 from automodel.pipeline.config import PipelineConfig
+from automodel.pipeline.ddp_stage import PipelineStageWithDDP, check_ddp_schedule, release_ddp_process_groups
 from automodel.pipeline.dtensor_boundary import BoundaryLayouts, attach_boundary_layouts, normalize_layouts
 from automodel.pipeline.forward_only import run_forward
 from automodel.pipeline.hf import (
@@ -36,8 +39,13 @@ from automodel.pipeline.layout import (
     num_stages_for,
     stage_ids_this_rank,
 )
-from automodel.pipeline.schedules import read_csv_stage_layout
-from automodel.pipeline.split import check_parameter_coverage, modules_in_several_stages, split_module
+from automodel.pipeline.schedules import check_microbatch_count, read_csv_stage_layout
+from automodel.pipeline.split import (
+    check_parameter_coverage,
+    is_transformers_model,
+    modules_in_several_stages,
+    split_module,
+)
 from automodel.pipeline.step_guard import (
     GuardedStage,
     OutputSpec,
@@ -46,6 +54,7 @@ from automodel.pipeline.step_guard import (
     raise_if_any_failed,
 )
 from automodel.pipeline.tied import TiedParameters
+from automodel.pipeline.wrappers import named_parameters_in_model, unwrap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ParallelizeFn = Callable[..., nn.Module | None]
@@ -100,6 +109,14 @@ class AutoPipeline:
                 )
                 for r in range(pp_size)
             }
+        if cfg.pp_schedule_csv is None:  # a CSV schedule runs whatever micro-batches its rows name
+            check_microbatch_count(
+                spec=spec,
+                pp_batch_size=cfg.pp_batch_size,
+                pp_microbatch_size=cfg.pp_microbatch_size,
+                num_stages=num_stages,
+                pp_size=pp_size,
+            )
         if cfg.module_fqns_per_model_part is not None:
             fqns = [list(p) for p in cfg.module_fqns_per_model_part]
             if len(fqns) != num_stages:
@@ -133,7 +150,7 @@ class AutoPipeline:
         them (see `dtensor_boundary`). A stage sending an undeclared DTensor is a ValueError.
         """
         layouts = normalize_layouts(boundary_layouts)
-        cfg, spec = self.config, self.config.schedule_spec
+        cfg = self.config
         fqns_per_stage, ranks, structure = self._stage_layout(model)
         check_adjacent_stages_on_one_rank(
             ranks,
@@ -170,40 +187,42 @@ class AutoPipeline:
             if parallelize_fn is not None:
                 returned = parallelize_fn(part, stage_index=stage_index, num_stages=num_stages)
                 part = part if returned is None else returned
+            # A stage that runs the model's forward from the token ids (`LayerListStage`) needs them.
+            needs_token_ids |= bool(getattr(unwrap(part), "needs_token_ids", False))
             _check_fsdp_root(part, stage_index)
             attach_boundary_layouts(part, layouts=layouts, stage_index=stage_index, num_stages=num_stages)
             parts.append(part)
+            stage_cls = PipelineStageWithDDP if isinstance(part, DistributedDataParallel) else GuardedStage
             stages.append(
-                GuardedStage(
+                stage_cls(
                     part, stage_index, num_stages, self.device, group=pp_mesh.get_group(), errors=errors
                 )
             )
+        schedule_loss = (
+            guard_loss(loss_fn, errors=errors, last_stage=num_stages - 1) if loss_fn is not None else None
+        )
+        try:
+            schedule = _make_schedule(cfg, stages, schedule_loss)
+        except ValueError as e:  # a rule of a newer torch that `check_microbatch_count` does not know
+            raise ValueError(
+                f"{e} (pp_batch_size={cfg.pp_batch_size}, pp_microbatch_size={cfg.pp_microbatch_size}: "
+                f"{cfg.n_microbatches} micro-batches; {num_stages} pipeline stages)"
+            ) from e
+        check_ddp_schedule(
+            schedule,
+            parts=parts,
+            stage_ids=list(ranks[pp_rank]),
+            name=cfg.pp_schedule_csv or cfg.schedule_spec.name,
+        )
+        # The first collective of the build: every local refusal above comes before it.
         tied_parameters = TiedParameters.build(
             mesh=self.mesh,
             holders=tied,
             stage_ids_per_rank=ranks,
             model_parts=parts,
             part_stage_ids=list(ranks[pp_rank]),
+            hf_model=is_transformers_model(model),
         )
-
-        schedule_loss = (
-            guard_loss(loss_fn, errors=errors, last_stage=num_stages - 1) if loss_fn is not None else None
-        )
-        if cfg.pp_schedule_csv is not None:
-            schedule = torch_internals.csv_schedule(
-                list(stages),
-                n_microbatches=cfg.n_microbatches,
-                loss_fn=schedule_loss,
-                scale_grads=cfg.scale_grads_in_schedule,
-                path=cfg.pp_schedule_csv,
-            )
-        else:
-            schedule = spec.cls(
-                stages if spec.multi_stage else stages[0],
-                n_microbatches=cfg.n_microbatches,
-                loss_fn=schedule_loss,
-                scale_grads=cfg.scale_grads_in_schedule,
-            )
         return PipelineModel(
             config=cfg,
             stages=stages,
@@ -220,15 +239,29 @@ class AutoPipeline:
         )
 
 
-def _is_transformers_model(model: nn.Module) -> bool:
-    """Decided by class, not by a ``.config`` attribute (torchtitan and nanoGPT models have one too)."""
-    return any(c.__module__.split(".")[0] == "transformers" for c in type(model).__mro__)
+def _make_schedule(cfg: PipelineConfig, stages: list[GuardedStage], loss_fn: LossFn | None) -> Any:
+    """The torch schedule over this rank's stages (a CSV schedule runs torch's schedule runtime)."""
+    if cfg.pp_schedule_csv is not None:
+        return torch_internals.csv_schedule(
+            list(stages),
+            n_microbatches=cfg.n_microbatches,
+            loss_fn=loss_fn,
+            scale_grads=cfg.scale_grads_in_schedule,
+            path=cfg.pp_schedule_csv,
+        )
+    spec = cfg.schedule_spec
+    return spec.cls(
+        stages if spec.multi_stage else stages[0],
+        n_microbatches=cfg.n_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=cfg.scale_grads_in_schedule,
+    )
 
 
 def _hf_structure_or_refuse(model: nn.Module) -> HFStructure:
     """The stage structure of a transformers causal LM; any other model must name its stages."""
     cls = type(model).__name__
-    if not _is_transformers_model(model):
+    if not is_transformers_model(model):
         raise ValueError(
             f"{cls} is not a Hugging Face transformers model, so its stages cannot be derived: set "
             "module_fqns_per_model_part (one list of module FQNs per stage, e.g. "
@@ -293,7 +326,7 @@ class PipelineModel:
         self.loss_fn = loss_fn
         self.fqns_per_stage = fqns_per_stage
         self.stage_ids_per_rank = stage_ids_per_rank
-        self.pp_group = pp_group
+        self._pp_group: dist.ProcessGroup | None = pp_group
         self.device = device
         self.tied_parameters = tied_parameters or TiedParameters.none()
         #: a stage of this rank runs the model from the token ids (`CausalLMStage.needs_token_ids`)
@@ -302,6 +335,25 @@ class PipelineModel:
         self._tied_synced = False  # the tied copies' gradients were summed by the last `step`
         self._step_errors = step_errors or StepErrors()
         self._checked_forward = False  # the first `step` runs one forward-only micro-batch first
+        # A script keeps `pipe` until its end: destroy_distributed() must be able to drop our groups.
+        release_groups_at_teardown(self)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        if self._pp_group is None:
+            raise RuntimeError("this pipeline's process groups were released by destroy_distributed()")
+        return self._pp_group
+
+    def release_process_groups(self) -> None:
+        """Drop this pipeline's references to process groups (its pp group, the torch stages' group,
+        the tied weights' groups, a DDP stage's group), so `destroy_distributed` can free them and join their gloo
+        threads; the pipeline is unusable afterwards."""
+        self._pp_group = None
+        for stage in self.stages:
+            stage.group = None
+        for part in self.model_parts:  # DDP stages from parallelize_fn: their dp group
+            release_ddp_process_groups(part)
+        self.tied_parameters.release_process_groups()
 
     # ---- layout --------------------------------------------------------------------------
     @property
@@ -325,9 +377,10 @@ class PipelineModel:
             yield from part.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Parameters of this rank's stages under their FQNs in the full model."""
+        """Parameters of this rank's stages under their FQNs in the full model (also through the
+        wrappers `parallelize_fn` put around a stage: DDP's ``module.``, torch.compile's ``_orig_mod.``)."""
         for part in self.model_parts:
-            yield from part.named_parameters()
+            yield from named_parameters_in_model(part)
 
     def sync_tied_gradients(self) -> None:
         """Sum the gradients of tied weights over the stages holding them, so every copy steps alike.

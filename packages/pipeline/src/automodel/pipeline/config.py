@@ -43,9 +43,12 @@ class PipelineConfig:
         _positive_int("pp_microbatch_size", self.pp_microbatch_size)
         _positive_int("pp_batch_size", self.pp_batch_size)
         if self.pp_batch_size % self.pp_microbatch_size != 0:
+            b, m = self.pp_batch_size, self.pp_microbatch_size
+            near = " or ".join(str(x) for x in (b // m * m, b // m * m + m) if x > 0)
             raise ValueError(
-                f"pp_batch_size={self.pp_batch_size} is not divisible by "
-                f"pp_microbatch_size={self.pp_microbatch_size}"
+                f"pp_batch_size={b} is not divisible by pp_microbatch_size={m} (each step is cut into "
+                f"micro-batches of pp_microbatch_size rows): set pp_batch_size to a multiple of it "
+                f"(e.g. {near}) or pp_microbatch_size to a divisor of {b}"
             )
         if self.layers_per_stage is not None:
             _positive_int("layers_per_stage", self.layers_per_stage)

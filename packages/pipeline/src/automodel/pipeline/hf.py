@@ -22,7 +22,8 @@ from automodel.pipeline.hf_structure import (
     trace_hf_structure,
 )
 from automodel.pipeline.layout import split_layers_evenly
-from automodel.pipeline.split import split_module
+from automodel.pipeline.split import is_transformers_model, split_module
+from automodel.pipeline.tied import untie_advice
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -169,7 +170,8 @@ def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str
     must know the weight by that name (the first under which it lists it), as one process does:
     initialization and checkpoints go by it, and the ranks pair up their copies by it.
     """
-    owners = {pid: [m for m, _ in places] for pid, places in parameter_places(model).items()}
+    places = parameter_places(model)
+    owners = {pid: [m for m, _ in where] for pid, where in places.items()}
     holders: dict[str, list[int]] = {}
     for name, param in model.named_parameters():
         stages = [
@@ -185,9 +187,14 @@ def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str
             held_as = {id(p): n for n, p in pruned.named_parameters()}
             got = held_as.get(id(model.get_parameter(name)))
             if got != name:
+                # Rule: every holder knows a tied weight by its one-process name (its first place).
+                module = name.rpartition(".")[0]
+                named = [f"{m}.{a}" if m else a for m, a in places[id(model.get_parameter(name))]]
+                second = next((n for n in named if n != name), name)
                 raise ValueError(
                     f"pipeline stage {s} holds the tied weight {name} as {got}; every stage holding a tied "
-                    "weight must hold the module it has in one process (add it to that stage's module FQNs) "
-                    "or the model must be built with tie_word_embeddings=False"
+                    f"weight must hold the module it has in one process: list {module!r} in that stage's "
+                    f"module_fqns_per_model_part[{s}] too (step() sums the copies' gradients), or "
+                    f"{untie_advice(hf_model=is_transformers_model(model), place=second)}"
                 )
     return holders

@@ -89,6 +89,40 @@ def resolve_schedule(name: str) -> ScheduleSpec:
     )
 
 
+#: torch's micro-batch count rules, by schedule (checked in its constructors; mirrored here so the
+#: error names the config keys). n >= stages: the warm-up fills every stage before the first backward.
+_AT_LEAST_ONE_PER_STAGE: frozenset[str] = frozenset({"1F1B", "DualPipeV"})
+#: n % max(1, n // pp_size) == 0: the micro-batches are run in rounds of equal size.
+_EQUAL_ROUNDS: frozenset[str] = frozenset({"Interleaved1F1B", "InterleavedZeroBubble"})
+
+
+def check_microbatch_count(
+    *, spec: ScheduleSpec, pp_batch_size: int, pp_microbatch_size: int, num_stages: int, pp_size: int
+) -> None:
+    """Refuse a micro-batch count the schedule cannot run, before torch does, naming what to set."""
+    m, n = pp_microbatch_size, pp_batch_size // pp_microbatch_size
+    given = (
+        f"pp_batch_size={pp_batch_size} / pp_microbatch_size={m} gives {n} micro-batch"
+        f"{'es' if n != 1 else ''}, but {spec.name} with {num_stages} pipeline stages (pp_size={pp_size})"
+    )
+    if spec.name in _AT_LEAST_ONE_PER_STAGE and n < num_stages:
+        fix = f"set pp_batch_size to at least {num_stages * m} (a multiple of pp_microbatch_size)"
+        if pp_batch_size >= num_stages:
+            fix += f" or pp_microbatch_size to at most {pp_batch_size // num_stages}"
+        raise ValueError(
+            f"{given} needs at least one micro-batch per stage ({num_stages}): {fix}, or use gpipe"
+        )
+    rounds = max(1, n // pp_size)
+    if spec.name in _EQUAL_ROUNDS and n % rounds != 0:
+        step = m * pp_size
+        lower = n // pp_size * step
+        raise ValueError(
+            f"{given} runs micro-batches in rounds of equal size and needs a count that is a multiple of "
+            f"{rounds} (= {n} // pp_size); any multiple of pp_size works: set pp_batch_size to a multiple "
+            f"of pp_microbatch_size * pp_size = {step} (e.g. {lower} or {lower + step})"
+        )
+
+
 def check_schedule_csv(path: str | Path) -> None:
     """`path` is a file on this machine: checked when the pipeline is built (`read_csv_stage_layout`)
     and by the recipes before launch, not when `PipelineConfig` is constructed (a config reads no disk)."""

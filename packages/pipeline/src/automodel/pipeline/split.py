@@ -25,6 +25,11 @@ class PipelineSplitError(ValueError):
     """The model cannot be split into pipeline stages generically; the message says why."""
 
 
+def is_transformers_model(model: nn.Module) -> bool:
+    """Decided by class, not by a ``.config`` attribute (torchtitan and nanoGPT models have one too)."""
+    return any(c.__module__.split(".")[0] == "transformers" for c in type(model).__mro__)
+
+
 def is_within(fqn: str, roots: list[str] | tuple[str, ...]) -> bool:
     """Whether `fqn` is one of `roots` or a submodule of one."""
     return any(fqn == r or fqn.startswith(r + ".") for r in roots)

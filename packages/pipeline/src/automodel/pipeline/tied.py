@@ -16,6 +16,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from automodel.mesh import MeshContext
+from automodel.pipeline.wrappers import named_parameters_in_model, unwrap
+
+
+def untie_advice(*, hf_model: bool, place: str = "lm_head.weight") -> str:
+    """How to untie a weight, for an error message: the config key of a transformers model, plain
+    torch otherwise (a separate `nn.Parameter` at the weight's second place, `place`)."""
+    if hf_model:
+        return "build the model with tie_word_embeddings=False"
+    return (
+        "untie the weights in your model before build, e.g. "
+        f"`model.{place} = nn.Parameter(model.{place}.detach().clone())`"
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -45,6 +57,7 @@ class TiedParameters:
         stage_ids_per_rank: dict[int, list[int]],
         model_parts: list[nn.Module],
         part_stage_ids: list[int] | None = None,
+        hf_model: bool = False,
     ) -> TiedParameters:
         """Collective over the world: every rank makes the same process groups in the same order.
 
@@ -73,10 +86,11 @@ class TiedParameters:
                 continue
             copies = []
             for i, part in enumerate(model_parts):
-                params = dict(part.named_parameters(remove_duplicate=False))
+                # by full-model name: a stage wrapped by parallelize_fn (DDP: module.<fqn>) holds it too
+                params = dict(named_parameters_in_model(part, remove_duplicate=False))
                 stage_of_part = part_stage_ids[i] if part_stage_ids is not None else None
                 if stage_of_part is None:
-                    stage_of_part = getattr(part, "stage_index", min(stages))
+                    stage_of_part = getattr(unwrap(part), "stage_index", min(stages))
                 if name in params:
                     copies.append(params[name])
                     if stage_of_part != min(stages):
@@ -85,12 +99,20 @@ class TiedParameters:
             entries.append((name, copies, groups[holder_pp]))
         tied = cls(entries, duplicates)
         tied._check(
-            mesh, holders, {n: tuple(sorted({pp_rank_of[s] for s in st})) for n, st in holders.items()}
+            mesh,
+            holders,
+            {n: tuple(sorted({pp_rank_of[s] for s in st})) for n, st in holders.items()},
+            hf_model=hf_model,
         )
         return tied
 
     def _check(
-        self, mesh: MeshContext, holders: dict[str, list[int]], holder_pp: dict[str, tuple[int, ...]]
+        self,
+        mesh: MeshContext,
+        holders: dict[str, list[int]],
+        holder_pp: dict[str, tuple[int, ...]],
+        *,
+        hf_model: bool = False,
     ) -> None:
         """Every holder must have its copies, laid out alike, or summing their gradients is wrong (or,
         worse, the ranks issue different collectives and hang). One gather over the world, so every
@@ -111,16 +133,22 @@ class TiedParameters:
                     raise ValueError(
                         f"rank {rank} runs a pipeline stage holding the tied weight {name} (stages "
                         f"{holders[name]}) but has no copy of it under that name; the stage must hold the "
-                        "module the weight has in one process"
+                        "module the weight has in one process, under that name (names are read through "
+                        "DistributedDataParallel and torch.compile around a stage; another wrapper that "
+                        "renames parameters must go inside the stage, around its submodules)"
                     )
                 shapes.setdefault(pp_group, set()).update(tuple(s) for s in held[name])
             for found in shapes.values():
                 if len(found) > 1:
                     raise ValueError(
                         f"the pipeline stages holding the tied weight {name} shard it differently "
-                        f"({sorted(found)} local shapes); keep it replicated over tp or build the model "
-                        "with tie_word_embeddings=False"
+                        f"({sorted(found)} local shapes); keep it replicated over tp (the same placements "
+                        f"on every stage holding it) or {untie_advice(hf_model=hf_model)}"
                     )
+
+    def release_process_groups(self) -> None:
+        """Forget the groups (at teardown: `PipelineModel.release_process_groups`)."""
+        self._entries = [(name, copies, None) for name, copies, _ in self._entries]
 
     def duplicate_ids(self) -> set[int]:
         """Ids of the copies not counted in a gradient norm (all but the lowest stage's)."""

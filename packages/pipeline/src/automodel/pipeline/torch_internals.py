@@ -18,6 +18,10 @@ Checked on torch 2.11, 2.13, 2.14 and 2.15 (`nox -s torch_range`):
   on 2.11, where `forward_maybe_with_nosync` does it).
 - `schedules._PipelineScheduleRuntime` with `_load_csv`, and `schedules._Action.from_str`: all
   versions (no public class plays or parses a CSV schedule).
+- `schedules._ComputationType.BACKWARD_WEIGHT` (a schedule's weight-pass actions, read off its
+  public `pipeline_order`): checked on the installed torch 2.13 only; `ddp_stage` refuses DDP stages
+  under such schedules. `ddp_stage` also overrides `PipelineStage._compute_outputs` (above) to run
+  a DDP stage's shape inference under `no_sync`.
 - `torch.utils._pytree`, `torch.utils._python_dispatch.TorchDispatchMode`,
   `torch._subclasses.fake_tensor.FakeTensorMode`, `OpOverload._schema`: all versions (no public
   module holds them on 2.11-2.15).
@@ -48,6 +52,7 @@ __all__ = [
     "parse_schedule_action",
     "pop_forward_record",
     "received_arg_count",
+    "schedule_splits_backward",
     "schedule_step_takes_return_outputs",
     "set_input_grads",
     "stage_computes_outputs_privately",
@@ -156,6 +161,17 @@ def csv_schedule(
 def schedule_step_takes_return_outputs() -> bool:
     """Whether the schedules' `step` takes `return_outputs` (every checked torch; kept as a probe since torch added it late)."""
     return "return_outputs" in inspect.signature(PipelineScheduleMulti.step).parameters
+
+
+def schedule_splits_backward(schedule: Any) -> bool:
+    """Whether the schedule's actions include weight passes (``W``: each backward split into an
+    input and a weight pass, as zero-bubble schedules and DualPipeV do)."""
+    kinds = getattr(schedules, "_ComputationType", None)
+    weight = getattr(kinds, "BACKWARD_WEIGHT", None)
+    if weight is None:
+        raise TorchInternalsMoved("torch.distributed.pipelining.schedules._ComputationType.BACKWARD_WEIGHT")
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(a is not None and a.computation_type == weight for actions in order.values() for a in actions)
 
 
 def parse_schedule_action(cell: str) -> Any:
