@@ -29,6 +29,7 @@ def _skip_v_schedules_where_torch_cannot(items: list[pytest.Item]) -> None:
     for item in items:
         callspec = getattr(item, "callspec", None)
         values = list(callspec.params.values()) if callspec is not None else []
+        values += [v for d in values if isinstance(d, dict) for v in d.values()]  # a case's settings
         if any(names_a_v_schedule(v) for v in values) or (
             callspec is not None and names_a_v_schedule(callspec.id)
         ):

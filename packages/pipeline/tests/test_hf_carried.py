@@ -41,7 +41,7 @@ CASES: dict[str, dict] = {
     # stages on two ranks, so a stage also passes on what it received
     "kv_shared_interleaved": {"num_kv_shared_layers": 2, "schedule": "interleaved1f1b"},
     # a V: the middle stages on one rank, backward split into input and weight gradients
-    "kv_shared_zero_bubble_v": {"num_kv_shared_layers": 2, "schedule": "zbv"},
+    "kv_shared_zbv": {"num_kv_shared_layers": 2, "schedule": "zbv"},
 }
 
 

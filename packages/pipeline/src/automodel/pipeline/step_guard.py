@@ -76,6 +76,32 @@ class OutputSpec:
         return tuple(out) if self.is_tuple else out[0]
 
 
+#: torch < 2.13 needs a gradient for every received input that requires one: 2.11 refuses to send
+#: None back ("has gradients None"), 2.12's split backward differentiates without allow_unused. A
+#: stage whose layers leave a received value unread (Gemma 3n's carried keys/values on a stage
+#: after the last layer that reads them) then fails; newer torch sends such gradients as zeros.
+_INPUTS_NEED_A_GRADIENT = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
+
+
+def _link_every_input(output: Any, inputs: Sequence[Any]) -> Any:
+    """`output` with a zero that hangs on every grad-requiring input (`_ZeroLink`), so each input
+    gets a (zero or real) gradient: the stage's numbers are unchanged."""
+    linked = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    items = list(output) if isinstance(output, tuple) else [output]
+    target = next(
+        (
+            i
+            for i, t in enumerate(items)
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+        ),
+        None,
+    )
+    if not linked or target is None:
+        return output
+    items[target] = items[target] + _ZeroLink.apply(*linked).to(items[target].dtype)
+    return tuple(items) if isinstance(output, tuple) else items[0]
+
+
 class _ZeroLink(torch.autograd.Function):
     """A zero scalar whose backward gives each input a dense, contiguous zero gradient (the
     receiving stage allocates its buffer with the strides it saw; an expanded zero would not do)."""
@@ -137,7 +163,7 @@ class GuardedStage(PipelineStage):
                 self.errors.record(stage=self.stage_index, phase="forward", error=e)
             else:
                 self.output_spec = OutputSpec.of(output) or self.output_spec
-                return output
+                return _link_every_input(output, inputs) if _INPUTS_NEED_A_GRADIENT else output
         if self.output_spec is not None:
             return self.output_spec.placeholder(inputs, self.device)
         if self.is_last:  # only the (guarded) loss reads it
