@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 
 def set_unit_gradient_divide_factor(unit: FSDPModule, *, factor: float) -> None:
@@ -22,13 +23,12 @@ def set_unit_gradient_divide_factor(unit: FSDPModule, *, factor: float) -> None:
 
 
 def _reduces_outside_nccl(unit: FSDPModule) -> bool:
-    try:
-        groups = [
-            g for pg in unit._get_fsdp_state()._fsdp_param_groups for g in pg.mesh_info.mesh.get_all_groups()
-        ]
-    except AttributeError:  # private layout differs across torch versions: judge by the default group
+    """Whether a group of the mesh `unit`'s parameters are sharded over is not NCCL (read off the
+    parameters, which FSDP2 makes DTensors on that mesh; the default group when it has none)."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in unit.parameters() if isinstance(p, DTensor)}
+    if not meshes:
         return dist.get_backend() != "nccl"
-    return any(dist.get_backend(g) != "nccl" for g in groups)
+    return any(dist.get_backend(g) != "nccl" for mesh in meshes.values() for g in mesh.get_all_groups())
 
 
 def reduce_unused_parameters(unit: FSDPModule) -> None:
