@@ -69,6 +69,25 @@ def test_mesh_internals_are_where_checked() -> None:
     assert all(r["registry"] for r in results), "DeviceMesh._pg_registry moved"
 
 
+def _unused_gradient_reduction() -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    unit = fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1,)))
+    if hasattr(unit, "set_reduce_scatter_unused_params"):  # torch >= 2.13: the public setter
+        return "public"
+    ti.reduce_unused_gradients_as_zeros(unit)
+    unit(torch.ones(1, 2)).sum().backward()
+    return "private"
+
+
+def test_unused_gradient_reduction_is_where_checked() -> None:
+    """torch < 2.13: the zero-filling post-backward attaches and runs (test_unused_parameters in
+    automodel-fsdp2 checks the gradients)."""
+    (how,) = run_on_ranks(_unused_gradient_reduction, world_size=1)
+    release = tuple(int(x) for x in torch.__version__.split(".")[:2])
+    assert how == ("private" if release < (2, 13) else "public")
+
+
 def test_the_fake_backend_is_registered_by_the_store() -> None:
     assert isinstance(ti.fake_store(), dist.Store)
     assert "fake" in dist.Backend.backend_list

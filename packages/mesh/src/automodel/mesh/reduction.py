@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from automodel.mesh.torch_internals import reduce_unused_gradients_as_zeros
+
 
 def set_unit_gradient_divide_factor(unit: FSDPModule, *, factor: float) -> None:
     """Divide `unit`'s reduced gradients by `factor` instead of its data-parallel size (1.0 = sum)."""
@@ -33,7 +35,8 @@ def _reduces_outside_nccl(unit: FSDPModule) -> bool:
 
 def reduce_unused_parameters(unit: FSDPModule) -> None:
     """Make a trainable parameter of `unit` that got no gradient on this rank join the gradient
-    reduction as zeros, where torch offers it (``set_reduce_scatter_unused_params``, torch 2.13).
+    reduction as zeros (torch 2.13's ``set_reduce_scatter_unused_params``; on earlier torch through
+    `torch_internals.reduce_unused_gradients_as_zeros`).
 
     FSDP2 reduce-scatters only the parameters with a gradient, so ranks whose micro-batches route
     around a parameter (LongCat-Flash's zero-computation experts: no token of a rank reached a real
@@ -44,3 +47,5 @@ def reduce_unused_parameters(unit: FSDPModule) -> None:
     setter = getattr(unit, "set_reduce_scatter_unused_params", None)
     if setter is not None:
         setter(True, recurse=False)
+    else:  # torch < 2.13
+        reduce_unused_gradients_as_zeros(unit)

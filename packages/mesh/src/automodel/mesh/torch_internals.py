@@ -13,6 +13,11 @@ Checked on torch 2.11, 2.13, 2.14 and 2.15 (`nox -s torch_range`):
 - `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`: all versions.
 - `torch.testing._internal.distributed.fake_pg.FakeStore`: importing it registers the `fake`
   backend (`init_process_group("fake")` fails without it on every checked torch).
+- Before torch 2.13 FSDP2 has no `set_reduce_scatter_unused_params`: `reduce_unused_gradients_as_zeros`
+  gives the unit's trainable parameters without a gradient a zero one at the start of its
+  parameter group's `post_backward`, through `FSDPModule._get_fsdp_state()._fsdp_param_group`
+  (`.post_backward`, `.fsdp_params`, each with `_unsharded_param`, `unsharded_accumulated_grad`):
+  checked on 2.11 (2.13 and later use the public setter).
 - Wrapper attribute names a module's FQNs may carry: `_checkpoint_wrapped_module` (torch's
   checkpoint wrapper), `_orig_mod` (`torch.compile`), `_fsdp_wrapped_module` (FSDP1).
 
@@ -23,12 +28,16 @@ unit's DTensor parameters' `device_mesh`; `nn.Module._parameters` by
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "reduce_unused_gradients_as_zeros",
     "CHECKED_TORCH",
     "CHECKPOINT_WRAPPED",
     "COMPILED_ORIGINAL",
@@ -98,3 +107,31 @@ def fake_store() -> dist.Store:
     except ImportError as err:
         raise TorchInternalsMoved("torch.testing._internal.distributed.fake_pg.FakeStore") from err
     return FakeStore()
+
+
+def reduce_unused_gradients_as_zeros(unit: FSDPModule) -> None:
+    """torch < 2.13: what `set_reduce_scatter_unused_params(True, recurse=False)` does on later
+    torch (a trainable parameter that got no gradient joins the reduce-scatter as zeros)."""
+    state = unit._get_fsdp_state()
+    if not hasattr(state, "_fsdp_param_group"):
+        raise TorchInternalsMoved("FSDPModule._get_fsdp_state()._fsdp_param_group")
+    group = state._fsdp_param_group
+    if group is None:  # a unit without parameters of its own
+        return
+    post_backward = getattr(group, "post_backward", None)
+    if post_backward is None or not isinstance(getattr(group, "fsdp_params", None), list):
+        raise TorchInternalsMoved("FSDPParamGroup.post_backward / fsdp_params")
+    if getattr(post_backward, "_zero_fills_unused", False):
+        return
+
+    def zero_filling_post_backward(*args: Any) -> Any:
+        for fsdp_param in group.fsdp_params:
+            if not hasattr(fsdp_param, "_unsharded_param") or fsdp_param.unsharded_accumulated_grad is not None:
+                continue
+            param = fsdp_param.unsharded_param
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)  # a DTensor under TP, as its gradient would be
+        return post_backward(*args)
+
+    zero_filling_post_backward._zero_fills_unused = True  # pyright: ignore[reportFunctionMemberAccess]
+    group.post_backward = zero_filling_post_backward
