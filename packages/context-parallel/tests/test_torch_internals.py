@@ -53,5 +53,7 @@ def test_checkpoint_wrapper_attribute_is_where_checked() -> None:
 
 def test_a_moved_internal_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.distributed.tensor.experimental._attention", None)
-    with pytest.raises(ti.TorchInternalsMoved, match=r"moved .*_attention\.set_rotate_method.*torch_internals\.py"):
+    with pytest.raises(
+        ti.TorchInternalsMoved, match=r"moved .*_attention\.set_rotate_method.*torch_internals\.py"
+    ):
         ti.set_kv_rotation("allgather")

@@ -11,7 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 import automodel.fsdp2
 from automodel.fsdp2 import torch_internals as ti
@@ -125,5 +130,7 @@ def test_tp_style_hooks_shard_as_checked() -> None:
 
 def test_a_moved_internal_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(RowwiseParallel, "_prepare_output_fn")
-    with pytest.raises(ti.TorchInternalsMoved, match=r"moved RowwiseParallel\._prepare_output_fn.*torch_internals\.py"):
+    with pytest.raises(
+        ti.TorchInternalsMoved, match=r"moved RowwiseParallel\._prepare_output_fn.*torch_internals\.py"
+    ):
         ti.rowwise_prepare_output(None, True, nn.Linear(1, 1), None, None)

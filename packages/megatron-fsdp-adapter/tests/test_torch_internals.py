@@ -54,5 +54,7 @@ def test_checkpoint_wrapper_is_where_checked() -> None:
 
 def test_a_moved_internal_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", None)
-    with pytest.raises(ti.TorchInternalsMoved, match=r"moved torch\.distributed\.algorithms.*torch_internals\.py"):
+    with pytest.raises(
+        ti.TorchInternalsMoved, match=r"moved torch\.distributed\.algorithms.*torch_internals\.py"
+    ):
         ti.non_reentrant_checkpoint_wrapper(nn.Linear(1, 1))

@@ -37,7 +37,11 @@ def test_no_other_module_uses_a_private_torch_name() -> None:
 def test_module_hook_registries_are_the_checked_ones() -> None:
     """A hook registry torch adds would survive into a hook-free copy: it must be listed."""
     state = vars(nn.Linear(2, 2))
-    call_hooks = {k for k, v in state.items() if isinstance(v, dict) and "hook" in k and ("forward" in k or "backward" in k)}
+    call_hooks = {
+        k
+        for k, v in state.items()
+        if isinstance(v, dict) and "hook" in k and ("forward" in k or "backward" in k)
+    }
     assert call_hooks == set(ti.MODULE_HOOKS)
     assert isinstance(state["_parameters"], dict) and isinstance(state["_modules"], dict)
 
@@ -77,5 +81,7 @@ def test_all_to_all_single_autograd_is_where_checked() -> None:
 
 def test_a_moved_internal_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.distributed._functional_collectives", None)
-    with pytest.raises(ti.TorchInternalsMoved, match=r"moved .*all_to_all_single_autograd.*torch_internals\.py"):
+    with pytest.raises(
+        ti.TorchInternalsMoved, match=r"moved .*all_to_all_single_autograd.*torch_internals\.py"
+    ):
         ti.all_to_all_single_autograd(torch.zeros(1), [1], [1], None)  # pyright: ignore[reportArgumentType]

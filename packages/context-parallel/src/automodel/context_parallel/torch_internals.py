@@ -45,7 +45,9 @@ def set_kv_rotation(method: str) -> None:
     try:
         from torch.distributed.tensor.experimental._attention import set_rotate_method
     except ImportError as err:
-        raise TorchInternalsMoved("torch.distributed.tensor.experimental._attention.set_rotate_method") from err
+        raise TorchInternalsMoved(
+            "torch.distributed.tensor.experimental._attention.set_rotate_method"
+        ) from err
     set_rotate_method(method)
 
 

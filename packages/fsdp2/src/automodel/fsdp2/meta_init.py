@@ -146,7 +146,9 @@ def _rebuild_buffers(
         fresh_buffers = dict(twin.named_buffers(recurse=False))
         if all(n in fresh_buffers for n in names):
             for name in names:
-                setattr(module, name, fresh_buffers[name].to(device))  # a buffer stays one (and keeps persistence)
+                setattr(
+                    module, name, fresh_buffers[name].to(device)
+                )  # a buffer stays one (and keeps persistence)
             return
     raise ValueError(
         f"cannot recompute buffers {names} of {type(module).__name__} at {fqn or '<root>'} after meta init "

@@ -62,7 +62,10 @@ class TorchInternalsMoved(RuntimeError):
 def non_reentrant_checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
     """torch's checkpoint wrapper (non-reentrant) around `module`; its state-dict keys are unchanged."""
     try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
     except ImportError as err:
         raise TorchInternalsMoved("torch.distributed.algorithms._checkpoint.checkpoint_wrapper") from err
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **checkpoint_kwargs)

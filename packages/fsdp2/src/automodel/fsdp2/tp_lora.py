@@ -64,7 +64,9 @@ class _LoRARowwiseMixin(RowwiseParallel):
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if name == "lora_B":
             return
-        next_partition_linear(_LoRARowwiseMixin, self, name, module, device_mesh)  # "": W Shard(1), bias R; lora_A: Shard(1)
+        next_partition_linear(
+            _LoRARowwiseMixin, self, name, module, device_mesh
+        )  # "": W Shard(1), bias R; lora_A: Shard(1)
 
 
 @functools.cache

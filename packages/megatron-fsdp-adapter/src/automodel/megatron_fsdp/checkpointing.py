@@ -21,11 +21,7 @@ def apply_mlp_checkpointing(model: nn.Module, *, unit_modules: list[type[nn.Modu
     wrapped = 0
     for module in model.modules():
         mlp = getattr(module, "mlp", None)
-        if (
-            isinstance(module, units)
-            and isinstance(mlp, nn.Module)
-            and not hasattr(mlp, CHECKPOINT_WRAPPED)
-        ):
+        if isinstance(module, units) and isinstance(mlp, nn.Module) and not hasattr(mlp, CHECKPOINT_WRAPPED):
             module.mlp = non_reentrant_checkpoint_wrapper(mlp)
             wrapped += 1
     if wrapped == 0:

@@ -95,7 +95,9 @@ def global_offset(t: DTensor) -> list[int]:
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError as err:
-        raise TorchInternalsMoved("torch.distributed.tensor._utils.compute_local_shape_and_global_offset") from err
+        raise TorchInternalsMoved(
+            "torch.distributed.tensor._utils.compute_local_shape_and_global_offset"
+        ) from err
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return [int(o) for o in offset]
 
@@ -126,7 +128,10 @@ def reduce_unused_gradients_as_zeros(unit: FSDPModule) -> None:
 
     def zero_filling_post_backward(*args: Any) -> Any:
         for fsdp_param in group.fsdp_params:
-            if not hasattr(fsdp_param, "_unsharded_param") or fsdp_param.unsharded_accumulated_grad is not None:
+            if (
+                not hasattr(fsdp_param, "_unsharded_param")
+                or fsdp_param.unsharded_accumulated_grad is not None
+            ):
                 continue
             param = fsdp_param.unsharded_param
             if param.requires_grad and param.grad is None:

@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["CHECKED_TORCH", "MODULE_HOOKS", "TorchInternalsMoved", "all_to_all_single_autograd", "hook_free_copy"]
+__all__ = [
+    "CHECKED_TORCH",
+    "MODULE_HOOKS",
+    "TorchInternalsMoved",
+    "all_to_all_single_autograd",
+    "hook_free_copy",
+]
 
 #: torch releases (major.minor) on which every accessor below was run by the package's tests
 CHECKED_TORCH = ("2.11", "2.13", "2.14", "2.15")
@@ -59,7 +65,9 @@ def all_to_all_single_autograd(
     try:
         from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
     except ImportError as err:
-        raise TorchInternalsMoved("torch.distributed._functional_collectives.all_to_all_single_autograd") from err
+        raise TorchInternalsMoved(
+            "torch.distributed._functional_collectives.all_to_all_single_autograd"
+        ) from err
     return a2a(x, out_splits, in_splits, group)
 
 
