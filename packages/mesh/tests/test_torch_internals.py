@@ -4,12 +4,13 @@ installed torch keeps it: this test fails first, naming the API, when a torch re
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import automodel.mesh
@@ -76,7 +77,7 @@ def _unused_gradient_reduction() -> str:
     if hasattr(unit, "set_reduce_scatter_unused_params"):  # torch >= 2.13: the public setter
         return "public"
     ti.reduce_unused_gradients_as_zeros(unit)
-    unit(torch.ones(1, 2)).sum().backward()
+    cast(nn.Module, unit)(torch.ones(1, 2)).sum().backward()
     return "private"
 
 
@@ -105,5 +106,5 @@ def test_a_moved_internal_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
         pass
 
     with pytest.raises(ti.TorchInternalsMoved, match=r"moved DeviceMesh\._flatten.*torch_internals\.py"):
-        ti.flatten_mesh(Bare(), "x")  # pyright: ignore[reportArgumentType]
-    assert ti.clear_process_group_registry(Bare()) is False  # pyright: ignore[reportArgumentType]
+        ti.flatten_mesh(cast(DeviceMesh, Bare()), "x")
+    assert ti.clear_process_group_registry(cast(DeviceMesh, Bare())) is False

@@ -71,7 +71,7 @@ def non_reentrant_checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **checkpoint_kwargs)
 
 
-def _async_tp_hooks() -> tuple[Any, Callable[[str], None]]:
+def _async_tp_hooks() -> tuple[Any, Callable[[Any], None]]:
     """Inductor's config module and torch's `enable_symm_mem_for_group`."""
     # lazy: start-up, torch._inductor.config ~1.9 s, async TP only
     import torch._inductor.config as inductor_config

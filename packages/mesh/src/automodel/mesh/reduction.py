@@ -8,7 +8,10 @@ parameters join the reduction through `reduce_unused_parameters`.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -27,7 +30,8 @@ def set_unit_gradient_divide_factor(unit: FSDPModule, *, factor: float) -> None:
 def _reduces_outside_nccl(unit: FSDPModule) -> bool:
     """Whether a group of the mesh `unit`'s parameters are sharded over is not NCCL (read off the
     parameters, which FSDP2 makes DTensors on that mesh; the default group when it has none)."""
-    meshes = {id(p.device_mesh): p.device_mesh for p in unit.parameters() if isinstance(p, DTensor)}
+    params = cast(nn.Module, unit).parameters()
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}
     if not meshes:
         return dist.get_backend() != "nccl"
     return any(dist.get_backend(g) != "nccl" for mesh in meshes.values() for g in mesh.get_all_groups())

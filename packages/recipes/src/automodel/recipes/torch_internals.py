@@ -141,4 +141,4 @@ def set_last_lr(scheduler: LRScheduler, values: list[float]) -> None:
     """What `scheduler.get_last_lr()` reports until its next step."""
     if not isinstance(getattr(scheduler, "_last_lr", None), list):
         raise TorchInternalsMoved("LRScheduler._last_lr")
-    scheduler._last_lr = values
+    scheduler._last_lr = list[float | torch.Tensor](values)
