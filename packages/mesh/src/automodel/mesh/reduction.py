@@ -51,5 +51,5 @@ def reduce_unused_parameters(unit: FSDPModule) -> None:
     setter = getattr(unit, "set_reduce_scatter_unused_params", None)
     if setter is not None:
         setter(True, recurse=False)
-    else:  # torch < 2.13
+    elif isinstance(unit, FSDPModule):  # torch < 2.13 (a grouped fully_shard's list: untouched, as on 2.13)
         reduce_unused_gradients_as_zeros(unit)
