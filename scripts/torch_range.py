@@ -66,8 +66,9 @@ TEST_IMPORTS = {
     "automodel-moe-ep": ("transformers",),
     "automodel-recipes": ("peft", "megatron-core"),
 }
-#: lock pins that belong to one torch build and must follow the torch under test
-TORCH_BOUND = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
+#: lock pins that belong to one torch build and must follow the torch under test (torch 2.11 caps
+#: setuptools below the lock's version)
+TORCH_BOUND = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*|setuptools)$")
 
 
 def pypi_torch_releases() -> list[str]:

@@ -20,6 +20,7 @@ from automodel.context_parallel.backends import BACKENDS, cp_submesh, resolve_ba
 from automodel.context_parallel.layout import load_balanced_indices
 from automodel.context_parallel.te_batch import make_cp_batch_for_te
 from automodel.context_parallel.thd import PAD_FILL, cu_from_lengths, pad_documents, thd_partitioned_indices
+from automodel.context_parallel.torch_internals import set_kv_rotation
 
 IGNORE_INDEX = -100
 _SEQ_KEYS: tuple[str, ...] = ("input_ids", "labels", "position_ids", "loss_mask", "padding_mask")
@@ -117,9 +118,8 @@ def _torch_cp_context(cp_mesh: DeviceMesh, seq_len_global: int, kv_rotation: str
     def ctx():
         # lazy: start-up, torch's CP ~2.3 s, CUDA-only path
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import set_rotate_method
 
-        set_rotate_method("alltoall" if kv_rotation == "p2p" else "allgather")
+        set_kv_rotation("alltoall" if kv_rotation == "p2p" else "allgather")
         dummy = torch.zeros(1, seq_len_global, device=cp_mesh.device_type)
         kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         with (

@@ -28,6 +28,7 @@ from automodel.context_parallel.backends import (
 from automodel.context_parallel.layout import load_balanced_indices
 from automodel.context_parallel.ring_attention import ring_attention
 from automodel.context_parallel.thd import document_ids, thd_partitioned_indices
+from automodel.context_parallel.torch_internals import unwrap_checkpointed
 from automodel.mesh.model_parts import in_other_submodel, other_submodel_prefixes
 
 ATTN_IMPLEMENTATION = "context_parallel"
@@ -183,7 +184,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     found: list[torch.nn.Module] = []
     prefixes: list[str] = []
     for name, module in model.named_modules():
-        inner = getattr(module, "_checkpoint_wrapped_module", module)
+        inner = unwrap_checkpointed(module)
         if any(name.startswith(p) for p in prefixes) or inner in found:
             continue
         if name.endswith("self_attn") or _dispatches_attention(type(inner)):

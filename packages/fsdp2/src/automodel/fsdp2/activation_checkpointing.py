@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.overrides import TorchFunctionMode
 
+from automodel.fsdp2.torch_internals import CHECKPOINT_WRAPPED, non_reentrant_checkpoint_wrapper
 from automodel.mesh.model_parts import decoder_layers, find_layer_list
 
 _TOPK = (torch.topk, torch.Tensor.topk)
@@ -99,16 +99,16 @@ def apply_activation_checkpointing(model: nn.Module, *, save_router_decisions: b
         raise ValueError(f"{type(model).__name__} has no ModuleList of decoder layers to checkpoint")
     layers, wrapped = found[1], 0
     replay = {"context_fn": _router_replay_contexts} if save_router_decisions else {}
-    # By key: a pipeline stage's list keeps the model's layer indices ("2", "3", ...).
-    for key, layer in list(layers._modules.items()):
-        if layer is None or _is_checkpoint_wrapped(layer):
+    # By key: a pipeline stage's list keeps the model's layer indices ("2", "3", ...); a layer held
+    # under two keys is wrapped under each, as before (named_children would list it once).
+    children = [(k, m) for k, m in layers.named_modules(remove_duplicate=False) if k and "." not in k]
+    for key, layer in children:
+        if _is_checkpoint_wrapped(layer):
             continue
-        layers._modules[key] = checkpoint_wrapper(
-            layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **replay
-        )
+        layers.register_module(key, non_reentrant_checkpoint_wrapper(layer, **replay))
         wrapped += 1
     return wrapped
 
 
 def _is_checkpoint_wrapped(module: nn.Module) -> bool:
-    return hasattr(module, "_checkpoint_wrapped_module")
+    return hasattr(module, CHECKPOINT_WRAPPED)

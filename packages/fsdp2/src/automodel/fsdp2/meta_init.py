@@ -70,20 +70,18 @@ def _restore_with_init_weights(owner: nn.Module | None, module: nn.Module, names
     """
     if owner is None:
         return "the model has no _init_weights"
-    if not all(module._buffers[n].is_floating_point() for n in names):
+    if not all(module.get_buffer(n).is_floating_point() for n in names):
         return "a lost buffer is not floating point"
     for name in names:
-        module._buffers[name].fill_(float("nan"))
+        module.get_buffer(name).fill_(float("nan"))
     kept = [
         (holder, name, param)
         for holder in module.modules()
-        for name, param in holder._parameters.items()
-        if param is not None
+        for name, param in holder.named_parameters(recurse=False, remove_duplicate=False)
     ]
     for holder, name, param in kept:
-        holder._parameters[name] = nn.Parameter(
-            torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad
-        )
+        placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        setattr(holder, name, nn.Parameter(placeholder, requires_grad=param.requires_grad))
     failure = None
     try:
         owner._init_weights(module)  # pyright: ignore[reportCallIssue]  # HF method; Module.__getattr__ is typed Tensor | Module
@@ -91,8 +89,8 @@ def _restore_with_init_weights(owner: nn.Module | None, module: nn.Module, names
         failure = f"{type(owner).__name__}._init_weights failed: {type(err).__name__}: {err}"
     finally:
         for holder, name, param in kept:
-            holder._parameters[name] = param
-    if failure is None and any(torch.isnan(module._buffers[n]).any() for n in names):
+            setattr(holder, name, param)
+    if failure is None and any(torch.isnan(module.get_buffer(n)).any() for n in names):
         failure = f"{type(owner).__name__}._init_weights does not set them"
     return failure
 
@@ -148,7 +146,9 @@ def _rebuild_buffers(
         fresh_buffers = dict(twin.named_buffers(recurse=False))
         if all(n in fresh_buffers for n in names):
             for name in names:
-                module._buffers[name] = fresh_buffers[name].to(device)
+                setattr(
+                    module, name, fresh_buffers[name].to(device)
+                )  # a buffer stays one (and keeps persistence)
             return
     raise ValueError(
         f"cannot recompute buffers {names} of {type(module).__name__} at {fqn or '<root>'} after meta init "

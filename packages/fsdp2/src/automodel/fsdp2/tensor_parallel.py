@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from automodel.fsdp2.torch_internals import enable_async_tp_internals
 from automodel.fsdp2.tp_plan import (
     check_plan_matches_model,
     check_plan_shards_every_layer,
@@ -78,8 +78,4 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
         raise ValueError(
             f"enable_async_tensor_parallel needs a CUDA mesh, got device_type={tp_mesh.device_type!r}"
         )
-    # lazy: start-up, torch._inductor.config ~1.9 s, async TP only
-    import torch._inductor.config as inductor_config
-
-    inductor_config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    enable_async_tp_internals(tp_mesh.get_group().group_name)

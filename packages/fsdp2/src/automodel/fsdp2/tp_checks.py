@@ -185,8 +185,7 @@ def check_sequence_parallel_applies(model: nn.Module) -> None:
         if any(True for _ in module.children())
         and not any(part.isdigit() for part in name.split("."))
         and not in_other_submodel(name, towers)
-        for p, v in module._parameters.items()
-        if v is not None
+        for p, _ in module.named_parameters(recurse=False, remove_duplicate=False)
     ]
     if own:
         model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)

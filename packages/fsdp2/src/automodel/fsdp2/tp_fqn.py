@@ -32,11 +32,12 @@ def removed_by_split(model: nn.Module, pattern: str) -> bool:
     for atom in pattern.split("."):
         if any(c in atom for c in "*?["):
             return False
-        if atom in getattr(node, "_modules", {}) and node._modules[atom] is None:
-            return True
-        node = getattr(node, "_modules", {}).get(atom)
-        if node is None:
+        child = getattr(node, atom, None)
+        if child is None and atom not in vars(node) and hasattr(node, atom):
+            return True  # a registered slot holding None (nn.Module.__getattr__ answers it)
+        if not isinstance(child, nn.Module):
             return False
+        node = child
     return False
 
 

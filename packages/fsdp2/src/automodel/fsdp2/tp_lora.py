@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from automodel.fsdp2.torch_internals import next_partition_linear
 from automodel.fsdp2.tp_styles import TPPlan
 
 
@@ -54,7 +55,7 @@ class _LoRAColwiseMixin(ColwiseParallel):
             # torch's colwise function walks every parameter recursively (adapters included)
             _shard_own_params(module, device_mesh, Shard(0), self.src_data_rank)
             return
-        super()._partition_linear_fn(name, module, device_mesh)
+        next_partition_linear(_LoRAColwiseMixin, self, name, module, device_mesh)
 
 
 class _LoRARowwiseMixin(RowwiseParallel):
@@ -63,7 +64,9 @@ class _LoRARowwiseMixin(RowwiseParallel):
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if name == "lora_B":
             return
-        super()._partition_linear_fn(name, module, device_mesh)  # "": W Shard(1), bias R; lora_A: Shard(1)
+        next_partition_linear(
+            _LoRARowwiseMixin, self, name, module, device_mesh
+        )  # "": W Shard(1), bias R; lora_A: Shard(1)
 
 
 @functools.cache

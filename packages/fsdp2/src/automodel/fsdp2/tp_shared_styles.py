@@ -26,6 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, SequenceParallel
 
+from automodel.fsdp2.torch_internals import rowwise_prepare_output
+
 
 class _SumTailGradOverGroup(torch.autograd.Function):
     """Identity forward; backward sums the last `width` features of the gradient over `group`."""
@@ -94,7 +96,7 @@ class RowwiseOwnedOutput(RowwiseParallel):
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
-        outputs = RowwiseParallel._prepare_output_fn(output_layouts, False, mod, outputs, device_mesh)
+        outputs = rowwise_prepare_output(output_layouts, False, mod, outputs, device_mesh)
         return _LocalOwnedOutput.apply(outputs) if use_local_output else outputs
 
 

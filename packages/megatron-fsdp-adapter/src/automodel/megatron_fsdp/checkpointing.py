@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+from automodel.megatron_fsdp.torch_internals import CHECKPOINT_WRAPPED, non_reentrant_checkpoint_wrapper
 
 
 def apply_mlp_checkpointing(model: nn.Module, *, unit_modules: list[type[nn.Module]]) -> int:
@@ -20,12 +21,8 @@ def apply_mlp_checkpointing(model: nn.Module, *, unit_modules: list[type[nn.Modu
     wrapped = 0
     for module in model.modules():
         mlp = getattr(module, "mlp", None)
-        if (
-            isinstance(module, units)
-            and isinstance(mlp, nn.Module)
-            and not hasattr(mlp, "_checkpoint_wrapped_module")
-        ):
-            module.mlp = checkpoint_wrapper(mlp, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        if isinstance(module, units) and isinstance(mlp, nn.Module) and not hasattr(mlp, CHECKPOINT_WRAPPED):
+            module.mlp = non_reentrant_checkpoint_wrapper(mlp)
             wrapped += 1
     if wrapped == 0:
         names = [u.__name__ for u in units]

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from automodel.mesh.axes import DENSE_AXES, FLATTENED_AXES, MOE_AXES
 from automodel.mesh.planned import own_groups_mesh
 from automodel.mesh.sizes import ParallelismSizes, ResolvedLayout
+from automodel.mesh.torch_internals import flatten_mesh
 
 
 @dataclass
@@ -59,7 +60,7 @@ class MeshContext:
             mesh = own_groups_mesh(device_type, layout.dense_shape, DENSE_AXES)
         else:
             mesh = init_device_mesh(device_type, layout.dense_shape, mesh_dim_names=DENSE_AXES)
-        flattened = {name: mesh[axes]._flatten(name) for name, axes in FLATTENED_AXES.items()}
+        flattened = {name: flatten_mesh(mesh[axes], name) for name, axes in FLATTENED_AXES.items()}
         moe_mesh = None
         if layout.ep_enabled:
             moe_names = (*MOE_AXES, "moe_tp")

@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from automodel.mesh.torch_internals import clear_process_group_registry, fake_store
 
 
 @dataclass(frozen=True)
@@ -224,9 +225,7 @@ def free_process_groups() -> None:
     for obj in gc.get_objects():
         # By type, not isinstance(): some torch objects warn when their class is inspected.
         if DeviceMesh in type(obj).__mro__:
-            registry = getattr(obj, "_pg_registry", None)  # private; absent in torch without it
-            if registry:
-                registry.clear()
+            clear_process_group_registry(obj)
     gc.collect()
     left = gloo_worker_threads()
     if left:
@@ -278,7 +277,7 @@ def fake_world(world_size: int, *, rank: int = 0) -> Iterator[None]:
         raise RuntimeError("fake_world needs no process group to be initialized in this process")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

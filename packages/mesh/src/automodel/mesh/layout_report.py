@@ -16,19 +16,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
 
 from automodel.mesh.context import MeshContext
 from automodel.mesh.model_parts import canonical_fqn, find_layer_list
+from automodel.mesh.torch_internals import CHECKPOINT_WRAPPED, global_offset
 
 #: Where a decoder layer index appears in a parameter FQN when the part has no layer list of its own.
 _LAYER_MARK = ".layers."
-
-
-def _global_offset(t: DTensor) -> list[int]:
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return [int(o) for o in offset]
 
 
 def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
@@ -41,7 +36,7 @@ def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
             "shape": list(t.shape),
             "local_shape": list(local.shape),
             # megatron-fsdp shards flattened buffers unevenly: the even-chunk offset would be wrong.
-            "offset": None if getattr(t, "__fsdp_param__", False) else _global_offset(t),
+            "offset": None if getattr(t, "__fsdp_param__", False) else global_offset(t),
             "dtype": str(t.dtype).removeprefix("torch."),
         }
     return {
@@ -93,7 +88,7 @@ def describe_module(
         canonical_fqn(n)
         for n, m in part.named_modules()
         # torch's checkpoint wrapper, or automodel.moe's in-place recomputation of a block
-        if hasattr(m, "_checkpoint_wrapped_module") or getattr(m, "_recomputed_in_backward", False)
+        if hasattr(m, CHECKPOINT_WRAPPED) or getattr(m, "_recomputed_in_backward", False)
     )
     if stage_ids is not None:
         report["stage_ids"] = stage_ids

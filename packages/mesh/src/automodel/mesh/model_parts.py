@@ -21,9 +21,11 @@ from typing import Any
 
 from torch import nn
 
+from automodel.mesh.torch_internals import CHECKPOINT_WRAPPED, COMPILED_ORIGINAL, FSDP1_WRAPPED
+
 #: Module attributes a wrapper adds to the FQNs of what it wraps: torch's checkpoint wrapper, the
 #: compiled module (``torch.compile``), FSDP1, and DDP's / megatron-fsdp's ``module``.
-WRAPPER_ATOMS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "module")
+WRAPPER_ATOMS = (CHECKPOINT_WRAPPED, COMPILED_ORIGINAL, FSDP1_WRAPPED, "module")
 
 
 def canonical_fqn(fqn: str) -> str:
@@ -210,9 +212,8 @@ def parameter_places(model: nn.Module) -> dict[int, list[tuple[str, str]]]:
     tied-weight questions: a parameter with several places is tied (or in a shared module)."""
     places: dict[int, list[tuple[str, str]]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            if param is not None:
-                places.setdefault(id(param), []).append((mod_name, attr))
+        for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            places.setdefault(id(param), []).append((mod_name, attr))
     return places
 
 

@@ -6,7 +6,7 @@ would only be non-member placeholders, yet at 16,384 ranks they were 39,040 `new
 (~1.5 s), 84% of them the 16,384 singleton groups of each size-1 axis. Here each axis gets the
 one group this rank is in (a real fake-backend process group), taken from the same row-major rank
 grid `init_device_mesh` uses, and the mesh is assembled with `DeviceMesh.from_group`; flattened
-axes are then made by torch's own `_flatten`, as for a real mesh.
+axes are then made by torch's own flatten (`torch_internals.flatten_mesh`), as for a real mesh.
 """
 
 from __future__ import annotations

@@ -8,8 +8,14 @@ parameters join the reduction through `reduce_unused_parameters`.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from automodel.mesh.torch_internals import reduce_unused_gradients_as_zeros
 
 
 def set_unit_gradient_divide_factor(unit: FSDPModule, *, factor: float) -> None:
@@ -22,18 +28,19 @@ def set_unit_gradient_divide_factor(unit: FSDPModule, *, factor: float) -> None:
 
 
 def _reduces_outside_nccl(unit: FSDPModule) -> bool:
-    try:
-        groups = [
-            g for pg in unit._get_fsdp_state()._fsdp_param_groups for g in pg.mesh_info.mesh.get_all_groups()
-        ]
-    except AttributeError:  # private layout differs across torch versions: judge by the default group
+    """Whether a group of the mesh `unit`'s parameters are sharded over is not NCCL (read off the
+    parameters, which FSDP2 makes DTensors on that mesh; the default group when it has none)."""
+    params = cast(nn.Module, unit).parameters()
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}
+    if not meshes:
         return dist.get_backend() != "nccl"
-    return any(dist.get_backend(g) != "nccl" for g in groups)
+    return any(dist.get_backend(g) != "nccl" for mesh in meshes.values() for g in mesh.get_all_groups())
 
 
 def reduce_unused_parameters(unit: FSDPModule) -> None:
     """Make a trainable parameter of `unit` that got no gradient on this rank join the gradient
-    reduction as zeros, where torch offers it (``set_reduce_scatter_unused_params``, torch 2.13).
+    reduction as zeros (torch 2.13's ``set_reduce_scatter_unused_params``; on earlier torch through
+    `torch_internals.reduce_unused_gradients_as_zeros`).
 
     FSDP2 reduce-scatters only the parameters with a gradient, so ranks whose micro-batches route
     around a parameter (LongCat-Flash's zero-computation experts: no token of a rank reached a real
@@ -44,3 +51,5 @@ def reduce_unused_parameters(unit: FSDPModule) -> None:
     setter = getattr(unit, "set_reduce_scatter_unused_params", None)
     if setter is not None:
         setter(True, recurse=False)
+    elif isinstance(unit, FSDPModule):  # torch < 2.13 (a grouped fully_shard's list: untouched, as on 2.13)
+        reduce_unused_gradients_as_zeros(unit)

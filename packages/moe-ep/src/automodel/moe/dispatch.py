@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from automodel.moe.load import record_dispatch
+from automodel.moe.torch_internals import all_to_all_single_autograd
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ def _shard_experts(experts: nn.Module, names: tuple[str, ...], ep_mesh: DeviceMe
     for name in names:
         prefix, _, leaf = name.rpartition(".")
         owner = experts.get_submodule(prefix)
-        param = owner._parameters[leaf]
+        param = owner.get_parameter(leaf)
         local = param.shape[0] // ep
         shard = param.detach()[rank * local : (rank + 1) * local].clone()
         dtensor = DTensor.from_local(shard, ep_mesh, [Shard(0)], run_check=False)

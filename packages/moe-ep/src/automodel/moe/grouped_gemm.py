@@ -1,6 +1,6 @@
 """Local experts as one grouped GEMM: every expert's tokens in one call instead of a loop over experts.
 
-``torch._grouped_mm`` takes tokens sorted by expert plus the cumulative token counts (``offs``).
+``torch.nn.functional.grouped_mm`` (public since torch 2.11) takes tokens sorted by expert plus the cumulative token counts (``offs``).
 It exists on CUDA (bf16, sm90+) and on CPU in recent torch builds; where it is missing, or the
 shapes break its 16-byte stride rule, a per-expert loop computes the same thing. Under
 ``torch.compile`` the loop also stands in for other dtypes than bf16: torch's meta kernel for
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 @cache
 def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     # A capability, not state: whether this torch build has a grouped-mm kernel for (device, dtype).
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(F, "grouped_mm"):
         return False
     if device_type == "cuda":
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
@@ -29,14 +29,14 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
         x = torch.ones(8, 16, device=device_type, dtype=dtype)
         w = torch.ones(2, 16, 16, device=device_type, dtype=dtype)
         offs = torch.tensor([4, 8], device=device_type, dtype=torch.int32)
-        torch._grouped_mm(x, w, offs=offs)
+        F.grouped_mm(x, w, offs=offs)
     except (RuntimeError, NotImplementedError, TypeError):
         return False
     return True
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` can multiply `x` by each of `weights` on this device and dtype."""
+    """Whether ``F.grouped_mm`` can multiply `x` by each of `weights` on this device and dtype."""
     if any(w.dtype != x.dtype or w.device != x.device for w in weights):
         return False
     if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
@@ -61,7 +61,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     # weight is [G, out, in] (nn.Linear layout); grouped_mm wants [G, in, out].
-    return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offs))
+    return _ContiguousGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offs))
 
 
 def _looped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -81,7 +81,7 @@ def expert_parameter(experts: nn.Module, name: str) -> torch.Tensor:
 
 
 def _own_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in module._parameters.items() if isinstance(p, torch.Tensor)}
+    return dict(module.named_parameters(recurse=False, remove_duplicate=False))
 
 
 def _flat_expert_params(module: nn.Module) -> dict[str, torch.Tensor] | None:

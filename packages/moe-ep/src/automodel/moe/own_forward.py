@@ -25,51 +25,16 @@ import torch.distributed as dist
 from torch import nn
 
 from automodel.moe.model_inspect import ExpertsLayout
+from automodel.moe.torch_internals import hook_free_copy
 
 #: Probe rows per local expert.
 _ROWS = 2
 
 
-#: nn.Module's per-instance hook registries: a view starts with them empty.
-_HOOKS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-
-
-def _copy_without_hooks(module: nn.Module, params: dict[str, torch.Tensor]) -> nn.Module:
-    """A shallow copy of `module` with `params` (dotted names: copies of the descendants holding
-    them) as parameters; the copies are called by the forward, so none carries the original's hooks
-    (FSDP's, which already ran on the original), an instance-level ``forward`` override or a
-    compiled call: those are bound to the original and would run it on the full DTensors."""
-    own = {n: p for n, p in params.items() if "." not in n}
-    by_child: dict[str, dict[str, torch.Tensor]] = {}
-    for name, p in params.items():
-        if "." in name:
-            child, rest = name.split(".", 1)
-            by_child.setdefault(child, {})[rest] = p
-    view = object.__new__(type(module))
-    view.__dict__.update(module.__dict__)
-    view.__dict__.pop("forward", None)
-    view.__dict__.pop("_compiled_call_impl", None)
-    for hooks in _HOOKS:
-        if hooks in view.__dict__:
-            view.__dict__[hooks] = type(view.__dict__[hooks])()
-    view.__dict__["_parameters"] = {**module._parameters, **own}
-    children = {n: _copy_without_hooks(module._modules[n], sub) for n, sub in by_child.items()}
-    view.__dict__["_modules"] = {**module._modules, **children}
-    return view
-
-
 def local_view(module: nn.Module, *, params: dict[str, torch.Tensor], num_experts: int) -> nn.Module:
     """A hook-free shallow copy of `module` holding `params` (names as `MoEBlock.param_names`,
     dotted for a descendant's) as its parameters, and `num_experts` experts."""
-    view = _copy_without_hooks(module, params)
+    view = hook_free_copy(module, params)
     if isinstance(module.__dict__.get("num_experts"), int):
         view.__dict__["num_experts"] = num_experts
     # transformers' own EP flag means "sentinel ids may be present"; a local view receives none.

@@ -27,6 +27,8 @@ def quiet_known_notices() -> None:
     warnings.filterwarnings(
         "ignore", message=r"invalid escape sequence", category=DeprecationWarning, module=r".*torchao"
     )
-    logger = logging.getLogger("torch.utils._pytree")
+    from automodel.recipes.torch_internals import PYTREE_LOGGER  # lazy: imports torch
+
+    logger = logging.getLogger(PYTREE_LOGGER)
     if not any(isinstance(f, _DropEnumConstantNotice) for f in logger.filters):
         logger.addFilter(_DropEnumConstantNotice())

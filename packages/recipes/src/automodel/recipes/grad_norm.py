@@ -17,13 +17,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from automodel.recipes.torch_internals import foreach_norms
+
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Float64 sum of squares of plain tensors: each tensor's norm accumulated in float64 by one
     multi-tensor kernel (no float64 copy of the data), then the squares summed in float64."""
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
-    norms = torch._foreach_norm([t.detach() for t in tensors], 2, dtype=torch.float64)
+    norms = foreach_norms([t.detach() for t in tensors], torch.float64)
     return torch.stack(norms).square().sum()
 
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from automodel.recipes.torch_internals import set_last_lr
+
 if TYPE_CHECKING:
     from automodel.recipes.config.sections import LRSchedulerSection
 
@@ -97,4 +99,4 @@ def restore_lr_scheduler(scheduler: LRScheduler, saved: dict[str, Any]) -> None:
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr
-    scheduler._last_lr = values  # what get_last_lr() reports for the next step
+    set_last_lr(scheduler, values)  # what get_last_lr() reports for the next step

@@ -113,9 +113,9 @@ def _swap(root: nn.Module, fqn: str, module: nn.Module) -> nn.Module:
     """Put `module` at `fqn` in `root`; returns the module that was there."""
     parent_fqn, _, name = fqn.rpartition(".")
     parent = root.get_submodule(parent_fqn) if parent_fqn else root
-    held = parent._modules[name]
-    assert held is not None, f"{fqn} is empty"
-    parent._modules[name] = module
+    held = getattr(parent, name, None)
+    assert isinstance(held, nn.Module), f"{fqn} is empty"
+    setattr(parent, name, module)
     return held
 
 
@@ -146,7 +146,8 @@ def plan_head_loss(model: nn.Module) -> HeadPlan:
         return HeadPlan(None, reason="its head is not a submodule of the model")
     softcap, scale = _expected_transform(model.config, model)
     prefix = getattr(model, "base_model_prefix", "")
-    decoder = model._modules.get(prefix) if prefix else None
+    decoder = getattr(model, prefix, None) if prefix else None
+    decoder = decoder if isinstance(decoder, nn.Module) else None
     if decoder is None:
         return HeadPlan(None, reason=f"its decoder is not at base_model_prefix {prefix!r}")
     probe = torch.linspace(-60.0, 60.0, 24, dtype=torch.float32).reshape(1, 1, 24)

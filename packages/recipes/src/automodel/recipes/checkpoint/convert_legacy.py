@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from automodel.recipes.checkpoint import paths
 from automodel.recipes.checkpoint.checkpointer import FORMAT_VERSION
 from automodel.recipes.checkpoint.integrity import CHECKSUMS_KEY, sha256_file
 from automodel.recipes.checkpoint.safe_dcp import SafeEmptyStateDictLoadPlanner, SafeFileSystemReader
 from automodel.recipes.checkpoint.state import EXTRA_PREFIX, encode_extra
+from automodel.recipes.torch_internals import load_state_dict_in_one_process
 
 
 def _to_tensor_friendly(value: Any) -> Any:
@@ -89,11 +89,8 @@ def convert_legacy_checkpoint(
     if destination.exists():
         raise ValueError(f"destination {str(destination)!r} already exists")
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=SafeFileSystemReader(str(source)),
-        planner=SafeEmptyStateDictLoadPlanner(),
-        no_dist=True,
+    load_state_dict_in_one_process(
+        state, reader=SafeFileSystemReader(str(source)), planner=SafeEmptyStateDictLoadPlanner()
     )
     legacy = sorted(k for k, v in state.items() if k.startswith(EXTRA_PREFIX) and isinstance(v, bytes))
     if not legacy:

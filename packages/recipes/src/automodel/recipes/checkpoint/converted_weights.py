@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers.core_model_loading import MergeModulelist
 
 from automodel.recipes.checkpoint.key_mapping import ConvertedGroup
+from automodel.recipes.torch_internals import local_shape_and_global_offset
 
 
 def _file_of(directory: Path) -> dict[str, Path]:
@@ -44,7 +44,7 @@ def _row_window(t: torch.Tensor) -> slice | None:
     if any(type(p) is not Replicate and not (type(p) is Shard and p.dim == 0) for p in t.placements):
         return None
 
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    shape, offset = local_shape_and_global_offset(t)
     return slice(offset[0], offset[0] + shape[0])
 
 

@@ -21,13 +21,11 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    _EmptyStateDictLoadPlanner,
-)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
+
+from automodel.recipes.torch_internals import EmptyStateDictLoadPlanner, metadata_path, set_element
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
@@ -87,7 +85,7 @@ class SafeFileSystemReader(FileSystemReader):
     """`FileSystemReader` whose metadata is read by `MetadataUnpickler` instead of ``pickle.load``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = metadata_path(self, kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as metadata_file:
             metadata = load_metadata(metadata_file)
         if getattr(metadata, "storage_meta", None) is None:
@@ -107,7 +105,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-class SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
+class SafeEmptyStateDictLoadPlanner(EmptyStateDictLoadPlanner):
     """torch's planner that rebuilds the whole state dict from metadata, with weights-only bytes."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from automodel.recipes.config.kernels import FP8Section
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.torch_internals import emulate_precision_casts
 
 INSTALL = "pip install 'automodel-recipes[fp8]'"
 #: float8 matmuls (torch._scaled_mm) need both dimensions divisible by this
@@ -94,10 +95,7 @@ def convert_to_fp8(model: nn.Module, *, section: FP8Section, keep: tuple[str, ..
     from torchao.float8.float8_linear import Float8Linear
 
     if section.recipe == "rowwise":  # torchao's advice for rowwise under inductor (AutoModel does the same)
-        # lazy: start-up, torch._inductor.config ~1.9 s, fp8 only
-        import torch._inductor.config as inductor_config
-
-        inductor_config.emulate_precision_casts = True
+        emulate_precision_casts()
     convert_to_float8_training(
         model, config=torchao_config(section), module_filter_fn=fp8_filter(section, keep=keep)
     )
