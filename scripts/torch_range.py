@@ -5,7 +5,7 @@
     python scripts/torch_range.py --ends newest --only automodel-mesh   # one end of each range
     python scripts/torch_range.py -- -k parity                      # after `--`: pytest arguments
 
-The range a package declares (`torch>=2.11,<3`) is a claim; this is its test. For each package and
+The range a package declares (`torch>=2.11,<2.16`) is a claim; this is its test. For each package and
 each torch version a fresh venv outside the workspace (`.nox/torch_range/<package>-torch<v>/`, uv
 run from there so no workspace `pyproject.toml`, constraint or lock applies) gets:
 

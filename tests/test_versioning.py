@@ -86,8 +86,8 @@ def test_too_old_torch_fails_the_import_with_the_range(monkeypatch: pytest.Monke
     with pytest.raises(ImportError) as e:
         _load_copy("pipeline", "_version_old_torch")
     assert str(e.value) == (
-        "torch 2.9.1 is older than >=2.11: automodel-pipeline 0.1.0 supports torch>=2.11,<3; "
-        "install a supported one: pip install 'torch>=2.11,<3'"
+        "torch 2.9.1 is older than >=2.11: automodel-pipeline 0.1.0 supports torch>=2.11,<2.16; "
+        "install a supported one: pip install 'torch>=2.11,<2.16'"
     ).replace("0.1.0", _project("pipeline")["version"])
 
 
@@ -96,7 +96,7 @@ def test_newer_torch_and_optional_transformers_only_warn(monkeypatch: pytest.Mon
     with pytest.warns(RuntimeWarning) as record:
         _load_copy("pipeline", "_version_new_torch")
     messages = sorted(str(w.message) for w in record)
-    assert messages[0].startswith("torch 3.0.0 is at or past <3"), messages
+    assert messages[0].startswith("torch 3.0.0 is at or past <2.16"), messages
     assert messages[1].startswith("transformers 5.10.0 is older than >=5.17"), messages
 
 
