@@ -84,8 +84,8 @@ _INPUTS_NEED_A_GRADIENT = tuple(int(x) for x in torch.__version__.split(".")[:2]
 
 
 def _link_every_input(output: Any, inputs: Sequence[Any]) -> Any:
-    """`output` with a zero that hangs on every grad-requiring input (`_ZeroLink`), so each input
-    gets a (zero or real) gradient: the stage's numbers are unchanged."""
+    """`output` hung on every grad-requiring input (`_LinkInputs`), so each input gets a (zero or
+    real) gradient: the stage's numbers and output layout are unchanged."""
     linked = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     items = list(output) if isinstance(output, tuple) else [output]
     target = next(
@@ -98,8 +98,23 @@ def _link_every_input(output: Any, inputs: Sequence[Any]) -> Any:
     )
     if not linked or target is None:
         return output
-    items[target] = items[target] + _ZeroLink.apply(*linked).to(items[target].dtype)
+    items[target] = _LinkInputs.apply(items[target], *linked)
     return tuple(items) if isinstance(output, tuple) else items[0]
+
+
+class _LinkInputs(torch.autograd.Function):
+    """`output` itself (a view: same shape and strides, which the schedule checks against the
+    shape inference) whose backward also gives each linked input a dense zero gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.specs = [(x.shape, x.dtype, x.device) for x in inputs]
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
+        zeros = tuple(torch.zeros(shape, dtype=dtype, device=dev) for shape, dtype, dev in ctx.specs)
+        return (grad, *zeros)
 
 
 class _ZeroLink(torch.autograd.Function):
