@@ -7,7 +7,9 @@ one comment may head a run of directly consecutive imports). The reasons:
 - ``optional dependency`` -- a package that may be absent (megatron_fsdp, peft, tensorboard, ...);
 - ``start-up, <what> ~<figure> s`` -- a measured import cost on a path that does not need it;
 - ``cycle <a> -> <b> -> <a>`` -- the import cycle a module-level import would create;
-- ``order, <why>`` -- code that must run before the import (in a fresh process or rank).
+- ``order, <why>`` -- code that must run before the import (in a fresh process or rank);
+- ``private torch API`` -- in a package's ``torch_internals.py``: a torch that moved the name fails
+  that accessor with ``TorchInternalsMoved``, not the whole package's import.
 
 Source is parsed, never imported.
 """
@@ -19,7 +21,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-REASON = re.compile(r"#\s*lazy: (optional dependency\b|start-up, .*~[\d.]+ m?s\b|cycle \S+ -> \S+|order, \S)")
+REASON = re.compile(
+    r"#\s*lazy: (optional dependency\b|private torch API\b|start-up, .*~[\d.]+ m?s\b|cycle \S+ -> \S+|order, \S)"
+)
 _FUNCS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 

@@ -43,6 +43,7 @@ def set_kv_rotation(method: str) -> None:
     """How torch's ring attention passes KV shards between the CP ranks (one of `KV_ROTATIONS`)."""
     # lazy: start-up, torch's CP ~2.3 s, CUDA-only path
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed.tensor.experimental._attention import set_rotate_method
     except ImportError as err:
         raise TorchInternalsMoved(

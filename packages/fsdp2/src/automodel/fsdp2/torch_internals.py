@@ -62,6 +62,7 @@ class TorchInternalsMoved(RuntimeError):
 def non_reentrant_checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
     """torch's checkpoint wrapper (non-reentrant) around `module`; its state-dict keys are unchanged."""
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             CheckpointImpl,
             checkpoint_wrapper,
@@ -77,6 +78,7 @@ def _async_tp_hooks() -> tuple[Any, Callable[[Any], None]]:
     import torch._inductor.config as inductor_config
 
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
     except ImportError as err:
         raise TorchInternalsMoved("torch.distributed._symmetric_memory.enable_symm_mem_for_group") from err

@@ -42,6 +42,7 @@ class TorchInternalsMoved(RuntimeError):
 def non_reentrant_checkpoint_wrapper(module: nn.Module, **checkpoint_kwargs: Any) -> nn.Module:
     """torch's checkpoint wrapper (non-reentrant) around `module`; its state-dict keys are unchanged."""
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             CheckpointImpl,
             checkpoint_wrapper,

@@ -93,6 +93,7 @@ def clear_process_group_registry(mesh: DeviceMesh) -> bool:
 def global_offset(t: DTensor) -> list[int]:
     """Where this rank's shard of `t` starts in the global tensor, per dim."""
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError as err:
         raise TorchInternalsMoved(
@@ -105,6 +106,7 @@ def global_offset(t: DTensor) -> list[int]:
 def fake_store() -> dist.Store:
     """A store for `init_process_group("fake", ...)`; importing it registers the `fake` backend."""
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as err:
         raise TorchInternalsMoved("torch.testing._internal.distributed.fake_pg.FakeStore") from err

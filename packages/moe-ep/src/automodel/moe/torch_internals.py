@@ -63,6 +63,7 @@ def all_to_all_single_autograd(
 ) -> torch.Tensor:
     """Uneven all-to-all of the rows of `x` whose backward is the reverse all-to-all."""
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
     except ImportError as err:
         raise TorchInternalsMoved(

@@ -67,6 +67,7 @@ class TorchInternalsMoved(RuntimeError):
 
 def _empty_state_dict_load_planner() -> type[DefaultLoadPlanner]:
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     except ImportError as err:
         raise TorchInternalsMoved(
@@ -82,6 +83,7 @@ EmptyStateDictLoadPlanner = _empty_state_dict_load_planner()
 def set_element(root: dict[str, Any], path: Any, value: Any) -> None:
     """Put `value` at `path` (an object path as DCP flattens it) inside the nested `root`."""
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed.checkpoint._traverse import set_element as set_at
     except ImportError as err:
         raise TorchInternalsMoved("torch.distributed.checkpoint._traverse.set_element") from err
@@ -101,6 +103,7 @@ def load_state_dict_in_one_process(
 ) -> None:
     """DCP's load into `state` without a process group (`dcp.load` would load into a copy)."""
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     except ImportError as err:
         raise TorchInternalsMoved("torch.distributed.checkpoint.state_dict_loader._load_state_dict") from err
@@ -110,6 +113,7 @@ def load_state_dict_in_one_process(
 def local_shape_and_global_offset(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """This rank's shard of `t`: its shape and where it starts in the global tensor."""
     try:
+        # lazy: private torch API (a torch that moved it fails this accessor, not the import)
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError as err:
         raise TorchInternalsMoved(
