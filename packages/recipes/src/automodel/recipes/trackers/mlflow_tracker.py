@@ -1,0 +1,115 @@
+"""MLflow (``mlflow:``): one MLflow run per training run, through `mlflow.tracking.MlflowClient`
+(no global active run); a resume continues the run whose id is kept in
+``<output_dir>/trackers/mlflow_run_id``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from automodel.recipes.config.recipe import RecipeConfig
+from automodel.recipes.config.trackers import MlflowSection
+from automodel.recipes.errors import ConfigError
+from automodel.recipes.trackers import TrackerKind, TrackerStart, register, writable_dir
+
+#: seconds the pre-launch check waits for an http(s) tracking server to accept a connection
+CONNECT_TIMEOUT_S = 5.0
+
+
+def _section(cfg: RecipeConfig) -> MlflowSection | None:
+    return cfg.mlflow if cfg.mlflow is not None and cfg.mlflow.enabled else None
+
+
+def tracking_uri(section: MlflowSection, cfg: RecipeConfig) -> tuple[str, str]:
+    """The URI and the key it comes from: ``mlflow.tracking_uri``, else ``MLFLOW_TRACKING_URI``,
+    else ``file:<output_dir>/mlruns``."""
+    if section.tracking_uri is not None:
+        return section.tracking_uri, "mlflow.tracking_uri"
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
+    return (Path(cfg.output_dir).absolute() / "mlruns").as_uri(), "output_dir"
+
+
+def _check(section: MlflowSection, cfg: RecipeConfig) -> None:
+    uri, key = tracking_uri(section, cfg)
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.lower()
+    if scheme in ("", "file"):
+        writable_dir(key, uri, Path(parsed.path if scheme else uri))
+    elif scheme == "sqlite":
+        try:
+            import sqlalchemy  # noqa: F401  # pyright: ignore[reportMissingImports]
+        except ImportError:
+            raise ConfigError(key, uri, "a sqlite store needs the full mlflow package (pip install mlflow)") from None
+        path = uri.split("://", 1)[1] if "://" in uri else ""
+        if path.startswith("/") and path != "/:memory:":
+            writable_dir(key, uri, Path(path[1:] if path.startswith("//") else path).parent)
+    elif scheme in ("http", "https"):
+        port = parsed.port or (443 if scheme == "https" else 80)
+        try:
+            with socket.create_connection((parsed.hostname or "localhost", port), timeout=CONNECT_TIMEOUT_S):
+                pass
+        except OSError as e:
+            raise ConfigError(key, uri, f"is not reachable ({e.strerror or e})") from None
+    # other schemes (databricks, ...): MLflow's own; the run's start reports their errors
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(node, dict):
+        out: dict[str, str] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: str(node)[:6000]}
+
+
+class MlflowTracker:
+    def __init__(self, client: Any, run_id: str) -> None:
+        self.client, self.run_id = client, run_id
+
+    def log(self, metrics: dict[str, float], *, step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def finish(self, *, checkpoint: str | None, failed: bool) -> None:
+        if checkpoint is not None:
+            self.client.set_tag(self.run_id, "checkpoint", checkpoint)
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _start(start: TrackerStart) -> tuple[MlflowTracker, str]:
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
+    section: MlflowSection = start.section
+    uri, _ = tracking_uri(section, start.cfg)
+    client = MlflowClient(tracking_uri=uri)
+    if start.run_id is not None:
+        run_id = start.run_id
+        client.update_run(run_id, status="RUNNING")
+    else:
+        name = section.experiment_name or "Default"
+        experiment = client.get_experiment_by_name(name)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else client.create_experiment(name, artifact_location=section.artifact_location)
+        )
+        tags = {str(k): str(v) for k, v in (section.tags or {}).items()}
+        run_id = client.create_run(experiment_id, run_name=section.run_name, tags=tags).info.run_id
+        params = [Param(k, v) for k, v in _flatten(start.cfg.raw).items()]
+        for i in range(0, len(params), 100):  # MLflow's batch limit
+            client.log_batch(run_id, params=params[i : i + 100])
+    client.log_dict(run_id, start.cfg.raw, "config.yaml")  # the config as this (re)start ran it
+    return MlflowTracker(client, run_id), run_id
+
+
+TRACKER = register(
+    TrackerKind(name="mlflow", package="mlflow", extra="mlflow", section=_section, check=_check, start=_start)
+)
