@@ -58,7 +58,8 @@ class WandbSection:
 @dataclass(frozen=True)
 class MlflowSection:
     """MLflow (``automodel-recipes[mlflow]``). ``tracking_uri`` null: ``MLFLOW_TRACKING_URI``, else
-    ``file:<output_dir>/mlruns``; ``experiment_name`` null: MLflow's ``Default`` experiment."""
+    ``sqlite:///<output_dir>/mlflow.db``; ``experiment_name`` null: MLflow's ``Default`` experiment;
+    ``artifact_location`` null with a local store: ``<output_dir>/mlflow_artifacts``."""
 
     SECTION: ClassVar[str] = "mlflow"
     enable: bool = True

@@ -91,20 +91,29 @@ def check_trackers(cfg: RecipeConfig) -> None:
         kind.check(section, cfg)
 
 
-def writable_dir(key: str, value: str, path: Path) -> None:
-    """`path` is a folder that exists and is writable, or can be created (its nearest existing
-    parent is a writable folder); else ConfigError(key, value)."""
+def writable_dir(key: str, value: str, path: Path, *, parents: bool = True) -> None:
+    """`path` is a writable folder or can be created: its nearest existing parent (``parents=False``:
+    its parent itself) is a folder where a file can be written (tried, so a read-only mount is found
+    for root too); else ConfigError(key, value)."""
     import os
+    import tempfile
 
-    probe = path.expanduser().absolute()
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(key, value, f"{probe} is not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(key, value, f"{probe} is not writable")
+    folder = path.expanduser().absolute()
+    if parents:
+        while not folder.exists() and folder.parent != folder:
+            folder = folder.parent
+    elif not folder.exists():
+        folder = folder.parent
+        if not folder.exists():
+            raise ConfigError(key, value, f"{folder} does not exist")
+    if not folder.is_dir():
+        raise ConfigError(key, value, f"{folder} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".automodel-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(key, value, f"{folder} is not writable ({e.strerror or e})") from None
 
 
 class _State:

@@ -26,12 +26,24 @@ def _section(cfg: RecipeConfig) -> MlflowSection | None:
 
 def tracking_uri(section: MlflowSection, cfg: RecipeConfig) -> tuple[str, str]:
     """The URI and the key it comes from: ``mlflow.tracking_uri``, else ``MLFLOW_TRACKING_URI``,
-    else ``file:<output_dir>/mlruns``."""
+    else ``sqlite:///<output_dir>/mlflow.db`` (MLflow 3 refuses new ``file:`` stores by default)."""
     if section.tracking_uri is not None:
         return section.tracking_uri, "mlflow.tracking_uri"
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
-    return (Path(cfg.output_dir).absolute() / "mlruns").as_uri(), "output_dir"
+    return f"sqlite:///{Path(cfg.output_dir).absolute() / 'mlflow.db'}", "output_dir"
+
+
+def _local(uri: str) -> bool:
+    return urlparse(uri).scheme.lower() in ("", "file", "sqlite")
+
+
+def _file_store_allowed() -> bool:
+    """MLflow >= 3.x refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE`` is true."""
+    import mlflow.environment_variables as env
+
+    flag = getattr(env, "MLFLOW_ALLOW_FILE_STORE", None)
+    return flag is None or bool(flag.get())
 
 
 def _check(section: MlflowSection, cfg: RecipeConfig) -> None:
@@ -39,15 +51,23 @@ def _check(section: MlflowSection, cfg: RecipeConfig) -> None:
     parsed = urlparse(uri)
     scheme = parsed.scheme.lower()
     if scheme in ("", "file"):
-        writable_dir(key, uri, Path(parsed.path if scheme else uri))
+        writable_dir(key, uri, Path(parsed.path if scheme else uri), parents=False)
+        if not _file_store_allowed():
+            raise ConfigError(
+                key,
+                uri,
+                "MLflow refuses file stores unless MLFLOW_ALLOW_FILE_STORE=true; use sqlite:///<path>.db",
+            )
     elif scheme == "sqlite":
         try:
             import sqlalchemy  # noqa: F401  # pyright: ignore[reportMissingImports]
         except ImportError:
-            raise ConfigError(key, uri, "a sqlite store needs the full mlflow package (pip install mlflow)") from None
-        path = uri.split("://", 1)[1] if "://" in uri else ""
-        if path.startswith("/") and path != "/:memory:":
-            writable_dir(key, uri, Path(path[1:] if path.startswith("//") else path).parent)
+            raise ConfigError(
+                key, uri, "a sqlite store needs sqlalchemy: pip install 'automodel-recipes[mlflow]'"
+            ) from None
+        database = uri.split("://", 1)[1][1:] if "://" in uri else ""  # sqlite:///rel.db, sqlite:////abs.db
+        if database and database != ":memory:":
+            writable_dir(key, uri, Path(database), parents=False)
     elif scheme in ("http", "https"):
         port = parsed.port or (443 if scheme == "https" else 80)
         try:
@@ -83,6 +103,14 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
+def _artifact_location(section: MlflowSection, cfg: RecipeConfig, uri: str) -> str | None:
+    """``mlflow.artifact_location``; for a local store, ``<output_dir>/mlflow_artifacts`` (MLflow's
+    own default is ``./mlruns`` in the working directory); a server's own default otherwise."""
+    if section.artifact_location is not None or not _local(uri):
+        return section.artifact_location
+    return (Path(cfg.output_dir).absolute() / "mlflow_artifacts").as_uri()
+
+
 def _start(start: TrackerStart) -> tuple[MlflowTracker, str]:
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
@@ -99,7 +127,7 @@ def _start(start: TrackerStart) -> tuple[MlflowTracker, str]:
         experiment_id = (
             experiment.experiment_id
             if experiment is not None
-            else client.create_experiment(name, artifact_location=section.artifact_location)
+            else client.create_experiment(name, artifact_location=_artifact_location(section, start.cfg, uri))
         )
         tags = {str(k): str(v) for k, v in (section.tags or {}).items()}
         run_id = client.create_run(experiment_id, run_name=section.run_name, tags=tags).info.run_id

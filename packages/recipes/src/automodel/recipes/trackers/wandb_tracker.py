@@ -44,7 +44,6 @@ def _start(start: TrackerStart) -> tuple[WandbTracker, str]:
     section: WandbSection = start.section
     directory = _directory(section, start.cfg)
     directory.mkdir(parents=True, exist_ok=True)
-    run_id = start.run_id or wandb.util.generate_id()
     os.environ.setdefault("WANDB_SILENT", "true")
     run = wandb.init(
         project=section.project,
@@ -55,7 +54,7 @@ def _start(start: TrackerStart) -> tuple[WandbTracker, str]:
         notes=section.notes,
         mode=section.mode,  # pyright: ignore[reportArgumentType]
         dir=str(directory),
-        id=run_id,
+        id=start.run_id,  # None: a new run, its id kept for a resume
         resume="allow",
         config=start.cfg.raw,
         allow_val_change=True,  # a resumed run may extend its config (max_steps)
