@@ -188,7 +188,7 @@ def test_unwritable_or_unreachable_tracking_uri_is_refused(
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     cases = {
         "file:/nonexistent-ro/deeper/mlruns": "/nonexistent-ro/deeper does not exist",
-        f"sqlite:///{tmp_path}/nonexistent/mlflow.db": "nonexistent does not exist",
+        f"sqlite:///{tmp_path}/nonexistent/mlflow.db": "nonexistent is not an existing folder",
         f"file:{tmp_path}/mlruns": "MLflow refuses file stores unless MLFLOW_ALLOW_FILE_STORE=true",
         f"file:{tmp_path}/a_file/mlruns": "is not a folder",
         f"http://127.0.0.1:{_free_port()}": "is not reachable",

@@ -67,7 +67,10 @@ def _check(section: MlflowSection, cfg: RecipeConfig) -> None:
             ) from None
         database = uri.split("://", 1)[1][1:] if "://" in uri else ""  # sqlite:///rel.db, sqlite:////abs.db
         if database and database != ":memory:":
-            writable_dir(key, uri, Path(database), parents=False)
+            folder = Path(database).parent
+            if not folder.is_dir():
+                raise ConfigError(key, uri, f"{folder.absolute()} is not an existing folder")
+            writable_dir(key, uri, folder, parents=False)
     elif scheme in ("http", "https"):
         port = parsed.port or (443 if scheme == "https" else 80)
         try:
