@@ -21,7 +21,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import tiny_config  # noqa: E402
 
 #: the metrics.jsonl keys a tracker gets (every number of the record but the step)
-TRACKED = ("loss", "grad_norm", "lr", "num_tokens", "tokens_per_s", "step_time_s", "peak_mem_bytes", "val_loss")
+TRACKED = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "num_tokens",
+    "tokens_per_s",
+    "step_time_s",
+    "peak_mem_bytes",
+    "val_loss",
+)
 
 
 def wandb_records(path: Path) -> list[Any]:
@@ -47,7 +56,7 @@ def wandb_records(path: Path) -> list[Any]:
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
-            record = pb.Record()
+            record = pb.Record()  # pyright: ignore[reportAttributeAccessIssue]  (generated protobuf)
             record.ParseFromString(pending)
             out.append(record)
     return out
@@ -71,7 +80,9 @@ def read_wandb(directory: Path) -> dict[str, Any]:
                 assert step not in history, f"step {step} logged twice"
                 history[step] = {k: v for k, v in row.items() if not k.startswith("_")}
             elif kind == "summary":
-                summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
+                summary.update(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update}
+                )
     return {"ids": ids, "history": history, "config": config, "summary": summary, "files": len(files)}
 
 
@@ -93,9 +104,7 @@ def read_mlflow(uri: str) -> dict[str, Any]:
 
 
 def expected(out: Path) -> dict[int, dict[str, float]]:
-    return {
-        r["step"]: {k: float(r[k]) for k in TRACKED if r.get(k) is not None} for r in read_metrics(out)
-    }
+    return {r["step"]: {k: float(r[k]) for k in TRACKED if r.get(k) is not None} for r in read_metrics(out)}
 
 
 @pytest.fixture
@@ -136,11 +145,10 @@ def test_trackers_log_metrics_jsonl_and_a_resume_appends(tmp_path: Path, offline
     assert tracked["history"] == want
     assert tracked["config"]["step_scheduler"]["val_every_steps"] == 2
     assert tracked["config"]["wandb"]["project"] == "tiny"
-    final = out / "checkpoints" if (out / "checkpoints").is_dir() else out
-    assert tracked["summary"]["checkpoint"].endswith("step_5/consolidated") or "consolidated" in tracked[
-        "summary"
-    ]["checkpoint"], tracked["summary"]
-    assert Path(tracked["summary"]["checkpoint"]).is_dir(), final
+    from automodel.recipes.checkpoint.paths import CONSOLIDATED_DIR, checkpoint_root, step_dir_name
+
+    final = checkpoint_root(checkpoint_dir=None, output_dir=out) / step_dir_name(5) / CONSOLIDATED_DIR
+    assert tracked["summary"]["checkpoint"] == str(final) and final.is_dir(), tracked["summary"]
 
     ml = read_mlflow(mlruns)
     assert ml["run"].info.run_id == (out / "trackers" / "mlflow_run_id").read_text().strip()
@@ -176,7 +184,10 @@ def test_missing_package_is_refused_before_launch(
     for name in ("wandb", "mlflow"):
         monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
         line = _refused(tmp_path, capsys, **{name: {"enable": True}})
-        assert line == f"error: {name}.enable=True: needs the {name} package: pip install 'automodel-recipes[{name}]'"
+        assert (
+            line
+            == f"error: {name}.enable=True: needs the {name} package: pip install 'automodel-recipes[{name}]'"
+        )
         monkeypatch.delitem(sys.modules, name)
 
 
@@ -206,3 +217,37 @@ def test_unwritable_or_unreachable_tracking_uri_is_refused(
 def test_wandb_mode_must_be_known(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     line = _refused(tmp_path, capsys, wandb={"mode": "sometimes"})
     assert line.startswith("error: wandb.mode='sometimes': must be one of online, offline, disabled"), line
+
+
+def test_automodel_file_with_wandb_enabled_trains_and_logs(tmp_path: Path, offline_wandb: Path) -> None:
+    """An AutoModel recipe (its keys, as its example files write them) with ``wandb.enable: true``
+    is no longer refused: `recipes train` runs it (wandb offline here) and wandb gets every record."""
+    from automodel.testing.tiny_model import tiny_llama
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_automodel_compat import PREFIX, automodel_base
+
+    tiny_llama(max_position_embeddings=128).save_pretrained(tmp_path / "tiny-llama")
+    rows = [
+        {"context": f"Ada has {i % 9} cats.", "question": "How many?", "answers": {"text": [str(i % 9)], "answer_start": [8]}}
+        for i in range(32)
+    ]  # fmt: skip
+    (tmp_path / "squad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = automodel_base(str(tmp_path / "tiny-llama"))
+    raw["output_dir"] = str(tmp_path / "run")
+    raw["dataset"] = {"_target_": PREFIX + "squad.make_squad_dataset", "dataset_name": str(tmp_path / "squad.jsonl"), "split": "train", "seq_length": 64}  # fmt: skip
+    raw["step_scheduler"] = {**raw["step_scheduler"], "max_steps": 3, "log_remote_every_steps": 1}
+    raw["wandb"] = {
+        "enable": True,
+        "project": "automodel-tiny",
+        "entity": "<your_wandb_entity>",
+        "name": "tiny_squad",
+        "dir": str(offline_wandb),  # AutoModel's key for wandb's folder
+    }
+    path = tmp_path / "automodel.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert run_cli(["train", str(path)]) == 0
+    tracked = read_wandb(offline_wandb)
+    assert sorted(tracked["history"]) == [1, 2, 3]
+    assert tracked["history"] == expected(tmp_path / "run")
+    assert tracked["config"]["wandb"]["name"] == "tiny_squad"

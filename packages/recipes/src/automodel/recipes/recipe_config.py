@@ -18,7 +18,6 @@ from automodel.recipes.config.kernels import parse_kernels_sections
 from automodel.recipes.config.peft import PeftSection
 from automodel.recipes.config.pretrain import adopt_dataset_tokenizer, default_index_mapping_dir
 from automodel.recipes.config.recipe import DatasetConfig, LossFn, RecipeConfig
-from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.config.sections import (
     CONSTANT_LR,
     ClipGradNormSection,
@@ -35,6 +34,7 @@ from automodel.recipes.config.sections import (
     ValidationDataloaderSection,
     build_section,
 )
+from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.data.kinds import parse_section
 from automodel.recipes.data.tokenizer import has_tokenizer_files
 from automodel.recipes.errors import ConfigError, reject_unknown

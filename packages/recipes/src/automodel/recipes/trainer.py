@@ -40,7 +40,6 @@ from automodel.recipes.layout_report import describe_rank, summary_lines, write_
 from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.lr_schedule import build_lr_scheduler
 from automodel.recipes.metrics import MetricsWriter, peak_memory_bytes
-from automodel.recipes.trackers import Trackers
 from automodel.recipes.model import build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
@@ -51,6 +50,7 @@ from automodel.recipes.peft import apply_lora
 from automodel.recipes.resolved_run import ResolvedRun, check_rank, resolve_run
 from automodel.recipes.run_lock import hold_output_dir, run_checkpoint_dir
 from automodel.recipes.strategies import get_strategy
+from automodel.recipes.trackers import Trackers
 
 
 class NonFiniteError(FloatingPointError):

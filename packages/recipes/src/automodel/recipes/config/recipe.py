@@ -11,7 +11,6 @@ from automodel.recipes.config.checkpoint import CheckpointConfig
 from automodel.recipes.config.distributed import DistributedSection
 from automodel.recipes.config.kernels import FP8Section, KernelsSection
 from automodel.recipes.config.peft import PeftSection
-from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.config.sections import (
     ClipGradNormSection,
     DataloaderSection,
@@ -26,6 +25,7 @@ from automodel.recipes.config.sections import (
     TokenizerSection,
     ValidationDataloaderSection,
 )
+from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.errors import ConfigError
 
 

@@ -40,7 +40,9 @@ class WandbSection:
             raise ConfigError("wandb.mode", self.mode, f"must be one of {', '.join(WANDB_MODES)} (or null)")
         _string_list("wandb.tags", self.tags)
         if self.save_dir is not None and self.dir is not None and self.save_dir != self.dir:
-            raise ConfigError("wandb.dir", self.dir, f"differs from wandb.save_dir={self.save_dir!r}; give one")
+            raise ConfigError(
+                "wandb.dir", self.dir, f"differs from wandb.save_dir={self.save_dir!r}; give one"
+            )
 
     @property
     def enabled(self) -> bool:

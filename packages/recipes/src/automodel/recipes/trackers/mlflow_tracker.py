@@ -60,7 +60,7 @@ def _check(section: MlflowSection, cfg: RecipeConfig) -> None:
             )
     elif scheme == "sqlite":
         try:
-            import sqlalchemy  # noqa: F401  # pyright: ignore[reportMissingImports]
+            import sqlalchemy  # noqa: F401
         except ImportError:
             raise ConfigError(
                 key, uri, "a sqlite store needs sqlalchemy: pip install 'automodel-recipes[mlflow]'"

@@ -52,7 +52,7 @@ def _start(start: TrackerStart) -> tuple[WandbTracker, str]:
         group=section.group,
         tags=section.tags,
         notes=section.notes,
-        mode=section.mode,  # pyright: ignore[reportArgumentType]
+        mode=section.mode,
         dir=str(directory),
         id=start.run_id,  # None: a new run, its id kept for a resume
         resume="allow",
