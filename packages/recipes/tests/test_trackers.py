@@ -251,3 +251,66 @@ def test_automodel_file_with_wandb_enabled_trains_and_logs(tmp_path: Path, offli
     assert sorted(tracked["history"]) == [1, 2, 3]
     assert tracked["history"] == expected(tmp_path / "run")
     assert tracked["config"]["wandb"]["name"] == "tiny_squad"
+
+
+def test_resume_after_steps_past_the_checkpoint_logs_no_step_twice(
+    tmp_path: Path, offline_wandb: Path
+) -> None:
+    """A run that stopped after step 3 with its last checkpoint at step 2 (the step_3 directory
+    removed): the resume reruns step 3 into metrics.jsonl, and the trackers, which have step 3
+    already, get steps 4 and 5 only (one value per step; the rerun's step 3 is not sent)."""
+    import shutil
+
+    from automodel.recipes.checkpoint.paths import checkpoint_root, step_dir_name
+
+    out = tmp_path / "run"
+    mlruns = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = tiny_config(
+        str(out),
+        step_scheduler={"max_steps": 3, "val_every_steps": None, "ckpt_every_steps": 2},
+        validation_dataset=None,
+        checkpoint={"enabled": True},
+        wandb={"save_dir": str(offline_wandb)},
+        mlflow={"tracking_uri": mlruns},
+    )
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert run_cli(["train", str(path)]) == 0
+    first = expected(out)
+    shutil.rmtree(checkpoint_root(checkpoint_dir=None, output_dir=out) / step_dir_name(3))
+    assert run_cli(["train", str(path), "--step_scheduler.max_steps=5"]) == 0
+    want = expected(out)
+    assert sorted(want) == [1, 2, 3, 4, 5]
+    for tracked in (read_wandb(offline_wandb)["history"], read_mlflow(mlruns)["history"]):
+        assert sorted(tracked) == [1, 2, 3, 4, 5]
+        assert tracked[3] == first[3]  # the first attempt's step 3
+        assert {s: tracked[s] for s in (1, 2, 4, 5)} == {s: want[s] for s in (1, 2, 4, 5)}
+
+
+@pytest.mark.slow
+def test_quickstart_cli_two_ranks_with_both_trackers(tmp_path: Path) -> None:
+    """`recipes train examples/quickstart.yaml --nproc-per-node=2` in a child process (torchrun),
+    the trackers added by command-line overrides: rank 0 logs what metrics.jsonl has, and MLflow's
+    files stay beside its database (none in the working directory)."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    out, wb, db = tmp_path / "run", tmp_path / "wandb_runs", tmp_path / "mlflow.db"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path / "wbh")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [
+        sys.executable, "-m", "automodel.recipes.cli", "train", str(root / "examples" / "quickstart.yaml"),
+        "--nproc-per-node=2", f"--output_dir={out}", "--step_scheduler.max_steps=4",
+        "--step_scheduler.val_every_steps=2", "--logging.progress_bar=false", "--checkpoint.enabled=false",
+        "--wandb.project=quickstart", f"--wandb.save_dir={wb}", f"--mlflow.tracking_uri=sqlite:///{db}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    want = expected(out)
+    assert sorted(want) == [1, 2, 3, 4] and "val_loss" in want[2]
+    assert read_wandb(wb)["history"] == want
+    ml = read_mlflow(f"sqlite:///{db}")
+    assert ml["history"] == want
+    assert ml["run"].info.artifact_uri.startswith((tmp_path / "mlflow_artifacts").as_uri())
+    assert not (tmp_path / "mlruns").exists()

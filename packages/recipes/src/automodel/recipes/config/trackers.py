@@ -60,8 +60,8 @@ class WandbSection:
 @dataclass(frozen=True)
 class MlflowSection:
     """MLflow (``automodel-recipes[mlflow]``). ``tracking_uri`` null: ``MLFLOW_TRACKING_URI``, else
-    ``sqlite:///<output_dir>/mlflow.db``; ``experiment_name`` null: MLflow's ``Default`` experiment;
-    ``artifact_location`` null with a local store: ``<output_dir>/mlflow_artifacts``."""
+    ``sqlite:///<output_dir>/mlflow.db``; ``experiment_name`` null: ``automodel``;
+    ``artifact_location`` null with a sqlite store: ``mlflow_artifacts/`` beside the database."""
 
     SECTION: ClassVar[str] = "mlflow"
     enable: bool = True

@@ -16,6 +16,8 @@ from automodel.recipes.config.trackers import MlflowSection
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.trackers import TrackerKind, TrackerStart, register, writable_dir
 
+#: ``mlflow.experiment_name`` null (MLflow's own ``Default`` experiment keeps its artifacts in ``./mlruns``)
+DEFAULT_EXPERIMENT = "automodel"
 #: seconds the pre-launch check waits for an http(s) tracking server to accept a connection
 CONNECT_TIMEOUT_S = 5.0
 
@@ -32,10 +34,6 @@ def tracking_uri(section: MlflowSection, cfg: RecipeConfig) -> tuple[str, str]:
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
     return f"sqlite:///{Path(cfg.output_dir).absolute() / 'mlflow.db'}", "output_dir"
-
-
-def _local(uri: str) -> bool:
-    return urlparse(uri).scheme.lower() in ("", "file", "sqlite")
 
 
 def _file_store_allowed() -> bool:
@@ -106,12 +104,13 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
-def _artifact_location(section: MlflowSection, cfg: RecipeConfig, uri: str) -> str | None:
-    """``mlflow.artifact_location``; for a local store, ``<output_dir>/mlflow_artifacts`` (MLflow's
-    own default is ``./mlruns`` in the working directory); a server's own default otherwise."""
-    if section.artifact_location is not None or not _local(uri):
+def _artifact_location(section: MlflowSection, uri: str) -> str | None:
+    """``mlflow.artifact_location``; with a sqlite store, ``mlflow_artifacts/`` beside the database
+    (MLflow's own default is ``./mlruns`` in the working directory); else the store's default."""
+    if section.artifact_location is not None or urlparse(uri).scheme.lower() != "sqlite":
         return section.artifact_location
-    return (Path(cfg.output_dir).absolute() / "mlflow_artifacts").as_uri()
+    database = uri.split("://", 1)[1][1:]
+    return (Path(database).absolute().parent / "mlflow_artifacts").as_uri()
 
 
 def _start(start: TrackerStart) -> tuple[MlflowTracker, str]:
@@ -125,12 +124,12 @@ def _start(start: TrackerStart) -> tuple[MlflowTracker, str]:
         run_id = start.run_id
         client.update_run(run_id, status="RUNNING")
     else:
-        name = section.experiment_name or "Default"
+        name = section.experiment_name or DEFAULT_EXPERIMENT
         experiment = client.get_experiment_by_name(name)
         experiment_id = (
             experiment.experiment_id
             if experiment is not None
-            else client.create_experiment(name, artifact_location=_artifact_location(section, start.cfg, uri))
+            else client.create_experiment(name, artifact_location=_artifact_location(section, uri))
         )
         tags = {str(k): str(v) for k, v in (section.tags or {}).items()}
         run_id = client.create_run(experiment_id, run_name=section.run_name, tags=tags).info.run_id
