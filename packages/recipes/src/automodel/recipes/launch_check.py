@@ -9,7 +9,9 @@ them refuses is refused by every one with the same message. In order:
 1. the optimizer's arguments (`preflight.check_optimizer_kwargs`);
 2. on the machine that runs (``this_machine=True``): the data paths, what this machine cannot run
    (`environment.check_environment`), ``checkpoint.restore_from``, the data rows and the pretrained
-   weights (`preflight.check_run_files`). `recipes validate` and `recipes plan` plan for machines
+   weights (`preflight.check_run_files`), the experiment trackers (`trackers.check_trackers`: the
+   ``wandb:`` / ``mlflow:`` package installed, their folder or tracking URI writable / reachable).
+   `recipes validate` and `recipes plan` plan for machines
    they may not run on: they skip the files and report the environment's refusal instead;
 3. the layout: the sizes against the world size, then every rule of `rules.py` on the
    meta-device model, then the meshes built for the world size (a fake process group).
@@ -32,6 +34,7 @@ from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_hf_config, build_meta_model
 from automodel.recipes.preflight import check_optimizer_kwargs, check_optimizer_on_model, check_run_files
 from automodel.recipes.rules import ModelChecks, check_layout_rules, pipeline_stages
+from automodel.recipes.trackers import check_trackers
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ def _check_machine(cfg: RecipeConfig, *, read_files: bool) -> tuple[ConfigError,
     check_data_paths(cfg.dataset)
     check_data_paths(cfg.validation_dataset)
     check_environment(cfg)
+    check_trackers(cfg)
     if read_files:
         check_run_files(cfg)
     return ()
@@ -111,6 +115,7 @@ def _machine_refusals(cfg: RecipeConfig) -> tuple[ConfigError, ...]:
     run on no machine (``cfg.refusals``) are the caller's to refuse, after its report."""
     try:
         check_machine(cfg)
+        check_trackers(cfg)
     except ConfigError as e:
         return (e,)
     return ()

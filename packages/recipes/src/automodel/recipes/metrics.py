@@ -1,4 +1,5 @@
-"""`<output_dir>/metrics.jsonl` (one JSON object per optimizer step, rank 0) and optional TensorBoard."""
+"""`<output_dir>/metrics.jsonl` (one JSON object per optimizer step, rank 0), optional TensorBoard, and
+the experiment trackers (`automodel.recipes.trackers`: ``wandb:``, ``mlflow:``), which get each record."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import json
 import math
 import resource
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from automodel.recipes.trackers import Trackers
 
 #: Keys every metrics.jsonl record carries (the output interface: see the README).
 REQUIRED_KEYS = (
@@ -31,12 +35,20 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """Appends records to metrics.jsonl and mirrors scalars to TensorBoard when asked; no-op off rank 0."""
+    """Appends records to metrics.jsonl and mirrors scalars to TensorBoard and the started trackers
+    (the same record, at its step); no-op off rank 0."""
 
     def __init__(
-        self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, resumed_step: int = 0
+        self,
+        output_dir: str | Path,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        resumed_step: int = 0,
+        trackers: Trackers | None = None,
     ) -> None:
         self.enabled = enabled
+        self.trackers = trackers
         self.path = Path(output_dir) / "metrics.jsonl"
         if enabled:
             truncate_metrics(self.path, keep_through_step=resumed_step)
@@ -57,10 +69,15 @@ class MetricsWriter:
             for k, v in record.items():
                 if k != "step" and isinstance(v, int | float):
                     self._tb.add_scalar(f"train/{k}" if k != "val_loss" else "val/loss", v, record["step"])
+        if self.trackers is not None:
+            self.trackers.log(clean)
 
-    def close(self) -> None:
+    def close(self, *, checkpoint: str | None = None, failed: bool = False) -> None:
+        """Close TensorBoard; the trackers get the consolidated checkpoint's path (or None) and end."""
         if self._tb is not None:
             self._tb.close()
+        if self.trackers is not None:
+            self.trackers.finish(checkpoint=checkpoint, failed=failed)
 
 
 def truncate_metrics(path: Path, *, keep_through_step: int) -> None:

@@ -34,6 +34,7 @@ from automodel.recipes.config.sections import (
     ValidationDataloaderSection,
     build_section,
 )
+from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.data.kinds import parse_section
 from automodel.recipes.data.tokenizer import has_tokenizer_files
 from automodel.recipes.errors import ConfigError, reject_unknown
@@ -46,6 +47,7 @@ TOP_LEVEL_KEYS = (
     "model", "dataset", "validation_dataset", "tokenizer", "step_scheduler", "optimizer", "lr_scheduler",
     "loss_fn", "distributed", "packed_sequence", "checkpoint", "logging", "seed", "output_dir", "dist_env",
     "clip_grad_norm", "peft", "dataloader", "validation_dataloader", "rng", "kernels", "fp8",
+    "wandb", "mlflow",
 )  # fmt: skip
 DEFAULT_LOSS_FN = "automodel.recipes.loss.LinearCrossEntropy"
 #: NeMo AutoModel's loss targets, so its configs carry over: its masked CE reads full logits, its
@@ -185,6 +187,8 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
     validation_dataloader = build_section(ValidationDataloaderSection, raw.get("validation_dataloader"))
     rng = build_section(RngSection, raw.get("rng"))
     kernels, fp8 = parse_kernels_sections(raw)
+    wandb = None if raw.get("wandb") is None else build_section(WandbSection, raw["wandb"])
+    mlflow = None if raw.get("mlflow") is None else build_section(MlflowSection, raw["mlflow"])
 
     tokenizer = adopt_dataset_tokenizer(tokenizer, [dataset, validation_dataset])
     dataset = default_index_mapping_dir(dataset, output_dir=output_dir)
@@ -214,6 +218,8 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         rng=rng,
         kernels=kernels,
         fp8=fp8,
+        wandb=wandb,
+        mlflow=mlflow,
         refusals=tuple(translation.refusals),
     )
     ss = cfg.step_scheduler

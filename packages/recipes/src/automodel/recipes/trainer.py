@@ -26,6 +26,7 @@ from automodel.mesh import MeshContext
 from automodel.mesh.model_parts import text_config
 from automodel.recipes._dist_setup import setup_distributed
 from automodel.recipes.checkpoint import Checkpointer, TrainingState
+from automodel.recipes.checkpoint.paths import CONSOLIDATED_DIR
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.data import build_packed_dataset, build_tokenizer
 from automodel.recipes.data.first_rows import first_rows
@@ -49,6 +50,7 @@ from automodel.recipes.peft import apply_lora
 from automodel.recipes.resolved_run import ResolvedRun, check_rank, resolve_run
 from automodel.recipes.run_lock import hold_output_dir, run_checkpoint_dir
 from automodel.recipes.strategies import get_strategy
+from automodel.recipes.trackers import Trackers
 
 
 class NonFiniteError(FloatingPointError):
@@ -470,6 +472,7 @@ class Trainer:
         out = Path(self.cfg.output_dir)
         ckpt, state = self._start(out)
         log = _StepLog(self, out=out)
+        consolidated, failed = None, True
         try:
             while self.step < self.total_steps:
                 if self._one_step(log, ckpt=ckpt, state=state):
@@ -478,9 +481,12 @@ class Trainer:
             if ckpt is not None:
                 assert state is not None
                 state.step = self.step
-                ckpt.save(state, last=self.step == self.total_steps)
+                saved = ckpt.save(state, last=self.step == self.total_steps)
+                if saved is not None and (saved / CONSOLIDATED_DIR).is_dir():
+                    consolidated = saved / CONSOLIDATED_DIR
+            failed = False
         finally:
-            log.close()
+            log.close(checkpoint=consolidated, failed=failed)
             if ckpt is not None:
                 ckpt.close()
         log.result.steps = self.step
@@ -594,7 +600,11 @@ class _StepLog:
         cfg, is_main = trainer.cfg, trainer.rank == 0
         self.trainer = trainer
         self.metrics = MetricsWriter(
-            out, enabled=is_main, tensorboard=cfg.logging.tensorboard, resumed_step=trainer.step
+            out,
+            enabled=is_main,
+            tensorboard=cfg.logging.tensorboard,
+            resumed_step=trainer.step,
+            trackers=Trackers.start(cfg, enabled_here=is_main, resumed_step=trainer.step),
         )
         self.result = TrainResult(output_dir=str(out))
         self.bar = None
@@ -634,10 +644,10 @@ class _StepLog:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
 
-    def close(self) -> None:
+    def close(self, *, checkpoint: Path | None = None, failed: bool = False) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.metrics.close()
+        self.metrics.close(checkpoint=None if checkpoint is None else str(checkpoint), failed=failed)
 
 
 def _resume_line(ckpt: Any, *, step: int) -> str:

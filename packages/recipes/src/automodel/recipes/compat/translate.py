@@ -156,15 +156,8 @@ def _top_level(out: dict, notes: list[str], refusals: list[ConfigError]) -> None
         if par:
             key = sorted(par)[0]
             raise ConfigError(f"parallelizer.{key}", par[key], "unknown key")
-    if "wandb" in out:
-        section = out.pop("wandb")
-        if _enabled("wandb", section, flag="enable"):
-            raise ConfigError(
-                "wandb.enable",
-                True,
-                "Weights & Biases logging is not part of this project (metrics.jsonl, logging.tensorboard); "
-                "set it to false",
-            )
+    if "wandb" in out and not _enabled("wandb", out["wandb"], flag="enable"):
+        out.pop("wandb")  # AutoModel's recorded files keep a disabled section; enabled, it logs (trackers/)
     if "nvtx" in out:
         if out.pop("nvtx") is not False:
             raise ConfigError("nvtx", True, "NVTX ranges are not emitted by this project; set it to false")
@@ -575,7 +568,7 @@ def _step_scheduler(out: dict, notes: list[str]) -> None:
     steps = out.get("step_scheduler")
     if not isinstance(steps, dict):
         return
-    steps.pop("log_remote_every_steps", None)  # of AutoModel's remote loggers (wandb, mlflow): none here
+    steps.pop("log_remote_every_steps", None)  # wandb / mlflow get every step's record here (trackers/)
     if "loss_average_window_steps" in steps:
         window = steps.pop("loss_average_window_steps")
         notes.append(

@@ -25,6 +25,7 @@ from automodel.recipes.config.sections import (
     TokenizerSection,
     ValidationDataloaderSection,
 )
+from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.errors import ConfigError
 
 
@@ -72,6 +73,8 @@ class RecipeConfig:
     rng: RngSection = field(default_factory=RngSection)
     kernels: KernelsSection = field(default_factory=KernelsSection)  # Liger's kernels (kernels/)
     fp8: FP8Section = field(default_factory=FP8Section)  # torchao float8 training (kernels/)
+    wandb: WandbSection | None = None  # a `wandb:` section (trackers/)
+    mlflow: MlflowSection | None = None  # an `mlflow:` section (trackers/)
     #: start-up lines: what this run does differently from NeMo AutoModel (`compat.defaults`)
     notes: tuple[str, ...] = ()
     #: valid settings `recipes train` refuses before launch (`compat.translate.Translation`)
