@@ -68,13 +68,17 @@ def _slow_down_checkpoint_writes(seconds: float) -> None:
     """Every DCP shard write of this process first sleeps `seconds` (in the async save's thread)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    original = FileSystemWriter.write_data
-    if getattr(original, "slowed", False):
+    global _writes_slowed
+    if _writes_slowed:
         return
+    _writes_slowed = True
+    original = FileSystemWriter.write_data
 
     def write_data(self, plan, planner):
         time.sleep(seconds)
         return original(self, plan, planner)
 
-    write_data.slowed = True  # type: ignore[attr-defined]
     FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+
+
+_writes_slowed = False
