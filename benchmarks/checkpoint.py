@@ -105,9 +105,9 @@ def _stall(*, root: str, hidden: int, layers: int, vocab: int, steps: int, every
             blocked += time.perf_counter() - t0
         loop = time.perf_counter() - t_loop
         ck.close()
-        worst = torch.tensor([blocked, loop])
+        worst = torch.tensor([blocked, loop, ck.publish_s])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        out[f"{mode}_stall_s"], out[f"{mode}_loop_s"] = worst.tolist()
+        out[f"{mode}_stall_s"], out[f"{mode}_loop_s"], out[f"{mode}_publish_s"] = worst.tolist()
         out[f"{mode}_saves"] = saves
         out["staging"] = ck.staging or out.get("staging", "")
     return out
@@ -187,13 +187,16 @@ def main() -> None:
     )
     sync_per = st["sync_stall_s"] / st["sync_saves"]
     async_per = st["async_stall_s"] / st["async_saves"]
-    print(
-        f"sync  save: stall per save {sync_per:7.3f} s   loop {st['sync_loop_s']:7.2f} s   1.00x (baseline)"
-    )
-    print(
-        f"async save: stall per save {async_per:7.3f} s   loop {st['async_loop_s']:7.2f} s   "
-        f"{async_per / sync_per:.2f}x"
-    )
+    for mode, per, ratio in (
+        ("sync ", sync_per, "1.00x (baseline)"),
+        ("async", async_per, f"{async_per / sync_per:.2f}x"),
+    ):
+        m = mode.strip()
+        publish = st[f"{m}_publish_s"] / st[f"{m}_saves"]
+        print(
+            f"{mode} save: stall per save {per:7.3f} s (of which publish: checksums, checkpoint.json, "
+            f"rename, LATEST {publish:6.3f} s)   loop {st[f'{m}_loop_s']:7.2f} s   {ratio}"
+        )
 
 
 def _cost(a: argparse.Namespace) -> None:

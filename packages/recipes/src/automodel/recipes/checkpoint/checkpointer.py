@@ -155,6 +155,8 @@ class Checkpointer:
         self._install_sigterm_handler()
         #: seconds the caller was blocked in `save` / `maybe_save` / `wait` (the training stall)
         self.stall_s = 0.0
+        #: the part of `stall_s` spent publishing (checksums, checkpoint.json, rename, LATEST)
+        self.publish_s = 0.0
         self._in_flight: _InFlight | None = None
         self._stager: DefaultStager | None = None
         self._save_group: Any = None
@@ -184,10 +186,10 @@ class Checkpointer:
         memory = (
             "pinned host memory"
             if self.staging == "pinned"
-            else "ordinary (non-pinned) host memory: no CUDA device here, so pinning is impossible"
+            else "ordinary (non-pinned) host memory (no CUDA device here: pinning is impossible)"
         )
         return (
-            f"checkpoint.is_async: true: each save stages the state into {memory} while training waits, "
+            f"checkpoint.is_async: true: each save copies the state into {memory} while training waits, "
             "then writes it in the background (dcp.async_save); LATEST moves once the write completes"
         )
 
@@ -353,6 +355,13 @@ class Checkpointer:
 
     def _publish(self, pending: _InFlight) -> Path:
         """Checksums, ``checkpoint.json``, rename, ``LATEST``, retention: the save is complete. Collective."""
+        t0 = time.perf_counter()
+        try:
+            return self._publish_now(pending)
+        finally:
+            self.publish_s += time.perf_counter() - t0
+
+    def _publish_now(self, pending: _InFlight) -> Path:
         tmp, final = pending.tmp, pending.final
         _barrier()
         listed = _broadcast_from_0(sorted(paths.file_sizes(tmp)) if _rank() == 0 else None)
