@@ -629,6 +629,43 @@ def test_async_save_publishes_only_after_the_write_completes(tmp_path):
     assert set(info["sha256"]) == set(info["files"])
 
 
+def _async_final_export(*, ckpt_dir: str) -> dict:
+    """Rank body: is_async with save_consolidated: final; step 2 in the background, step 3 the last."""
+    state, dp_rank, dp_size = _state("dense", "fsdp")
+    ckpt = Checkpointer(
+        CheckpointConfig(checkpoint_dir=ckpt_dir, save_consolidated="final", is_async=True),
+        output_dir=ckpt_dir,
+    )
+    while state.step < 3:
+        _train_step(state, dp_rank=dp_rank, dp_size=dp_size, use_rng=False)
+        ckpt.maybe_save(state, every_steps=2)
+    ckpt.save(state, last=True)
+    ckpt.close()
+    return _full_params(state.model_parts)
+
+
+def test_async_last_save_writes_the_consolidated_export(tmp_path):
+    """save_consolidated: final with is_async: the last save's export (written after its DCP write
+    completed) holds the final weights; the background step_2 has none."""
+    from safetensors.torch import load_file
+
+    d = tmp_path / "ck"
+    params = run_on_ranks(_async_final_export, world_size=2, kwargs=dict(ckpt_dir=str(d)), timeout_s=TIMEOUT)[
+        0
+    ]
+    assert (d / "LATEST").read_text().strip() == "step_3"
+    assert not (d / "step_2" / "consolidated").exists()
+    info = ckpt_paths.check_complete(d / "step_3")
+    assert info["consolidated_files"] and set(info["sha256"]) == set(info["files"])
+    exported: dict[str, torch.Tensor] = {}
+    for f in info["consolidated_files"]:
+        if f.endswith(".safetensors"):
+            exported.update(load_file(str(d / "step_3" / f)))
+    assert set(exported) == set(params)
+    for name, value in params.items():
+        assert torch.equal(exported[name], value), name
+
+
 def test_retention_corruption_and_restore_from(tmp_path, caplog):
     d = tmp_path / "ck"
     run_on_ranks(
