@@ -7,6 +7,11 @@ ratios show what the sharded DCP path (every rank writes its own shard, atomic p
 and the consolidated HF export cost against it.
 
     uv run --frozen python benchmarks/checkpoint.py [--hidden 512 --layers 4 --vocab 8192 --repeats 3]
+
+Then the training stall per save, sync vs ``checkpoint.is_async: true``, in the same run: the same
+model trains ``--steps`` steps twice from the same start, saving every ``--every`` steps; the stall
+is the wall time the loop is blocked in `Checkpointer.maybe_save` / `Checkpointer.wait` (the end
+of training waits for the last async save), the slowest rank's. ``--stall-only`` skips the first part.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +43,7 @@ class _Loader:
         pass
 
 
-def _bench(*, root: str, hidden: int, layers: int, vocab: int, repeats: int) -> dict[str, float]:
+def _build(*, hidden: int, layers: int, vocab: int):
     cfg = LlamaConfig(
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -65,6 +71,50 @@ def _bench(*, root: str, hidden: int, layers: int, vocab: int, repeats: int) -> 
         step=0,
         strategy=PLAIN_PARTS,
     )
+    return model, opt, state
+
+
+def _stall(*, root: str, hidden: int, layers: int, vocab: int, steps: int, every: int) -> dict[str, Any]:
+    """Per mode: the loop's wall time, its time blocked in the checkpointer, and the number of saves."""
+    model, opt, state = _build(hidden=hidden, layers=layers, vocab=vocab)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(1))
+    out: dict[str, Any] = {}
+    for mode in ("sync", "async"):
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(start[k])
+        ck = Checkpointer(
+            CheckpointConfig(
+                checkpoint_dir=f"{root}/stall_{mode}", save_consolidated=False, is_async=mode == "async"
+            ),
+            output_dir=root,
+        )
+        blocked, saves = 0.0, 0
+        dist.barrier()
+        t_loop = time.perf_counter()
+        for step in range(1, steps + 1):
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            state.step = step
+            t0 = time.perf_counter()
+            saves += ck.maybe_save(state, every_steps=every) is not None
+            if step == steps:
+                ck.wait()  # the end of training waits for the last save
+            blocked += time.perf_counter() - t0
+        loop = time.perf_counter() - t_loop
+        ck.close()
+        worst = torch.tensor([blocked, loop, ck.publish_s])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out[f"{mode}_stall_s"], out[f"{mode}_loop_s"], out[f"{mode}_publish_s"] = worst.tolist()
+        out[f"{mode}_saves"] = saves
+        out["staging"] = ck.staging or out.get("staging", "")
+    return out
+
+
+def _bench(*, root: str, hidden: int, layers: int, vocab: int, repeats: int) -> dict[str, float]:
+    model, opt, state = _build(hidden=hidden, layers=layers, vocab=vocab)
     times: dict[str, list[float]] = {
         k: [] for k in ("naive_save", "naive_load", "dcp_save", "dcp_consolidated_save", "dcp_restore")
     }
@@ -116,7 +166,40 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--stall-only", action="store_true")
     a = p.parse_args()
+    if not a.stall_only:
+        _cost(a)
+    with tempfile.TemporaryDirectory() as root:
+        st = run_on_ranks(
+            _stall,
+            world_size=2,
+            kwargs=dict(
+                root=root, hidden=a.hidden, layers=a.layers, vocab=a.vocab, steps=a.steps, every=a.every
+            ),
+            timeout_s=1200,
+        )[0]
+    print(
+        f"training stall, {a.steps} steps saving every {a.every} (same model, same steps; slowest rank; "
+        f"async staging: {st['staging']} host memory)"
+    )
+    sync_per = st["sync_stall_s"] / st["sync_saves"]
+    async_per = st["async_stall_s"] / st["async_saves"]
+    for mode, per, ratio in (
+        ("sync ", sync_per, "1.00x (baseline)"),
+        ("async", async_per, f"{async_per / sync_per:.2f}x"),
+    ):
+        m = mode.strip()
+        publish = st[f"{m}_publish_s"] / st[f"{m}_saves"]
+        print(
+            f"{mode} save: stall per save {per:7.3f} s (of which publish: checksums, checkpoint.json, "
+            f"rename, LATEST {publish:6.3f} s)   loop {st[f'{m}_loop_s']:7.2f} s   {ratio}"
+        )
+
+
+def _cost(a: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as root:
         res = run_on_ranks(
             _bench,

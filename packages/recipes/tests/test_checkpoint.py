@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import cast
 
@@ -264,6 +265,7 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
         ({"checkpoint_dir": ""}, "checkpoint_dir"),
         ({"enabled": "yes"}, "enabled"),
         ({"save_consolidated": 1}, "save_consolidated"),
+        ({"is_async": "yes"}, "is_async"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, key):
@@ -278,6 +280,16 @@ def test_config_defaults_and_dir(tmp_path):
     ckpt = Checkpointer(cfg, output_dir=tmp_path)
     ckpt.close()
     assert ckpt.root == tmp_path / "checkpoints"
+
+
+def test_is_async_key_reaches_the_typed_config():
+    """AutoModel's ``checkpoint.is_async`` (passed through by the translation) lands on the frozen config."""
+    from automodel.recipes.compat.translate import translate
+
+    assert CheckpointConfig().is_async is False
+    raw = {"model": {"pretrained_model_name_or_path": "m"}, "checkpoint": {"enabled": True, "is_async": True}}
+    assert translate(raw).raw["checkpoint"]["is_async"] is True
+    # (load_config of a whole recipe with it: test_faults.py's is_async runs)
 
 
 def test_training_state_rejects_unpaired_optimizers():
@@ -529,6 +541,129 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path, caplog):
     assert not (d / ".tmp-step_4").exists()
     ref_losses, _, _ = _reference(3)
     assert _close(out[0]["losses"][3], ref_losses[2])
+
+
+def _gate_writes() -> dict:
+    """DCP shard writes of this process wait for ``gate["open"]`` (a threading.Event); ``gate["fail"]``
+    makes them raise instead. Returns the gate."""
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    gate = {"open": threading.Event(), "fail": False}
+    original = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        assert gate["open"].wait(60)
+        if gate["fail"]:
+            raise OSError(28, "No space left on device (injected)")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    return gate
+
+
+def _async_lifecycle(*, ckpt_dir: str) -> dict:
+    """Rank body: is_async saves whose writes are held, released late, or failed; what was on disk when."""
+    import threading
+
+    gate = _gate_writes()
+    state, dp_rank, dp_size = _state("dense", "fsdp")
+    ckpt = Checkpointer(
+        CheckpointConfig(checkpoint_dir=ckpt_dir, save_consolidated=False, is_async=True), output_dir=ckpt_dir
+    )
+    root = Path(ckpt_dir)
+    seen = {"staging": ckpt.staging}
+
+    def on_disk() -> tuple:
+        dist.barrier()
+        latest = (root / "LATEST").read_text().strip() if (root / "LATEST").exists() else None
+        return latest, sorted(p.name for p in root.iterdir() if p.name != "LATEST")
+
+    _train_step(state, dp_rank=dp_rank, dp_size=dp_size, use_rng=False)
+    ckpt.save(state)  # step 1: returns with the write held
+    seen["after_save_1"] = on_disk()
+    _train_step(state, dp_rank=dp_rank, dp_size=dp_size, use_rng=False)
+    ckpt.maybe_save(state, every_steps=5)  # a step boundary: not written yet, so nothing published
+    seen["boundary_held"] = on_disk()
+    gate["open"].set()
+    ckpt.wait()
+    seen["after_wait"] = on_disk()
+    gate["open"].clear()
+    ckpt.save(state)  # step 2, held
+    threading.Timer(1.5, gate["open"].set).start()
+    _train_step(state, dp_rank=dp_rank, dp_size=dp_size, use_rng=False)
+    t0 = time.perf_counter()
+    ckpt.save(state)  # step 3: waits for step 2's write (released 1.5 s later) and publishes it first
+    seen["second_save_waited_s"] = time.perf_counter() - t0
+    seen["after_second_save"] = on_disk()
+    ckpt.wait()
+    seen["after_wait_3"] = on_disk()
+    gate["fail"] = True
+    _train_step(state, dp_rank=dp_rank, dp_size=dp_size, use_rng=False)
+    ckpt.save(state)  # step 4: its write fails
+    try:
+        ckpt.wait()
+    except CheckpointError as err:
+        seen["failure"] = str(err)
+    seen["after_failure"] = on_disk()
+    ckpt.close()
+    return seen
+
+
+def test_async_save_publishes_only_after_the_write_completes(tmp_path):
+    """One save in flight; LATEST, checkpoint.json and checksums only once every rank's write is
+    done; a failed write is never marked complete; the staging line never claims pinning on CPU."""
+    d = tmp_path / "ck"
+    seen = run_on_ranks(_async_lifecycle, world_size=2, kwargs=dict(ckpt_dir=str(d)), timeout_s=TIMEOUT)[0]
+    assert seen["staging"] == ("pinned" if torch.cuda.is_available() else "unpinned")
+    assert seen["after_save_1"] == (None, [".tmp-step_1"])
+    assert seen["boundary_held"] == (None, [".tmp-step_1"])
+    assert seen["after_wait"] == ("step_1", ["step_1"])
+    assert seen["second_save_waited_s"] >= 1.0
+    assert seen["after_second_save"] == ("step_2", [".tmp-step_3", "step_1", "step_2"])
+    assert seen["after_wait_3"] == ("step_3", ["step_1", "step_2", "step_3"])
+    assert "async save of step 4" in seen["failure"] and "not marked complete" in seen["failure"]
+    assert seen["after_failure"] == ("step_3", [".tmp-step_4", "step_1", "step_2", "step_3"])
+    info = ckpt_paths.check_complete(d / "step_3")
+    assert set(info["sha256"]) == set(info["files"])
+
+
+def _async_final_export(*, ckpt_dir: str) -> dict:
+    """Rank body: is_async with save_consolidated: final; step 2 in the background, step 3 the last."""
+    state, dp_rank, dp_size = _state("dense", "fsdp")
+    ckpt = Checkpointer(
+        CheckpointConfig(checkpoint_dir=ckpt_dir, save_consolidated="final", is_async=True),
+        output_dir=ckpt_dir,
+    )
+    while state.step < 3:
+        _train_step(state, dp_rank=dp_rank, dp_size=dp_size, use_rng=False)
+        ckpt.maybe_save(state, every_steps=2)
+    ckpt.save(state, last=True)
+    ckpt.close()
+    return _full_params(state.model_parts)
+
+
+def test_async_last_save_writes_the_consolidated_export(tmp_path):
+    """save_consolidated: final with is_async: the last save's export (written after its DCP write
+    completed) holds the final weights; the background step_2 has none."""
+    from safetensors.torch import load_file
+
+    d = tmp_path / "ck"
+    params = run_on_ranks(_async_final_export, world_size=2, kwargs=dict(ckpt_dir=str(d)), timeout_s=TIMEOUT)[
+        0
+    ]
+    assert (d / "LATEST").read_text().strip() == "step_3"
+    assert not (d / "step_2" / "consolidated").exists()
+    info = ckpt_paths.check_complete(d / "step_3")
+    assert info["consolidated_files"] and set(info["sha256"]) == set(info["files"])
+    exported: dict[str, torch.Tensor] = {}
+    for f in info["consolidated_files"]:
+        if f.endswith(".safetensors"):
+            exported.update(load_file(str(d / "step_3" / f)))
+    assert set(exported) == set(params)
+    for name, value in params.items():
+        assert torch.equal(exported[name], value), name
 
 
 def test_retention_corruption_and_restore_from(tmp_path, caplog):

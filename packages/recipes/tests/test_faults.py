@@ -224,6 +224,60 @@ def test_sigkill_of_a_rank_restarts_and_matches(straight, tmp_path):
         assert torch.equal(got[name], ref[name]), name
 
 
+def test_async_saves_match_the_sync_run_and_resume_bitwise(straight, tmp_path):
+    """checkpoint.is_async: losses and step_10's consolidated export equal the sync run's; its
+    step_5 (written in the background) resumes to the same last 5 losses and weights."""
+    ref_dir, ref_losses = straight
+    run = tmp_path / "run"
+    res = run_on_ranks(
+        _train, world_size=2, args=(_config(run, checkpoint={"is_async": True}),), timeout_s=TIMEOUT
+    )
+    assert res[0]["losses"] == ref_losses
+    ckpts = run / "checkpoints"
+    assert (ckpts / "LATEST").read_text().strip() == "step_10"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["LATEST", "step_10", "step_5"]  # no .tmp- left
+    for step in (5, 10):
+        assert check_complete(ckpts / f"step_{step}")["sha256"]  # checksums written after the write
+        got, ref = _weights(run, step), _weights(ref_dir, step)
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), (step, name)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ckpts / "step_5", resumed / "checkpoints" / "step_5")
+    res = run_on_ranks(
+        _train, world_size=2, args=(_config(resumed, checkpoint={"is_async": True}),), timeout_s=TIMEOUT
+    )
+    assert res[0]["losses"] == ref_losses[5:]
+    got, ref = _weights(resumed, 10), _weights(ref_dir, 10)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_sigkill_during_an_async_save_resumes_from_the_previous_one(straight, tmp_path):
+    """`recipes train --max-restarts 1`, is_async, saves every 3 steps, each shard write held 2 s on
+    the first launch: rank 1 is SIGKILLed at step 7 while step_6 is being written. The restart
+    drops the unfinished .tmp-step_6, resumes from step_3, and steps 4-10 match the straight run."""
+    ref_dir, ref_losses = straight
+    run = tmp_path / "run"
+    cfg = _config(
+        run,
+        optimizer={"fault": "sigkill", "at_step": 7, "on_rank": 1, "slow_save_s": 2.0},
+        step_scheduler={"ckpt_every_steps": 3},
+        checkpoint={"is_async": True},
+    )
+    proc = _cli(cfg, tmp_path, "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ordinary (non-pinned) host memory" in proc.stderr or "pinned host memory" in proc.stderr
+    assert f"removing {run / 'checkpoints' / '.tmp-step_6'} left by an interrupted save" in proc.stderr
+    assert f"resumed from step 3 ({run / 'checkpoints' / 'step_3'})" in proc.stderr
+    assert "step_10" == (run / "checkpoints" / "LATEST").read_text().strip()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert [r["loss"] for r in records][3:] == ref_losses[3:]  # steps 4-10: the resumed run's, bitwise
+    got, ref = _weights(run, 10), _weights(ref_dir, 10)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
 def test_hung_rank_fails_with_timeout(tmp_path):
     """Rank 1 hangs at step 2; rank 0 fails within dist_env.timeout_minutes (6 s), not in 600 s."""
     cfg = _config(

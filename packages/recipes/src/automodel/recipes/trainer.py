@@ -505,6 +505,8 @@ class Trainer:
             self.step = state.step
         if is_main:
             print(_resume_line(ckpt, step=self.step), file=sys.stderr, flush=True)
+            if ckpt is not None and ckpt.startup_line:
+                print(ckpt.startup_line, file=sys.stderr, flush=True)
         return ckpt, state
 
     def _one_step(self, log: _StepLog, *, ckpt: Checkpointer | None, state: TrainingState | None) -> bool:

@@ -10,6 +10,15 @@ A LoRA run (`lora` given) also writes ``adapter/`` (Hugging Face PEFT format, se
 `automodel.recipes.peft.export`); its ``consolidated/`` export is written only with
 ``peft.save_merged: true``, and then holds the adapters merged into the base weights. The DCP
 state holds the whole model (frozen base included), so a resume needs nothing else.
+
+``checkpoint.is_async: true`` writes the DCP shards with ``dcp.async_save``: the state is copied
+into host memory (pinned where a CUDA device allows it, ordinary memory otherwise) while training
+waits, and a background thread writes the files over a checkpoint-only gloo group. At most one save
+is in flight: the next save, the run's last one and a pre-emption save wait for it. Only once every
+rank's write has completed are the checksums, ``checkpoint.json``, the rename and ``LATEST`` written
+(`wait`, collective; `maybe_save` does it at the first step boundary where all ranks are done), so
+a crash mid-write leaves the previous checkpoint as the newest complete one. The adapter and the
+consolidated export are written by the training thread from the live weights at save time.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from automodel.mesh import PARALLEL_AXES, MeshContext
 from automodel.recipes.checkpoint import integrity, paths
@@ -87,6 +99,33 @@ def _broadcast_from_0(obj: Any) -> Any:
     return box[0]
 
 
+@dataclass
+class _InFlight:
+    """An async save whose files are still being written: published by `Checkpointer.wait`."""
+
+    future: Future | None  # None: a synchronous save (already written)
+    tmp: Path
+    final: Path
+    step: int
+    started: float
+    files: list[str] = field(default_factory=list)
+    adapter_files: list[str] = field(default_factory=list)
+
+
+def _written(pending: _InFlight) -> None:
+    """Block until this rank's async write of `pending` has completed; a failure names the save."""
+    if pending.future is None:
+        return
+    try:
+        pending.future.result()
+    # CheckpointException (a BaseException) carries every rank's failure.
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised with the checkpoint named
+        raise CheckpointError(
+            f"async save of step {pending.step} into {pending.tmp} failed ({type(err).__name__}: {err}); "
+            f"it is not marked complete, {paths.LATEST_FILE} still names the previous checkpoint"
+        ) from err
+
+
 class Checkpointer:
     """Saves and restores a `TrainingState` under ``checkpoint_dir``; flags SIGTERM as `preempted`.
 
@@ -114,6 +153,45 @@ class Checkpointer:
         self._preemption_announced = False
         self._previous_handler: Any = None
         self._install_sigterm_handler()
+        #: seconds the caller was blocked in `save` / `maybe_save` / `wait` (the training stall)
+        self.stall_s = 0.0
+        #: the part of `stall_s` spent publishing (checksums, checkpoint.json, rename, LATEST)
+        self.publish_s = 0.0
+        self._in_flight: _InFlight | None = None
+        self._stager: DefaultStager | None = None
+        self._save_group: Any = None
+        #: is_async only: "pinned" or "unpinned" host memory for the staged copy
+        self.staging: str | None = None
+        if config.enabled and config.is_async:
+            pinned = torch.cuda.is_available()  # pinning needs a CUDA device (driver) to register pages
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=pinned,
+                    use_shared_memory=False,
+                    use_async_staging=False,  # staged before `save` returns: training may then change it
+                    use_non_blocking_copy=pinned,
+                )
+            )
+            self.staging = "pinned" if pinned else "unpinned"
+            if dist.is_initialized() and dist.get_backend() != "fake":
+                # The background write's collectives get their own group, so they never interleave
+                # with the training thread's on the default one.
+                self._save_group = dist.new_group(backend="gloo")
+
+    @property
+    def startup_line(self) -> str | None:
+        """What checkpoint.is_async does on this machine (None when it is off)."""
+        if self.staging is None:
+            return None
+        memory = (
+            "pinned host memory"
+            if self.staging == "pinned"
+            else "ordinary (non-pinned) host memory (no CUDA device here: pinning is impossible)"
+        )
+        return (
+            f"checkpoint.is_async: true: each save copies the state into {memory} while training waits, "
+            "then writes it in the background (dcp.async_save); LATEST moves once the write completes"
+        )
 
     # ---- pre-emption ---------------------------------------------------------------------
     def _install_sigterm_handler(self) -> None:
@@ -138,7 +216,21 @@ class Checkpointer:
         return flag
 
     def close(self) -> None:
-        """Put back the SIGTERM handler that was there before."""
+        """Put back the SIGTERM handler that was there before.
+
+        An async save still in flight here (the run failed before `wait`) is not published: no
+        collective runs on this path, its ``.tmp-`` directory is removed by the next resume.
+        """
+        if self._in_flight is not None:
+            log.warning(
+                "async save of step %d was not completed; it is not marked complete (%s stays unpublished)",
+                self._in_flight.step,
+                self._in_flight.tmp,
+            )
+            self._in_flight = None
+        elif self._stager is not None:
+            self._stager.close()  # its staging buffers; not while a write may still read them
+            self._stager = None
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
@@ -146,18 +238,65 @@ class Checkpointer:
     # ---- save ----------------------------------------------------------------------------
     def maybe_save(self, state: TrainingState, *, every_steps: int | None) -> Path | None:
         """`save` when checkpointing is on and ``state.step`` is a positive multiple of `every_steps`."""
+        if self._in_flight is not None:
+            self._publish_if_written()
         if not self.config.enabled or not every_steps or state.step <= 0 or state.step % every_steps:
             return None
         return self.save(state)
+
+    def _publish_if_written(self) -> None:
+        """Publish the async save when every rank's write has completed (a MIN all-reduce). Collective."""
+        assert self._in_flight is not None
+        t0 = time.perf_counter()
+        try:
+            done = self._in_flight.future is None or self._in_flight.future.done()
+            if dist.is_initialized() and dist.get_backend() != "fake":
+                device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+                t = torch.tensor([int(done)], device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MIN)
+                done = bool(t.item())
+            if done:
+                self._complete()
+        finally:
+            self.stall_s += time.perf_counter() - t0
+
+    def wait(self) -> Path | None:
+        """Block until the async save in flight (if any) has completed, then publish it. Collective.
+
+        Returns the published checkpoint, None when none was in flight. A failed write raises
+        `CheckpointError` and is never marked complete: ``LATEST`` keeps naming the previous one.
+        """
+        t0 = time.perf_counter()
+        try:
+            return self._complete()
+        finally:
+            self.stall_s += time.perf_counter() - t0
+
+    def _complete(self) -> Path | None:
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return None
+        _written(pending)
+        return self._publish(pending)
 
     def save(self, state: TrainingState, *, last: bool = False) -> Path | None:
         """Write ``step_<state.step>`` atomically and point ``LATEST`` at it; None when disabled.
 
         Saving the step already saved by this checkpointer is a no-op returning its path. `last`:
         the run's final checkpoint (``save_consolidated: final`` writes consolidated/ only there).
+        With ``is_async`` the write goes on in the background and ``LATEST`` moves later (`wait`),
+        except for the last save and a pre-emption save, which return once published.
         """
         if not self.config.enabled:
             return None
+        t0 = time.perf_counter()
+        try:
+            return self._save(state, last=last)
+        finally:
+            self.stall_s += time.perf_counter() - t0
+
+    def _save(self, state: TrainingState, *, last: bool) -> Path:
+        self._complete()  # at most one save in flight: the previous one completes (and is published) first
         final = self.root / paths.step_dir_name(state.step)
         if self.last_saved_step == state.step:
             self._announce_preemption(final, state.step)  # SIGTERM on a step that was just saved
@@ -169,12 +308,25 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        dcp.save(build_save_state(state), checkpoint_id=str(tmp))
-        files: list[str] = []
-        adapter_files: list[str] = []
+        if self._stager is None:
+            dcp.save(build_save_state(state), checkpoint_id=str(tmp))
+            future: Future | None = None
+        else:
+            response = dcp.async_save(
+                build_save_state(state),
+                checkpoint_id=str(tmp),
+                process_group=self._save_group,
+                async_stager=self._stager,
+            )
+            assert isinstance(response, Future)  # the stager stages synchronously: a plain Future
+            future = response
+        pending = _InFlight(future=future, tmp=tmp, final=final, step=state.step, started=started)
+        in_flight = future is not None and not (last or self._preemption_seen)
+        if future is not None and not in_flight:
+            _written(pending)  # the run ends here: the write completes before the exports and the publish
         lora_scales = None
         if self.lora is not None:
-            adapter_files = save_adapter(
+            pending.adapter_files = save_adapter(
                 model_parts=state.model_parts,
                 directory=tmp / paths.ADAPTER_DIR,
                 info=self.lora,
@@ -187,7 +339,7 @@ class Checkpointer:
         )
         if consolidate and (self.lora is None or self.lora.section.save_merged):
             (tmp / paths.CONSOLIDATED_DIR).mkdir(exist_ok=True)
-            files = save_consolidated(
+            pending.files = save_consolidated(
                 model_parts=state.model_parts,
                 directory=tmp / paths.CONSOLIDATED_DIR,
                 model_save_format=self.config.model_save_format,
@@ -196,18 +348,33 @@ class Checkpointer:
                 lora_scales=lora_scales,
                 strategy=state.strategy,
             )
+        if not in_flight:
+            return self._publish(pending)
+        self._in_flight = pending  # published by `wait`: at a later step boundary, the next save or the end
+        return final
+
+    def _publish(self, pending: _InFlight) -> Path:
+        """Checksums, ``checkpoint.json``, rename, ``LATEST``, retention: the save is complete. Collective."""
+        t0 = time.perf_counter()
+        try:
+            return self._publish_now(pending)
+        finally:
+            self.publish_s += time.perf_counter() - t0
+
+    def _publish_now(self, pending: _InFlight) -> Path:
+        tmp, final = pending.tmp, pending.final
         _barrier()
         listed = _broadcast_from_0(sorted(paths.file_sizes(tmp)) if _rank() == 0 else None)
         checksums = integrity.gather_checksums(tmp, listed)  # every rank hashes a share
         if _rank() == 0:
             info = {
                 "format_version": FORMAT_VERSION,
-                "step": state.step,
+                "step": pending.step,
                 "world_size": _world(),
                 "layout": self._layout_summary(),
                 "model_save_format": self.config.model_save_format,
-                "consolidated_files": [f"{paths.CONSOLIDATED_DIR}/{f}" for f in files],
-                "adapter_files": [f"{paths.ADAPTER_DIR}/{f}" for f in adapter_files],
+                "consolidated_files": [f"{paths.CONSOLIDATED_DIR}/{f}" for f in pending.files],
+                "adapter_files": [f"{paths.ADAPTER_DIR}/{f}" for f in pending.adapter_files],
                 # Sizes of everything written, so a truncated file marks the checkpoint corrupt.
                 "files": paths.file_sizes(tmp),
                 integrity.CHECKSUMS_KEY: checksums,
@@ -224,10 +391,10 @@ class Checkpointer:
             if self.config.keep_last_n is not None:
                 for removed in paths.apply_retention(self.root, self.config.keep_last_n):
                     log.info("retention (keep_last_n=%d): removed %s", self.config.keep_last_n, removed)
-            log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
+            log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - pending.started)
         _barrier()
-        self.last_saved_step = state.step
-        self._announce_preemption(final, state.step)
+        self.last_saved_step = pending.step
+        self._announce_preemption(final, pending.step)
         return final
 
     def _announce_preemption(self, final: Path, step: int) -> None:

@@ -31,6 +31,10 @@ class CheckpointConfig:
     #: a corrupt checkpoint (checksum mismatch) found at resume: "fail" (stop, naming the previous
     #: complete one) or "previous" (resume from the newest older one that verifies, saying so)
     on_corrupt: str = "fail"
+    #: AutoModel's key: DCP ``async_save``. The state is staged into host memory (pinned where a CUDA
+    #: device allows it) while training waits; the files are then written in a background thread.
+    #: One save in flight at a time; ``LATEST`` and the checksums are written once it completes.
+    is_async: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -67,5 +71,7 @@ class CheckpointConfig:
             raise ValueError(
                 f"checkpoint.restore_from must be None, 'LATEST', a step directory or a path, got {self.restore_from!r}"
             )
+        if not isinstance(self.is_async, bool):
+            raise ValueError(f"checkpoint.is_async must be true or false, got {self.is_async!r}")
         if self.on_corrupt not in ON_CORRUPT:
             raise ValueError(f"checkpoint.on_corrupt must be one of {ON_CORRUPT}, got {self.on_corrupt!r}")
