@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,9 +97,6 @@ def writable_dir(key: str, value: str, path: Path, *, parents: bool = True) -> N
     """`path` is a writable folder or can be created: its nearest existing parent (``parents=False``:
     its parent itself) is a folder where a file can be written (tried, so a read-only mount is found
     for root too); else ConfigError(key, value)."""
-    import os
-    import tempfile
-
     folder = path.expanduser().absolute()
     if parents:
         while not folder.exists() and folder.parent != folder:

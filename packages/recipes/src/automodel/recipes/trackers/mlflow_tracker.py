@@ -38,6 +38,7 @@ def tracking_uri(section: MlflowSection, cfg: RecipeConfig) -> tuple[str, str]:
 
 def _file_store_allowed() -> bool:
     """MLflow >= 3.x refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE`` is true."""
+    # lazy: optional dependency
     import mlflow.environment_variables as env
 
     flag = getattr(env, "MLFLOW_ALLOW_FILE_STORE", None)
@@ -58,6 +59,7 @@ def _check(section: MlflowSection, cfg: RecipeConfig) -> None:
             )
     elif scheme == "sqlite":
         try:
+            # lazy: optional dependency
             import sqlalchemy  # noqa: F401
         except ImportError:
             raise ConfigError(
@@ -93,6 +95,7 @@ class MlflowTracker:
         self.client, self.run_id = client, run_id
 
     def log(self, metrics: dict[str, float], *, step: int) -> None:
+        # lazy: optional dependency
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -114,6 +117,7 @@ def _artifact_location(section: MlflowSection, uri: str) -> str | None:
 
 
 def _start(start: TrackerStart) -> tuple[MlflowTracker, str]:
+    # lazy: optional dependency
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 

@@ -39,7 +39,7 @@ class WandbTracker:
 
 
 def _start(start: TrackerStart) -> tuple[WandbTracker, str]:
-    import wandb
+    import wandb  # lazy: optional dependency
 
     section: WandbSection = start.section
     directory = _directory(section, start.cfg)
