@@ -53,7 +53,7 @@ FLOOR_CANDIDATES = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
 #: extras of a package that its own tests exercise
 TEST_EXTRAS = {
     "automodel-pipeline": "hf",
-    "automodel-recipes": "tensorboard,kernels,fp8",
+    "automodel-recipes": "tensorboard,kernels,fp8,wandb,mlflow",
 }
 #: what every package's tests import besides the package: the test runner and the shared harness
 TEST_TOOLS = ("pytest", str(ROOT / "packages" / "testing"))
