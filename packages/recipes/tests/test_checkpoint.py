@@ -728,3 +728,23 @@ def test_sigterm_sets_preempted_on_every_rank(tmp_path):
     assert [r["stopped_at"] for r in out] == [2, 2]
     assert (d / "LATEST").read_text().strip() == "step_2"
     ckpt_paths.check_complete(d / "step_2")
+
+
+def test_the_async_stager_rule_matches_the_installed_torch():
+    """`STAGER_IS_SINGLE_USE` says whether torch's `DefaultStager` serves one staging only: a second
+    staging through it fails exactly where the rule says so (it moves with torch, so does this)."""
+    from automodel.recipes.checkpoint.checkpointer import STAGER_IS_SINGLE_USE, _new_stager
+
+    stager = _new_stager(pinned=False)
+    state = {"w": torch.arange(4.0), "extra": {"step": torch.tensor(3), "names": ["a", "b"]}}
+    first = stager.stage(state)
+    assert torch.equal(first["w"], state["w"]) and first["extra"]["names"] == ["a", "b"]
+    try:
+        if STAGER_IS_SINGLE_USE:
+            with pytest.raises(KeyError):
+                stager.stage(state)
+        else:
+            second = stager.stage(state)
+            assert torch.equal(second["extra"]["step"], state["extra"]["step"])
+    finally:
+        stager.close()

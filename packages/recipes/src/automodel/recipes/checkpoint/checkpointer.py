@@ -99,6 +99,25 @@ def _broadcast_from_0(obj: Any) -> Any:
     return box[0]
 
 
+#: torch < 2.13's `DefaultStager` empties its copier table after each staging (its `_stage` calls
+#: `close()` on the inner stager), so a second `async_save` through it fails with
+#: ``KeyError: <class 'type'>``; there a save gets a stager of its own. Newer releases keep the table
+#: and the stager (with its cached host buffers) serves every save.
+STAGER_IS_SINGLE_USE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+def _new_stager(*, pinned: bool) -> DefaultStager:
+    """The host-memory stager of ``is_async`` saves, staged before `save` returns."""
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=pinned,
+            use_shared_memory=False,
+            use_async_staging=False,  # staged before `save` returns: training may then change it
+            use_non_blocking_copy=pinned,
+        )
+    )
+
+
 @dataclass
 class _InFlight:
     """An async save whose files are still being written: published by `Checkpointer.wait`."""
@@ -164,14 +183,7 @@ class Checkpointer:
         self.staging: str | None = None
         if config.enabled and config.is_async:
             pinned = torch.cuda.is_available()  # pinning needs a CUDA device (driver) to register pages
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=pinned,
-                    use_shared_memory=False,
-                    use_async_staging=False,  # staged before `save` returns: training may then change it
-                    use_non_blocking_copy=pinned,
-                )
-            )
+            self._stager = _new_stager(pinned=pinned)
             self.staging = "pinned" if pinned else "unpinned"
             if dist.is_initialized() and dist.get_backend() != "fake":
                 # The background write's collectives get their own group, so they never interleave
@@ -312,6 +324,9 @@ class Checkpointer:
             dcp.save(build_save_state(state), checkpoint_id=str(tmp))
             future: Future | None = None
         else:
+            if STAGER_IS_SINGLE_USE:
+                self._stager.close()
+                self._stager = _new_stager(pinned=self.staging == "pinned")
             response = dcp.async_save(
                 build_save_state(state),
                 checkpoint_id=str(tmp),
