@@ -7,6 +7,8 @@ a process with an initialised CUDA driver cannot do safely.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -36,8 +38,22 @@ def _skip_v_schedules_where_torch_cannot(items: list[pytest.Item]) -> None:
             item.add_marker(skip)
 
 
+#: `nox -s heavy` sets it: the `heavy`-marked cases run (the CPU suite skips them, naming the session).
+RUN_HEAVY = os.environ.get("AUTOMODEL_HEAVY") == "1"
+
+
+def _skip_heavy_cases(items: list[pytest.Item]) -> None:
+    if RUN_HEAVY:
+        return
+    skip = pytest.mark.skip(reason="heavy CPU case: run by `nox -s heavy` (AUTOMODEL_HEAVY=1)")
+    for item in items:
+        if "heavy" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _skip_v_schedules_where_torch_cannot(items)
+    _skip_heavy_cases(items)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return  # no probe (a child interpreter, ~2-3 s) when no gpu test was collected

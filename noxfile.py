@@ -112,8 +112,15 @@ def release_check(session: nox.Session) -> None:
 
 
 @nox.session
+def heavy(session: nox.Session) -> None:
+    """The `heavy`-marked cases the CPU suite skips (each over a minute on 2 cores: inductor compiles)."""
+    session.env["AUTOMODEL_HEAVY"] = "1"
+    session.run(sys.executable, "-m", "pytest", "-q", "-m", "heavy", *session.posargs)
+
+
+@nox.session
 def stress(session: nox.Session) -> None:
-    """Repeat the run-to-exit test of the real CLI 20 times (the CPU suite runs it 4 times)."""
+    """Repeat the run-to-exit test of the real CLI 20 times (the CPU suite runs it twice)."""
     session.env["AUTOMODEL_CLEAN_EXIT_RUNS"] = "20"
     session.run(
         sys.executable, "-m", "pytest", "-q", "packages/recipes/tests/test_clean_exit.py", *session.posargs
