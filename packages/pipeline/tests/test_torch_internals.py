@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import automodel.pipeline
 from automodel.pipeline import torch_internals as ti
+from automodel.testing.private_torch import private_torch_uses
 from automodel.testing.ranks import run_on_ranks
 
 SRC = Path(automodel.pipeline.__file__).parent
@@ -31,17 +31,18 @@ def test_the_installed_torch_release_is_a_checked_one() -> None:
     )
 
 
-def test_no_other_module_imports_a_private_torch_name() -> None:
-    """torch_internals is the one home: no other module imports a private torch module or name."""
-    private = re.compile(
-        r"^\s*(from torch\S*\._\w+ import|from torch\S* import .*\b_[a-zA-Z]\w*|import torch\S*\._)", re.M
-    )
-    offenders = {
-        path.name: private.findall(path.read_text())
-        for path in SRC.glob("*.py")
-        if path.name != "torch_internals.py"
-    }
-    assert {k: v for k, v in offenders.items() if v} == {}
+#: undocumented state of torch's PipelineStage / schedules that torch_internals reads for the package
+#: (`_compute_outputs` is not listed: step_guard and ddp_stage override it, as torch_internals records)
+STAGE_STATE = (
+    "fwd_cache", "_forward_chunk_states", "bwd_cache", "args_recv_info", "grad_recv_info", "dw_runner",
+    "backward_state", "pipeline_order", "_load_csv", "_schema",
+)  # fmt: skip
+
+
+def test_no_other_module_uses_a_private_torch_name() -> None:
+    """torch_internals is the one home: no other module imports a private torch module or name, nor
+    reads the stage's undocumented state."""
+    assert private_torch_uses(SRC, attributes=STAGE_STATE) == {}
 
 
 def test_schedule_internals_are_where_checked() -> None:
