@@ -117,6 +117,8 @@ CASES: list[tuple[str, dict[str, Any], list[str], str]] = [
     ("xmod_default_language", {"model.config": {"model_type": "xmod", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128, "is_decoder": True}}, ["--nproc-per-node=2"], "model.config.default_language"),
     ("layers_vs_stages", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "interleaved1f1b"}}, ["--nproc-per-node=2"], "distributed.pp_size"),
     ("microbatches_vs_pp", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 2}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
+    # Interleaved1F1B runs micro-batches in equal rounds: 5 of them over pp_size 2 cannot be
+    ("microbatch_rounds", {"model.config.num_hidden_layers": 4, "distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule": "interleaved1f1b"}, "step_scheduler.global_batch_size": 5, "step_scheduler.local_batch_size": 5}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
     ("local_batch_vs_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 3}}, ["--nproc-per-node=2"], "step_scheduler.local_batch_size"),
     ("pipeline_bad_microbatch", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_microbatch_size": 0}}, ["--nproc-per-node=2"], "distributed.pipeline.pp_microbatch_size"),
     ("pipeline_csv_missing", {"distributed.pp_size": 2, "distributed.pipeline": {"pp_schedule_csv": "/nonexistent/schedule.csv"}}, ["--nproc-per-node=2"], "distributed.pipeline.pp_schedule_csv"),

@@ -149,6 +149,22 @@ class PipelineParallel(Parallelism):
                 lb,
                 f"gives {n_mb} pipeline micro-batches (local_batch_size/pp_microbatch_size), fewer than pp_size={size}",
             )
+        if pcfg.pp_schedule_csv is None:
+            # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+            from automodel.pipeline.schedules import check_microbatch_count, resolve_schedule
+
+            try:  # what the schedule itself needs of the count (per stage, equal rounds)
+                check_microbatch_count(
+                    spec=resolve_schedule(pcfg.pp_schedule),
+                    pp_batch_size=lb,
+                    pp_microbatch_size=pcfg.pp_microbatch_size,
+                    num_stages=stages,
+                    pp_size=size,
+                )
+            except ValueError as e:
+                raise ConfigError(
+                    "step_scheduler.local_batch_size", lb, f"(the pipeline's pp_batch_size): {e}"
+                ) from None
         tp, cp, seq = layout.tp, layout.cp, cfg.seq_length
         if tp > 1 and cfg.distributed.sequence_parallel and (seq // cp) % tp:
             # a stage sends its tp rank's equal share of the sequence-sharded hidden states
