@@ -23,6 +23,7 @@ from pathlib import Path
 
 from automodel.recipes.checkpoint.paths import CheckpointError
 from automodel.recipes.errors import ConfigError, DataError, is_user_error
+from automodel.recipes.file_kind import os_error_line
 from automodel.recipes.trainer import CollectiveTimeoutError, NonFiniteError
 
 EXIT_USER_ERROR = 2
@@ -61,15 +62,6 @@ def _causes(exc: BaseException) -> list[BaseException]:
             stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         stack += [e.__cause__, e.__context__]  # type: ignore[list-item]
     return seen
-
-
-def os_error_line(err: OSError) -> str:
-    """``<strerror>: <file>`` of a file-system error (with the errno name), e.g. disk full."""
-    code = errno.errorcode.get(err.errno or 0, str(err.errno))
-    where = f": {err.filename}" if err.filename else ""
-    if err.filename2:
-        where += f" -> {err.filename2}"
-    return f"{err.strerror or err}{where} ({code})"
 
 
 def classify(exc: BaseException) -> tuple[int, str]:
