@@ -8,9 +8,12 @@ Root reads any file whatever its mode, so mode 000 refuses only other users (``c
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from pathlib import Path
+
+from automodel.recipes.errors import ConfigError
 
 
 def unreadable_file(path: Path) -> str | None:
@@ -44,3 +47,20 @@ def os_error_line(err: OSError) -> str:
     if err.filename2:
         where += f" -> {err.filename2}"
     return f"{err.strerror or err}{where} ({code})"
+
+
+def read_json_object(path: Path, *, key: str, value: object) -> dict:
+    """The JSON object in `path`; a `ConfigError` on `key` naming the file when it cannot be read, is
+    not JSON or holds another value (a config.json that transformers would meet as a traceback)."""
+    problem = unreadable_file(path)
+    if problem is not None:
+        raise ConfigError(key, value, f"{path} {problem}")
+    try:
+        data = json.loads(path.read_bytes())
+    except OSError as e:
+        raise ConfigError(key, value, f"{path} cannot be read ({os_error_line(e)})") from None
+    except ValueError as e:  # not UTF-8 or not JSON
+        raise ConfigError(key, value, f"{path} is not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(key, value, f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data

@@ -24,6 +24,7 @@ from automodel.recipes.checkpoint.paths import (
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
 from automodel.recipes.data.kinds import check_rows
+from automodel.recipes.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.model import pretrained_dir
@@ -34,9 +35,16 @@ DEVICE_DEPENDENT_OPTIONS = frozenset({"fused", "foreach", "capturable", "differe
 
 
 def check_tokenizer_dir(section: TokenizerSection) -> None:
-    """``tokenizer.path`` names a local directory on this machine (the section itself reads no disk)."""
-    if section.path is not None and not Path(section.path).is_dir():
+    """``tokenizer.path`` names a local directory on this machine holding tokenizer files (the
+    section itself reads no disk; an empty one failed in every rank, naming no file)."""
+    if section.path is None:
+        return
+    if not Path(section.path).is_dir():
         raise ConfigError("tokenizer.path", section.path, "is not a local directory")
+    if not has_tokenizer_files(section.path):
+        raise ConfigError(
+            "tokenizer.path", section.path, f"holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}"
+        )
 
 
 def check_optimizer_kwargs(section: OptimizerSection) -> None:

@@ -17,7 +17,7 @@ from automodel.recipes.checkpoint.pretrained import weight_files
 from automodel.recipes.checkpoint.safe_dcp import load_metadata
 from automodel.recipes.config.sections import ModelSection
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.file_kind import unreadable_file
+from automodel.recipes.file_kind import read_json_object, unreadable_file
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -48,26 +48,11 @@ def check_safetensors_files(directory: Path, *, key: str) -> None:
             )
 
 
-def _json_file(path: Path, *, key: str, value: str) -> object:
-    problem = unreadable_file(path)
-    if problem is not None:
-        raise ConfigError(key, value, f"{path} {problem}")
-    try:
-        return json.loads(path.read_bytes())
-    except ValueError as e:  # not UTF-8 or not JSON
-        raise ConfigError(key, value, f"{path} is not JSON ({e})") from None
-
-
 def check_model_dir(section: ModelSection, directory: Path) -> None:
-    """`directory` (``model.pretrained_model_name_or_path``) holds a readable config.json and
-    weights the run will load: safetensors of the length their headers say (and every shard its
-    index names), or pickled weights only with ``model.allow_pickle_weights`` (`weight_files`)."""
+    """`directory` (``model.pretrained_model_name_or_path``; its config.json: `model.pretrained_dir`)
+    holds weights the run will load: safetensors of the length their headers say (and every shard
+    its index names), or pickled weights only with ``model.allow_pickle_weights`` (`weight_files`)."""
     key, value = section.pretrained_key, str(directory)
-    config = _json_file(directory / "config.json", key=key, value=value)
-    if not isinstance(config, dict):
-        raise ConfigError(
-            key, value, f"{directory / 'config.json'} holds {type(config).__name__}, not an object"
-        )
     try:
         pickled = weight_files(directory, allow_pickle_weights=section.allow_pickle_weights)
     except ConfigError:
@@ -83,8 +68,7 @@ def check_model_dir(section: ModelSection, directory: Path) -> None:
     check_safetensors_files(directory, key=key)
     index = directory / SAFETENSORS_INDEX
     if index.exists() or index.is_symlink():
-        weight_map = _json_file(index, key=key, value=value)
-        shards = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        shards = read_json_object(index, key=key, value=value).get("weight_map")
         if not isinstance(shards, dict):
             raise ConfigError(key, value, f"{index} has no 'weight_map' object")
         for name in sorted(set(map(str, shards.values()))):
