@@ -189,6 +189,7 @@ class TestModelDirectory:
         assert f"tokenizer.path='{tmp_path / 'tok'}': holds none of the tokenizer files" in line
 
 
+@full_only  # ~8-25 s of imports on 2 busy cores; the CPU suite runs the same `run_cli` in-process
 def test_pickled_weights_console_script(tmp_path):
     """The issue's case as the real command: one stderr line and exit 2, not a 30-line traceback."""
     d = _model_dir(tmp_path, weights=False)
@@ -331,6 +332,29 @@ def _bin_not_a_state_dict(tmp: Path) -> Path:
     return _config(tmp, **_pretrained(d, allow_pickle_weights=True))
 
 
+def test_project_value_error_in_the_run_is_one_line(tmp_path, capsys, monkeypatch):
+    """`_run_guarded`, the guard `recipes train` runs a single-process run in, around the real load
+    that refuses the file: one line and exit 2, the traceback in a file."""
+    from automodel.recipes.checkpoint.pretrained import load_pretrained_weights
+    from automodel.recipes.model import build_meta_model
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a run without output_dir logs
+    config = yaml.safe_load(_bin_not_a_state_dict(tmp_path).read_text())
+    model = build_meta_model(AutoConfig.for_model("llama", **TINY_SIZES)).to_empty(device="cpu")
+
+    def load() -> Any:
+        load_pretrained_weights(
+            [model], config["model"]["pretrained_model_name_or_path"], allow_pickle_weights=True
+        )
+
+    assert _run_guarded(load, rank=0, error_dir=None) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("error: model directory") and "is not a state dict" in err[0]
+    assert err[1] == f"  (full traceback: {tmp_path / 'rank_0.error.log'})"
+    assert "Traceback" in (tmp_path / "rank_0.error.log").read_text()
+
+
+@full_only  # ~30 s on 2 busy cores
 def test_project_value_error_in_the_run_is_one_line_single_process(tmp_path):
     config = _bin_not_a_state_dict(tmp_path)
     proc = subprocess.run(
@@ -361,9 +385,10 @@ def _torch_value_error() -> None:
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=-1.0)  # torch raises ValueError
 
 
-def test_torch_value_error_in_the_run_keeps_its_traceback(tmp_path):
+def test_torch_value_error_in_the_run_keeps_its_traceback(tmp_path, monkeypatch):
     """`_run_guarded`, the rank's guard under the CLI: torch's ValueError is re-raised (Python
     prints its traceback, exit 1), never turned into a user's one line."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a run without output_dir logs
     with pytest.raises(ValueError, match="Invalid learning rate") as err:
         _run_guarded(_torch_value_error, rank=0, error_dir=None)  # pyright: ignore[reportArgumentType]
     assert classify(err.value) == (EXIT_RUN_ERROR, "")
