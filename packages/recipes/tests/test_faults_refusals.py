@@ -390,11 +390,11 @@ def test_torch_value_error_in_the_run_keeps_its_traceback(tmp_path, monkeypatch)
     prints its traceback, exit 1), never turned into a user's one line."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a run without output_dir logs
     with pytest.raises(ValueError, match="Invalid learning rate") as err:
-        _run_guarded(_torch_value_error, rank=0, error_dir=None)  # pyright: ignore[reportArgumentType]
+        _run_guarded(_torch_value_error, rank=0, error_dir=None)
     assert classify(err.value) == (EXIT_RUN_ERROR, "")
     report_dir = tmp_path / "reports"
     report_dir.mkdir()
-    assert _run_guarded(_torch_value_error, rank=0, error_dir=str(report_dir)) == EXIT_RUN_ERROR  # pyright: ignore[reportArgumentType]
+    assert _run_guarded(_torch_value_error, rank=0, error_dir=str(report_dir)) == EXIT_RUN_ERROR
     report = json.loads((report_dir / "rank_0.json").read_text())
     assert report["line"] == "" and report["exit_code"] == EXIT_RUN_ERROR  # the launcher prints the traceback
 
