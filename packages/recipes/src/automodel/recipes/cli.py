@@ -2,7 +2,7 @@
 ``plot`` (and ``--version``).
 
 Config mistakes exit with code 2 and one line ``error: <key>=<value>: <why>``, with no traceback,
-no process left behind and nothing written.
+no process left behind and nothing written; so does every other user mistake (`errors.is_user_error`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from automodel.mesh import detect_launch_env
 from automodel.recipes import __version__
 from automodel.recipes._quiet import quiet_known_notices
-from automodel.recipes.errors import ConfigError, DataError
+from automodel.recipes.errors import ConfigError, is_user_error
 from automodel.recipes.lifetime import die_with_parent
 from automodel.recipes.plot import plot_losses
 from automodel.recipes.resume_check import check_config_changes
@@ -468,7 +468,9 @@ def run_cli(argv: Sequence[str]) -> int:
                 "plot": _plot,
                 "generate": _generate,
             }[args.command](args, overrides)
-    except (ConfigError, DataError) as e:
+    except ValueError as e:  # ConfigError, DataError and the project's own ValueErrors; not a bug's
+        if not is_user_error(e):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 

@@ -25,6 +25,7 @@ from automodel.mesh.model_parts import num_experts as num_experts
 from automodel.recipes.config.build import resolve_dtype
 from automodel.recipes.config.sections import ModelSection
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.file_kind import read_json_object
 from automodel.recipes.hub_cache import resolve_local_or_cached
 from automodel.recipes.model_inputs import check_defaulted_inputs
 from automodel.recipes.trust import announce_remote_code
@@ -156,9 +157,11 @@ def _refuse_quantized(cfg: PretrainedConfig, section: ModelSection) -> None:
 def pretrained_dir(section: ModelSection) -> Path:
     """The local directory of ``model.pretrained_model_name_or_path`` (alias ``model.pretrained_path``):
     the directory itself, or the cached snapshot of a Hub id (never downloaded; `ConfigError` naming
-    the key when it is not cached or has no config.json)."""
+    the key when it is not cached or its config.json is missing, unreadable or not a JSON object)."""
     source = section.pretrained_path or section.pretrained_source
-    return resolve_local_or_cached(source, key=section.pretrained_key, required_file="config.json")
+    directory = resolve_local_or_cached(source, key=section.pretrained_key, required_file="config.json")
+    read_json_object(directory / "config.json", key=section.pretrained_key, value=source)
+    return directory
 
 
 #: Attention implementations a model class declares support for, by its class flag (eager: all).

@@ -1,6 +1,6 @@
 """Checks that `recipes train` runs before any rank starts, for mistakes the ranks would otherwise
-meet minutes later, once per rank, as tracebacks: optimizer arguments, ``checkpoint.restore_from``,
-truncated pretrained weights and unreadable data rows. Each raises `ConfigError` naming the key, or
+meet minutes later, once per rank, as tracebacks: optimizer arguments, the checkpoint it restores,
+the pretrained model directory (`run_files`) and unreadable data files and rows. Each raises `ConfigError` naming the key, or
 `DataError` naming the file and line (exit 2, one line).
 """
 
@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,26 +16,35 @@ from torch import nn
 
 from automodel.recipes.checkpoint.paths import (
     CheckpointError,
-    check_complete,
     checkpoint_root,
     list_step_dirs,
+    newest_complete,
     resolve_restore_spec,
 )
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
 from automodel.recipes.data.kinds import check_rows
+from automodel.recipes.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.model import pretrained_dir
+from automodel.recipes.run_files import check_model_dir, checkpoint_problem
 
 #: Optimizer options whose validity depends on the device of the parameters: not tried on CPU here.
 DEVICE_DEPENDENT_OPTIONS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
 def check_tokenizer_dir(section: TokenizerSection) -> None:
-    """``tokenizer.path`` names a local directory on this machine (the section itself reads no disk)."""
-    if section.path is not None and not Path(section.path).is_dir():
+    """``tokenizer.path`` names a local directory on this machine holding tokenizer files (the
+    section itself reads no disk; an empty one failed in every rank, naming no file)."""
+    if section.path is None:
+        return
+    if not Path(section.path).is_dir():
         raise ConfigError("tokenizer.path", section.path, "is not a local directory")
+    if not has_tokenizer_files(section.path):
+        raise ConfigError(
+            "tokenizer.path", section.path, f"holds none of the tokenizer files {', '.join(TOKENIZER_FILES)}"
+        )
 
 
 def check_optimizer_kwargs(section: OptimizerSection) -> None:
@@ -99,41 +106,36 @@ def check_optimizer_on_model(section: OptimizerSection, model: nn.Module) -> Non
 
 
 def check_restore_from(cfg: RecipeConfig) -> None:
-    """``checkpoint.restore_from`` names a complete checkpoint (or the run may start fresh)."""
+    """The checkpoint the run restores can be read (`run_files.checkpoint_problem`): the one
+    ``checkpoint.restore_from`` names, else the newest complete one it resumes from on its own
+    (with ``checkpoint.on_corrupt: fail``; ``previous`` lets the ranks fall back past a bad one)."""
     section = cfg.checkpoint
-    if not section.enabled or section.restore_from is None:
+    if not section.enabled:
         return
     root = checkpoint_root(checkpoint_dir=section.checkpoint_dir, output_dir=cfg.output_dir)
+    root_key = "checkpoint.checkpoint_dir" if section.checkpoint_dir else "output_dir"
+    if root.exists() and not root.is_dir():
+        raise ConfigError(root_key, str(root), "is a file where the run keeps its checkpoints (a directory)")
+    if section.restore_from is None:
+        newest = newest_complete(root) if section.on_corrupt == "fail" else None
+        problem = checkpoint_problem(newest) if newest is not None else None
+        if problem is not None:
+            raise ConfigError(
+                root_key,
+                str(root),
+                f"the run would resume from its newest checkpoint: {problem}; name another with "
+                "checkpoint.restore_from (or checkpoint.on_corrupt: previous falls back to an older one)",
+            )
+        return
     try:
-        check_complete(resolve_restore_spec(root, section.restore_from))
-    except CheckpointError as e:
+        problem = checkpoint_problem(resolve_restore_spec(root, section.restore_from))
+    except CheckpointError as e:  # LATEST unreadable
+        problem = str(e)
+    if problem is not None:
         there = ", ".join(p.name for _, p in list_step_dirs(root)) or "none"
         raise ConfigError(
-            "checkpoint.restore_from", section.restore_from, f"{e} (checkpoints in {root}: {there})"
-        ) from None
-
-
-def check_safetensors_files(directory: Path, *, key: str) -> None:
-    """Every ``*.safetensors`` in `directory` is as long as its header says (not truncated)."""
-    for path in sorted(directory.glob("*.safetensors")):
-        try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > size:
-                    raise ValueError(f"its header claims {n} bytes")
-                header = json.loads(f.read(n))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as e:
-            raise ConfigError(
-                key, str(directory), f"{path} is not a readable safetensors file ({e})"
-            ) from None
-        if size != 8 + n + end:
-            raise ConfigError(
-                key,
-                str(directory),
-                f"{path} is truncated or corrupt: {size} bytes, its header needs {8 + n + end}",
-            )
+            "checkpoint.restore_from", section.restore_from, f"{problem} (checkpoints in {root}: {there})"
+        )
 
 
 def check_run_files(cfg: RecipeConfig) -> None:
@@ -144,4 +146,4 @@ def check_run_files(cfg: RecipeConfig) -> None:
     check_rows(cfg.dataset)
     check_rows(cfg.validation_dataset)
     if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
-        check_safetensors_files(pretrained_dir(cfg.model), key=cfg.model.pretrained_key)
+        check_model_dir(cfg.model, pretrained_dir(cfg.model))

@@ -3,7 +3,8 @@
 A rank that fails writes its full traceback to ``<output_dir>/logs/rank_<N>.error.log`` (or, when
 output_dir cannot be written, next to its report) and, under the `recipes` launcher, a small JSON
 report into the launcher's error directory. The launcher reads the reports once torchrun is done:
-user mistakes (config, data, checkpoint, file-system errors) become one line each and exit code 2;
+user mistakes (config, data, checkpoint, file-system errors, and every `ValueError` the project
+raises on purpose: `errors.is_user_error`) become one line each and exit code 2;
 a run failure with a clear cause (non-finite loss, collective time-out) one line and exit 1; any
 other error the root-cause rank's traceback (the earliest failure) and exit 1.
 """
@@ -21,7 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from automodel.recipes.checkpoint.paths import CheckpointError
-from automodel.recipes.errors import ConfigError, DataError
+from automodel.recipes.errors import ConfigError, DataError, is_user_error
+from automodel.recipes.file_kind import os_error_line
 from automodel.recipes.trainer import CollectiveTimeoutError, NonFiniteError
 
 EXIT_USER_ERROR = 2
@@ -62,15 +64,6 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return seen
 
 
-def os_error_line(err: OSError) -> str:
-    """``<strerror>: <file>`` of a file-system error (with the errno name), e.g. disk full."""
-    code = errno.errorcode.get(err.errno or 0, str(err.errno))
-    where = f": {err.filename}" if err.filename else ""
-    if err.filename2:
-        where += f" -> {err.filename2}"
-    return f"{err.strerror or err}{where} ({code})"
-
-
 def classify(exc: BaseException) -> tuple[int, str]:
     """``(exit code, one line)`` for `exc`; the line is "" when only a traceback explains it."""
     chain = _causes(exc)
@@ -82,6 +75,9 @@ def classify(exc: BaseException) -> tuple[int, str]:
             return EXIT_USER_ERROR, os_error_line(e)
     for e in chain:
         if isinstance(e, CheckpointError):
+            return EXIT_USER_ERROR, str(e)
+    for e in chain:  # after the file and checkpoint errors, whose lines name the file
+        if is_user_error(e):
             return EXIT_USER_ERROR, str(e)
 
     if isinstance(exc, NonFiniteError | CollectiveTimeoutError):

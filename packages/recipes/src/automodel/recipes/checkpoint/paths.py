@@ -60,9 +60,12 @@ def check_complete(path: Path) -> dict:
     files = info.get("files")
     if not isinstance(files, dict) or DCP_METADATA_FILE not in files:
         raise CheckpointError(f"checkpoint {path} is corrupt: {INFO_FILE} lists no files")
-    missing = sorted(f for f in files if not (path / f).is_file())
+    missing = sorted(f for f in files if not (path / f).exists())
     if missing:
         raise CheckpointError(f"checkpoint {path} is partial: missing {', '.join(missing)}")
+    odd = sorted(f for f in files if not (path / f).is_file())  # a directory, a FIFO: never saved so
+    if odd:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {path / odd[0]} is not a regular file")
     wrong = sorted(f for f, size in files.items() if (path / f).stat().st_size != size)
     if wrong:
         raise CheckpointError(f"checkpoint {path} is corrupt: wrong size of {', '.join(wrong)}")

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from automodel.recipes.checkpoint.converted_weights import SafetensorsReader, load_converted
 from automodel.recipes.checkpoint.key_mapping import find_hf_model, plan_keys
+from automodel.recipes.errors import ConfigError
 
 
 def _tie_groups(part: nn.Module) -> dict[str, list[str]]:
@@ -48,6 +49,35 @@ def _pickle_weight_files(directory: Path) -> list[Path]:
     return sorted({p for pattern in PICKLE_WEIGHT_PATTERNS for p in directory.glob(pattern) if p.is_file()})
 
 
+def weight_files(directory: Path, *, allow_pickle_weights: bool) -> list[Path]:
+    """The pickled weight files to read from `directory`, or [] when it holds ``*.safetensors``.
+
+    The one home of the pickle rule, used by the load and by the pre-launch check
+    (`run_files.check_model_dir`): only pickled weights and no `allow_pickle_weights` is a
+    `ConfigError` naming the files and ``model.allow_pickle_weights``; no weights at all a `ValueError`.
+    """
+    if not directory.is_dir():
+        raise ValueError(f"model directory {str(directory)!r} does not exist")
+    if any(directory.glob("*.safetensors")):
+        return []
+    pickled = _pickle_weight_files(directory)
+    if not pickled:
+        raise ValueError(
+            f"model directory {str(directory)!r} holds no weights (no *.safetensors files, nor pickled "
+            f"{', '.join(PICKLE_WEIGHT_PATTERNS)} files)"
+        )
+    if not allow_pickle_weights:
+        raise ConfigError(
+            "model.allow_pickle_weights",
+            False,
+            f"model directory {str(directory)!r} holds only pickled weights "
+            f"({', '.join(p.name for p in pickled[:4])}), which can run code when loaded; convert them "
+            "to safetensors, or set model.allow_pickle_weights: true if you trust them "
+            "(they are then read with torch.load(weights_only=True))",
+        )
+    return pickled
+
+
 def load_pretrained_weights(
     model_parts: list[nn.Module],
     directory: str | Path,
@@ -63,23 +93,12 @@ def load_pretrained_weights(
     left to the tie. Reads ``*.safetensors``; a directory holding only pickled weights
     (``*.bin``, ``*.pt``, ...) is refused unless `allow_pickle_weights` (YAML
     ``model.allow_pickle_weights``), and then read with ``torch.load(weights_only=True)``.
-    Raises `ValueError` naming missing keys or a directory without loadable weights.
+    Raises `ValueError` naming missing keys or a directory without loadable weights (`weight_files`).
     `optional_keys` may be absent from the files (LoRA adapters: they keep their initial values).
     """
     directory = Path(directory)
-    if not directory.is_dir():
-        raise ValueError(f"model directory {str(directory)!r} does not exist")
-    if not any(directory.glob("*.safetensors")):
-        pickled = _pickle_weight_files(directory)
-        if not pickled:
-            raise ValueError(f"model directory {str(directory)!r} holds no *.safetensors files")
-        if not allow_pickle_weights:
-            raise ValueError(
-                f"model directory {str(directory)!r} holds only pickled weights "
-                f"({', '.join(p.name for p in pickled[:4])}), which can run code when loaded; convert them "
-                "to safetensors, or set model.allow_pickle_weights: true if you trust them "
-                "(they are then read with torch.load(weights_only=True)), got model.allow_pickle_weights=False"
-            )
+    pickled = weight_files(directory, allow_pickle_weights=allow_pickle_weights)
+    if pickled:
         _load_pickled_weights(model_parts, directory, pickled, optional_keys)
         return
     reader = dcp.HuggingFaceStorageReader(path=str(directory))

@@ -25,6 +25,7 @@ from automodel.recipes.data.table_rows import (
     read_text_lines,
 )
 from automodel.recipes.errors import ConfigError, DataError
+from automodel.recipes.file_kind import os_error_line, unreadable_file
 
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
@@ -215,30 +216,51 @@ def check_sft_rows(section: Any) -> None:
     src = section.path_or_dataset_id
     files = [Path(p).expanduser() for p in (src if isinstance(src, list) else [src])]
     key = f"{section.SECTION}.{section.PATH_KEY}"
-    _check_row_files(section, files, key=key, limit=section.limit_dataset_samples)
+    _check_row_files(section, files, key=key, limit=section.limit_dataset_samples, folders=True)
 
 
-def _check_row_files(section: Any, files: list[Path], *, key: str, limit: int | None) -> None:
-    """Every bad row a local file holds, as the run would meet it (`key`: the section's path key)."""
+def _check_row_files(
+    section: Any, files: list[Path], *, key: str, limit: int | None, folders: bool = False
+) -> None:
+    """Every bad row a local file holds, as the run would meet it (`key`: the section's path key).
+
+    A file that cannot be read (`file_kind.unreadable_file`: permissions, a FIFO, a dangling link;
+    a directory unless `folders`, where `datasets` reads a dataset folder) is refused by name."""
     source = section.source
     skip = section.bad_rows == "skip"
     text_columns, list_columns = section_columns(section)
     list_columns = list_columns if skip else ()  # `error`: a non-list is the encoder's counted skip
     for f in files:
-        if not f.is_file():
-            continue  # a directory or a Hub id: read by `datasets` itself
-        if source == "parquet" or f.suffix in PARQUET_SUFFIXES:
-            if skip:  # a column of the wrong type cannot be skipped row by row: refused before launch
-                schema = read_parquet_schema(f, key=key)
-                check_parquet_columns(
-                    f, schema, text_columns=text_columns, list_columns=list_columns, key=key
-                )
-        elif f.suffix in CSV_SUFFIXES and not skip:  # the same strict reader the run uses
-            read_csv_rows(f, columns=text_columns, key=key, strict=True)
-        elif f.suffix in JSON_SUFFIXES:
-            check_json_rows(f, text_columns=text_columns, list_columns=list_columns, limit=limit, skip=skip)
-        elif (f.suffix in TEXT_SUFFIXES or source == "text") and not skip:
-            check_text_file(f)
+        if folders and f.is_dir() or not (f.exists() or f.is_symlink()):
+            continue  # a dataset folder or a Hub id: read by `datasets` itself
+        problem = unreadable_file(f)
+        if problem is not None:
+            raise ConfigError(key, str(f), problem)
+        try:
+            _check_one_file(
+                f, source=source, skip=skip, key=key, limit=limit, columns=(text_columns, list_columns)
+            )
+        except OSError as e:  # read after the check above (a file that changed, an I/O error)
+            raise ConfigError(key, str(f), f"cannot be read ({os_error_line(e)})") from None
+
+
+def _check_one_file(
+    f: Path, *, source: str, skip: bool, key: str, limit: int | None, columns: tuple[tuple[str, ...], ...]
+) -> None:
+    text_columns, list_columns = columns
+    if source == "parquet" or f.suffix in PARQUET_SUFFIXES:
+        # a column's type is the whole file's: a wrong one is refused before launch in both modes
+        # (read by `datasets`, an int column made every row a skipped one: "the dataset has 0 rows")
+        schema = read_parquet_schema(f, key=key)
+        check_parquet_columns(
+            f, schema, text_columns=text_columns, list_columns=list_columns, key=key, strict=not skip
+        )
+    elif f.suffix in CSV_SUFFIXES and not skip:  # the same strict reader the run uses
+        read_csv_rows(f, columns=text_columns, key=key, strict=True)
+    elif f.suffix in JSON_SUFFIXES:
+        check_json_rows(f, text_columns=text_columns, list_columns=list_columns, limit=limit, skip=skip)
+    elif (f.suffix in TEXT_SUFFIXES or source == "text") and not skip:
+        check_text_file(f)
 
 
 def read_good_rows(section: Any, files: list[Path]) -> tuple[list[dict[str, Any]], Counter[str]]:

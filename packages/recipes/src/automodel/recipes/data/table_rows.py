@@ -97,21 +97,29 @@ def _is_list(t: Any) -> bool:
 
 
 def check_parquet_columns(
-    path: Path, schema: Any, *, text_columns: tuple[str, ...], list_columns: tuple[str, ...], key: str
+    path: Path,
+    schema: Any,
+    *,
+    text_columns: tuple[str, ...],
+    list_columns: tuple[str, ...],
+    key: str,
+    strict: bool = False,
 ) -> None:
     """`text_columns` hold text and `list_columns` lists in a Parquet file's `schema`; a column of
-    another type, or missing, is a `ConfigError` (a type is the whole file's, not a row's)."""
-    _require_columns(path, list(schema.names), text_columns + list_columns, key=key)
+    another type, or missing, is a `ConfigError` naming the file and the column (a type is the whole
+    file's, not a row's). `strict`: ``bad_rows: error`` (the message then says nothing of skipping)."""
+    _require_columns(path, list(schema.names), text_columns + list_columns, key=key, strict=strict)
     for column, ok, what in [(c, _is_text, "text") for c in text_columns] + [
         (c, _is_list, "a list") for c in list_columns
     ]:
         kind = schema.field(column).type
         if not ok(kind):
+            why = "" if strict else ", so bad_rows: skip cannot leave rows out for it"
             raise ConfigError(
                 key,
                 str(path),
                 f"column {column!r} holds {kind}, not {what}: a Parquet column has one type for the whole "
-                "file, so bad_rows: skip cannot leave rows out for it; convert the column",
+                f"file{why}; convert the column",
             )
 
 
