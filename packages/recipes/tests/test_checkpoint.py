@@ -591,11 +591,16 @@ def _async_lifecycle(*, ckpt_dir: str) -> dict:
     seen["after_wait"] = on_disk()
     gate["open"].clear()
     ckpt.save(state)  # step 2, held
-    threading.Timer(1.5, gate["open"].set).start()
     _train_step(state, dp_rank=dp_rank, dp_size=dp_size, use_rng=False)
-    t0 = time.perf_counter()
-    ckpt.save(state)  # step 3: waits for step 2's write (released 1.5 s later) and publishes it first
-    seen["second_save_waited_s"] = time.perf_counter() - t0
+    opened_at: list[float] = []
+
+    def release() -> None:
+        opened_at.append(time.perf_counter())
+        gate["open"].set()
+
+    threading.Timer(0.5, release).start()
+    ckpt.save(state)  # step 3: waits for step 2's write (released by the timer) and publishes it first
+    seen["second_save_returned_after_release"] = bool(opened_at) and time.perf_counter() > opened_at[0]
     seen["after_second_save"] = on_disk()
     ckpt.wait()
     seen["after_wait_3"] = on_disk()
@@ -620,7 +625,7 @@ def test_async_save_publishes_only_after_the_write_completes(tmp_path):
     assert seen["after_save_1"] == (None, [".tmp-step_1"])
     assert seen["boundary_held"] == (None, [".tmp-step_1"])
     assert seen["after_wait"] == ("step_1", ["step_1"])
-    assert seen["second_save_waited_s"] >= 1.0
+    assert seen["second_save_returned_after_release"]
     assert seen["after_second_save"] == ("step_2", [".tmp-step_3", "step_1", "step_2"])
     assert seen["after_wait_3"] == ("step_3", ["step_1", "step_2", "step_3"])
     assert "async save of step 4" in seen["failure"] and "not marked complete" in seen["failure"]
