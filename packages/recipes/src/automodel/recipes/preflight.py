@@ -26,6 +26,7 @@ from automodel.recipes.checkpoint.paths import (
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
 from automodel.recipes.data.kinds import check_rows
+from automodel.recipes.data.launch_data import check_data_fits_model
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.model import pretrained_dir
@@ -143,5 +144,6 @@ def check_run_files(cfg: RecipeConfig) -> None:
 
     check_rows(cfg.dataset)
     check_rows(cfg.validation_dataset)
+    check_data_fits_model(cfg)  # rows without text, token ids beyond the model's vocab_size
     if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
         check_safetensors_files(pretrained_dir(cfg.model), key=cfg.model.pretrained_key)
