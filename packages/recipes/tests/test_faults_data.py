@@ -167,8 +167,13 @@ def test_an_id_beyond_vocab_size_in_a_batch_is_one_line_naming_file_and_token(
 ) -> None:
     prefix, bad = _ids_beyond_vocab_in_the_middle(tmp_path)
     data = {"source": "megatron", "paths": prefix, "split": "1,0,0", "seq_length": 32}
-    dist = {"strategy": "fsdp2", "pp_size": 2, "pp_schedule": "1F1B"} if pp == 2 else {"strategy": "fsdp2"}
-    cfg = tiny_config(str(tmp_path / "run"), dataset=data, validation_dataset=None, distributed=dist)
+    dist = (
+        {"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_microbatch_size": 1}}
+        if pp == 2
+        else {"strategy": "fsdp2"}
+    )
+    cfg = tiny_config(str(tmp_path / "run"), validation_dataset=None, distributed=dist)
+    cfg["dataset"] = data
     line = _one_error_line(_train(tmp_path, cfg, nproc=pp))
     head, _, rest = line.removeprefix("error: ").partition(": token ")
     assert head == f"{prefix}.bin", line
@@ -183,7 +188,8 @@ def test_a_run_whose_data_ends_before_max_steps_says_so(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps({"text": f"{i:03d} " + "ab" * 98}) + "\n" for i in range(138)))
     data = {"source": "json", "path": str(path), "seq_length": 32}
     steps = {"max_steps": 500, "val_every_steps": None, "global_batch_size": 32, "local_batch_size": 32}
-    cfg = tiny_config(str(tmp_path / "run"), dataset=data, validation_dataset=None, step_scheduler=steps)
+    cfg = tiny_config(str(tmp_path / "run"), validation_dataset=None, step_scheduler=steps)
+    cfg["dataset"] = data
     proc = _train(tmp_path, cfg)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -194,20 +200,29 @@ def test_a_run_whose_data_ends_before_max_steps_says_so(tmp_path: Path) -> None:
     ) in proc.stderr.splitlines()
 
 
-@full_only
+def _run_length(raw: dict[str, Any]) -> tuple[int, int]:
+    """Rank body: build the run (data, model, loader) without training; its epoch and length."""
+    from automodel.recipes import load_config
+    from automodel.recipes.trainer import Trainer
+
+    trainer = Trainer(load_config(raw))
+    trainer.build()
+    return trainer.steps_per_epoch, trainer.total_steps
+
+
+@full_only  # ~10-30 s; the dataset itself: test_data_exact.py in the CPU suite
 def test_a_corpus_over_2m_characters_is_trained_on_whole(tmp_path: Path) -> None:
     """The issue's case: a 2.2M-character corpus ran 30 steps of an epoch of about 41 (cut at the
-    old 2,000,000 default); every row is now an epoch's step."""
+    old 2,000,000 default); the run is now the whole epoch (built in a rank, not trained: an epoch
+    of 2.2M tokens takes minutes on CPU)."""
+    from automodel.testing.ranks import run_on_ranks
+
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"text": f"{i:05d} " + "x" * 9993 + "\n"}) + "\n" for i in range(220)))
-    data = {"source": "json", "path": str(path), "seq_length": 1023}
     model = {"config": {**tiny_config("x")["model"]["config"], "max_position_embeddings": 1024}}
     steps = {"max_steps": None, "val_every_steps": None, "global_batch_size": 52, "local_batch_size": 4}
-    cfg = tiny_config(
-        str(tmp_path / "run"), dataset=data, validation_dataset=None, step_scheduler=steps, model=model
-    )
-    proc = _train(tmp_path, cfg)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = (2_200_000 + 220) // 1024  # 2148 rows: 41 steps of 52
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == rows // 52 == 41
-    assert "max_bytes" not in proc.stderr
+    cfg = tiny_config(str(tmp_path / "run"), validation_dataset=None, step_scheduler=steps, model=model)
+    cfg["dataset"] = {"source": "json", "path": str(path), "seq_length": 1023}
+    ((per_epoch, total),) = run_on_ranks(_run_length, world_size=1, args=(cfg,), timeout_s=300)
+    rows = (2_200_000 + 220) // 1024  # every character and an EOS per document: 2148 rows
+    assert per_epoch == total == rows // 52 == 41
