@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from automodel.recipes.data.file_check import read_good_rows, read_json_rows
 from automodel.recipes.errors import DataError
 
@@ -51,9 +53,6 @@ def _why(row: dict[str, Any], key: str) -> str | None:
 def textless_rows(path: Path, *, key: str, source: str) -> Iterator[tuple[int, str]]:
     """``(line or row number, reason)`` of each row of `path` without text under `key`."""
     if source == "parquet":
-        # lazy: start-up, pyarrow only where a parquet source is read
-        import pyarrow.parquet as pq
-
         if key not in pq.read_schema(path).names:
             return  # a column the file lacks: `datasets` / `table_rows` name it
         column = pq.read_table(path, columns=[key]).column(key)

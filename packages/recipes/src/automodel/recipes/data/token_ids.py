@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from automodel.recipes.data.pretrain_build import corpus_files
 from automodel.recipes.errors import ConfigError, DataError
 
 #: Tokens read at each end of a corpus file before launch (256 KiB of uint16 per end).
@@ -97,9 +98,6 @@ def check_file_ids(
 def check_corpus_ids(section: Any, *, vocab_size: int) -> None:
     """Megatron and nanoGPT sections: each file's sampled ids (`check_file_ids`); other kinds are
     tokenized here by the checked tokenizer."""
-    # lazy: start-up, the corpus readers only for the sections that have corpus files
-    from automodel.recipes.data.pretrain_build import corpus_files
-
     for path, source in corpus_files(section):
         check_file_ids(
             source, path=path, num_tokens=source.num_tokens, dtype=source.dtype, vocab_size=vocab_size
