@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from automodel.testing.ranks import run_on_ranks
 
@@ -67,7 +68,9 @@ def test_resume_after_dp2_to_dp4_continues_exactly(tmp_path: Path) -> None:
     assert_losses_close(resumed, uninterrupted[3:])
 
 
-def test_end_of_data_stops_cleanly_with_packed_documents(tmp_path: Path) -> None:
+def test_end_of_data_stops_cleanly_with_packed_documents(
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
     prefix = byte_corpus(tmp_path / "small", docs=30)  # ~1400 tokens: 43 samples of 33, 5 global batches
     cfg = _config(
         tmp_path / "out",
@@ -81,6 +84,11 @@ def test_end_of_data_stops_cleanly_with_packed_documents(tmp_path: Path) -> None
     records = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     samples = (Path(prefix + ".bin").stat().st_size - 1) // 32  # Megatron windows of 33, stride 32
     assert len(losses) == len(records) == samples // 8  # one epoch of global batches of 8, then stop
+    n = samples // 8  # and it says why it stopped before max_steps (issue 43)
+    assert (
+        f"step_scheduler: the data ended at step {n} of step_scheduler.max_steps=100: 1 epoch(s) of {n} "
+        f"steps (step_scheduler.num_epochs=1); set step_scheduler.num_epochs={-(-100 // n)} to reach max_steps"
+    ) in capfd.readouterr().err.splitlines()
     # no index_mapping_dir: the order is cached under output_dir, so a restart maps it
     cache = tmp_path / "out" / "cache" / "megatron_index"
     arrays = {p.name.split("GPTDataset-train-", 1)[1] for p in cache.glob("*GPTDataset-train-*.npy")}

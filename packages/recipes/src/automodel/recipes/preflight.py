@@ -24,6 +24,7 @@ from automodel.recipes.checkpoint.paths import (
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
 from automodel.recipes.data.kinds import check_rows
+from automodel.recipes.data.launch_data import check_data_fits_model
 from automodel.recipes.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
@@ -147,3 +148,4 @@ def check_run_files(cfg: RecipeConfig) -> None:
     check_rows(cfg.validation_dataset)
     if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
         check_model_dir(cfg.model, pretrained_dir(cfg.model))
+    check_data_fits_model(cfg)  # rows without text, token ids beyond the model's vocab_size

@@ -23,14 +23,16 @@ import yaml
 from tqdm import tqdm
 
 from automodel.mesh import MeshContext
-from automodel.mesh.model_parts import text_config
 from automodel.recipes._dist_setup import setup_distributed
 from automodel.recipes.checkpoint import Checkpointer, TrainingState
 from automodel.recipes.checkpoint.paths import CONSOLIDATED_DIR
 from automodel.recipes.config.recipe import RecipeConfig
-from automodel.recipes.data import build_packed_dataset, build_tokenizer
+from automodel.recipes.data import build_packed_dataset
 from automodel.recipes.data.first_rows import first_rows
-from automodel.recipes.data.loader import Batch, build_train_loader
+from automodel.recipes.data.launch_data import model_vocab, run_tokenizer
+from automodel.recipes.data.loader import Batch, build_train_loader, read_batch
+from automodel.recipes.data.run_length import data_end_line
+from automodel.recipes.data.token_ids import check_tokenizer_ids
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.kernels.apply import apply_kernels, check_linear_loss_bound
@@ -206,20 +208,11 @@ class Trainer:
     def _build_data(self) -> None:
         """Tokenizer, this dp rank's training loader, the validation rows and the run's length."""
         cfg = self.cfg
-        self.tokenizer = build_tokenizer(
-            cfg.tokenizer.path,
-            trust_remote_code=cfg.tokenizer.trust_remote_code,
-            add_bos_token=cfg.tokenizer.add_bos_token,
+        self.tokenizer = run_tokenizer(cfg)
+        self.vocab_size, vocab_key = model_vocab(self.hf_config)  # a multimodal model's text decoder's
+        check_tokenizer_ids(
+            self.tokenizer, vocab_size=self.vocab_size, path=cfg.tokenizer.path, vocab_key=vocab_key
         )
-        text = text_config(self.hf_config)  # a multimodal model's text decoder
-        if self.tokenizer.vocab_size > text.vocab_size:
-            raise ConfigError(
-                "model.config.vocab_size"
-                if text is self.hf_config
-                else "model.config.text_config.vocab_size",
-                text.vocab_size,
-                f"is smaller than the tokenizer's vocabulary ({self.tokenizer.vocab_size})",
-            )
         ss = cfg.step_scheduler
         seq = cfg.packed_sequence.packed_sequence_size
         limit = cfg.packed_sequence.max_packs
@@ -233,6 +226,7 @@ class Trainer:
                 dp_size=self.mesh.layout.dp,
                 seed=cfg.seed,
                 shuffle=cfg.dataloader.shuffle,
+                vocab_size=self.vocab_size,
             )
         except ValueError as e:
             raise ConfigError("step_scheduler.global_batch_size", ss.global_batch_size, str(e)) from None
@@ -449,7 +443,8 @@ class Trainer:
         for b in range(n_batches):
             start = b * gbs + rank * per_rank
             for mb in range(start, start + per_rank, ss.local_batch_size):
-                batch = Batch(*self.val_dataset.batch(list(range(mb, mb + ss.local_batch_size))))
+                indices = list(range(mb, mb + ss.local_batch_size))
+                batch = read_batch(self.val_dataset, indices, vocab_size=self.vocab_size)
                 if runner is not None:
                     loss_sum += self._local_batch_loss_sum(runner, batch, train=False).float()
                 else:
@@ -478,6 +473,8 @@ class Trainer:
                 if self._one_step(log, ckpt=ckpt, state=state):
                     break  # pre-empted: saved, stop
             log.finish()
+            if self.rank == 0 and (line := self._data_end_line()) is not None:
+                print(line, file=sys.stderr, flush=True)
             if ckpt is not None:
                 assert state is not None
                 state.step = self.step
@@ -491,6 +488,11 @@ class Trainer:
                 ckpt.close()
         log.result.steps = self.step
         return log.result
+
+    def _data_end_line(self) -> str | None:
+        return data_end_line(
+            step=self.step, steps_per_epoch=self.steps_per_epoch, section=self.cfg.step_scheduler
+        )
 
     def _start(self, out: Path) -> tuple[Any, Any]:
         """Write the run's config, restore the newest checkpoint (if any) and say what the run

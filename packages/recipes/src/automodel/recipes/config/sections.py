@@ -131,7 +131,9 @@ class DatasetSection:
     text_key: str = "text"
     seq_length: int = 128
     split: str = "train"
-    max_bytes: int = 2_000_000
+    # opt-in cap on the text read (characters, whole documents): unset, every document is read
+    # (``embedded``: its fixed 2,000,000 characters); set, the start-up line says what was left out
+    max_bytes: int | None = None
     max_rows: int | None = None
     # error: a bad JSON row stops the run naming file:line; skip: it is left out, counted per reason
     bad_rows: str = "error"
@@ -146,7 +148,7 @@ class DatasetSection:
         if self.split not in ("train", "validation"):
             raise ConfigError(f"{s}.split", self.split, "must be train or validation")
         positive(s, "seq_length", self.seq_length, minimum=2)
-        positive(s, "max_bytes", self.max_bytes, minimum=1024)
+        positive(s, "max_bytes", self.max_bytes, minimum=1024, allow_none=True)
         positive(s, "max_rows", self.max_rows, allow_none=True)
 
 

@@ -48,6 +48,11 @@ class BlendedSamples:
         d, j = self.locate([i])[0]
         return self.parts[d].sample(j)
 
+    def token_location(self, i: int, position: int) -> tuple[str, int]:
+        """(file, token offset) of token `position` of blend position `i` (for errors)."""
+        d, j = self.locate([i])[0]
+        return self.parts[d].token_location(j, position)
+
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         pieces = [self.parts[d].batch([j]) for d, j in self.locate(indices)]
         input_ids, labels, position_ids = (torch.cat(t) for t in zip(*pieces, strict=True))

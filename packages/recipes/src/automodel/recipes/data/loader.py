@@ -12,12 +12,14 @@ import torch.distributed as dist
 
 from automodel.recipes.config.sections import SFTDatasetSection
 from automodel.recipes.data.corpus import embedded_documents
-from automodel.recipes.data.file_check import check_bad_rows_files, read_good_rows
+from automodel.recipes.data.file_check import check_bad_rows_files
 from automodel.recipes.data.kinds import build_dataset, check_paths
 from automodel.recipes.data.packing import PackedDataset, pack_documents
 from automodel.recipes.data.sample_order import SequentialOrder
 from automodel.recipes.data.sampler import StatefulGlobalBatchSampler
 from automodel.recipes.data.sft import build_sft_dataset
+from automodel.recipes.data.text_rows import first_textless, read_texts_skipping
+from automodel.recipes.data.token_ids import check_batch_ids
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.hub_cache import resolve_local_or_cached
 
@@ -71,13 +73,9 @@ def _local_documents(section: Any) -> list[str]:
     builder = {"json": "json", "text": "text", "parquet": "parquet"}[section.source]
     text_key = "text" if builder == "text" else section.text_key
     if section.bad_rows == "skip":  # the good rows only (`datasets` rejects a file on one bad row)
-        rows, skipped = read_good_rows(section, [Path(p) for p in paths])
-        texts = [row.get(text_key) for row in rows]
-        nulls = sum(t is None for t in texts)  # a row without its text: bad here, not a document
-        if nulls:
-            skipped["null_value"] += nulls
-        _report_skipped(section, rows=len(rows) - nulls, skipped=skipped)
-        return _documents(texts, max_bytes=section.max_bytes)
+        texts, skipped = read_texts_skipping(section, [Path(p) for p in paths])
+        _report_skipped(section, rows=len(texts), skipped=skipped)
+        return _documents(section, texts)
     try:
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
     except Exception as e:  # noqa: BLE001 - a file datasets cannot read is a config problem
@@ -88,19 +86,36 @@ def _local_documents(section: Any) -> list[str]:
         raise ConfigError(
             f"{key}.text_key", text_key, f"is not a column; columns: {', '.join(ds.column_names)}"
         )
-    return _documents(ds[text_key], max_bytes=section.max_bytes)
+    texts = ds[text_key]
+    if any(t is None for t in texts):  # a row without its text (`datasets` reads it as null)
+        raise first_textless(section)
+    return _documents(section, texts)
 
 
-def _documents(texts: Any, *, max_bytes: int) -> list[str]:
-    """The non-empty texts, in order, up to `max_bytes` characters."""
-    docs, total = [], 0
-    for text in texts:
-        if isinstance(text, str) and text:
-            docs.append(text)
-            total += len(text)
-            if total >= max_bytes:
-                break
-    return docs
+def _documents(section: Any, texts: Any) -> list[str]:
+    """The non-empty texts, in order; with ``max_bytes`` set, whole documents up to that many
+    characters, and rank 0 says how much of the text that left out."""
+    docs = [t for t in texts if isinstance(t, str) and t]
+    cap = section.max_bytes
+    if cap is None:
+        return docs
+    kept, total = 0, 0
+    while kept < len(docs) and total < cap:
+        total += len(docs[kept])
+        kept += 1
+    if kept < len(docs) and not (dist.is_initialized() and dist.get_rank() != 0):
+        print(max_bytes_line(section, docs=docs, kept=kept), file=sys.stderr, flush=True)
+    return docs[:kept]
+
+
+def max_bytes_line(section: Any, *, docs: list[str], kept: int) -> str:
+    """The start-up line of a cut corpus: what ``max_bytes`` kept of the text given."""
+    read = sum(len(d) for d in docs[:kept])
+    return (
+        f"{section.SECTION}: {section.SECTION}.max_bytes={section.max_bytes} read {read:,} of "
+        f"{sum(len(d) for d in docs):,} characters ({kept} of {len(docs)} documents); "
+        f"unset it to train on all of {section.SECTION}.path"
+    )
 
 
 def _report_skipped(section: Any, *, rows: int, skipped: Any) -> None:
@@ -131,7 +146,9 @@ def build_text_dataset(
 ) -> PackedDataset:
     """Read the section's documents, tokenize, and pack into rows (document-aware when packed)."""
     if section.source == "embedded":
-        docs = embedded_documents(split=section.split, max_bytes=section.max_bytes)
+        # the built-in corpus: the first max_bytes characters of the stdlib split (2,000,000 unset)
+        cap = section.max_bytes
+        docs = embedded_documents(split=section.split, **({} if cap is None else {"max_bytes": cap}))
     else:
         docs = _local_documents(section)
     tokens = pack_documents((tokenizer.encode(d) for d in docs), eos_token_id=tokenizer.eos_token_id)
@@ -143,6 +160,13 @@ def build_text_dataset(
         document_boundaries=packed_sequence_size > 0,
     )
     if section.max_rows is not None and len(ds) > section.max_rows:
+        if not (dist.is_initialized() and dist.get_rank() != 0):
+            print(
+                f"{section.SECTION}: {section.SECTION}.max_rows={section.max_rows} keeps "
+                f"{section.max_rows} of {len(ds)} rows",
+                file=sys.stderr,
+                flush=True,
+            )
         ds.rows = ds.rows[: section.max_rows]
     return ds
 
@@ -179,10 +203,11 @@ def build_train_loader(
     dp_size: int,
     seed: int,
     shuffle: bool = True,
+    vocab_size: int | None = None,
 ) -> Any:
     """This rank's stateful loader: a stream's own (`streaming`), else a `BatchLoader` over the
     global sampler. ``next_step()``, ``state_dict()``, ``load_state_dict()``, ``steps_per_epoch``
-    (None for a stream)."""
+    (None for a stream). With `vocab_size`, each batch's ids are checked against it."""
     if hasattr(dataset, "loader"):
         return dataset.loader(
             global_batch_size=global_batch_size,
@@ -199,22 +224,34 @@ def build_train_loader(
         seed=seed,
         shuffle=shuffle,
     )
-    return BatchLoader(dataset, sampler)
+    return BatchLoader(dataset, sampler, vocab_size=vocab_size)
+
+
+def read_batch(dataset: Any, indices: list[int], *, vocab_size: int | None = None) -> Batch:
+    """The micro-batch of `indices`; with `vocab_size`, an id the model cannot embed is a
+    `token_ids.TokenIdError` naming its file and token (one max() over the batch)."""
+    batch = Batch(*dataset.batch(indices))
+    if vocab_size is not None:
+        check_batch_ids(dataset, indices, batch.input_ids, batch.labels, vocab_size=vocab_size)
+    return batch
 
 
 class BatchLoader:
     """Stateful per-step loader: `next_step()` -> this rank's micro-batches; checkpointable."""
 
-    def __init__(self, dataset: PackedDataset, sampler: StatefulGlobalBatchSampler) -> None:
+    def __init__(
+        self, dataset: PackedDataset, sampler: StatefulGlobalBatchSampler, *, vocab_size: int | None = None
+    ) -> None:
         self.dataset = dataset
         self.sampler = sampler
+        self.vocab_size = vocab_size
 
     @property
     def steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch
 
     def next_step(self) -> list[Batch]:
-        return [Batch(*self.dataset.batch(ix)) for ix in self.sampler.next_step()]
+        return [read_batch(self.dataset, ix, vocab_size=self.vocab_size) for ix in self.sampler.next_step()]
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()

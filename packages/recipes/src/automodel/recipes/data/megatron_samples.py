@@ -44,7 +44,8 @@ class MegatronSamples:
     def __len__(self) -> int:
         return self.order.num_samples
 
-    def sample(self, i: int) -> np.ndarray:
+    def _pieces(self, i: int) -> list[tuple[int, int]]:
+        """``(first token in the .bin, count)`` of each document piece sample `i` reads."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} of {len(self)}")
         pos = int(self.order.shuffle_index[i]) * self.seq_length
@@ -58,11 +59,22 @@ class MegatronSamples:
             length = int(starts[slot + 1] - starts[slot]) - offset
             take = min(length, need)
             if take > 0:
-                first = int(pointers[int(docs[slot])]) // self._itemsize + offset
-                pieces.append(self.corpus.tokens(first, first + take))
+                pieces.append((int(pointers[int(docs[slot])]) // self._itemsize + offset, take))
                 need -= take
             slot, offset = slot + 1, 0
+        return pieces
+
+    def sample(self, i: int) -> np.ndarray:
+        pieces = [self.corpus.tokens(first, first + take) for first, take in self._pieces(i)]
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def token_location(self, i: int, position: int) -> tuple[str, int]:
+        """(.bin file, token offset in it) of token `position` of sample `i` (for errors)."""
+        for first, take in self._pieces(i):
+            if position < take:
+                return str(self.corpus.bin_path), first + position
+            position -= take
+        raise IndexError(f"position beyond sample {i}")
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = np.stack([self.sample(int(i)).astype(np.int64) for i in indices])

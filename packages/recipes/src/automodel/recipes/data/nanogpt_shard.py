@@ -3,7 +3,9 @@
 Header (int32 little-endian): ``[0]`` magic, ``[1]`` version 1, ``[2]`` token count, ``[3]`` bytes
 per token. Magic 20240520 (modded-nanogpt's fineweb.py) means uint16 tokens; magic 278895051
 (NeMo AutoModel's nanogpt_data_processor.py) takes the token size from ``[3]`` (2 or 4). A file
-that starts with neither magic is nanoGPT's ``prepare.py`` output: flat uint16, no header.
+that starts with neither magic is nanoGPT's ``prepare.py`` output: flat uint16, no header, unless
+its first 1024 bytes read as a header whose token count matches the file's size: that is a header
+with a damaged magic, refused (read as data, its 512 header tokens would be trained on).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class NanogptShard:
                 )
             offset = HEADER_BYTES
         else:
+            _refuse_damaged_header(path, head, size)
             if size % 2:
                 raise CorpusError(
                     path, f"is {size} bytes: not a whole number of uint16 tokens (and no nanoGPT header)"
@@ -66,6 +69,23 @@ class NanogptShard:
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         return self._tokens.tokens(start, stop)
+
+
+def _refuse_damaged_header(path: Path, head: np.ndarray, size: int) -> None:
+    """A file whose header fields (version 1, token count x 2 or 4 bytes + 1024 = its size) are
+    those of a nanoGPT header but whose magic is neither known one: refuse it, naming the magic."""
+    if head.size < 4 or size < HEADER_BYTES:
+        return
+    magic, version, count, itemsize = (int(v) for v in head[:4])
+    sizes = {count * 2, count * itemsize} if itemsize in (2, 4) else {count * 2}
+    if count <= 0 or size - HEADER_BYTES not in sizes:
+        return
+    raise CorpusError(
+        path,
+        f"has a nanoGPT header ({count} tokens, version {version}, matching its {size} bytes) with "
+        f"magic {magic}, not {LEGACY_MAGIC} (modded-nanogpt) or {MAGIC} (NeMo AutoModel): "
+        "a damaged header; rewrite the shard",
+    )
 
 
 def write_nanogpt_shard(path: str | Path, tokens: np.ndarray, *, header: bool = True) -> None:

@@ -238,6 +238,18 @@ def check_megatron_paths(section: MegatronPretrainingSection) -> None:
     megatron_splits(section, vocab_size=None)
 
 
+def corpus_files(section: Any) -> list[tuple[str, Any]]:
+    """``(file, its tokens)`` of a Megatron or nanoGPT section (``tokens(start, stop)``,
+    ``num_tokens``, ``dtype``); none for other kinds."""
+    if isinstance(section, MegatronPretrainingSection):
+        parts, _ = megatron_splits(section, vocab_size=None)
+        return [(str(p.corpus.bin_path), p.corpus) for p in parts]
+    if isinstance(section, NanogptSection):
+        key = f"{section.SECTION}.file_pattern"
+        return [(f, _open(NanogptShard, f, key=key)) for f in nanogpt_files(section)]
+    return []
+
+
 # ---- nanoGPT -------------------------------------------------------------------------------------
 def nanogpt_files(section: NanogptSection) -> list[str]:
     key = f"{section.SECTION}.file_pattern"

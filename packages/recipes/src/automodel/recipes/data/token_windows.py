@@ -87,6 +87,11 @@ class TokenWindows:
         rel = int(span.starts[k]) if span.starts is not None else k * self.stride
         return s, span.start + rel
 
+    def token_location(self, i: int, position: int) -> tuple[str, int]:
+        """(file, token offset in it) of token `position` of sample `i` (for errors)."""
+        s, off = self.token_offset(i)
+        return self.spans[s].name, off + position
+
     def sample(self, i: int) -> np.ndarray:
         """The ``seq_length + 1`` tokens of sample `i`."""
         s, off = self.token_offset(i)
