@@ -97,12 +97,21 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train from a YAML config (any --section.key=value overrides it)")
     t.add_argument("config")
-    t.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, dest="nproc_per_node")
-    t.add_argument("--nnodes", default="1")
+    # launcher flags: None when not given (launch_plan refuses a given one the environment contradicts)
+    t.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None, dest="nproc_per_node")
+    t.add_argument("--nnodes", default=None)
     t.add_argument("--node-rank", "--node_rank", type=int, default=None, dest="node_rank")
     t.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, dest="rdzv_endpoint")
     t.add_argument("--rdzv-id", "--rdzv_id", default=None, dest="rdzv_id")
-    t.add_argument("--max-restarts", "--max_restarts", type=int, default=0, dest="max_restarts")
+    t.add_argument(
+        "--rdzv-timeout",
+        "--rdzv_timeout",
+        type=int,
+        default=None,
+        dest="rdzv_timeout",
+        help="seconds the nodes wait for each other to join (default 600)",
+    )
+    t.add_argument("--max-restarts", "--max_restarts", type=int, default=None, dest="max_restarts")
     t.add_argument(
         "--resume-with-changes",
         "--resume_with_changes",
@@ -190,7 +199,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _TRAIN_LAUNCHER_FLAGS = {
-    "nproc-per-node", "nnodes", "node-rank", "rdzv-endpoint", "rdzv-id", "max-restarts", "resume-with-changes",
+    "nproc-per-node", "nnodes", "node-rank", "rdzv-endpoint", "rdzv-id", "rdzv-timeout", "max-restarts",
+    "resume-with-changes",
 }  # fmt: skip
 
 
@@ -217,20 +227,15 @@ def load_and_parse(config: str, overrides: list[str]):
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     # lazy: start-up, recipes --help: launch ~7 s
-    from automodel.recipes.launch import LaunchOptions, already_launched, launch_torchrun
+    from automodel.recipes.launch import launch_torchrun
 
-    if already_launched():
+    # lazy: start-up, recipes --help: launch_plan ~1 s
+    from automodel.recipes.launch_plan import LAUNCHER_FLAGS, plan_launch
+
+    # who starts the ranks, decided (or refused) before anything is read, written or started
+    opts = plan_launch({key: getattr(args, key) for key in LAUNCHER_FLAGS})
+    if opts is None:
         return _train_rank(args, overrides)
-    opts = LaunchOptions(
-        nproc_per_node=args.nproc_per_node,
-        nnodes=str(args.nnodes),
-        node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id,
-        max_restarts=args.max_restarts,
-    )
-    if opts.nproc_per_node < 1:
-        raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
     cfg = load_and_parse(args.config, overrides)
     # lazy: start-up, recipes --help: resolved_run ~5 s
     from automodel.recipes.resolved_run import resolve_run
@@ -238,19 +243,18 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     # lazy: start-up, recipes --help: run_lock ~2.8 s
     from automodel.recipes.run_lock import acquire_run_lock, run_checkpoint_dir
 
-    nnodes = int(opts.nnodes.split(":")[-1])
     # the run resolved once for this machine (every check), before any process starts or anything
     # is written; the ranks get this value and check only their own process group
-    run = resolve_run(cfg, world_size=opts.nproc_per_node * nnodes, this_machine=True)
+    run = resolve_run(cfg, world_size=opts.world_size, this_machine=True)
     # One launcher per node: on a single node it holds the output_dir lock for the whole job
     # (restarts included); on several nodes rank 0 takes it, wherever it runs.
     lock = (
         acquire_run_lock(output_dir=cfg.output_dir, checkpoint_dir=run_checkpoint_dir(cfg))
-        if nnodes == 1
+        if opts.nnodes == 1
         else None
     )
     try:
-        if nnodes == 1:
+        if opts.node_rank == 0:  # node 0 checks the config against the output_dir's, for every node
             _check_resume(cfg, allow_changes=args.resume_with_changes)
         if opts.multi_process:
             return launch_torchrun(

@@ -3,7 +3,7 @@
 A rank that fails writes its full traceback to ``<output_dir>/logs/rank_<N>.error.log`` (or, when
 output_dir cannot be written, next to its report) and, under the `recipes` launcher, a small JSON
 report into the launcher's error directory. The launcher reads the reports once torchrun is done:
-user mistakes (config, data, checkpoint, file-system errors) become one line each and exit code 2;
+user mistakes (config, data, checkpoint, file-system errors, a rendezvous port in use) become one line each and exit code 2;
 a run failure with a clear cause (non-finite loss, collective time-out) one line and exit 1; any
 other error the root-cause rank's traceback (the earliest failure) and exit 1.
 """
@@ -20,6 +20,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from automodel.mesh import RendezvousError
 from automodel.recipes.checkpoint.paths import CheckpointError
 from automodel.recipes.errors import ConfigError, DataError
 from automodel.recipes.trainer import CollectiveTimeoutError, NonFiniteError
@@ -75,7 +76,7 @@ def classify(exc: BaseException) -> tuple[int, str]:
     """``(exit code, one line)`` for `exc`; the line is "" when only a traceback explains it."""
     chain = _causes(exc)
     for e in chain:
-        if isinstance(e, ConfigError | DataError):
+        if isinstance(e, ConfigError | DataError | RendezvousError):
             return EXIT_USER_ERROR, str(e)
     for e in chain:
         if isinstance(e, OSError) and e.errno in USER_ERRNOS:
