@@ -125,6 +125,8 @@ def stress(session: nox.Session) -> None:
 FAULT_TESTS = (
     "packages/recipes/tests/test_faults.py",
     "packages/recipes/tests/test_faults_cli.py",
+    "packages/recipes/tests/test_faults_launch.py",
+    "packages/recipes/tests/test_cli_multinode.py",
     "packages/recipes/tests/test_run_safety.py",
     "packages/recipes/tests/test_config_errors.py",
     "packages/pipeline/tests/test_pitfalls.py",
