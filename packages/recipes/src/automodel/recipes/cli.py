@@ -26,6 +26,7 @@ from automodel.recipes.resume_check import check_config_changes
 
 if TYPE_CHECKING:  # imported by the commands that need them (start-up, recipes --help)
     from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.node_watch import NodeWatch
     from automodel.recipes.resolved_run import ResolvedRun
 
 EXIT_CONFIG_ERROR = 2
@@ -293,11 +294,25 @@ def _train_rank(args: argparse.Namespace, overrides: list[str]) -> int:
             _check_resume(cfg, allow_changes=args.resume_with_changes)
         return cfg
 
-    return _run_guarded(config, rank=launch.rank, error_dir=args.launcher_error_dir)
+    # lazy: start-up, recipes --help: node_watch ~0.1 s
+    from automodel.recipes.node_watch import NodeWatch
+
+    watch = NodeWatch.from_env()  # a job of several nodes: say which one stopped, if one does
+    try:
+        return _run_guarded(
+            config, rank=launch.rank, error_dir=args.launcher_error_dir, watch=watch and watch.start()
+        )
+    finally:
+        if watch is not None:
+            watch.stop()
 
 
 def _run_guarded(
-    config: Callable[[], RecipeConfig | ResolvedRun], *, rank: int, error_dir: str | None
+    config: Callable[[], RecipeConfig | ResolvedRun],
+    *,
+    rank: int,
+    error_dir: str | None,
+    watch: NodeWatch | None = None,
 ) -> int:
     """Train; a failure becomes a traceback file plus one line (or the launcher's report).
 
@@ -319,7 +334,7 @@ def _run_guarded(
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        report = report_failure(e, rank=rank, output_dir=output_dir, error_dir=error_dir)
+        report = report_failure(_lost_node(e, watch), rank=rank, output_dir=output_dir, error_dir=error_dir)
         if error_dir is not None:
             return report.exit_code
         if not report.line:
@@ -329,6 +344,24 @@ def _run_guarded(
     if rank == 0:
         print(f"trained {result.steps} steps; metrics in {result.output_dir}/metrics.jsonl", file=sys.stderr)
     return 0
+
+
+def _lost_node(e: BaseException, watch: NodeWatch | None) -> BaseException:
+    """`e`, or, when another node of the job stopped (not a user mistake here), the error naming it."""
+    # lazy: start-up, recipes --help: rank_errors ~3 s
+    from automodel.recipes.rank_errors import EXIT_USER_ERROR, classify
+
+    if watch is None or classify(e)[0] == EXIT_USER_ERROR:
+        return e
+    # lazy: start-up, recipes --help: node_watch ~0.1 s
+    from automodel.recipes.node_watch import NodeStoppedError
+
+    line = watch.failed_node_line()
+    if line is None:
+        return e
+    lost = NodeStoppedError(line)
+    lost.__cause__ = e
+    return lost
 
 
 def _validate(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -4,7 +4,8 @@ A rank that fails writes its full traceback to ``<output_dir>/logs/rank_<N>.erro
 output_dir cannot be written, next to its report) and, under the `recipes` launcher, a small JSON
 report into the launcher's error directory. The launcher reads the reports once torchrun is done:
 user mistakes (config, data, checkpoint, file-system errors, a rendezvous port in use) become one line each and exit code 2;
-a run failure with a clear cause (non-finite loss, collective time-out) one line and exit 1; any
+a run failure with a clear cause (non-finite loss, collective time-out, another node that
+stopped: `automodel.recipes.node_watch`) one line and exit 1; any
 other error the root-cause rank's traceback (the earliest failure) and exit 1.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from automodel.mesh import RendezvousError
 from automodel.recipes.checkpoint.paths import CheckpointError
 from automodel.recipes.errors import ConfigError, DataError
+from automodel.recipes.node_watch import NodeStoppedError
 from automodel.recipes.trainer import CollectiveTimeoutError, NonFiniteError
 
 EXIT_USER_ERROR = 2
@@ -85,7 +87,7 @@ def classify(exc: BaseException) -> tuple[int, str]:
         if isinstance(e, CheckpointError):
             return EXIT_USER_ERROR, str(e)
 
-    if isinstance(exc, NonFiniteError | CollectiveTimeoutError):
+    if isinstance(exc, NonFiniteError | CollectiveTimeoutError | NodeStoppedError):
         return EXIT_RUN_ERROR, f"{type(exc).__name__}: {exc}"
     return EXIT_RUN_ERROR, ""
 
