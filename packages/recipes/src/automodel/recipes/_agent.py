@@ -34,6 +34,8 @@ from automodel.recipes.lifetime import die_with_parent
 
 
 AGENT_ERROR_FILE = "agent_rendezvous.txt"
+#: The ranks' TORCH_CPP_LOG_LEVEL ("" = unset): the launcher runs the agent itself at ERROR.
+AGENT_RANKS_CPP_LOG_LEVEL = "AUTOMODEL_RANKS_TORCH_CPP_LOG_LEVEL"
 
 
 def write_agent_error(error_dir: str | Path, reason: str) -> None:
@@ -65,6 +67,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     die_with_parent(expected_parent=args.parent)
+    ranks_level = os.environ.pop(AGENT_RANKS_CPP_LOG_LEVEL, None)
+    if ranks_level is not None:  # read by this process's torch at import; the ranks get the user's
+        if ranks_level:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = ranks_level
+        else:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
     torchrun_args = list(args.torchrun_args)
     if torchrun_args[:1] == ["--"]:
         torchrun_args = torchrun_args[1:]
