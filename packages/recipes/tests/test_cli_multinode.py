@@ -66,8 +66,12 @@ def _nodes(config: Path, tmp: Path, *, nproc: int, extra: tuple[str, ...] = ()) 
     return [
         start_train(
             config,
-            "--nnodes=2", f"--node-rank={node}", f"--nproc-per-node={nproc}",
-            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-timeout=120", *extra,
+            "--nnodes=2",
+            f"--node-rank={node}",
+            f"--nproc-per-node={nproc}",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-timeout=120",
+            *extra,
             log=tmp / f"node{node}.stderr",
         )  # fmt: skip
         for node in range(2)
@@ -154,13 +158,16 @@ def test_one_node_checkpoint_resumes_on_two_nodes(tmp_path: Path, reference_2: l
     """Steps 1-2 on one node (2 ranks, the CLI's launcher), steps 3-4 on two nodes (one rank each)."""
     out = tmp_path / "run"
     config = write_config(tmp_path, out, steps=STEPS)
-    first = start_train(config, "--nproc-per-node=2", "--step_scheduler.max_steps=2", log=tmp_path / "first.stderr")
+    first = start_train(
+        config, "--nproc-per-node=2", "--step_scheduler.max_steps=2", log=tmp_path / "first.stderr"
+    )
     _finish([first], [tmp_path / "first.stderr"])
     procs = _nodes(config, tmp_path, nproc=1)
     _finish(procs, [tmp_path / "node0.stderr", tmp_path / "node1.stderr"])
-    assert "resumed from step 2 (" in (tmp_path / "node0.stderr").read_text() + (
-        tmp_path / "node1.stderr"
-    ).read_text()
+    assert (
+        "resumed from step 2 ("
+        in (tmp_path / "node0.stderr").read_text() + (tmp_path / "node1.stderr").read_text()
+    )
     _assert_equal(losses(out), reference_2)
 
 

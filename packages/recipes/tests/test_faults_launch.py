@@ -80,16 +80,29 @@ def _refused(job_dir: Path, capsys: pytest.CaptureFixture, *flags: str) -> str:
 @pytest.mark.parametrize(
     ("env", "flags", "names"),
     [
-        (TORCHRUN_RANK, ["--nproc-per-node", "2"], ["--nproc-per-node=2", "RANK=0 WORLD_SIZE=2", "unset RANK"]),
+        (
+            TORCHRUN_RANK,
+            ["--nproc-per-node", "2"],
+            ["--nproc-per-node=2", "RANK=0 WORLD_SIZE=2", "unset RANK"],
+        ),
         ({**TORCHRUN_RANK, "RANK": "1"}, ["--nproc-per-node", "4"], ["--nproc-per-node=4", "RANK=1"]),
         (TORCHRUN_RANK, ["--nnodes", "2"], ["--nnodes='2'", "WORLD_SIZE=2"]),
-        (SRUN_TASK, ["--nproc-per-node", "2"], ["--nproc-per-node=2", "SLURM_PROCID=0", "SLURM_NTASKS=2",
-                                                 "SLURM_STEP_ID=0", "srun --ntasks 1"]),  # fmt: skip
+        (
+            SRUN_TASK,
+            ["--nproc-per-node", "2"],
+            ["--nproc-per-node=2", "SLURM_PROCID=0", "SLURM_NTASKS=2", "SLURM_STEP_ID=0", "srun --ntasks 1"],
+        ),  # fmt: skip
         ({"RANK": "1"}, [], ["RANK='1'", "WORLD_SIZE is not", "unset RANK"]),
         ({"WORLD_SIZE": "4"}, ["--nproc-per-node", "2"], ["WORLD_SIZE='4'", "RANK is not"]),
     ],
-    ids=["torchrun-rank-nproc", "torchrun-rank1-nproc4", "torchrun-nnodes", "srun-task-nproc",
-         "rank-alone", "world-size-alone"],  # fmt: skip
+    ids=[
+        "torchrun-rank-nproc",
+        "torchrun-rank1-nproc4",
+        "torchrun-nnodes",
+        "srun-task-nproc",
+        "rank-alone",
+        "world-size-alone",
+    ],  # fmt: skip
 )
 def test_launcher_flag_against_the_environment_is_refused(
     job_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, env, flags, names
@@ -110,7 +123,10 @@ def test_launcher_flag_against_the_environment_is_refused(
         (["--node-rank", "1"], ["--node-rank=1", "--nnodes N (N > 1)"]),
         (["--rdzv-endpoint", "h:1"], ["--rdzv-endpoint='h:1'", "--nnodes N (N > 1)"]),
         (["--rdzv-timeout", "5"], ["--rdzv-timeout=5", "--nnodes N (N > 1)"]),
-        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], ["--node-rank=2", "< --nnodes (2)"]),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"],
+            ["--node-rank=2", "< --nnodes (2)"],
+        ),
         (["--nnodes", "2", "--node-rank", "-1", "--rdzv-endpoint", "h:1"], ["--node-rank=-1", ">= 0"]),
         (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h"], ["--rdzv-endpoint='h'", "HOST:PORT"]),
         (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", ":29500"], ["--rdzv-endpoint=':29500'"]),
@@ -119,11 +135,15 @@ def test_launcher_flag_against_the_environment_is_refused(
         (["--nnodes", "1:2"], ["--nnodes='1:2'", "MIN:MAX"]),
         (["--nnodes", "0"], ["--nnodes=0", ">= 1"]),
         (["--nproc-per-node", "0"], ["--nproc-per-node=0", ">= 1"]),
-        (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "0"],
-         ["--rdzv-timeout=0", ">= 1"]),  # fmt: skip
+        (
+            ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "0"],
+            ["--rdzv-timeout=0", ">= 1"],
+        ),  # fmt: skip
     ],
 )
-def test_incomplete_multi_node_flags_are_refused(job_dir: Path, capsys: pytest.CaptureFixture, flags, names) -> None:
+def test_incomplete_multi_node_flags_are_refused(
+    job_dir: Path, capsys: pytest.CaptureFixture, flags, names
+) -> None:
     err = _refused(job_dir, capsys, *flags)
     for name in names:
         assert name in err, err
@@ -138,7 +158,9 @@ def busy_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def test_rdzv_port_in_use_on_node_0_is_refused(job_dir: Path, capsys: pytest.CaptureFixture, busy_port: int) -> None:
+def test_rdzv_port_in_use_on_node_0_is_refused(
+    job_dir: Path, capsys: pytest.CaptureFixture, busy_port: int
+) -> None:
     endpoint = f"127.0.0.1:{busy_port}"
     err = _refused(job_dir, capsys, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint)
     assert f"--rdzv-endpoint='{endpoint}'" in err and f"port {busy_port} is in use" in err, err
@@ -230,7 +252,9 @@ def test_master_port_in_use_is_one_line(job_dir: Path, busy_port: int) -> None:
     lines = (job_dir / "err").read_text().splitlines()
     errors = [line for line in lines if line.startswith("error: ")]
     assert code == 2, lines[-20:]
-    assert len(errors) == 1 and f"127.0.0.1:{busy_port}" in errors[0] and "MASTER_PORT" in errors[0], lines[-20:]
+    assert len(errors) == 1 and f"127.0.0.1:{busy_port}" in errors[0] and "MASTER_PORT" in errors[0], lines[
+        -20:
+    ]
     assert lines[lines.index(errors[0]) + 1].startswith("  (full traceback: "), lines[-20:]
     assert {k: v for k, v in _files(out).items() if k != "config.yaml"} == {
         k: v for k, v in before.items() if k != "config.yaml"
@@ -251,6 +275,8 @@ def test_rendezvous_that_never_completes_times_out_with_one_line(job_dir: Path, 
     err = (job_dir / "err").read_text()
     assert code == 1, err[-3000:]
     assert len(err.splitlines()) == 1, err[-3000:]
-    assert err.startswith(f"error: --rdzv-endpoint={endpoint}: the nodes did not meet within --rdzv-timeout=5 s")
+    assert err.startswith(
+        f"error: --rdzv-endpoint={endpoint}: the nodes did not meet within --rdzv-timeout=5 s"
+    )
     assert f"node {alone} of 2" in err, err
     assert _files(out) == before

@@ -32,16 +32,17 @@ from torch.distributed.run import main as torchrun_main
 
 from automodel.recipes.lifetime import die_with_parent
 
-
 AGENT_ERROR_FILE = "agent_rendezvous.txt"
-#: The ranks' TORCH_CPP_LOG_LEVEL ("" = unset): the launcher runs the agent itself at ERROR.
+#: The ranks' TORCH_CPP_LOG_LEVEL ("" = unset): the launcher runs the agent itself at FATAL.
 AGENT_RANKS_CPP_LOG_LEVEL = "AUTOMODEL_RANKS_TORCH_CPP_LOG_LEVEL"
 
 
 def write_agent_error(error_dir: str | Path, reason: str) -> None:
     """torchrun's agent could not gather the nodes: its reason (one line) for the launcher."""
     try:
-        (Path(error_dir) / AGENT_ERROR_FILE).write_text(reason.strip().splitlines()[-1][:400] if reason.strip() else "?")
+        (Path(error_dir) / AGENT_ERROR_FILE).write_text(
+            reason.strip().splitlines()[-1][:400] if reason.strip() else "?"
+        )
     except OSError:
         pass  # the launcher then prints the agent's log tail
 

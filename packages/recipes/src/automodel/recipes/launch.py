@@ -42,10 +42,10 @@ def agent_env(environ: dict[str, str]) -> dict[str, str]:
     """The agent's environment: `environ` without rank variables and TORCHELASTIC_* leftovers."""
     env = {k: v for k, v in environ.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env.setdefault("OMP_NUM_THREADS", "1")
-    # the agent's own C++ warnings (a rendezvous client retrying, with a stack) stay off the
+    # the agent's own C++ log lines (a rendezvous client timing out, with a stack) stay off the
     # terminal; the agent gives the ranks the user's level back (AGENT_RANKS_CPP_LOG_LEVEL)
     env[AGENT_RANKS_CPP_LOG_LEVEL] = env.get("TORCH_CPP_LOG_LEVEL", "")
-    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    env["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     return env
 
 

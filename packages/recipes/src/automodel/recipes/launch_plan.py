@@ -96,7 +96,9 @@ def _already_launched(env: Mapping[str, str], launcher: str) -> str:
             "unset RANK and WORLD_SIZE for `recipes train` to start the ranks, or drop the flag to run as this rank"
         )
     names = " ".join(
-        f"{n}={env[n]}" for n in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_STEP_ID") if n in env
+        f"{n}={env[n]}"
+        for n in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_STEP_ID")
+        if n in env
     )
     return (
         f"this process is already one task of srun ({names}), which starts no ranks; drop the flag and let "
@@ -113,7 +115,9 @@ def _launcher_options(given: Mapping[str, object]) -> LaunchOptions:
         nnodes = int(str(nnodes_raw))
     except ValueError:
         raise ConfigError(
-            "--nnodes", nnodes_raw, "must be the number of nodes (an int); elastic MIN:MAX ranges are not supported"
+            "--nnodes",
+            nnodes_raw,
+            "must be the number of nodes (an int); elastic MIN:MAX ranges are not supported",
         ) from None
     if nnodes < 1:
         raise ConfigError("--nnodes", nnodes, "must be >= 1")
@@ -123,7 +127,9 @@ def _launcher_options(given: Mapping[str, object]) -> LaunchOptions:
         for key in ("node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_timeout"):
             if key in given:
                 raise ConfigError(
-                    LAUNCHER_FLAGS[key], given[key], "is for several nodes: give it with --nnodes N (N > 1), or drop it"
+                    LAUNCHER_FLAGS[key],
+                    given[key],
+                    "is for several nodes: give it with --nnodes N (N > 1), or drop it",
                 )
         return LaunchOptions(nproc_per_node=nproc, max_restarts=max_restarts)
     missing = [LAUNCHER_FLAGS[k] for k in ("node_rank", "rdzv_endpoint") if k not in given]
@@ -138,7 +144,9 @@ def _launcher_options(given: Mapping[str, object]) -> LaunchOptions:
         )
     node_rank = _int_at_least(given, "node_rank", 0, default=0)
     if node_rank >= nnodes:
-        raise ConfigError("--node-rank", node_rank, f"must be < --nnodes ({nnodes}): the nodes are 0..{nnodes - 1}")
+        raise ConfigError(
+            "--node-rank", node_rank, f"must be < --nnodes ({nnodes}): the nodes are 0..{nnodes - 1}"
+        )
     endpoint = str(given["rdzv_endpoint"])
     host, port = parse_endpoint(endpoint)
     if node_rank == 0:
@@ -167,7 +175,9 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ConfigError(
-            "--rdzv-endpoint", endpoint, "must be HOST:PORT (node 0's address and a free port, e.g. node0:29500)"
+            "--rdzv-endpoint",
+            endpoint,
+            "must be HOST:PORT (node 0's address and a free port, e.g. node0:29500)",
         )
     return host, int(port_text)
 
@@ -180,7 +190,9 @@ def check_port_free(endpoint: str, port: int) -> None:
             probe.bind(("", port))
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
-                raise ConfigError("--rdzv-endpoint", endpoint, f"port {port} cannot be opened: {e.strerror}") from None
+                raise ConfigError(
+                    "--rdzv-endpoint", endpoint, f"port {port} cannot be opened: {e.strerror}"
+                ) from None
             raise ConfigError(
                 "--rdzv-endpoint",
                 endpoint,
