@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from automodel.mesh import detect_launch_env, init_distributed
+from automodel.mesh.distributed import first_host
 
 SCRIPT = textwrap.dedent(
     """
@@ -49,7 +50,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))
+        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))
     }
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
@@ -64,17 +65,50 @@ def test_launch_env_from_torchrun_variables() -> None:
 
 def test_launch_env_from_slurm_variables() -> None:
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
-           "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}  # fmt: skip
+           "SLURM_STEP_ID": "0", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.9"}  # fmt: skip
     launch = detect_launch_env(env)
     assert (launch.rank, launch.world_size, launch.local_rank, launch.launcher) == (5, 16, 1, "slurm")
     assert launch.master_addr == "10.0.0.9"
     assert launch.master_port == 20000 + 4242
+    # the step's task count and node list win over the allocation's; no scontrol needed
+    step = {
+        **env,
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_JOB_NODELIST": "gpu[3-9]",
+        "SLURM_STEP_NODELIST": "gpu[05-06],cpu1",
+    }
+    launch = detect_launch_env(step)
+    assert (launch.world_size, launch.master_addr) == (4, "gpu05")
+
+
+def test_sbatch_shell_is_one_process() -> None:
+    """The batch script of an allocation has SLURM_PROCID=0 and SLURM_NTASKS but no step id: not a rank."""
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert detect_launch_env(env).launcher == "single"
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [
+        ("localhost", "localhost"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("node[07-09,12],gpu3", "node07"),
+        ("a[1,3]", "a1"),
+        ("gpu-a100-[003-004]", "gpu-a100-003"),
+        ("x1,x2", "x1"),
+    ],  # fmt: skip
+)
+def test_first_host_of_a_node_list(nodelist: str, first: str) -> None:
+    assert first_host(nodelist) == first
 
 
 def test_plain_process_is_world_one() -> None:
+    """Also with torchrun leftovers that do not make a launch (no RANK/WORLD_SIZE): a stale
+    TORCHELASTIC_USE_AGENT_STORE must not make the process wait for an agent's store."""
     assert detect_launch_env({}).world_size == 1
+    leftovers = _clean_env(LOCAL_RANK="1", TORCHELASTIC_USE_AGENT_STORE="True", MASTER_PORT="1")
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=_clean_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", SCRIPT], env=leftovers, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
     assert "RESULT rank=0 world=1 backend=gloo sum=1 dp=1" in out.stdout
@@ -87,6 +121,7 @@ def test_slurm_style_two_tasks_rendezvous() -> None:
             [sys.executable, "-c", SCRIPT],
             env=_clean_env(
                 SLURM_PROCID=str(r),
+                SLURM_STEP_ID="0",
                 SLURM_NTASKS="2",
                 SLURM_LOCALID=str(r),
                 SLURM_JOB_ID="7",

@@ -6,6 +6,7 @@ from automodel.mesh.context import MeshContext
 from automodel.mesh.distributed import (
     DistInfo,
     LaunchEnv,
+    RendezvousError,
     default_backend,
     destroy_distributed,
     detect_launch_env,
@@ -34,6 +35,7 @@ __all__ = [
     "default_backend",
     "destroy_distributed",
     "detect_launch_env",
+    "RendezvousError",
     "distributed_session",
     "fake_world",
     "init_distributed",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import socket
-import subprocess
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -48,17 +48,31 @@ class LaunchEnv:
     launcher: str  # "torchrun" | "slurm" | "single"
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list (``node[07-09,12],gpu3`` -> ``node07``), as
+    ``scontrol show hostnames`` would print it first, without needing scontrol."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    if head is None or not head.group(1) and head.group(2) is None:
+        raise ValueError(f"SLURM node list {nodelist!r} names no host")
+    prefix, ranges = head.group(1), head.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
 def _slurm_master_addr(env: Mapping[str, str]) -> str:
+    """Rank 0's host: the first node of the step's (else the job's) node list."""
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if nodelist:
-        try:
-            out = subprocess.run(
-                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
-            )
-            return out.stdout.split()[0]
-        except (OSError, subprocess.CalledProcessError, IndexError):
-            pass
+        return first_host(nodelist)
     return env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+
+
+def is_srun_task(env: Mapping[str, str]) -> bool:
+    """True in a task that `srun` started: srun sets SLURM_STEP_ID and SLURM_PROCID. The shell of
+    an ``sbatch`` / ``salloc`` allocation has SLURM_JOB_ID, SLURM_NTASKS and (sbatch) SLURM_PROCID=0
+    but no step id: it is one process, not a rank."""
+    return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
 
 
 def _free_port() -> int:
@@ -68,7 +82,9 @@ def _free_port() -> int:
 
 
 def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Read rank and rendezvous from torchrun's or SLURM's variables; a plain process is world 1."""
+    """Read rank and rendezvous from torchrun's variables (RANK and WORLD_SIZE) or those of an
+    `srun` task (`is_srun_task`; world size SLURM_STEP_NUM_TASKS, else SLURM_NTASKS); anything else,
+    an sbatch shell included, is a plain process of world 1."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(
@@ -79,11 +95,12 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
             master_port=int(env.get("MASTER_PORT", "29500")),
             launcher="torchrun",
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    if is_srun_task(env) and tasks:
         job_id = int(env.get("SLURM_JOB_ID", "0"))
         return LaunchEnv(
             rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
+            world_size=int(tasks),
             local_rank=int(env.get("SLURM_LOCALID", "0")),
             master_addr=env.get("MASTER_ADDR") or _slurm_master_addr(env),
             master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
@@ -99,6 +116,27 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     )
 
 
+class RendezvousError(RuntimeError):
+    """This process cannot host or reach its job's rendezvous store; one line naming the address,
+    where it came from and the cause (a port in use, nobody listening)."""
+
+    def __init__(self, launch: LaunchEnv, *, hosts: bool, cause: BaseException) -> None:
+        source = {
+            "torchrun": "MASTER_ADDR / MASTER_PORT",
+            "slurm": "MASTER_ADDR or the first node of SLURM_STEP_NODELIST; MASTER_PORT or 20000 + SLURM_JOB_ID % 20000",
+            "single": "a free port picked for this process",
+        }[launch.launcher]
+        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[-1][:300]
+        where = f"{launch.master_addr}:{launch.master_port}"
+        what = (
+            f"rank 0 cannot host the rendezvous at {where} (from {source}): {reason}; pick a free MASTER_PORT"
+            if hosts
+            else f"rank {launch.rank} cannot reach the rendezvous at {where} (from {source}): {reason}; "
+            "is rank 0 running?"
+        )
+        super().__init__(what)
+
+
 def _rendezvous_store(launch: LaunchEnv, *, timeout_minutes: float) -> dist.Store:
     """The store the process group meets on, private to this (re)start of the job.
 
@@ -106,15 +144,23 @@ def _rendezvous_store(launch: LaunchEnv, *, timeout_minutes: float) -> dist.Stor
     (``--max-restarts``); without a per-attempt prefix, restarted ranks would read the gloo
     addresses that the killed generation left there and fail with "connection refused".
     """
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        launch.master_addr,
-        launch.master_port,
-        world_size=launch.world_size,
-        is_master=launch.rank == 0 and not agent_hosts_store,
-        timeout=timedelta(minutes=timeout_minutes),
-        wait_for_workers=False,
+    # only a torchrun rank has an agent hosting the store (a leftover variable must not make a
+    # plain process wait for a server nobody runs)
+    agent_hosts_store = (
+        launch.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     )
+    hosts = launch.rank == 0 and not agent_hosts_store
+    try:
+        store = dist.TCPStore(
+            launch.master_addr,
+            launch.master_port,
+            world_size=launch.world_size,
+            is_master=hosts,
+            timeout=timedelta(minutes=timeout_minutes),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, TimeoutError) as e:  # torch's DistNetworkError / DistStoreError
+        raise RendezvousError(launch, hosts=hosts, cause=e) from e
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if launch.launcher == "torchrun" else "0"
     return dist.PrefixStore(f"automodel/attempt_{attempt}", store)
 

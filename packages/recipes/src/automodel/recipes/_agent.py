@@ -9,7 +9,10 @@ It is torch's own launcher (``torch.distributed.run.main``) with three differenc
 - it passes its pid to the ranks (``--launcher-pid``), so each rank checks that its parent-death
   signal is tied to this process.
 
-Usage: ``python -m automodel.recipes._agent --parent PID --log FILE -- <torchrun arguments>``.
+When it cannot gather the nodes (a rendezvous timeout, node 0 unreachable) it leaves the reason in
+``--error-dir`` for the launcher's one line.
+
+Usage: ``python -m automodel.recipes._agent --parent PID --log FILE [--error-dir DIR] -- <torchrun arguments>``.
 """
 
 from __future__ import annotations
@@ -19,22 +22,58 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
+from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.run import main as torchrun_main
 
 from automodel.recipes.lifetime import die_with_parent
+
+AGENT_ERROR_FILE = "agent_rendezvous.txt"
+#: The ranks' TORCH_CPP_LOG_LEVEL ("" = unset): the launcher runs the agent itself at FATAL.
+AGENT_RANKS_CPP_LOG_LEVEL = "AUTOMODEL_RANKS_TORCH_CPP_LOG_LEVEL"
+
+
+def write_agent_error(error_dir: str | Path, reason: str) -> None:
+    """torchrun's agent could not gather the nodes: its reason (one line) for the launcher."""
+    try:
+        (Path(error_dir) / AGENT_ERROR_FILE).write_text(
+            reason.strip().splitlines()[-1][:400] if reason.strip() else "?"
+        )
+    except OSError:
+        pass  # the launcher then prints the agent's log tail
+
+
+def read_agent_error(error_dir: str | Path) -> str | None:
+    try:
+        return (Path(error_dir) / AGENT_ERROR_FILE).read_text()
+    except OSError:
+        return None
+
+
+def _is_rendezvous_failure(e: BaseException) -> bool:
+    """An error of the agent itself meeting the other nodes (the ranks' failures are ChildFailedError)."""
+    return isinstance(e, DistError | RendezvousError | TimeoutError | ConnectionError)
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="automodel.recipes._agent")
     p.add_argument("--parent", type=int, required=True)
     p.add_argument("--log", required=True)
+    p.add_argument("--error-dir", default=None)
     p.add_argument("torchrun_args", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
 
     die_with_parent(expected_parent=args.parent)
+    ranks_level = os.environ.pop(AGENT_RANKS_CPP_LOG_LEVEL, None)
+    if ranks_level is not None:  # read by this process's torch at import; the ranks get the user's
+        if ranks_level:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = ranks_level
+        else:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
     torchrun_args = list(args.torchrun_args)
     if torchrun_args[:1] == ["--"]:
         torchrun_args = torchrun_args[1:]
@@ -52,8 +91,10 @@ def main(argv: list[str]) -> int:
         return 128 + int(e.sigval)
     except SystemExit as e:
         return int(e.code or 0) if not isinstance(e.code, str) else 1
-    except BaseException:
+    except BaseException as e:
         traceback.print_exc(file=log)
+        if args.error_dir is not None and _is_rendezvous_failure(e):
+            write_agent_error(args.error_dir, f"{type(e).__name__}: {e}")
         return 1
     return 0
 

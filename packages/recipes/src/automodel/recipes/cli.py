@@ -26,6 +26,7 @@ from automodel.recipes.resume_check import check_config_changes
 
 if TYPE_CHECKING:  # imported by the commands that need them (start-up, recipes --help)
     from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.node_watch import NodeWatch
     from automodel.recipes.resolved_run import ResolvedRun
 
 EXIT_CONFIG_ERROR = 2
@@ -97,12 +98,21 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train from a YAML config (any --section.key=value overrides it)")
     t.add_argument("config")
-    t.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, dest="nproc_per_node")
-    t.add_argument("--nnodes", default="1")
+    # launcher flags: None when not given (launch_plan refuses a given one the environment contradicts)
+    t.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None, dest="nproc_per_node")
+    t.add_argument("--nnodes", default=None)
     t.add_argument("--node-rank", "--node_rank", type=int, default=None, dest="node_rank")
     t.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, dest="rdzv_endpoint")
     t.add_argument("--rdzv-id", "--rdzv_id", default=None, dest="rdzv_id")
-    t.add_argument("--max-restarts", "--max_restarts", type=int, default=0, dest="max_restarts")
+    t.add_argument(
+        "--rdzv-timeout",
+        "--rdzv_timeout",
+        type=int,
+        default=None,
+        dest="rdzv_timeout",
+        help="seconds the nodes wait for each other to join (default 600)",
+    )
+    t.add_argument("--max-restarts", "--max_restarts", type=int, default=None, dest="max_restarts")
     t.add_argument(
         "--resume-with-changes",
         "--resume_with_changes",
@@ -190,7 +200,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _TRAIN_LAUNCHER_FLAGS = {
-    "nproc-per-node", "nnodes", "node-rank", "rdzv-endpoint", "rdzv-id", "max-restarts", "resume-with-changes",
+    "nproc-per-node", "nnodes", "node-rank", "rdzv-endpoint", "rdzv-id", "rdzv-timeout", "max-restarts",
+    "resume-with-changes",
 }  # fmt: skip
 
 
@@ -217,20 +228,15 @@ def load_and_parse(config: str, overrides: list[str]):
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     # lazy: start-up, recipes --help: launch ~7 s
-    from automodel.recipes.launch import LaunchOptions, already_launched, launch_torchrun
+    from automodel.recipes.launch import launch_torchrun
 
-    if already_launched():
+    # lazy: start-up, recipes --help: launch_plan ~1 s
+    from automodel.recipes.launch_plan import LAUNCHER_FLAGS, plan_launch
+
+    # who starts the ranks, decided (or refused) before anything is read, written or started
+    opts = plan_launch({key: getattr(args, key) for key in LAUNCHER_FLAGS})
+    if opts is None:
         return _train_rank(args, overrides)
-    opts = LaunchOptions(
-        nproc_per_node=args.nproc_per_node,
-        nnodes=str(args.nnodes),
-        node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id,
-        max_restarts=args.max_restarts,
-    )
-    if opts.nproc_per_node < 1:
-        raise ConfigError("--nproc-per-node", opts.nproc_per_node, "must be >= 1")
     cfg = load_and_parse(args.config, overrides)
     # lazy: start-up, recipes --help: resolved_run ~5 s
     from automodel.recipes.resolved_run import resolve_run
@@ -238,19 +244,18 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     # lazy: start-up, recipes --help: run_lock ~2.8 s
     from automodel.recipes.run_lock import acquire_run_lock, run_checkpoint_dir
 
-    nnodes = int(opts.nnodes.split(":")[-1])
     # the run resolved once for this machine (every check), before any process starts or anything
     # is written; the ranks get this value and check only their own process group
-    run = resolve_run(cfg, world_size=opts.nproc_per_node * nnodes, this_machine=True)
+    run = resolve_run(cfg, world_size=opts.world_size, this_machine=True)
     # One launcher per node: on a single node it holds the output_dir lock for the whole job
     # (restarts included); on several nodes rank 0 takes it, wherever it runs.
     lock = (
         acquire_run_lock(output_dir=cfg.output_dir, checkpoint_dir=run_checkpoint_dir(cfg))
-        if nnodes == 1
+        if opts.nnodes == 1
         else None
     )
     try:
-        if nnodes == 1:
+        if opts.node_rank == 0:  # node 0 checks the config against the output_dir's, for every node
             _check_resume(cfg, allow_changes=args.resume_with_changes)
         if opts.multi_process:
             return launch_torchrun(
@@ -289,11 +294,25 @@ def _train_rank(args: argparse.Namespace, overrides: list[str]) -> int:
             _check_resume(cfg, allow_changes=args.resume_with_changes)
         return cfg
 
-    return _run_guarded(config, rank=launch.rank, error_dir=args.launcher_error_dir)
+    # lazy: start-up, recipes --help: node_watch ~0.1 s
+    from automodel.recipes.node_watch import NodeWatch
+
+    watch = NodeWatch.from_env()  # a job of several nodes: say which one stopped, if one does
+    try:
+        return _run_guarded(
+            config, rank=launch.rank, error_dir=args.launcher_error_dir, watch=watch and watch.start()
+        )
+    finally:
+        if watch is not None:
+            watch.stop()
 
 
 def _run_guarded(
-    config: Callable[[], RecipeConfig | ResolvedRun], *, rank: int, error_dir: str | None
+    config: Callable[[], RecipeConfig | ResolvedRun],
+    *,
+    rank: int,
+    error_dir: str | None,
+    watch: NodeWatch | None = None,
 ) -> int:
     """Train; a failure becomes a traceback file plus one line (or the launcher's report).
 
@@ -315,7 +334,7 @@ def _run_guarded(
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        report = report_failure(e, rank=rank, output_dir=output_dir, error_dir=error_dir)
+        report = report_failure(_lost_node(e, watch), rank=rank, output_dir=output_dir, error_dir=error_dir)
         if error_dir is not None:
             return report.exit_code
         if not report.line:
@@ -325,6 +344,24 @@ def _run_guarded(
     if rank == 0:
         print(f"trained {result.steps} steps; metrics in {result.output_dir}/metrics.jsonl", file=sys.stderr)
     return 0
+
+
+def _lost_node(e: BaseException, watch: NodeWatch | None) -> BaseException:
+    """`e`, or, when another node of the job stopped (not a user mistake here), the error naming it."""
+    # lazy: start-up, recipes --help: rank_errors ~3 s
+    from automodel.recipes.rank_errors import EXIT_USER_ERROR, classify
+
+    if watch is None or classify(e)[0] == EXIT_USER_ERROR:
+        return e
+    # lazy: start-up, recipes --help: node_watch ~0.1 s
+    from automodel.recipes.node_watch import NodeStoppedError
+
+    line = watch.failed_node_line()
+    if line is None:
+        return e
+    lost = NodeStoppedError(line)
+    lost.__cause__ = e
+    return lost
 
 
 def _validate(args: argparse.Namespace, overrides: list[str]) -> int:

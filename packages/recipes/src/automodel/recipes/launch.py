@@ -1,7 +1,7 @@
 """Start the ranks of `recipes train` through torch's own launcher (torch.distributed.run).
 
-When more than one process is asked for and this process was not itself started by torchrun or
-SLURM `srun`, the CLI re-runs itself under torchrun's agent (`automodel.recipes._agent`, torch's
+When more than one process is asked for (`automodel.recipes.launch_plan` decides who starts the
+ranks), the CLI re-runs itself under torchrun's agent (`automodel.recipes._agent`, torch's
 own launcher run in a session of its own); otherwise it runs the training in place.
 
 The launcher owns the job: the agent and every rank die with it (parent-death signals, see
@@ -18,48 +18,55 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from automodel.mesh import detect_launch_env
 from automodel.recipes import rank_errors
+from automodel.recipes._agent import AGENT_RANKS_CPP_LOG_LEVEL, read_agent_error
+from automodel.recipes.launch_plan import LaunchOptions
 from automodel.recipes.lifetime import children_of
 
 if TYPE_CHECKING:
     from automodel.recipes.resolved_run import ResolvedRun
 
 
-@dataclass(frozen=True)
-class LaunchOptions:
-    nproc_per_node: int = 1
-    nnodes: str = "1"
-    node_rank: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    max_restarts: int = 0
-
-    @property
-    def multi_process(self) -> bool:
-        return self.nproc_per_node > 1 or self.nnodes not in ("1", "1:1")
+#: What torchrun sets for each rank (and a job script or notebook may have left behind): never passed
+#: to the agent, which sets them afresh for the ranks it starts.
+RANK_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
 
 
-def already_launched() -> bool:
-    """True under torchrun (RANK/WORLD_SIZE set) or SLURM srun (SLURM_PROCID set)."""
-    return detect_launch_env().launcher != "single"
+def agent_env(environ: dict[str, str]) -> dict[str, str]:
+    """The agent's environment: `environ` without rank variables and TORCHELASTIC_* leftovers."""
+    env = {k: v for k, v in environ.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # the agent's own C++ log lines (a rendezvous client timing out, with a stack) stay off the
+    # terminal; the agent gives the ranks the user's level back (AGENT_RANKS_CPP_LOG_LEVEL)
+    env[AGENT_RANKS_CPP_LOG_LEVEL] = env.get("TORCH_CPP_LOG_LEVEL", "")
+    env["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    return env
 
 
 def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
-    """torchrun's arguments (after ``python -m torch.distributed.run``) for `recipes train` ranks."""
+    """torchrun's arguments (after ``python -m torch.distributed.run``) for `recipes train` ranks.
+
+    Several nodes meet in torch's static rendezvous: node `node_rank` gets ranks
+    ``node_rank * nproc_per_node ...``, node 0 hosts the store at the endpoint, and every node
+    waits at most `rdzv_timeout` seconds for the others."""
     cmd = [f"--nproc-per-node={opts.nproc_per_node}", f"--nnodes={opts.nnodes}"]
-    if opts.rdzv_endpoint is None and opts.nnodes in ("1", "1:1"):
+    if opts.nnodes == 1:
         cmd.append("--standalone")
     else:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={opts.rdzv_endpoint}"]
+        cmd += [
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={opts.rdzv_endpoint}",
+            f"--node-rank={opts.node_rank}",
+            f"--rdzv-conf=timeout={opts.rdzv_timeout}",
+        ]
         if opts.rdzv_id is not None:
             cmd.append(f"--rdzv-id={opts.rdzv_id}")
-    if opts.node_rank is not None:
-        cmd.append(f"--node-rank={opts.node_rank}")
     cmd.append(f"--max-restarts={opts.max_restarts}")
     cmd += ["-m", "automodel.recipes.cli", "train", *train_args]
     return cmd
@@ -68,6 +75,16 @@ def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
 def torchrun_command(opts: LaunchOptions, train_args: list[str]) -> list[str]:
     """The plain torchrun command line of the same job (what a user would type by hand)."""
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(opts, train_args)]
+
+
+def rendezvous_line(opts: LaunchOptions, reason: str) -> str:
+    """The one line of a rendezvous that failed (the other nodes never joined, or node 0 is not up)."""
+    where = f"node {opts.node_rank} of {opts.nnodes}"
+    return (
+        f"--rdzv-endpoint={opts.rdzv_endpoint}: the nodes did not meet within --rdzv-timeout={opts.rdzv_timeout} s "
+        f"({where}: {reason}); start `recipes train` with the same --nnodes and --rdzv-endpoint and "
+        f"--node-rank 0..{opts.nnodes - 1} on every node (node 0 at that address), or raise --rdzv-timeout"
+    )
 
 
 class _Forwarder:
@@ -129,8 +146,7 @@ def launch_torchrun(
     On failure, print one line per distinct error the ranks reported (exit 2 for user mistakes),
     or the root-cause rank's traceback, or the tail of torchrun's log when no rank reported.
     """
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = agent_env(dict(os.environ))
     error_dir = tempfile.mkdtemp(prefix="automodel-rank-errors-")
     run_dir = Path(tempfile.mkdtemp(prefix="automodel-run-"))
     log = Path(run.output_dir) / "logs" / "torchrun.log"
@@ -138,7 +154,8 @@ def launch_torchrun(
         run.save(run_dir / "run.pkl")
         log.parent.mkdir(parents=True, exist_ok=True)
         cmd = [
-            sys.executable, "-m", "automodel.recipes._agent", f"--parent={os.getpid()}", f"--log={log}", "--",
+            sys.executable, "-m", "automodel.recipes._agent", f"--parent={os.getpid()}", f"--log={log}",
+            f"--error-dir={error_dir}", "--",
             *torchrun_args(
                 opts,
                 [*train_args, f"--launcher-error-dir={error_dir}", f"--launcher-resolved={run_dir / 'run.pkl'}"],
@@ -159,6 +176,8 @@ def launch_torchrun(
             return 0
         if reports:
             code, lines = rank_errors.summarize(reports)
+        elif (rdzv := read_agent_error(error_dir)) is not None:
+            code, lines = rank_errors.EXIT_RUN_ERROR, [f"error: {rendezvous_line(opts, rdzv)}"]
         else:
             tail = log.read_text(errors="replace").splitlines()[-25:] if log.is_file() else []
             lines = [*tail, f"recipes train: torchrun exited with {code}; its log: {log}"]

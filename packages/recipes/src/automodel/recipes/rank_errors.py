@@ -3,9 +3,10 @@
 A rank that fails writes its full traceback to ``<output_dir>/logs/rank_<N>.error.log`` (or, when
 output_dir cannot be written, next to its report) and, under the `recipes` launcher, a small JSON
 report into the launcher's error directory. The launcher reads the reports once torchrun is done:
-user mistakes (config, data, checkpoint, file-system errors, and every `ValueError` the project
-raises on purpose: `errors.is_user_error`) become one line each and exit code 2;
-a run failure with a clear cause (non-finite loss, collective time-out) one line and exit 1; any
+user mistakes (config, data, checkpoint, file-system errors, a rendezvous port in use, and every
+`ValueError` the project raises on purpose: `errors.is_user_error`) become one line each and exit
+code 2; a run failure with a clear cause (non-finite loss, collective time-out, another node that
+stopped: `automodel.recipes.node_watch`) one line and exit 1; any
 other error the root-cause rank's traceback (the earliest failure) and exit 1.
 """
 
@@ -21,9 +22,11 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from automodel.mesh import RendezvousError
 from automodel.recipes.checkpoint.paths import CheckpointError
 from automodel.recipes.errors import ConfigError, DataError, is_user_error
 from automodel.recipes.file_kind import os_error_line
+from automodel.recipes.node_watch import NodeStoppedError
 from automodel.recipes.trainer import CollectiveTimeoutError, NonFiniteError
 
 EXIT_USER_ERROR = 2
@@ -68,7 +71,7 @@ def classify(exc: BaseException) -> tuple[int, str]:
     """``(exit code, one line)`` for `exc`; the line is "" when only a traceback explains it."""
     chain = _causes(exc)
     for e in chain:
-        if isinstance(e, ConfigError | DataError):
+        if isinstance(e, ConfigError | DataError | RendezvousError):
             return EXIT_USER_ERROR, str(e)
     for e in chain:
         if isinstance(e, OSError) and e.errno in USER_ERRNOS:
@@ -80,7 +83,7 @@ def classify(exc: BaseException) -> tuple[int, str]:
         if is_user_error(e):
             return EXIT_USER_ERROR, str(e)
 
-    if isinstance(exc, NonFiniteError | CollectiveTimeoutError):
+    if isinstance(exc, NonFiniteError | CollectiveTimeoutError | NodeStoppedError):
         return EXIT_RUN_ERROR, f"{type(exc).__name__}: {exc}"
     return EXIT_RUN_ERROR, ""
 
