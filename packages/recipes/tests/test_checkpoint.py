@@ -743,6 +743,7 @@ def test_the_async_stager_rule_matches_the_installed_torch():
     stager = _new_stager(pinned=False)
     state = {"w": torch.arange(4.0), "extra": {"step": torch.tensor(3), "names": ["a", "b"]}}
     first = stager.stage(state)
+    assert isinstance(first, dict)  # staged in place (no async staging): the copy, not a Future
     assert torch.equal(first["w"], state["w"]) and first["extra"]["names"] == ["a", "b"]
     try:
         if STAGER_IS_SINGLE_USE:
@@ -750,6 +751,7 @@ def test_the_async_stager_rule_matches_the_installed_torch():
                 stager.stage(state)
         else:
             second = stager.stage(state)
+            assert isinstance(second, dict)
             assert torch.equal(second["extra"]["step"], state["extra"]["step"])
     finally:
         stager.close()
