@@ -25,7 +25,7 @@ EXEMPT_DIRS = ("strategies", "compat")
 #: (file relative to SRC, the word): another vocabulary's word that spells a strategy name.
 OTHER_VOCABULARIES = {
     ("config/sections.py", "single"),  # dataloader.dataloader_type, NeMo AutoModel's value
-    ("launch.py", "single"),  # automodel.mesh.LaunchEnv.launcher: no torchrun / srun
+    ("launch_plan.py", "single"),  # automodel.mesh.LaunchEnv.launcher: no torchrun / srun
 }
 
 

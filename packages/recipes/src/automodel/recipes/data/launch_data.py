@@ -3,23 +3,28 @@ corpus files, and the text rows the run would read (run once by `preflight.check
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.data.text_rows import check_text_keys
 from automodel.recipes.data.token_ids import check_corpus_ids, check_tokenizer_ids
-from automodel.recipes.data.tokenizer import build_tokenizer
+from automodel.recipes.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 from automodel.recipes.model import build_hf_config
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def model_vocab(hf_config: Any) -> tuple[int, str]:
+    from automodel.recipes.config.recipe import RecipeConfig
+
+
+def model_vocab(hf_config: PretrainedConfig) -> tuple[int, str]:
     """``(vocab_size, the key that sets it)`` of the model's text decoder."""
     text = text_config(hf_config)
     key = "model.config.vocab_size" if text is hf_config else "model.config.text_config.vocab_size"
     return int(text.vocab_size), key
 
 
-def run_tokenizer(cfg: Any) -> Any:
+def run_tokenizer(cfg: RecipeConfig) -> ByteTokenizer | HFTokenizer:
     """The run's tokenizer, built as every rank builds it."""
     section = cfg.tokenizer
     return build_tokenizer(
@@ -27,7 +32,7 @@ def run_tokenizer(cfg: Any) -> Any:
     )
 
 
-def check_data_fits_model(cfg: Any, *, hf_config: Any = None) -> None:
+def check_data_fits_model(cfg: RecipeConfig, *, hf_config: PretrainedConfig | None = None) -> None:
     """Rows without their text (``bad_rows: error``), then ids the model cannot embed: the
     tokenizer's (not where its own code would run: the ranks check it) and the corpus files'."""
     for section in (cfg.dataset, cfg.validation_dataset):
