@@ -6,7 +6,6 @@ path, and refusals that name ``module_fqns_per_model_part`` for models that are 
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
@@ -107,7 +106,8 @@ def test_a_stage_error_in_eval_is_raised_on_every_rank(schedule: str) -> None:
         assert "labels is required on the rank that holds the last pipeline stage" in seen[2]
 
 
-FULL = os.environ.get("AUTOMODEL_FAULTS") == "all"
+from automodel.testing.faults import FULL  # noqa: E402
+
 _LOSS_FAILS = {"on": False}  # set inside a rank (each forked rank has its own copy)
 
 

@@ -9,7 +9,6 @@ node, a one-node checkpoint resumed on two nodes, and a killed node.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -23,10 +22,8 @@ from _launch_helpers import clean_env, free_port, losses, start_train, write_con
 from _recipe_helpers import RTOL, preload, tiny_config  # noqa: E402
 
 from automodel.recipes.lifetime import descendants_of, is_alive  # noqa: E402
+from automodel.testing.faults import full_only  # noqa: E402
 from automodel.testing.ranks import run_on_ranks  # noqa: E402
-
-FULL = os.environ.get("AUTOMODEL_FAULTS") == "all"
-full_only = pytest.mark.skipif(not FULL, reason="in `nox -s faults` (AUTOMODEL_FAULTS=all)")
 
 STEPS = 4
 TIMEOUT = 300

@@ -2,6 +2,7 @@
 
 Faults are injected by `test_faults_hooks.FaultyAdamW`, named as the YAML's optimizer
 ``_target_``: SIGKILL of one rank under ``--max-restarts 1``, SIGTERM, a hung rank, a NaN weight.
+The SIGKILL, async-save and hung-rank cases run in `nox -s faults` (``AUTOMODEL_FAULTS=all``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import yaml
 from safetensors.torch import load_file
 
 from automodel.recipes.checkpoint.paths import check_complete
+from automodel.testing.faults import full_only
 from automodel.testing.ranks import RankFailure, run_on_ranks
 
 TESTS_DIR = Path(__file__).parent
@@ -209,6 +211,7 @@ def test_sigterm_saves_and_exits_with_message(tmp_path, capfd):
     assert steps == list(range(1, 11))
 
 
+@full_only  # ~30 s on 2 cores: a fault-suite case (`nox -s faults`)
 def test_sigkill_of_a_rank_restarts_and_matches(straight, tmp_path):
     """`recipes train --max-restarts`: rank 1 is SIGKILLed at step 7; torchrun restarts from step_5."""
     ref_dir, _ = straight
@@ -252,6 +255,7 @@ def test_async_saves_match_the_sync_run_and_resume_bitwise(straight, tmp_path):
         assert torch.equal(got[name], ref[name]), name
 
 
+@full_only  # ~40 s on 2 cores: a fault-suite case (`nox -s faults`)
 def test_sigkill_during_an_async_save_resumes_from_the_previous_one(straight, tmp_path):
     """`recipes train --max-restarts 1`, is_async, saves every 3 steps, each shard write held 2 s on
     the first launch: rank 1 is SIGKILLed at step 7 while step_6 is being written. The restart
@@ -278,6 +282,7 @@ def test_sigkill_during_an_async_save_resumes_from_the_previous_one(straight, tm
         assert torch.equal(got[name], ref[name]), name
 
 
+@full_only  # ~30 s on 2 cores: a fault-suite case (`nox -s faults`)
 def test_hung_rank_fails_with_timeout(tmp_path):
     """Rank 1 hangs at step 2; rank 0 fails within dist_env.timeout_minutes (6 s), not in 600 s."""
     cfg = _config(

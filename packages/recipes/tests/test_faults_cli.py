@@ -1,9 +1,10 @@
 """Faults around the `recipes train` command itself (2 gloo ranks under the launcher): nothing lost,
 nothing hangs, nothing silent.
 
-In the CPU suite: a SIGKILLed launcher takes every rank with it and the next run takes over its
-lock and resumes with one metrics record per step; SIGTERM on a checkpoint step; an error inside
-the ranks reaches the user as one line. `nox -s faults` runs every case (``AUTOMODEL_FAULTS=all``).
+In the CPU suite: SIGTERM on a checkpoint step; an error inside the ranks reaches the user as one
+line. `nox -s faults` runs every case (``AUTOMODEL_FAULTS=all``), among them a SIGKILLed launcher
+taking every rank with it while the next run takes over its lock and resumes with one metrics
+record per step.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))
 from _recipe_helpers import tiny_config  # noqa: E402
 
-FULL = os.environ.get("AUTOMODEL_FAULTS") == "all"
-full_only = pytest.mark.skipif(not FULL, reason="in `nox -s faults` (AUTOMODEL_FAULTS=all)")
+from automodel.testing.faults import full_only  # noqa: E402
 
 
 def _env() -> dict[str, str]:
@@ -104,6 +104,7 @@ def _wait_dead(pids: list[int], seconds: float) -> list[int]:
     return [p for p in pids if is_alive(p)]
 
 
+@full_only  # ~40 s on 2 cores; the CPU suite keeps the SIGTERM and rank-error cases
 def test_killed_launcher_takes_its_ranks_and_the_next_run_resumes(tmp_path):
     """SIGKILL of the launcher (only): no rank alive 10 s later. The next run takes over the stale
     lock, says where it resumes from, and metrics.jsonl ends with one record per step."""

@@ -26,9 +26,7 @@ from _launch_helpers import LAUNCH_PREFIXES, clean_env, free_port, losses, start
 
 from automodel.recipes.cli import run_cli  # noqa: E402
 from automodel.recipes.launch_plan import LaunchOptions, plan_launch  # noqa: E402
-
-FULL = os.environ.get("AUTOMODEL_FAULTS") == "all"
-full_only = pytest.mark.skipif(not FULL, reason="in `nox -s faults` (AUTOMODEL_FAULTS=all)")
+from automodel.testing.faults import full_only  # noqa: E402
 
 #: The variables of a job step srun started (task 0 of 2) and of an sbatch shell of one task.
 SRUN_TASK = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",

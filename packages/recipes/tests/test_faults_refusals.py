@@ -44,8 +44,8 @@ TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))
 from _recipe_helpers import tiny_config  # noqa: E402
 
-FULL = os.environ.get("AUTOMODEL_FAULTS") == "all"
-full_only = pytest.mark.skipif(not FULL, reason="in `nox -s faults` (AUTOMODEL_FAULTS=all)")
+from automodel.testing.faults import full_only  # noqa: E402
+
 NOBODY = 65534
 
 
