@@ -42,10 +42,15 @@ class CliRun:
 
     def launch(self, *, timeout_s: float = 900) -> list[dict]:
         """Write, run the CLI (torchrun for 2+ ranks) and return its metrics records."""
+        return self.launch_with_stderr(timeout_s=timeout_s)[0]
+
+    def launch_with_stderr(self, *, timeout_s: float = 900) -> tuple[list[dict], str]:
+        """`launch`, with what the CLI printed on stderr (its start-up lines)."""
         cmd = self.write()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if self.cpu else None
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout_s, cwd=self.out.parent, env=env
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
-        return [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+        return records, proc.stderr

@@ -54,3 +54,42 @@ def test_fsdp2_on_gpus_matches_the_cpu_run_and_bf16_stays_close(tmp_path: Path) 
         assert got["loss"] == pytest.approx(ref["loss"], rel=5e-2), (ref["step"], ref["loss"], got["loss"])
     assert bf16[-1]["loss"] < bf16[0]["loss"] - 0.5
     assert all(r["peak_mem_bytes"] > 0 for r in bf16)
+
+
+def async_checkpoint_runs(tmp_path: Path, *, cpu: bool = False) -> dict[str, CliRun]:
+    """8 steps with an async save every 4, and a run resumed from its step 4 (``restore_from``)."""
+
+    def config(out: Path, **checkpoint: Any) -> dict[str, Any]:
+        cfg = tiny_config(
+            str(out),
+            step_scheduler={"max_steps": 8, "val_every_steps": None, "ckpt_every_steps": 4},
+            checkpoint={"enabled": True, "is_async": True, **checkpoint},
+        )
+        cfg.pop("validation_dataset")
+        return cfg
+
+    step_4 = tmp_path / "straight" / "checkpoints" / "step_4"
+    return {
+        "straight": CliRun(tmp_path / "straight", config(tmp_path / "straight"), 1, cpu=cpu),
+        "resumed": CliRun(
+            tmp_path / "resumed", config(tmp_path / "resumed", restore_from=str(step_4)), 1, cpu=cpu
+        ),
+    }
+
+
+def check_async_checkpoint_runs(runs: dict[str, CliRun], *, pinned: bool) -> None:
+    """The staging line says which host memory was used; the resume reproduces steps 5-8."""
+    straight, stderr = runs["straight"].launch_with_stderr()
+    assert ("pinned host memory" in stderr) == pinned, stderr[-2000:]
+    assert (runs["straight"].out / "checkpoints" / "LATEST").read_text().strip() == "step_8"
+    resumed = runs["resumed"].launch()
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    for ref, got in zip([r for r in straight if r["step"] > 4], resumed, strict=True):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6), (ref["step"], ref["loss"], got["loss"])
+
+
+@pytest.mark.gpu
+def test_async_checkpoint_on_one_gpu_stages_pinned_and_resumes(tmp_path: Path) -> None:
+    """``checkpoint.is_async`` with a CUDA device: staged in pinned host memory (non-blocking copies),
+    written in the background, and a resume from an async save reproduces the straight run."""
+    check_async_checkpoint_runs(async_checkpoint_runs(tmp_path), pinned=True)
