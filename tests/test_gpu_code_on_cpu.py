@@ -97,6 +97,9 @@ def _recipes_gpu_runs(tmp_path: Path) -> dict[str, list]:
         "test_fsdp2_on_gpus_matches_the_cpu_run_and_bf16_stays_close": [
             *gpu.fsdp2_runs(tmp_path / "fsdp2", 2).values()
         ],
+        "test_async_checkpoint_on_one_gpu_stages_pinned_and_resumes": [
+            *gpu.async_checkpoint_runs(tmp_path / "async").values()
+        ],
         "test_megatron_fsdp_matches_fsdp2_and_really_wraps[1gpu]": [
             *megatron.parity_runs(tmp_path / "parity1", 1).values()
         ],
