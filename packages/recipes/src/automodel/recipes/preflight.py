@@ -118,7 +118,7 @@ def check_restore_from(cfg: RecipeConfig) -> None:
     if root.exists() and not root.is_dir():
         raise ConfigError(root_key, str(root), "is a file where the run keeps its checkpoints (a directory)")
     if section.restore_from is None:
-        newest = newest_complete(root) if section.on_corrupt == "fail" else None
+        newest = newest_complete(root, announce_skipped=False) if section.on_corrupt == "fail" else None
         problem = checkpoint_problem(newest) if newest is not None else None
         if problem is not None:
             raise ConfigError(

@@ -85,13 +85,15 @@ def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted((s, p) for s, p in found if s is not None)
 
 
-def newest_complete(root: Path) -> Path | None:
-    """The highest-step complete checkpoint; incomplete ones are skipped with a log line."""
+def newest_complete(root: Path, *, announce_skipped: bool = True) -> Path | None:
+    """The highest-step complete checkpoint; incomplete ones are skipped with a log line (not when
+    the pre-launch check looks: the ranks that resume say it once)."""
     for step, path in reversed(list_step_dirs(root)):
         try:
             check_complete(path)
         except CheckpointError as err:
-            log.warning("skipping checkpoint step %d: %s", step, err)
+            if announce_skipped:
+                log.warning("skipping checkpoint step %d: %s", step, err)
             continue
         return path
     return None
