@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _launch_helpers import clean_env  # noqa: E402
 from _recipe_helpers import tiny_config  # noqa: E402
 
 #: CLI runs of the exit stress test: 2 in the CPU suite; `nox -s stress` runs 20.
@@ -47,16 +48,6 @@ def _config(tmp_path: Path) -> Path:
 def _recipes_executable() -> str:
     candidate = Path(sys.executable).with_name("recipes")
     return str(candidate) if candidate.exists() else "recipes"
-
-
-def _clean_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 RANK_SCRIPT = textwrap.dedent(
@@ -84,7 +75,7 @@ def test_teardown_joins_every_gloo_worker(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = {**_clean_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    env = {**clean_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RANK_SCRIPT, str(cfg)],
@@ -123,9 +114,7 @@ def test_two_rank_training_exits_0_every_time(tmp_path: Path) -> None:
             f"--output_dir={tmp_path}/run{i}",
         ]
         with open(tmp_path / f"run{i}.stderr", "w") as err:  # a file: a full pipe would stall the job
-            return subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=err, env=_clean_env(), cwd=tmp_path
-            )
+            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=clean_env(), cwd=tmp_path)
 
     failures = []
     for first in range(0, RUNS, 2):

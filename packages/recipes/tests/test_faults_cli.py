@@ -10,7 +10,6 @@ record per step.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import signal
 import subprocess
@@ -27,19 +26,10 @@ from automodel.recipes.lifetime import descendants_of, is_alive
 
 TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))
+from _launch_helpers import clean_env  # noqa: E402
 from _recipe_helpers import tiny_config  # noqa: E402
 
 from automodel.testing.faults import full_only  # noqa: E402
-
-
-def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _write_config(tmp: Path, **sections: Any) -> Path:
@@ -69,7 +59,7 @@ def _start(config: Path, tmp: Path, *extra: str, name: str = "launcher") -> tupl
         *extra,
     ]
     with open(err, "w") as f:  # a file: a full pipe would stall the job
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=_env(), cwd=tmp)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, env=clean_env(), cwd=tmp)
     return proc, err
 
 
@@ -185,7 +175,7 @@ def test_busy_output_dir_is_refused_before_launch(tmp_path):
         _wait_for_steps(first, run, 1, err)
         second = subprocess.run(
             [sys.executable, "-m", "automodel.recipes.cli", "train", str(config), "--nproc-per-node", "2"],
-            capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120,
+            capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=120,
         )  # fmt: skip
     finally:
         first.send_signal(signal.SIGKILL)
@@ -202,7 +192,7 @@ def test_changed_config_stops_with_differences(tmp_path):
     assert proc.wait(timeout=300) == 0, err.read_text()[-3000:]
     changed = subprocess.run(
         [sys.executable, "-m", "automodel.recipes.cli", "train", str(config), "--optimizer.lr=0.03"],
-        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120,
+        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=120,
     )  # fmt: skip
     assert changed.returncode == 2
     assert "optimizer.lr: 0.003 -> 0.03" in changed.stderr and "--resume-with-changes" in changed.stderr
@@ -245,11 +235,11 @@ def test_single_process_run_holds_its_own_lock_and_resumes(tmp_path):
     the trainer finds it held by its own process. A second run resumes and says so."""
     config = _write_config(tmp_path, step_scheduler={"max_steps": 2})
     cmd = [sys.executable, "-m", "automodel.recipes.cli", "train", str(config)]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+    first = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "fresh start" in first.stderr
     again = subprocess.run(
-        [*cmd, "--step_scheduler.max_steps=3"], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300
+        [*cmd, "--step_scheduler.max_steps=3"], capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=300
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from step 2 ({tmp_path / 'run' / 'checkpoints' / 'step_2'})" in again.stderr

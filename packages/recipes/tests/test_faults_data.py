@@ -9,7 +9,6 @@ The pre-launch cases run in-process (`run_cli`) in the CPU suite; the ones that 
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from automodel.recipes.data.token_ids import SAMPLE_TOKENS
 
 TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))
+from _launch_helpers import clean_env  # noqa: E402
 from _recipe_helpers import tiny_config  # noqa: E402
 
 from automodel.testing.faults import full_only  # noqa: E402
@@ -117,16 +117,6 @@ def test_refused_before_launch_in_one_line(
 
 
 # ---- in the ranks --------------------------------------------------------------------------------
-def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _train(tmp: Path, cfg: dict[str, Any], *, nproc: int = 1) -> subprocess.CompletedProcess:
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     cmd = [
@@ -137,7 +127,7 @@ def _train(tmp: Path, cfg: dict[str, Any], *, nproc: int = 1) -> subprocess.Comp
         str(tmp / "cfg.yaml"),
         f"--nproc-per-node={nproc}",
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), cwd=tmp, timeout=600)
 
 
 def _ids_beyond_vocab_in_the_middle(tmp: Path) -> tuple[str, set[int]]:

@@ -42,21 +42,12 @@ from automodel.testing.tiny_model import TINY_SIZES
 
 TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))
+from _launch_helpers import clean_env  # noqa: E402
 from _recipe_helpers import tiny_config  # noqa: E402
 
 from automodel.testing.faults import full_only  # noqa: E402
 
 NOBODY = 65534
-
-
-def _env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _config(tmp: Path, **sections: Any) -> Path:
@@ -197,7 +188,7 @@ def test_pickled_weights_console_script(tmp_path):
     config = _config(tmp_path, **_pretrained(d))
     proc = subprocess.run(
         [sys.executable, "-m", "automodel.recipes.cli", "train", str(config), "--nproc-per-node", "2"],
-        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120,
+        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=120,
     )  # fmt: skip
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -359,7 +350,7 @@ def test_project_value_error_in_the_run_is_one_line_single_process(tmp_path):
     config = _bin_not_a_state_dict(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "automodel.recipes.cli", "train", str(config)],
-        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
+        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -373,7 +364,7 @@ def test_project_value_error_in_the_ranks_is_one_line_two_ranks(tmp_path):
     config = _bin_not_a_state_dict(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "automodel.recipes.cli", "train", str(config), "--nproc-per-node", "2"],
-        capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300,
+        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
