@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 from automodel.recipes.config.kernels import AUTOMODEL_EXAMPLE_FP8
@@ -67,3 +69,27 @@ def preload() -> None:
 
     import automodel.fsdp2  # noqa: F401
     import automodel.recipes.trainer  # noqa: F401
+
+
+#: The id the sparse tokenizer gives "z": far beyond any tiny model's vocab_size, while its
+#: ``len()``/``vocab_size`` stay under 256.
+SPARSE_TOKENIZER_BIG_ID = 2_000_000_000
+
+
+def write_sparse_tokenizer(directory: Path) -> Path:
+    """A character-level tokenizer whose "z" is id 2e9, written as files into `directory`.
+
+    Written with the ``tokenizers`` library directly: transformers' own ``save_pretrained`` walks
+    every id up to the largest (~90 s).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(c): c for c in range(32, 122)} | {"<eos>": 0, "<unk>": 1, "z": SPARSE_TOKENIZER_BIG_ID}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    directory.mkdir(parents=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>"})
+    )
+    return directory

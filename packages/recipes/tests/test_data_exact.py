@@ -38,7 +38,7 @@ from automodel.recipes.data.tokenizer import ByteTokenizer, build_tokenizer
 from automodel.recipes.errors import ConfigError, DataError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _recipe_helpers import tiny_config  # noqa: E402
+from _recipe_helpers import tiny_config, write_sparse_tokenizer  # noqa: E402
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
@@ -247,18 +247,7 @@ def test_a_bad_id_between_the_sampled_ends_stops_its_batch_naming_file_and_token
 
 
 def test_a_tokenizer_yielding_an_id_beyond_vocab_size_is_refused_before_launch(tmp_path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    # a character-level tokenizer whose "z" is id 2e9 (written as files: transformers' own
-    # save_pretrained walks every id up to it, ~90 s)
-    vocab = {chr(c): c for c in range(32, 122)} | {"<eos>": 0, "<unk>": 1, "z": 2_000_000_000}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    (tmp_path / "tok").mkdir()
-    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
-    (tmp_path / "tok" / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>"})
-    )
+    write_sparse_tokenizer(tmp_path / "tok")
     built = build_tokenizer(str(tmp_path / "tok"))
     assert 2_000_000_000 in built.encode("a z") and built.vocab_size < 256  # len() misses it
     cfg = tiny_config(str(tmp_path / "run"), tokenizer={"path": str(tmp_path / "tok")})

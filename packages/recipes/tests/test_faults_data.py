@@ -28,7 +28,7 @@ from automodel.recipes.data.token_ids import SAMPLE_TOKENS
 TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))
 from _launch_helpers import clean_env  # noqa: E402
-from _recipe_helpers import tiny_config  # noqa: E402
+from _recipe_helpers import tiny_config, write_sparse_tokenizer  # noqa: E402
 
 from automodel.testing.faults import full_only  # noqa: E402
 
@@ -81,16 +81,7 @@ def _megatron_wide_ids(tmp: Path) -> tuple[dict, str]:
 
 
 def _sparse_tokenizer(tmp: Path) -> tuple[dict, str]:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {chr(c): c for c in range(32, 122)} | {"<eos>": 0, "<unk>": 1, "z": 2_000_000_000}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    (tmp / "tok").mkdir()
-    tok.save(str(tmp / "tok" / "tokenizer.json"))
-    (tmp / "tok" / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>"})
-    )
+    write_sparse_tokenizer(tmp / "tok")
     return (
         {"tokenizer": {"path": str(tmp / "tok")}},
         f"error: tokenizer.path='{tmp / 'tok'}': the tokenizer yields id 2000000000 ('z'), outside",
