@@ -84,7 +84,8 @@ def test_deepseek_v3_with_fewer_kv_heads_splits_and_pp2_equals_one_process() -> 
     assert (structure.layers_fqn, structure.num_layers) == ("model.layers", 4)
     assert structure.pre_fqns == ("model.embed_tokens",)
     assert set(structure.post_fqns) == {"model.norm", "lm_head"}
-    assert getattr(model.config, "_attn_implementation", None) == "sdpa"  # the trace ran on a copy; the model is as built
+    # the trace ran on a copy: the model is as built
+    assert getattr(model.config, "_attn_implementation", None) == "sdpa"
 
     ref_losses, ref_grads = one_process(deepseek_v3(), lr=LR, steps=STEPS)
     ranks = run_on_ranks(_pipelined, world_size=2, timeout_s=300)
