@@ -41,7 +41,8 @@ def startup_notes(cfg: RecipeConfig, raw: dict) -> list[str]:
         notes.append(
             "validation: every step_scheduler.val_every_steps steps and at the last, on the first "
             f"val_batches={cfg.step_scheduler.val_batches} global batches of validation_dataset (AutoModel: "
-            "also at each ckpt_every_steps step, on all of it; step_scheduler.val_batches: null: all full global batches)"
+            "also at each ckpt_every_steps step, on all of it; step_scheduler.val_batches: null: all of it here too, "
+            "the last batch smaller)"
         )
     if not cfg.dataloader.drop_last:
         notes.append(
