@@ -371,6 +371,11 @@ class Parallelism(ABC):
         return None
 
     # ---- the layout report ---------------------------------------------------------------
+    def describe_part(self, part: torch.nn.Module) -> dict[str, object]:
+        """What it put on one model part's modules that its parameters do not show (CP's attention
+        hooks), read off the live part for the layout report; nothing by default."""
+        return {}
+
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
         """What this rank really holds of it, read off its report (not off the config): by
         default, per axis of `report_axes` larger than 1, how many parameters it shards."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from automodel.context_parallel import make_cp_batch_and_ctx
+from automodel.context_parallel import context_parallel_modules, make_cp_batch_and_ctx
 from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
@@ -125,6 +125,10 @@ class ContextParallel(Parallelism):
             return 0.0
         kv = 2 * shape.kv_heads * shape.head_dim * t.mb_tokens * s.compute_bytes / s.tp
         return 2 * t.layers_rank * t.micro_batches * (s.cp - 1) * kv / t.bandwidth(s.cp * s.tp)
+
+    def describe_part(self, part: torch.nn.Module) -> dict[str, object]:
+        """The attention modules that carry the CP group and hooks (`cp_attention`)."""
+        return {"cp_attention": context_parallel_modules(part)}
 
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
         lines = super().report_lines(report, axis_sizes=axis_sizes)
