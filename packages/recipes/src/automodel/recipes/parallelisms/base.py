@@ -23,7 +23,7 @@ import contextlib
 from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -35,10 +35,8 @@ if TYPE_CHECKING:
 
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
-    from automodel.recipes.planning.memory import StepSetup
-    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
-    from automodel.recipes.strategies.base import ParallelModel
+    from automodel.recipes.planning.step import StepSetup, StepTraffic
 
 #: One rank's layout report (`automodel.mesh.layout_report.rank_report`): JSON-like values.
 RankReport = Mapping[str, object]
@@ -49,6 +47,16 @@ _UNSET = ("none", "null", "auto")
 
 #: A context manager factory a micro-batch's forward and backward run inside.
 BatchContext = Callable[[], contextlib.AbstractContextManager[object]]
+
+
+class LoopModel(Protocol):
+    """What the training loop's model (`strategies.base.ParallelModel`) shows a parallelism's loop
+    hooks: a Protocol, so the parallelisms import no strategy (the strategies import them)."""
+
+    @property
+    def pipeline(self) -> Any:
+        """The built pipeline (`automodel.pipeline.AutoPipeline`'s) when pp > 1, else None."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -356,17 +364,17 @@ class Parallelism(ABC):
         """This rank's share of one micro-batch (CP's sequence split); unchanged by default."""
         return batch
 
-    def runs_local_batch(self, model: ParallelModel) -> bool:
+    def runs_local_batch(self, model: LoopModel) -> bool:
         """Whether it runs a whole local batch itself (`run_local_batch`: the pipeline schedule
         runs every micro-batch's forward and backward) instead of the loop's micro-batches."""
         return False
 
-    def run_local_batch(self, batch: MicroBatch, *, model: ParallelModel, train: bool) -> torch.Tensor:
+    def run_local_batch(self, batch: MicroBatch, *, model: LoopModel, train: bool) -> torch.Tensor:
         """One local batch (already through every `shard_batch`, inside its context), forward and,
         when `train`, backward; the sum of its losses over this parallelism's group."""
         raise NotImplementedError(f"parallelism {self.name} does not run local batches")
 
-    def finish_backward(self, model: ParallelModel) -> None:
+    def finish_backward(self, model: LoopModel) -> None:
         """After the step's last backward, before the gradient norm (pp: the tied copies' sums)."""
         return None
 

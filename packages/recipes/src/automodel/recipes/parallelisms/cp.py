@@ -29,9 +29,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes.config.recipe import RecipeConfig
-    from automodel.recipes.planning.memory import StepSetup
-    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
+    from automodel.recipes.planning.step import StepSetup, StepTraffic
 
 
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:

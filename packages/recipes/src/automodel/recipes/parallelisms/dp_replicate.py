@@ -10,7 +10,7 @@ from automodel.mesh import DENSE_AXES
 from automodel.recipes.parallelisms.base import Parallelism, PlanColumn, SearchPoint, divisors
 
 if TYPE_CHECKING:
-    from automodel.recipes.planning.roofline import StepTraffic
+    from automodel.recipes.planning.step import StepTraffic
 
 
 class DataParallelReplicate(Parallelism):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from automodel.recipes.parallelisms.base import Parallelism, PlanColumn, SearchPoint
 
 if TYPE_CHECKING:
-    from automodel.recipes.planning.memory import StepSetup
+    from automodel.recipes.planning.step import StepSetup
 
 
 class DataParallelShard(Parallelism):

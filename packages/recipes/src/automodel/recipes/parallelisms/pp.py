@@ -11,6 +11,7 @@ from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
+    LoopModel,
     MemoryShares,
     MicroBatch,
     Options,
@@ -29,10 +30,8 @@ if TYPE_CHECKING:
 
     from automodel.pipeline import PipelineConfig
     from automodel.recipes.config.recipe import RecipeConfig
-    from automodel.recipes.planning.memory import StepSetup
-    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
-    from automodel.recipes.strategies.base import ParallelModel
+    from automodel.recipes.planning.step import StepSetup, StepTraffic
 
 
 def build_pipeline_config(pipeline: Options | None, *, local_batch_size: int) -> PipelineConfig:
@@ -186,10 +185,10 @@ class PipelineParallel(Parallelism):
         except ValueError as e:
             raise ConfigError("distributed.pipeline.pp_schedule_csv", pcfg.pp_schedule_csv, str(e)) from None
 
-    def runs_local_batch(self, model: ParallelModel) -> bool:
+    def runs_local_batch(self, model: LoopModel) -> bool:
         return model.pipeline is not None
 
-    def run_local_batch(self, batch: MicroBatch, *, model: ParallelModel, train: bool) -> torch.Tensor:
+    def run_local_batch(self, batch: MicroBatch, *, model: LoopModel, train: bool) -> torch.Tensor:
         """The schedule runs every micro-batch's forward (and backward) itself; the loss (already
         over the step's tokens) summed over the pp group."""
         pipe = model.pipeline
@@ -200,7 +199,7 @@ class PipelineParallel(Parallelism):
         loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
         return pipe.reduce_loss(loss)
 
-    def finish_backward(self, model: ParallelModel) -> None:
+    def finish_backward(self, model: LoopModel) -> None:
         if model.pipeline is not None:  # tied embedding/head copies on the first and last stage
             model.pipeline.sync_tied_gradients()
 

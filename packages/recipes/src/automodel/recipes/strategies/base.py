@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from automodel.fsdp2 import grad_sync_context
 from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.recipes.grad_norm import clip_grad_norm
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.planning.step import StrategyMemory
 
 if TYPE_CHECKING:
     from automodel.recipes.config.distributed import DistributedSection

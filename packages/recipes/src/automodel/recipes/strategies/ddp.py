@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from automodel.fsdp2 import DDPConfig, DDPManager, apply_activation_checkpointing
 from automodel.mesh import MeshContext
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:

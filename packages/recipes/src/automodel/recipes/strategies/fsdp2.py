@@ -27,7 +27,7 @@ from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
 from automodel.mesh import MeshContext, StrategyConfig
 from automodel.moe import MoEParallelizerConfig, parallelize_experts
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:

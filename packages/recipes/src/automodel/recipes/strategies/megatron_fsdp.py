@@ -26,7 +26,7 @@ from automodel.megatron_fsdp import (
 from automodel.megatron_fsdp import full_tensor as megatron_full_tensor
 from automodel.mesh import MeshContext, StrategyConfig
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:

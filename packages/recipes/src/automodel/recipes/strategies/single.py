@@ -18,7 +18,7 @@ from torch import nn
 
 from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
