@@ -45,6 +45,36 @@ Options = Mapping[str, object]
 
 _UNSET = ("none", "null", "auto")
 
+#: Outcomes of the model-dependent checks of one meta-device model, by what they depend on (the
+#: error message, or None): `recipes plan` checks many layouts of one model and passes one memo.
+ModelChecks = dict[tuple[object, ...], str | None]
+#: The meta-device model, built on the first call (a check that needs none builds none).
+MetaModel = Callable[[], torch.nn.Module]
+
+
+def checked_once(
+    memo: ModelChecks | None,
+    key: tuple[object, ...],
+    check: Callable[[], object],
+    *,
+    errors: type[Exception] | tuple[type[Exception], ...] = ValueError,
+) -> str | None:
+    """The message of the `errors` `check` raises (None if it passes), run once per `key` of `memo`."""
+    if memo is not None and key in memo:
+        return memo[key]
+    try:
+        check()
+        message = None
+    except errors as e:
+        message = str(e)
+    if memo is not None:
+        memo[key] = message
+    return message
+
+
+#: The kernels a parallelism may refuse to compose with (`Parallelism.kernel_refusal`).
+KernelKind = Literal["liger", "float8"]
+
 #: A context manager factory a micro-batch's forward and backward run inside.
 BatchContext = Callable[[], contextlib.AbstractContextManager[object]]
 
@@ -281,10 +311,32 @@ class Parallelism(ABC):
         """Rules against the model and the batch, run before launch (`rules.check_layout_rules`)."""
         return None
 
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """The check its package runs when the ranks apply it, run once on the meta-device model
+        before launch (`rules.check_model_supports_layout`): a model it cannot be applied to exactly
+        is refused here, naming the model and why. `meta_model()` builds the model on first use;
+        `memo` keeps outcomes across the layouts `recipes plan` checks (`checked_once`). None by
+        default."""
+        return None
+
     def check_files(self, *, cfg: RecipeConfig) -> None:
         """The files its section names exist on this machine (`ConfigError` naming the key): run
         before any rank starts, with the other checks of this machine (`environment.check_environment`;
         the typed config reads no disk); none by default."""
+        return None
+
+    def kernel_refusal(self, kernel: KernelKind) -> tuple[str, str] | None:
+        """Why `kernel` (Liger's kernels, float8 linears) does not compose with it when in use, as
+        ``(what it is, why)`` for the refusal naming its size key (`kernels.checks`); None: it does."""
         return None
 
     # ---- the planner ---------------------------------------------------------------------

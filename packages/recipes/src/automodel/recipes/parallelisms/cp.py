@@ -9,7 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from automodel.context_parallel import context_parallel_modules, make_cp_batch_and_ctx
+from automodel.context_parallel import (
+    check_context_parallel_support,
+    context_parallel_modules,
+    make_cp_batch_and_ctx,
+)
 from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
@@ -17,11 +21,14 @@ from automodel.recipes.parallelisms.base import (
     BatchContext,
     BatchRun,
     MemoryShares,
+    MetaModel,
     MicroBatch,
+    ModelChecks,
     Parallelism,
     PlanColumn,
     RankReport,
     SearchPoint,
+    checked_once,
     divisors,
 )
 
@@ -86,6 +93,26 @@ class ContextParallel(Parallelism):
                 seq,
                 f"must be divisible by 2*cp_size = {2 * size} (load-balanced context parallelism)",
             )
+
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """The model's attention can run context-parallel (automodel.context_parallel's rule)."""
+        if size == 1:
+            return
+        seq = cfg.seq_length
+        error = checked_once(
+            memo, ("cp", seq), lambda: check_context_parallel_support(meta_model(), seq_length=seq)
+        )
+        if error is not None:
+            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
 
     def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:
         """The load-balanced sequence share of this cp rank, and the context ring attention runs in."""

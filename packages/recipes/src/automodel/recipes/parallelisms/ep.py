@@ -8,12 +8,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from automodel.mesh import ResolvedLayout, StrategyConfig
-from automodel.moe import MoEParallelizerConfig
+from automodel.moe import MoEParallelizerConfig, check_expert_parallel_support, validate_moe_layout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
 from automodel.recipes.parallelisms.base import (
     ActivationSite,
     MemoryShares,
+    MetaModel,
+    ModelChecks,
     Options,
     Parallelism,
     PlanColumn,
@@ -79,6 +81,29 @@ class ExpertParallel(Parallelism):
             raise ConfigError(
                 "distributed.ep_size", size, f"must divide the model's number of experts ({experts})"
             )
+
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """automodel.moe's own rule (the one apply_ep enforces in the ranks), on the meta model."""
+        if size == 1:
+            return
+        try:
+            blocks = check_expert_parallel_support(meta_model(), declared_experts=num_experts(hf_config))
+            validate_moe_layout(layout=layout, num_experts=[b.num_experts for b in blocks])
+        except ValueError as e:
+            raise ConfigError(
+                f"distributed.{self.size_key}",
+                size,
+                f"cannot be applied: model_type {hf_config.model_type!r}: {e}",
+            ) from None
 
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """Divisors of the experts that divide the dp x cp ranks left (ep_shard = dp*cp / ep)."""

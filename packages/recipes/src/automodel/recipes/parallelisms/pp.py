@@ -13,13 +13,16 @@ from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
     LoopModel,
     MemoryShares,
+    MetaModel,
     MicroBatch,
+    ModelChecks,
     Options,
     Parallelism,
     PlanColumn,
     RankPosition,
     RankReport,
     SearchPoint,
+    checked_once,
     config_error,
     section_mapping,
 )
@@ -172,6 +175,32 @@ class PipelineParallel(Parallelism):
                 seq,
                 f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
             )
+
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """The pipeline can split the model by structure (unless the YAML names each stage's modules)."""
+        pcfg = cfg.distributed.pipeline_config
+        if size == 1 or pcfg is None or pcfg.module_fqns_per_model_part is not None:
+            return
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+        from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
+
+        error = checked_once(
+            memo,
+            ("pp",),
+            lambda: validate_hf_model_for_pipeline_support(meta_model()),
+            errors=PipelineSplitError,
+        )
+        if error is not None:
+            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
 
     def check_files(self, *, cfg: RecipeConfig) -> None:
         pcfg = cfg.distributed.pipeline_config

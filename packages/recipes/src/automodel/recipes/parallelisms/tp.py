@@ -5,16 +5,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
 from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import positive_ints, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
 from automodel.recipes.parallelisms.base import (
     ActivationSite,
+    KernelKind,
     MemoryShares,
+    MetaModel,
+    ModelChecks,
     Parallelism,
     PlanColumn,
     SearchPoint,
+    checked_once,
     divisors,
 )
 
@@ -68,6 +73,44 @@ class TensorParallel(Parallelism):
                 f"is not supported for MoE models ({hf_config.model_type}: the expert block has no "
                 "sequence-parallel plan); use tp_size > 1 without it",
             )
+
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """The TP plan (the YAML's, the model's own, or the default) matches the model's modules and
+        shards every decoder layer (megatron_fsdp applies TP with the same plan rules)."""
+        if size == 1:
+            return
+        d = cfg.distributed
+
+        def check() -> None:
+            model = meta_model()
+            plan = resolve_tp_plan(model, tp_plan=d.tp_plan, sequence_parallel=d.sequence_parallel)
+            check_plan_matches_model(model, plan)
+            check_plan_shards_every_layer(model, plan)
+
+        error = checked_once(memo, ("tp", repr(d.tp_plan), d.sequence_parallel), check)
+        if error is not None:
+            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+
+    def kernel_refusal(self, kernel: KernelKind) -> tuple[str, str] | None:
+        if kernel == "liger":
+            return (
+                "tensor parallelism",
+                "Liger's kernels take plain tensors, sequence parallelism hands them DTensors, and its "
+                "fused linear cross-entropy has no vocabulary-sharded head",
+            )
+        return (
+            "tensor parallelism",
+            "float8 linears need torchao's float8 TP styles, which this project's TP plans do not use",
+        )
 
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """Inside one node (its collectives are on the critical path of every layer)."""
