@@ -46,7 +46,16 @@ from automodel.recipes.model import build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.packed_probe import apply_packed_probe
-from automodel.recipes.parallelisms import BatchRun, MicroBatch, Parallelism, axis_sizes, parallelisms
+from automodel.recipes.parallelisms import (
+    BatchRun,
+    MicroBatch,
+    Parallelism,
+    axis_sizes,
+    batch_rank,
+    mesh_roles,
+    parallelisms,
+    role_group,
+)
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.resolved_run import ResolvedRun, check_rank, resolve_run
@@ -124,10 +133,6 @@ class TrainResult:
     output_dir: str = ""
 
 
-def _group(mesh: MeshContext, axis: str) -> dist.ProcessGroup | None:
-    return None if mesh.layout.axis_size(axis) == 1 else mesh.get_mesh(axis).get_group()
-
-
 def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, group=group)
@@ -135,8 +140,8 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 
 
 def dp_rank_of(mesh: MeshContext) -> int:
-    c = mesh.coordinates
-    return c["dp_replicate"] * mesh.layout.dp_shard + c["dp_shard"]
+    """This rank's share of each batch's rows (`roles.batch_rank` over the row-splitting axes)."""
+    return batch_rank(mesh, mesh_roles().batch_axes)
 
 
 class Trainer:
@@ -388,7 +393,8 @@ class Trainer:
         local_tokens = sum(int((b.labels != -100).sum()) for b in batches)
         # a fill, not a host-to-device copy
         tokens = _all_reduce_sum(
-            torch.full((), float(local_tokens), device=self.device), _group(self.mesh, "dp")
+            torch.full((), float(local_tokens), device=self.device),
+            role_group(self.mesh, mesh_roles().batch_axes),
         )
         loss_sum = torch.zeros((), device=self.device)
         self.pipeline_loss.set_divisor(tokens)
@@ -401,7 +407,7 @@ class Trainer:
                 loss_sum += self._micro_batch_loss(batch, divisor=tokens, backward=True)
         for parallelism in parallelisms():
             parallelism.finish_backward(self.pm)
-        loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
+        loss_sum = _all_reduce_sum(loss_sum, role_group(self.mesh, mesh_roles().loss_axes))
         grad_norm = self._clip_grad_norm()
         for opt in self.optimizers:
             opt.step()
@@ -450,8 +456,8 @@ class Trainer:
                 else:
                     loss_sum += self._micro_batch_loss(batch, divisor=None, backward=False).float()
                 tokens += float((batch.labels != -100).sum())
-        loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
-        tokens = _all_reduce_sum(tokens, _group(self.mesh, "dp"))
+        loss_sum = _all_reduce_sum(loss_sum, role_group(self.mesh, mesh_roles().loss_axes))
+        tokens = _all_reduce_sum(tokens, role_group(self.mesh, mesh_roles().batch_axes))
         for part in self.pm.parts:
             part.train()
         return float(loss_sum / tokens)

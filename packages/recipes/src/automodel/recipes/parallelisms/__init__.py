@@ -36,6 +36,13 @@ from automodel.recipes.parallelisms.registry import (
     size_keys,
     unregister_parallelism,
 )
+from automodel.recipes.parallelisms.roles import (
+    MeshRoles,
+    batch_rank,
+    mesh_roles,
+    role_group,
+    sequence_length_divisor,
+)
 from automodel.recipes.parallelisms.tp import TensorParallel
 
 register_parallelism(DataParallelShard())
@@ -53,6 +60,7 @@ __all__ = [
     "ActivationSite",
     "BatchRun",
     "MemoryShares",
+    "MeshRoles",
     "MicroBatch",
     "Parallelism",
     "PlanColumn",
@@ -60,13 +68,17 @@ __all__ = [
     "RankReport",
     "SearchPoint",
     "axis_sizes",
+    "batch_rank",
     "config_error",
     "divisors",
     "get_parallelism",
     "in_plan_order",
+    "mesh_roles",
     "parallelisms",
     "register_parallelism",
+    "role_group",
     "searched",
+    "sequence_length_divisor",
     "section_keys",
     "size_keys",
     "unregister_parallelism",

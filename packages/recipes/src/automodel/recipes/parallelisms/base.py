@@ -251,6 +251,13 @@ class Parallelism(ABC):
     #: Mesh axes whose sharded parameters the layout report counts for it, in report order.
     report_axes: ClassVar[tuple[str, ...]] = ()
 
+    #: Mesh roles (`roles.mesh_roles`): its axis splits each batch's rows (the batch rank, the
+    #: label-token count's sum); splits each row's tokens (joins the loss sum); its ranks hold
+    #: different plain parameters (the gradient norm's sum).
+    splits_rows: ClassVar[bool] = False
+    splits_tokens: ClassVar[bool] = False
+    holds_distinct_parameters: ClassVar[bool] = False
+
     # ---- the YAML ------------------------------------------------------------------------
     @property
     def mesh_axis(self) -> str | None:
@@ -304,6 +311,11 @@ class Parallelism(ABC):
         if axis is not None:
             return layout.axis_size(axis)
         return section.other_sizes.get(self.size_key, 1)
+
+    def sequence_divisor(self, *, section: DistributedSection, layout: ResolvedLayout, size: int) -> int:
+        """What a sequence length must be a multiple of for it (`roles.sequence_length_divisor`
+        folds them); 1 by default."""
+        return 1
 
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int

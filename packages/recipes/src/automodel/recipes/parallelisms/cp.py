@@ -35,6 +35,7 @@ from automodel.recipes.parallelisms.base import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
     from automodel.recipes.planning.step import StepSetup, StepTraffic
@@ -77,11 +78,16 @@ class ContextParallel(Parallelism):
     name = "cp"
     size_key = "cp_size"
     report_axes = ("cp",)
+    splits_tokens = True
     search_order = 2
     plan_column = PlanColumn("cp", 3)
 
     #: The largest cp `recipes plan` tries.
     max_searched = 8
+
+    def sequence_divisor(self, *, section: DistributedSection, layout: ResolvedLayout, size: int) -> int:
+        """2 * cp chunks of equal length (load-balanced: rank i holds chunks i and 2*cp-1-i)."""
+        return 2 * size if size > 1 else 1
 
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int

@@ -19,6 +19,7 @@ class DataParallelReplicate(Parallelism):
     name = "dp_replicate"
     size_key = "dp_replicate_size"
     derived_when_unset = True
+    splits_rows = True
     unused = "unset"
     report_axes = ("dp_replicate",)
     search_order = 5

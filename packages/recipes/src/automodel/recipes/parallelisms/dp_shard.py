@@ -17,6 +17,7 @@ class DataParallelShard(Parallelism):
     name = "dp_shard"
     size_key = "dp_size"
     derived_when_unset = True
+    splits_rows = True
     report_axes = ("dp_shard_cp", "dp_shard")
     search_order = 4
     plan_column = PlanColumn("dp_shard", 8)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.pipeline import PipelineConfig
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
     from automodel.recipes.planning.step import StepSetup, StepTraffic
@@ -102,6 +103,7 @@ class PipelineParallel(Parallelism):
     name = "pp"
     size_key = "pp_size"
     section_key = "pipeline"
+    holds_distinct_parameters = True
     search_order = 1
     plan_column = PlanColumn("pp (schedule)", 19, "<")
 
@@ -127,6 +129,11 @@ class PipelineParallel(Parallelism):
         if options is None or size == 1:
             return None
         return build_pipeline_config(options, local_batch_size=local_batch_size)
+
+    def sequence_divisor(self, *, section: DistributedSection, layout: ResolvedLayout, size: int) -> int:
+        """With sequence parallelism, a stage sends each tp rank's equal share of its cp share."""
+        tp, cp = layout.axis_size("tp"), layout.axis_size("cp")
+        return cp * tp if size > 1 and tp > 1 and section.sequence_parallel else 1
 
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from automodel.fsdp2 import grad_sync_context
 from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.recipes.grad_norm import clip_grad_norm
+from automodel.recipes.parallelisms import mesh_roles, role_group
 from automodel.recipes.planning.step import StrategyMemory
 
 if TYPE_CHECKING:
@@ -196,5 +197,6 @@ class Strategy(PartWrapping, ABC):
         """The global gradient norm before clipping to `max_norm`; under PP one copy of each tied
         weight counts (`pipeline.norm_parameters()`)."""
         counted = None if pipeline is None else {id(p) for p in pipeline.norm_parameters()}
-        pp_group = None if mesh.layout.axis_size("pp") == 1 else mesh.get_mesh("pp").get_group()
-        return clip_grad_norm(params, max_norm=max_norm, pp_group=pp_group, counted_ids=counted)
+        # the ranks holding different plain parameters (the pipeline's stages: `mesh_roles`)
+        norm_group = role_group(mesh, mesh_roles().norm_axes)
+        return clip_grad_norm(params, max_norm=max_norm, pp_group=norm_group, counted_ids=counted)
