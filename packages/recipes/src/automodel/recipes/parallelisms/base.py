@@ -23,7 +23,7 @@ import contextlib
 from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ from automodel.recipes.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.moe import ExpertShardUnit, MoEParallelizerConfig
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
@@ -109,6 +110,26 @@ class BatchRun:
     pad_token_id: int
     #: Rows are packed documents (positions restart at 0 per document).
     packed: bool
+
+
+@dataclass
+class StageBuild:
+    """One model part (the model, or a pipeline stage) between the model-parallel phases of the
+    composition (`Parallelism.apply_to_stage`, in `apply_phase` order) and the data-parallel
+    sharding that follows: what the strategy handed them, and what they leave it."""
+
+    mesh: MeshContext
+    #: The strategy's flags (the TP plan and sequence parallelism are FSDP2's).
+    strategy_config: StrategyConfig
+    #: The ``distributed.moe`` options (`automodel.moe.MoEParallelizerConfig`), None without EP.
+    moe_config: MoEParallelizerConfig | None
+    gradient_divide_factor: float | None
+    #: The part is one pipeline stage (it may hold dense layers only).
+    pipeline_stage: bool
+    #: Left by the phases: the CP attention backend ("none" without CP) ...
+    cp_backend: str = "none"
+    #: ... and the expert units EP split off, which the sharding wraps apart (None: EP did not run).
+    expert_units: list[ExpertShardUnit] | None = None
 
 
 @dataclass(frozen=True)
@@ -234,8 +255,13 @@ def section_mapping(data: Mapping[str, object], key: str) -> Mapping[str, object
     return value
 
 
-class Parallelism(ABC):
-    """One parallelism; subclasses set `name` and `size_key` and override the hooks that apply."""
+#: A parallelism's typed config, from its own section (None for one without a section).
+C = TypeVar("C")
+
+
+class Parallelism(ABC, Generic[C]):
+    """One parallelism over its config class `C` (``Parallelism[None]``: it has no section);
+    subclasses set `name` and `size_key` and override the hooks that apply."""
 
     #: What strategies list it as (`Strategy.supported_axes`); its mesh axis when the mesh has one
     #: of that name (`automodel.mesh.AXES`).
@@ -287,14 +313,12 @@ class Parallelism(ABC):
         """Whether `size` asks for this parallelism (a strategy that does not list it refuses it)."""
         return size is not None and size > 1
 
-    def config_class(self) -> type | None:
+    def config_class(self) -> type[C] | None:
         """The frozen dataclass `build_config` returns (None: it has no section); read by the test
         that every config reachable from a recipe is frozen."""
         return None
 
-    def build_config(
-        self, options: Options | None, *, size: int | None, local_batch_size: int
-    ) -> object | None:
+    def build_config(self, options: Options | None, *, size: int | None, local_batch_size: int) -> C | None:
         """Its typed config from its own section (None: it has none, or it is off)."""
         return None
 
@@ -422,6 +446,17 @@ class Parallelism(ABC):
         """Seconds its collectives add to one step on the critical path (the roofline of `recipes
         plan`, `planning.roofline`; built-in sizes are `StepSetup` fields); none by default."""
         return 0.0
+
+    # ---- the composition -----------------------------------------------------------------
+    #: Its place among the model-parallel phases applied to each model part before the
+    #: data-parallel sharding (`registry.in_apply_order`: TP 10 -> CP 20 -> EP 30); None: it
+    #: applies nothing per part (data parallelism is the strategy's, the pipeline splits around).
+    apply_phase: ClassVar[int | None] = None
+
+    def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
+        """Apply it to one model part on the meta device (`size`: its size in the layout), leaving
+        what the sharding needs in `build`; nothing by default."""
+        return None
 
     # ---- the training loop ---------------------------------------------------------------
     def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:

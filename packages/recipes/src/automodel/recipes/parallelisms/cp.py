@@ -10,6 +10,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from automodel.context_parallel import (
+    apply_context_parallel,
     check_context_parallel_support,
     context_parallel_modules,
     make_cp_batch_and_ctx,
@@ -28,6 +29,7 @@ from automodel.recipes.parallelisms.base import (
     PlanColumn,
     RankReport,
     SearchPoint,
+    StageBuild,
     checked_once,
     divisors,
 )
@@ -72,13 +74,14 @@ def context_parallel_inputs(
     return ctx, local, extra
 
 
-class ContextParallel(Parallelism):
+class ContextParallel(Parallelism[None]):
     """The sequence split in 2*cp chunks, rank i holding chunks i and 2*cp-1-i."""
 
     name = "cp"
     size_key = "cp_size"
     report_axes = ("cp",)
     splits_tokens = True
+    apply_phase = 20
     search_order = 2
     plan_column = PlanColumn("cp", 3)
 
@@ -119,6 +122,11 @@ class ContextParallel(Parallelism):
         )
         if error is not None:
             raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+
+    def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
+        """Attention context parallel over ``cp`` (its backend: what `shard_batch` runs with)."""
+        if size > 1:
+            build.cp_backend = apply_context_parallel(module, cp_mesh=build.mesh.get_mesh("cp"))
 
     def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:
         """The load-balanced sequence share of this cp rank, and the context ring attention runs in."""

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from automodel.recipes.planning.step import StepTraffic
 
 
-class DataParallelReplicate(Parallelism):
+class DataParallelReplicate(Parallelism[None]):
     """Any value set asks for it (even 1): strategies without HSDP refuse the key itself."""
 
     name = "dp_replicate"

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from automodel.recipes.planning.step import StepSetup
 
 
-class DataParallelShard(Parallelism):
+class DataParallelShard(Parallelism[None]):
     """dp_shard = dp_size / dp_replicate_size; an unset dp_size takes what the world leaves."""
 
     name = "dp_shard"

@@ -7,8 +7,15 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
+
 from automodel.mesh import ResolvedLayout, StrategyConfig
-from automodel.moe import MoEParallelizerConfig, check_expert_parallel_support, validate_moe_layout
+from automodel.moe import (
+    MoEParallelizerConfig,
+    check_expert_parallel_support,
+    parallelize_experts,
+    validate_moe_layout,
+)
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
 from automodel.recipes.parallelisms.base import (
@@ -20,6 +27,7 @@ from automodel.recipes.parallelisms.base import (
     Parallelism,
     PlanColumn,
     SearchPoint,
+    StageBuild,
     config_error,
     divisors,
     section_mapping,
@@ -42,7 +50,7 @@ def build_moe_config(moe: Options | None) -> MoEParallelizerConfig:
         raise config_error("distributed.moe", options, e) from None
 
 
-class ExpertParallel(Parallelism):
+class ExpertParallel(Parallelism[MoEParallelizerConfig]):
     """Experts over ep ranks, each expert's shard over ep_shard (the rest of dp x cp)."""
 
     name = "ep"
@@ -50,6 +58,7 @@ class ExpertParallel(Parallelism):
     section_key = "moe"
     report_axes = ("ep", "ep_shard")
     search_order = 3
+    apply_phase = 30
     plan_column = PlanColumn("ep", 3)
 
     def check_sizes(
@@ -57,12 +66,12 @@ class ExpertParallel(Parallelism):
     ) -> None:
         section_mapping(data, "moe")
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[MoEParallelizerConfig]:
         return MoEParallelizerConfig
 
     def build_config(
         self, options: Options | None, *, size: int | None, local_batch_size: int
-    ) -> object | None:
+    ) -> MoEParallelizerConfig | None:
         if size == 1 and options is not None:
             warnings.warn("distributed.moe is ignored because ep_size == 1", stacklevel=3)
         return build_moe_config(options) if size is not None and size > 1 else None
@@ -104,6 +113,17 @@ class ExpertParallel(Parallelism):
                 size,
                 f"cannot be applied: model_type {hf_config.model_type!r}: {e}",
             ) from None
+
+    def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
+        """automodel.moe splits the experts over ``ep`` and names them: units the sharding wraps
+        apart, over ``ep_shard``."""
+        if size > 1:
+            build.expert_units = parallelize_experts(
+                module,
+                mesh=build.mesh,
+                gradient_divide_factor=build.gradient_divide_factor,
+                pipeline_stage=build.pipeline_stage,  # a stage may hold dense layers only
+            )
 
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """Divisors of the experts that divide the dp x cp ranks left (ep_shard = dp*cp / ep)."""

@@ -97,7 +97,7 @@ def in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
     return min(n_mb, pp) * v  # 1F1B
 
 
-class PipelineParallel(Parallelism):
+class PipelineParallel(Parallelism["PipelineConfig"]):
     """Stages over pp ranks; one pipeline step takes one local batch in micro-batches."""
 
     name = "pp"
@@ -115,7 +115,7 @@ class PipelineParallel(Parallelism):
         if pp is not None and pp > 1 and pipeline is None:
             raise ConfigError("distributed.pp_size", pp, "pp_size > 1 needs a distributed.pipeline section")
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[PipelineConfig]:
         # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
         from automodel.pipeline import PipelineConfig
 
@@ -123,7 +123,7 @@ class PipelineParallel(Parallelism):
 
     def build_config(
         self, options: Options | None, *, size: int | None, local_batch_size: int
-    ) -> object | None:
+    ) -> PipelineConfig | None:
         if size == 1 and options is not None:
             warnings.warn("distributed.pipeline is ignored because pp_size == 1", stacklevel=3)
         if options is None or size == 1:

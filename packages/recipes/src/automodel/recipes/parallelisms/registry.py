@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from automodel.mesh import ResolvedLayout
-from automodel.recipes.parallelisms.base import Parallelism
+from automodel.recipes.parallelisms.base import C, Parallelism
 
 if TYPE_CHECKING:
     from automodel.recipes.config.distributed import DistributedSection
 
-_PARALLELISMS: dict[str, Parallelism] = {}
+#: Each parallelism over its own config class: `Parallelism[Any]`.
+_PARALLELISMS: dict[str, Parallelism[Any]] = {}
 
 
-def register_parallelism(parallelism: Parallelism) -> Parallelism:
+def register_parallelism(parallelism: Parallelism[C]) -> Parallelism[C]:
     """Make `parallelism` part of every ``distributed:`` section (its size key, rules, terms, line)."""
     if parallelism.name in _PARALLELISMS:
         raise ValueError(f"parallelism {parallelism.name!r} is registered twice")
@@ -28,12 +29,12 @@ def unregister_parallelism(name: str) -> None:
     del _PARALLELISMS[name]
 
 
-def parallelisms() -> tuple[Parallelism, ...]:
+def parallelisms() -> tuple[Parallelism[Any], ...]:
     """Every registered parallelism, in registration order (the order its rules run in)."""
     return tuple(_PARALLELISMS.values())
 
 
-def get_parallelism(name: str) -> Parallelism:
+def get_parallelism(name: str) -> Parallelism[Any]:
     """The registered parallelism `name`; KeyError for an unknown one."""
     return _PARALLELISMS[name]
 
@@ -56,13 +57,20 @@ def axis_sizes(section: DistributedSection, layout: ResolvedLayout) -> dict[str,
     return sizes
 
 
-def in_plan_order() -> tuple[Parallelism, ...]:
+def in_plan_order() -> tuple[Parallelism[Any], ...]:
     """Every registered parallelism, the searched ones first in `Parallelism.search_order` (the
     order `recipes plan` and `recipes validate` print them in), then the others as registered."""
     return tuple(sorted(_PARALLELISMS.values(), key=lambda p: (p.search_order is None, p.search_order or 0)))
 
 
-def searched() -> tuple[Parallelism, ...]:
+def in_apply_order() -> tuple[Parallelism[Any], ...]:
+    """The parallelisms applied to each model part before the data-parallel sharding, in
+    `Parallelism.apply_phase` order (the composition's documented order: TP -> CP -> EP)."""
+    phased = [p for p in _PARALLELISMS.values() if p.apply_phase is not None]
+    return tuple(sorted(phased, key=lambda p: p.apply_phase or 0))
+
+
+def searched() -> tuple[Parallelism[Any], ...]:
     """The parallelisms `recipes plan` searches, in `Parallelism.search_order` (its table's and
     its YAML's order too)."""
     return tuple(p for p in in_plan_order() if p.search_order is not None)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
+
+from automodel.fsdp2 import FSDP2Config, apply_tensor_parallel_from_config
 from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
 from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import positive_ints, text_config
@@ -19,6 +22,7 @@ from automodel.recipes.parallelisms.base import (
     Parallelism,
     PlanColumn,
     SearchPoint,
+    StageBuild,
     checked_once,
     divisors,
 )
@@ -31,13 +35,14 @@ if TYPE_CHECKING:
     from automodel.recipes.planning.step import StepSetup, StepTraffic
 
 
-class TensorParallel(Parallelism):
+class TensorParallel(Parallelism[None]):
     """Heads, KV heads and the vocabulary split over tp ranks."""
 
     name = "tp"
     size_key = "tp_size"
     report_axes = ("tp",)
     search_order = 0
+    apply_phase = 10
     plan_column = PlanColumn("tp", 3)
 
     def check_sizes(
@@ -99,6 +104,12 @@ class TensorParallel(Parallelism):
         error = checked_once(memo, ("tp", repr(d.tp_plan), d.sequence_parallel), check)
         if error is not None:
             raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+
+    def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
+        """The packed-sequence patch, then TP/SP over ``tp`` (automodel.fsdp2's first half)."""
+        config = build.strategy_config
+        assert isinstance(config, FSDP2Config), "the per-part phases run under the FSDP2 strategy"
+        apply_tensor_parallel_from_config(module, mesh=build.mesh, config=config)
 
     def kernel_refusal(self, kernel: KernelKind) -> tuple[str, str] | None:
         if kernel == "liger":

@@ -4,7 +4,7 @@ would check them before launch, and print them."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from automodel.recipes.config.peft import PeftSection
 from automodel.recipes.config.sections import build_section
@@ -17,6 +17,9 @@ from automodel.recipes.planning.roofline import Hardware
 from automodel.recipes.planning.search import enumerate_layouts
 from automodel.recipes.planning.shape import model_shape
 from automodel.recipes.planning.table import format_memory, format_table, yaml_block
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def parse_bytes(key: str, value: str) -> float:
@@ -48,7 +51,7 @@ def plan(
     global_batch: int | None = None,
     peft: str | None = None,
     top: int = 10,
-    hardware: Any = None,
+    hardware: Hardware | None = None,
     expert_load_factor: float = 1.0,
 ) -> tuple[list[Any], list[str]]:
     """Rank the layouts of `model` on `gpus` GPUs; returns the candidates and the printed lines."""
@@ -114,7 +117,7 @@ def plan(
     return best, lines
 
 
-def _lora_params(hf_config: Any) -> int:
+def _lora_params(hf_config: PretrainedConfig) -> int:
     """Trainable parameters of LoRA with the recipes' default section, on the meta model."""
     model = build_meta_model(hf_config)
     apply_lora(model, section=build_section(PeftSection, {}))
