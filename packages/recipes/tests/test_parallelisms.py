@@ -30,6 +30,7 @@ from automodel.recipes.parallelisms import (
     RankReport,
     SearchPoint,
     axis_sizes,
+    batch_ranks,
     mesh_roles,
     parallelisms,
     register_parallelism,
@@ -185,6 +186,8 @@ def test_the_mesh_roles_come_from_the_parallelisms_flags() -> None:
     assert roles.batch_axes == ("dp_replicate", "dp_shard")
     assert roles.loss_axes == ("dp_replicate", "dp_shard", "cp")
     assert roles.norm_axes == ("pp",)
+    hsdp = parse_distributed_section({"strategy": "fsdp2", "dp_replicate_size": 2, "cp_size": 2})
+    assert batch_ranks(hsdp.sizes.resolve(16)) == 8  # dp = 16 / cp
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import check_kernels_rules
 from automodel.recipes.model import build_meta_model
-from automodel.recipes.parallelisms import parallelisms
+from automodel.recipes.parallelisms import batch_ranks, parallelisms
 from automodel.recipes.parallelisms.base import ModelChecks as ModelChecks
 from automodel.recipes.parallelisms.pp import pipeline_stages as pipeline_stages
 
@@ -68,7 +68,7 @@ def check_layout_rules(
     stages, experts vs ep, seq vs cp, batch, and what the model supports (`memo`: see
     `check_model_supports_layout`)."""
     d = cfg.distributed
-    dp = layout.dp
+    dp = batch_ranks(layout)  # the ranks that split each batch's rows (`mesh_roles`)
     _check_streaming(cfg)
     for parallelism in parallelisms():  # each one's rules against the model and the batch
         parallelism.check_model(cfg=cfg, layout=layout, hf_config=hf_config, size=parallelism.size(d, layout))

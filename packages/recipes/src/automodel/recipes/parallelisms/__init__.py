@@ -41,6 +41,7 @@ from automodel.recipes.parallelisms.registry import (
 from automodel.recipes.parallelisms.roles import (
     MeshRoles,
     batch_rank,
+    batch_ranks,
     mesh_roles,
     role_group,
     sequence_length_divisor,
@@ -72,6 +73,7 @@ __all__ = [
     "StageBuild",
     "axis_sizes",
     "batch_rank",
+    "batch_ranks",
     "config_error",
     "divisors",
     "get_parallelism",

@@ -64,6 +64,12 @@ def role_group(mesh: MeshContext, axes: tuple[str, ...]) -> dist.ProcessGroup | 
     return mesh.get_mesh(name).get_group()
 
 
+def batch_ranks(layout: ResolvedLayout) -> int:
+    """How many ranks split each batch's rows (the data-parallel size: the product of the
+    `MeshRoles.batch_axes`)."""
+    return math.prod(layout.axis_size(a) for a in mesh_roles().batch_axes)
+
+
 def batch_rank(mesh: MeshContext, axes: tuple[str, ...]) -> int:
     """This rank's index among the ranks that split the batch (row-major over `axes`)."""
     coordinates = mesh.coordinates
