@@ -442,6 +442,11 @@ class Parallelism(ABC, Generic[C]):
         expert load the estimate assumed); `setup` is the estimate's. Nothing by default."""
         return []
 
+    def bubble_s(self, *, compute_s: float, setup: StepSetup) -> float:
+        """Seconds its schedule leaves ranks idle in a step of `compute_s` seconds of compute (the
+        roofline, `planning.roofline`); none by default."""
+        return 0.0
+
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Seconds its collectives add to one step on the critical path (the roofline of `recipes
         plan`, `planning.roofline`; built-in sizes are `StepSetup` fields); none by default."""

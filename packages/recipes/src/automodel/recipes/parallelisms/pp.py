@@ -298,6 +298,12 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         last = RankPosition(holds_embedding=False, holds_head=not v_shape, **common)
         return (first, last)
 
+    def bubble_s(self, *, compute_s: float, setup: StepSetup) -> float:
+        """(pp - 1) of the stages' slots idle, over the stages per rank times the micro-batches."""
+        s = setup
+        n_mb = max(1, s.local_batch // s.pp_microbatch)
+        return compute_s * (s.pp - 1) / (s.stages_per_rank * n_mb) if s.pp > 1 else 0.0
+
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Activations and their gradients cross each stage boundary."""
         t, s = traffic, traffic.setup

@@ -55,7 +55,9 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     flops += (s.expert_load - 1) * tokens * routed
     compute = flops / world / (hw.peak_flops * hw.efficiency)
     n_mb = max(1, s.local_batch // s.pp_microbatch)
-    bubble = compute * (s.pp - 1) / (s.stages_per_rank * n_mb) if s.pp > 1 else 0.0
+    bubble = 0.0
+    for parallelism in parallelisms():  # the idle time of a schedule over ranks (pp's bubble)
+        bubble += parallelism.bubble_s(compute_s=compute, setup=s)
     e = s.compute_bytes
     layers_rank = shape.layers / s.pp
     mb_tokens = (s.pp_microbatch if s.pp > 1 else s.local_batch) * s.seq_len / s.cp
