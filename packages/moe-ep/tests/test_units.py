@@ -115,13 +115,40 @@ def _ep_alone_parity_rank(family: str) -> dict:
         assert got is not None and want is not None, name
         got = got.full_tensor() if isinstance(got, DTensor) else got
         worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
-    return {"loss_rel": abs(total.item() - ref_loss.item()) / ref_loss.item(), "grad_rel": worst}
+    experts = {}  # what this rank holds of each layer's stacked experts (the layout, not the config)
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            assert isinstance(p, DTensor), f"{name} is not distributed"
+            dims = p.device_mesh.mesh_dim_names or ()
+            experts[name] = {
+                "placements": [(dim, str(pl)) for dim, pl in zip(dims, p.placements, strict=True)],
+                "rows": p.shape[0],
+                "local_rows": p.to_local()[:, 0, 0].tolist(),
+                "reference_rows": reference.get_parameter(name)[:, 0, 0].tolist(),
+            }
+    return {
+        "loss_rel": abs(total.item() - ref_loss.item()) / ref_loss.item(),
+        "grad_rel": worst,
+        "ep_coordinate": ctx.coordinates["ep"],
+        "experts": experts,
+    }
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_expert_parallel_alone_matches_one_process(family: str) -> None:
-    for r in run_on_ranks(_ep_alone_parity_rank, world_size=2, args=(family,), timeout_s=300):
+    results = run_on_ranks(_ep_alone_parity_rank, world_size=2, args=(family,), timeout_s=300)
+    assert sorted(r["ep_coordinate"] for r in results) == [0, 1]
+    for r in results:
         assert r["loss_rel"] < 1e-5 and r["grad_rel"] < 1e-5, r
+        # the layout: every MoE layer's experts split over ep, E/ep of them on this rank, the ones
+        # of its ep coordinate (with EP switched off every rank holds all E and this fails)
+        assert r["experts"], "no stacked expert weights found"
+        e = r["ep_coordinate"]
+        for name, held in r["experts"].items():
+            local = len(held["local_rows"])
+            assert held["placements"] == [("ep", "S(0)")], (name, held["placements"])
+            assert local * 2 == held["rows"], (name, local, held["rows"])
+            assert held["local_rows"] == held["reference_rows"][e * local : (e + 1) * local], name
 
 
 # ---- config and layout validation ----------------------------------------------------------

@@ -1,11 +1,12 @@
 """The config layer is typed, frozen and a leaf (issue 39): every config dataclass reachable from
-`RecipeConfig` is frozen, no section field and no ``cfg`` parameter is `Any`, and
+`RecipeConfig` is frozen, no section field and no parameter that takes a config is `Any`, and
 `automodel.recipes.config` imports no behaviour and reads no disk (the file checks run before launch)."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import subprocess
 import sys
 import types
@@ -92,16 +93,52 @@ def any_fields(root: type) -> list[str]:
     ]
 
 
-def any_cfg_params(source: str) -> list[str]:
-    """``function(cfg)`` for every parameter named ``cfg`` annotated with `Any` in `source`."""
+#: Parameter names that take a config: a recipe (``cfg``), a section, a package's or the model's
+#: config (``*_config``: hf_config, strategy_config), the LoRA section (``peft``).
+CONFIG_PARAMETER = re.compile(r"^(cfg|config|section|peft)$|_(cfg|config|section)$")
+
+
+def _bare_any(annotation: ast.expr) -> bool:
+    """Whether `annotation` is `Any` or a union with `Any` (a string annotation is parsed): a raw
+    YAML mapping (``dict[str, Any]``) is data, not a config, and passes."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        return _bare_any(ast.parse(annotation.value, mode="eval").body)
+    if isinstance(annotation, ast.Name | ast.Attribute):
+        return ast.unparse(annotation) in ("Any", "typing.Any")
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        return _bare_any(annotation.left) or _bare_any(annotation.right)
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) in ("Optional", "Union"):
+        inner = annotation.slice
+        return any(_bare_any(e) for e in (inner.elts if isinstance(inner, ast.Tuple) else [inner]))
+    return False
+
+
+def any_config_params(source: str) -> list[str]:
+    """``function(name)`` for every parameter (positional, keyword-only, ``*args``, ``**kwargs``)
+    whose name takes a config (`CONFIG_PARAMETER`) annotated with `Any` in `source`."""
     out = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             a = node.args
-            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]:
-                if arg.arg == "cfg" and arg.annotation is not None and "Any" in ast.unparse(arg.annotation):
-                    out.append(f"{node.name}({arg.arg})")
+            star = [x for x in (a.vararg, a.kwarg) if x is not None]
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *star]:
+                if (
+                    CONFIG_PARAMETER.search(arg.arg)
+                    and arg.annotation is not None
+                    and _bare_any(arg.annotation)
+                ):
+                    out.append(f"{getattr(node, 'name', 'lambda')}({arg.arg})")
     return out
+
+
+#: Files the Any scan leaves to their owners, each with why (named, so a new one fails).
+ANY_SCAN_EXEMPT = {
+    # automodel.recipes.data moves into the automodel-data package, which types its sections (the
+    # `datapkg` work); its 30 parameters are typed there
+    **{p: "data move" for p in (SRC / "data").rglob("*.py")},
+    # launch_check.check_launch(hf_config): launch_check.py belongs to the elastic-launch work
+    SRC / "launch_check.py": "launch work",
+}
 
 
 def test_every_config_dataclass_reachable_from_recipe_config_is_frozen() -> None:
@@ -131,12 +168,19 @@ def test_the_frozen_walk_catches_a_mutable_section() -> None:
     assert not_frozen(Holder, localns={"Loose": Loose}) == ["Loose"]
 
 
-def test_no_section_field_and_no_cfg_parameter_is_any() -> None:
+def test_no_section_field_and_no_config_parameter_is_any() -> None:
     assert any_fields(RecipeConfig) == []
     files = [*SRC.rglob("*.py"), *(REPO / "benchmarks").rglob("*.py"), *(REPO / "scripts").rglob("*.py")]
     assert len(files) > 100
-    found = [f"{p.relative_to(REPO)}: {hit}" for p in files for hit in any_cfg_params(p.read_text())]
+    found = [
+        f"{p.relative_to(REPO)}: {hit}"
+        for p in files
+        if p not in ANY_SCAN_EXEMPT
+        for hit in any_config_params(p.read_text())
+    ]
     assert found == []
+    exempt = [hit for p in ANY_SCAN_EXEMPT for hit in any_config_params(p.read_text())]
+    assert len(exempt) <= 31, exempt  # the data move's 30 and launch_check's 1: no more
 
 
 def test_the_any_scans_catch_a_sample() -> None:
@@ -147,9 +191,12 @@ def test_the_any_scans_catch_a_sample() -> None:
 
     assert any_fields(Sample) == ["Sample.loose"]
     source = (
-        "def f(cfg: Any) -> None: ...\ndef g(*, cfg: 'Any | None', x: Any) -> None: ...\ndef h(cfg: int): ..."
+        "def f(cfg: Any) -> None: ...\n"
+        "def g(*, section: 'Any | None', x: Any, raw: dict[str, Any]) -> None: ...\n"
+        "def h(cfg: int, hf_config: Optional[Any], *args: Any, **model_config: Any): ...\n"
+        "def k(options: dict[str, Any], peft: PeftSection | None): ..."
     )
-    assert any_cfg_params(source) == ["f(cfg)", "g(cfg)"]
+    assert any_config_params(source) == ["f(cfg)", "g(section)", "h(hf_config)", "h(model_config)"]
 
 
 def _imported_modules(path: Path) -> list[str]:

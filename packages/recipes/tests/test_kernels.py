@@ -17,6 +17,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import AUTOMODEL_FP8, preload, tiny_config, train_on_rank  # noqa: E402
 
+from automodel.mesh import ParallelismSizes  # noqa: E402
 from automodel.recipes import load_config  # noqa: E402
 from automodel.recipes.cli import run_cli  # noqa: E402
 from automodel.recipes.errors import ConfigError  # noqa: E402
@@ -211,7 +212,7 @@ def test_liger_patches_the_intended_modules(
     forward = type(model).forward
     head_loss = build_head_loss(LinearCrossEntropy(), model=model, logits_loss=masked_cross_entropy_sum)
     cfg = load_config(tiny_config("/tmp/unused", kernels={"liger": True}))
-    layout = type("Layout", (), {"tp": 1})()
+    layout = ParallelismSizes().resolve(1)
 
     # auto on a machine without CUDA: a line, the model untouched
     if not torch.cuda.is_available():

@@ -30,9 +30,12 @@ from automodel.recipes.parallelisms import (
     RankReport,
     SearchPoint,
     axis_sizes,
+    batch_ranks,
+    mesh_roles,
     parallelisms,
     register_parallelism,
     searched,
+    sequence_length_divisor,
     unregister_parallelism,
 )
 from automodel.recipes.plan import plan_layout
@@ -174,6 +177,34 @@ def test_the_axis_table_gives_the_mesh_axes() -> None:
     keys = {a.size_key for a in AXES if a.size_key is not None}
     assert {p.size_key for p in parallelisms()} == keys
     assert all(p.mesh_axis in PARALLEL_AXES for p in parallelisms())
+
+
+def test_the_mesh_roles_come_from_the_parallelisms_flags() -> None:
+    """The loop reduces over roles, not axis names: rows split by data parallelism, the loss also
+    over cp, the gradient norm over the pipeline's stages."""
+    roles = mesh_roles()
+    assert roles.batch_axes == ("dp_replicate", "dp_shard")
+    assert roles.loss_axes == ("dp_replicate", "dp_shard", "cp")
+    assert roles.norm_axes == ("pp",)
+    hsdp = parse_distributed_section({"strategy": "fsdp2", "dp_replicate_size": 2, "cp_size": 2})
+    assert batch_ranks(hsdp.sizes.resolve(16)) == 8  # dp = 16 / cp
+
+
+@pytest.mark.parametrize(
+    ("distributed", "world", "divisor"),
+    [
+        ({}, 2, 1),
+        ({"cp_size": 2}, 2, 4),
+        ({"tp_size": 2, "sequence_parallel": True}, 2, 1),
+        ({"tp_size": 2, "sequence_parallel": True, "pp_size": 2, "pipeline": {}}, 4, 2),
+        ({"tp_size": 2, "sequence_parallel": True, "pp_size": 2, "pipeline": {}, "cp_size": 2}, 8, 4),
+        ({"tp_size": 4, "sequence_parallel": True, "pp_size": 2, "pipeline": {}, "cp_size": 2}, 16, 8),
+    ],
+)
+def test_the_sequence_length_divisor_of_a_layout(distributed: dict, world: int, divisor: int) -> None:
+    section = parse_distributed_section({"strategy": "fsdp2", **distributed})
+    layout = section.sizes.resolve(world)
+    assert sequence_length_divisor(section, layout) == divisor
 
 
 def test_strategies_refuse_what_they_do_not_list() -> None:

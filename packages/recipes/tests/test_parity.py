@@ -71,11 +71,29 @@ def test_layout_matches_single_process(layout: Layout, reference: list[float], t
     )
 
 
+def _check_applied(output_dir: Path, layout: Layout, *, num_experts: int) -> None:
+    """`check_layout_applied` on the reports a run with ``logging.layout_report: all`` wrote."""
+    reports = [
+        json.loads((output_dir / "layout" / f"rank_{r}.json").read_text()) for r in range(layout.ranks)
+    ]
+    layers = TINY["model"]["config"]["num_hidden_layers"]
+    check_layout_applied(reports, layout=layout, layers=layers, num_experts=num_experts)
+
+
 def test_moe_ep2_matches_single_process(tmp_path: Path) -> None:
     ref_cfg = tiny_config(str(tmp_path / "ref"), model=MOE_MODEL)
     (ref,) = run_on_ranks(train_on_rank, world_size=1, args=(ref_cfg,), timeout_s=TIMEOUT)
-    cfg = tiny_config(str(tmp_path / "ep"), model=MOE_MODEL, distributed={"strategy": "fsdp2", "ep_size": 2})
-    for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
+    (layout,) = layouts_named("ep2")
+    cfg = tiny_config(
+        str(tmp_path / "ep"),
+        model=MOE_MODEL,
+        distributed=layout.distributed,
+        logging={"layout_report": "all"},
+    )
+    results = run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
+    # experts per rank, their local shapes and offsets: with EP switched off this fails
+    _check_applied(tmp_path / "ep", layout, num_experts=MOE_MODEL["config"]["num_experts"])
+    for rank_losses in results:
         assert_losses_close(rank_losses, ref)
 
 
@@ -94,8 +112,14 @@ def test_packed_sequences_cp2_match_single_process(tmp_path: Path) -> None:
     (ref,) = run_on_ranks(
         train_on_rank, world_size=1, args=(tiny_config(str(tmp_path / "r"), **packed),), timeout_s=TIMEOUT
     )
-    cfg = tiny_config(str(tmp_path / "cp"), distributed={"strategy": "fsdp2", "cp_size": 2}, **packed)
-    for rank_losses in run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT):
+    (layout,) = layouts_named("cp2")
+    cfg = tiny_config(
+        str(tmp_path / "cp"), distributed=layout.distributed, logging={"layout_report": "all"}, **packed
+    )
+    results = run_on_ranks(train_on_rank, world_size=2, args=(cfg,), timeout_s=TIMEOUT)
+    # the ring backend and every attention module's CP hooks: with CP switched off this fails
+    _check_applied(tmp_path / "cp", layout, num_experts=0)
+    for rank_losses in results:
         assert_losses_close(rank_losses, ref)
     unpacked = {**packed, "packed_sequence": {"packed_sequence_size": 0}}
     (plain,) = run_on_ranks(

@@ -152,20 +152,20 @@ def test_batch_length_rule() -> None:
     assert {buckets.of(n, cap=1024) for n in range(1, 1001)} == {64, 128, 256, 512, 1024}
 
 
-def test_layout_seq_multiple_is_the_rules_multiple(tmp_path: Path) -> None:
+def test_the_batch_multiple_is_the_layouts_sequence_divisor(tmp_path: Path) -> None:
     """The multiple a batch is rounded to is the one `check_model` refuses a seq_length by."""
     from automodel.recipes import load_config
-    from automodel.recipes.parallelisms import seq_multiple
+    from automodel.recipes.parallelisms import sequence_length_divisor
 
     for dist, world, want in [
         ({"cp_size": 2}, 2, 4),
-        ({"tp_size": 2, "sequence_parallel": True}, 2, 2),
+        ({"tp_size": 2, "sequence_parallel": True}, 2, 1),
         ({"tp_size": 2}, 2, 1),
         ({"cp_size": 2, "tp_size": 2, "sequence_parallel": True}, 4, 4),
     ]:
         cfg = load_config(_config(tmp_path, str(tmp_path / "out"), distributed={"strategy": "fsdp2", **dist}))
         layout = cfg.distributed.sizes.resolve(world)
-        assert seq_multiple(cfg, layout) == want, dist
+        assert sequence_length_divisor(cfg.distributed, layout) == want, dist
 
 
 def _compiles(lengths: list[int], *, dynamic: bool | None) -> int:

@@ -9,6 +9,7 @@ from automodel.context_parallel.hf_attention import (
     attach_context_parallel_hooks,
     check_context_parallel_support,
     context_parallel_attention,
+    context_parallel_modules,
 )
 from automodel.context_parallel.layout import (
     contiguous_indices,
@@ -28,6 +29,7 @@ __all__ = [
     "attach_context_parallel_hooks",
     "check_context_parallel_support",
     "context_parallel_attention",
+    "context_parallel_modules",
     "contiguous_indices",
     "document_ids",
     "load_balanced_indices",

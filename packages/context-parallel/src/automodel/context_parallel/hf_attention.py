@@ -29,7 +29,7 @@ from automodel.context_parallel.layout import load_balanced_indices
 from automodel.context_parallel.ring_attention import ring_attention
 from automodel.context_parallel.thd import document_ids, thd_partitioned_indices
 from automodel.context_parallel.torch_internals import unwrap_checkpointed
-from automodel.mesh.model_parts import in_other_submodel, other_submodel_prefixes
+from automodel.mesh.model_parts import canonical_fqn, in_other_submodel, other_submodel_prefixes
 
 ATTN_IMPLEMENTATION = "context_parallel"
 _SPEC_ATTR = "_automodel_cp_spec"
@@ -192,6 +192,17 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             found.append(inner)
             prefixes.append(f"{name}.")
     return found
+
+
+def context_parallel_modules(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s modules that run attention context-parallel: tagged with a CP group
+    by `apply_context_parallel` and carrying its hooks (read off the live model, for the layout
+    report: a layout whose CP was switched off lists none)."""
+    return [
+        canonical_fqn(name)
+        for name, module in model.named_modules()
+        if getattr(module, _SPEC_ATTR, None) is not None and getattr(module, _HOOK_ATTR, False)
+    ]
 
 
 def _forward_source(cls: type) -> str | None:

@@ -386,7 +386,7 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _plan(args: argparse.Namespace, overrides: list[str]) -> int:
     # lazy: start-up, recipes --help: planning ~1.9 s
-    from automodel.recipes.planning import parse_bytes, plan
+    from automodel.recipes.planning.propose import parse_bytes, plan
 
     # lazy: start-up, recipes --help: planning.roofline ~1.8 s
     from automodel.recipes.planning.roofline import Hardware

@@ -45,9 +45,11 @@ def describe_part(
 ) -> dict[str, Any]:
     """One model part (the model, or one pipeline stage module) as this rank holds it
     (`automodel.mesh.layout_report.describe_module`, plus what the strategy's wrapper holds,
-    `Strategy.describe_wrapper`)."""
+    `Strategy.describe_wrapper`, and what each parallelism applied, `Parallelism.describe_part`)."""
     report = describe_module(part, layers_fqn=layer_list_fqn(part), stage_ids=stage_ids)
     report.update(strategy.describe_wrapper(part))
+    for parallelism in parallelisms():  # what each parallelism put on the modules (CP's attention)
+        report.update(parallelism.describe_part(part))
     return report
 
 

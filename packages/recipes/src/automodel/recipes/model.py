@@ -172,7 +172,7 @@ _ATTN_SUPPORT_FLAGS = {
 }
 
 
-def causal_lm_class(hf_config: Any) -> type:
+def causal_lm_class(hf_config: PretrainedConfig) -> type:
     """transformers' causal-LM class for `hf_config` (ConfigError when the model_type has none)."""
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]  # pyright: ignore[reportReturnType]  # a class; transformers types it _LazyAutoMappingValue
@@ -187,7 +187,7 @@ def causal_lm_class(hf_config: Any) -> type:
     )
 
 
-def resolve_attn_implementation(hf_config: Any, requested: str) -> str:
+def resolve_attn_implementation(hf_config: PretrainedConfig, requested: str) -> str:
     """``auto``: sdpa where the model supports it, else eager. A named implementation the model
     does not support is a ConfigError naming the model_type and what it supports."""
     cls = causal_lm_class(hf_config)
@@ -206,7 +206,7 @@ def resolve_attn_implementation(hf_config: Any, requested: str) -> str:
     return requested
 
 
-def _without_unimportable_kernels(hf_config: Any) -> Any:
+def _without_unimportable_kernels(hf_config: PretrainedConfig) -> Any:
     """`hf_config`, or a copy asking for sdpa where it asks for flash_attention_2 and flash-attn is
     not importable here: transformers refuses to build such a model at all, but `recipes validate`
     plans GPU clusters from any machine and the model's structure does not depend on the kernel
@@ -221,7 +221,9 @@ def _without_unimportable_kernels(hf_config: Any) -> Any:
     return planned
 
 
-def build_meta_model(hf_config: Any, *, dtype: str = "float32", trust_remote_code: bool = False) -> nn.Module:
+def build_meta_model(
+    hf_config: PretrainedConfig, *, dtype: str = "float32", trust_remote_code: bool = False
+) -> nn.Module:
     """The causal-LM for `hf_config` with every parameter and buffer on the meta device.
 
     `trust_remote_code` (YAML ``model.trust_remote_code``) lets a config's ``auto_map`` import

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from automodel.recipes.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from automodel.recipes.config.sections import ModelSection
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,7 @@ class DefaultedInput:
 RULES: tuple[DefaultedInput, ...] = (DefaultedInput("lang_ids", "default_language", "languages"),)
 
 
-def check_defaulted_inputs(hf_config: Any, *, model_cls: type, section: Any) -> None:
+def check_defaulted_inputs(hf_config: PretrainedConfig, *, model_cls: type, section: ModelSection) -> None:
     """`ConfigError` naming the config field when `model_cls.forward` takes an input the recipes do
     not pass and the field it falls back to is unset or not one of its accepted values."""
     try:

@@ -20,7 +20,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from torch.distributed.tensor import DTensor
 
 from automodel.mesh.model_parts import output_embeddings
 from automodel.recipes.linear_ce import linear_cross_entropy_sum
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class HeadPlan:
         return f"loss: chunked linear cross-entropy over {self.fqn} (no full logits{extra})"
 
 
-def _expected_transform(config: Any, model: nn.Module) -> tuple[float | None, float | None]:
+def _expected_transform(config: PretrainedConfig, model: nn.Module) -> tuple[float | None, float | None]:
     """The soft-cap and scale a family's config declares for its logits (checked by the probe)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "final_logit_softcapping", None)

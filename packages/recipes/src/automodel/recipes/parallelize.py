@@ -14,7 +14,6 @@ instead, so every layout produces the same numbers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +22,7 @@ from automodel.fsdp2 import default_init_fn, materialize_meta_model
 from automodel.mesh import MeshContext
 from automodel.recipes.checkpoint import load_pretrained_weights
 from automodel.recipes.config.distributed import DistributedSection
+from automodel.recipes.config.peft import PeftSection
 from automodel.recipes.peft import is_adapter_key, lora_init_fn
 from automodel.recipes.strategies import Initialize, ParallelModel, get_strategy
 from automodel.recipes.strategies.base import PLAIN_PARTS
@@ -30,7 +30,9 @@ from automodel.recipes.strategies.base import PLAIN_PARTS
 __all__ = ["ParallelModel", "parallelize_model"]
 
 
-def _materialize(parts: list[nn.Module], *, device: torch.device, seed: int, peft: Any = None) -> None:
+def _materialize(
+    parts: list[nn.Module], *, device: torch.device, seed: int, peft: PeftSection | None = None
+) -> None:
     for part in parts:
         init_fn = None
         if peft is not None:  # LoRA: A kaiming-uniform, B zeros; the rest as without adapters
@@ -46,7 +48,7 @@ def _weight_initializer(
     seed: int,
     pretrained_path: str | None,
     allow_pickle_weights: bool,
-    peft: Any,
+    peft: PeftSection | None,
 ) -> Initialize:
     """Materialize parts (seeded like one process), then load the pretrained checkpoint if any.
 
@@ -80,7 +82,7 @@ def parallelize_model(
     gradient_divide_factor: float | None = 1.0,
     pretrained_path: str | None = None,
     allow_pickle_weights: bool = False,
-    peft: Any = None,
+    peft: PeftSection | None = None,
 ) -> ParallelModel:
     """Compose the parallelisms of `section` on `model` (on the meta device) and materialize it.
 

@@ -14,11 +14,12 @@ from automodel.mesh import AXES, ResolvedLayout
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.model import build_meta_model
-from automodel.recipes.parallelisms import in_plan_order, memory_terms, parallelisms, planner_sizes
+from automodel.recipes.parallelisms import in_plan_order, parallelisms
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.planning.memory import MemoryEstimate, StepSetup, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
 from automodel.recipes.planning.shape import model_shape
+from automodel.recipes.planning.terms import memory_terms, planner_sizes
 from automodel.recipes.resolved_run import resolve_run
 
 

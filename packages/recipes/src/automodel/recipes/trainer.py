@@ -52,8 +52,11 @@ from automodel.recipes.parallelisms import (
     MicroBatch,
     Parallelism,
     axis_sizes,
+    batch_rank,
+    mesh_roles,
     parallelisms,
-    seq_multiple,
+    role_group,
+    sequence_length_divisor,
 )
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.peft import apply_lora
@@ -132,10 +135,6 @@ class TrainResult:
     output_dir: str = ""
 
 
-def _group(mesh: MeshContext, axis: str) -> dist.ProcessGroup | None:
-    return None if mesh.layout.axis_size(axis) == 1 else mesh.get_mesh(axis).get_group()
-
-
 def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, group=group)
@@ -143,8 +142,8 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
 
 
 def dp_rank_of(mesh: MeshContext) -> int:
-    c = mesh.coordinates
-    return c["dp_replicate"] * mesh.layout.dp_shard + c["dp_shard"]
+    """This rank's share of each batch's rows (`roles.batch_rank` over the row-splitting axes)."""
+    return batch_rank(mesh, mesh_roles().batch_axes)
 
 
 class Trainer:
@@ -271,7 +270,7 @@ class Trainer:
 
     def _batch_length(self) -> BatchLength | None:
         """How long a micro-batch of one-example SFT rows is: its longest example rounded up to
-        the least common multiple of `PAD_MULTIPLE` and what the layout needs (`seq_multiple`),
+        the least common multiple of `PAD_MULTIPLE` and what the layout needs (`sequence_length_divisor`),
         in power-of-two buckets when layers are compiled. None (rows of ``seq_length``, as the
         start-up note says) under pipeline parallelism: its stages exchange fixed-shape buffers."""
         cfg = self.cfg
@@ -279,7 +278,7 @@ class Trainer:
             return None
         sc = cfg.distributed.strategy_config
         return BatchLength(
-            multiple=math.lcm(PAD_MULTIPLE, seq_multiple(cfg, self.mesh.layout)),
+            multiple=math.lcm(PAD_MULTIPLE, sequence_length_divisor(cfg.distributed, self.mesh.layout)),
             buckets="enable_compile" in sc.enabled_layer_flags,
         )
 
@@ -424,7 +423,8 @@ class Trainer:
         local_tokens = sum(int((b.labels != -100).sum()) for b in batches)
         # a fill, not a host-to-device copy
         tokens = _all_reduce_sum(
-            torch.full((), float(local_tokens), device=self.device), _group(self.mesh, "dp")
+            torch.full((), float(local_tokens), device=self.device),
+            role_group(self.mesh, mesh_roles().batch_axes),
         )
         loss_sum = torch.zeros((), device=self.device)
         self.pipeline_loss.set_divisor(tokens)
@@ -437,7 +437,7 @@ class Trainer:
                 loss_sum += self._micro_batch_loss(batch, divisor=tokens, backward=True)
         for parallelism in parallelisms():
             parallelism.finish_backward(self.pm)
-        loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
+        loss_sum = _all_reduce_sum(loss_sum, role_group(self.mesh, mesh_roles().loss_axes))
         grad_norm = self._clip_grad_norm()
         for opt in self.optimizers:
             opt.step()
@@ -491,8 +491,8 @@ class Trainer:
                 else:
                     loss_sum += self._micro_batch_loss(batch, divisor=None, backward=False).float()
                 tokens += float((batch.labels != -100).sum())
-        loss_sum = _all_reduce_sum(loss_sum, _group(self.mesh, "dp_cp"))
-        tokens = _all_reduce_sum(tokens, _group(self.mesh, "dp"))
+        loss_sum = _all_reduce_sum(loss_sum, role_group(self.mesh, mesh_roles().loss_axes))
+        tokens = _all_reduce_sum(tokens, role_group(self.mesh, mesh_roles().batch_axes))
         for part in self.pm.parts:
             part.train()
         return float(loss_sum / tokens)

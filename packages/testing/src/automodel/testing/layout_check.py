@@ -7,7 +7,7 @@ by a package test from its live model) and fails unless each parallelism of the 
 FSDP shards on dim 0 over ``dp_shard_cp``, HSDP replicates over ``dp_replicate``, TP shards
 attention and MLP per the plan, SP puts the norms on the tp mesh, pipeline stages hold disjoint
 layers, experts are split over ``ep``, a replicated layout (DDP) wraps the whole model with a
-gradient reducer, CP runs the ring backend, activation checkpointing wraps every decoder layer.
+gradient reducer, CP runs the ring backend with every attention module hooked, activation checkpointing wraps every decoder layer.
 
 It is strategy-blind: it reads a `Layout` entry (`automodel.testing.layout_table`) - the axis
 sizes and the entry's own facts such as ``replicated`` - never a strategy name or YAML key.
@@ -32,6 +32,7 @@ Report = dict[str, Any]
 Q_PROJ = "model.layers.{i}.self_attn.q_proj.weight"
 O_PROJ = "model.layers.{i}.self_attn.o_proj.weight"
 NORM = "model.layers.{i}.input_layernorm.weight"
+ATTENTION = "model.layers.{i}.self_attn"
 EXPERTS = "model.layers.{i}.mlp.experts.gate_up_proj"
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -157,8 +158,16 @@ def _check_pp(reports: list[Report], *, layers: int, dp_copies: int) -> None:
 
 
 def _check_cp(reports: list[Report]) -> None:
+    """The ring backend, and every attention module a rank holds carrying the CP group and hooks
+    (``cp_attention``, what `recipes train`'s report reads off the live modules)."""
     for report in reports:
         assert report["cp_backend"] == "ring", f"rank {report['rank']}: cp_backend {report['cp_backend']!r}"
+        for part in report["parts"]:
+            expected = {ATTENTION.format(i=i) for i in part["layers"]}
+            hooked = set(part.get("cp_attention", ()))
+            assert expected <= hooked, (
+                f"rank {report['rank']}: attention without CP hooks: {sorted(expected - hooked)}"
+            )
 
 
 def _check_ep(reports: list[Report], ep: int, *, num_experts: int, ep_shard: int) -> None:

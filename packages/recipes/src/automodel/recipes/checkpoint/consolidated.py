@@ -28,6 +28,8 @@ from automodel.recipes.checkpoint.key_mapping import find_hf_model, to_checkpoin
 from automodel.recipes.peft.lora import merged_weight
 
 if TYPE_CHECKING:  # strategies -> planning -> peft -> checkpoint: the type only
+    from transformers import PretrainedConfig
+
     from automodel.recipes.strategies.base import PartWrapping
 
 _FILE_NAMES = {
@@ -53,7 +55,7 @@ def save_consolidated(
     model_parts: list[nn.Module],
     directory: Path,
     model_save_format: str,
-    hf_config: Any = None,
+    hf_config: PretrainedConfig = None,
     tokenizer: Any = None,
     lora_scales: Mapping[str, float] | None = None,
     strategy: PartWrapping,

@@ -69,7 +69,9 @@ def build_hellaswag(
     return _build(section, tokenizer, packed_sequence_size=packed_sequence_size, records=hellaswag_records)
 
 
-def _build(section: Any, tokenizer: Any, *, packed_sequence_size: int, records: Any) -> Any:
+def _build(
+    section: SquadSection | HellaSwagSection, tokenizer: Any, *, packed_sequence_size: int, records: Any
+) -> Any:
     rows = records(section, _load_table(section))
     return build_sft_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size, records=rows)
 

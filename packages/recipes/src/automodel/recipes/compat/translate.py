@@ -313,7 +313,7 @@ def _pretrained_config_overrides(model: dict) -> None:
         model["config_overrides"] = config
 
 
-def _config_dict(config: Any) -> dict:
+def _config_dict(config: object) -> dict:
     """``model.config`` of a from_config model: a local config.json (+ overrides) or a config class."""
     if not isinstance(config, dict):
         raise ConfigError("model.config", config, "from_config needs a model.config mapping")

@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from torch import nn
 
+from automodel.mesh import ResolvedLayout
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.checks import liger_layout_refusal
@@ -23,10 +24,10 @@ from automodel.recipes.kernels.liger import (
 from automodel.recipes.output_head import HeadLoss
 
 
-def _liger(model: nn.Module, *, cfg: RecipeConfig, layout: Any, head_loss: HeadLoss) -> str:
+def _liger(model: nn.Module, *, cfg: RecipeConfig, layout: ResolvedLayout, head_loss: HeadLoss) -> str:
     section = cfg.kernels
     model_type = cast(Any, model).config.model_type
-    why = liger_unavailable() or liger_layout_refusal(layout)
+    why = liger_unavailable() or liger_layout_refusal(cfg.distributed, layout)
     if why is None and not section.required and family_patches(model_type) is None:
         why = f"Liger has no kernels for model_type {model_type!r}"
     if why is not None:
@@ -42,7 +43,9 @@ def _liger(model: nn.Module, *, cfg: RecipeConfig, layout: Any, head_loss: HeadL
     return f"kernels.liger: {', '.join(patches)} on model_type {model_type!r}"
 
 
-def apply_kernels(model: nn.Module, *, cfg: RecipeConfig, layout: Any, head_loss: HeadLoss) -> list[str]:
+def apply_kernels(
+    model: nn.Module, *, cfg: RecipeConfig, layout: ResolvedLayout, head_loss: HeadLoss
+) -> list[str]:
     """Liger's kernels then the float8 conversion on `model` (meta device, before parallelism), as
     ``cfg.kernels`` / ``cfg.fp8`` ask; `head_loss` takes Liger's fused linear CE when selected, and
     its head stays out of float8. Returns the start-up lines."""

@@ -5,15 +5,25 @@ say in one line why it was not applied (`apply.apply_kernels`)."""
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
+from automodel.mesh import ResolvedLayout
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.kernels.float8 import fp8_unavailable
 from automodel.recipes.kernels.liger import KEY, liger_unavailable, resolve_patches
 from automodel.recipes.loss import masked_cross_entropy_sum
 from automodel.recipes.output_head import build_head_loss
+from automodel.recipes.parallelisms import parallelisms
+from automodel.recipes.parallelisms.base import KernelKind
 from automodel.recipes.strategies import get_strategy, strategy_names
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from automodel.recipes.config.distributed import DistributedSection
 
 
 def check_kernels_environment(cfg: RecipeConfig) -> None:
@@ -24,18 +34,25 @@ def check_kernels_environment(cfg: RecipeConfig) -> None:
         raise ConfigError(refusal[0], True, refusal[1])
 
 
-def liger_layout_refusal(layout: Any) -> str | None:
-    """Why Liger's kernels are not applied in this layout (None: they are)."""
-    if layout.tp > 1:
-        return (
-            f"is not wired with tensor parallelism (distributed.tp_size={layout.tp}): Liger's kernels take "
-            "plain tensors, sequence parallelism hands them DTensors, and its fused linear cross-entropy "
-            "has no vocabulary-sharded head"
-        )
+def kernel_layout_refusal(
+    kernel: KernelKind, *, section: DistributedSection, layout: ResolvedLayout
+) -> str | None:
+    """Why `kernel` is not applied in this layout: the first parallelism in use that does not
+    compose with it (`Parallelism.kernel_refusal`), named with its size key; None when all do."""
+    for parallelism in parallelisms():
+        size = parallelism.size(section, layout)
+        if parallelism.in_use(size) and (refusal := parallelism.kernel_refusal(kernel)):
+            what, why = refusal
+            return f"is not wired with {what} (distributed.{parallelism.size_key}={size}): {why}"
     return None
 
 
-def chunked_head_refusal(cfg: RecipeConfig, model: Any) -> str | None:
+def liger_layout_refusal(section: DistributedSection, layout: ResolvedLayout) -> str | None:
+    """Why Liger's kernels are not applied in this layout (None: they are)."""
+    return kernel_layout_refusal("liger", section=section, layout=layout)
+
+
+def chunked_head_refusal(cfg: RecipeConfig, model: nn.Module) -> str | None:
     """Why this run's loss does not read the head's weight (None: the chunked path is used)."""
     name = cfg.distributed.strategy
     if not get_strategy(name).head_weight_readable:
@@ -45,12 +62,14 @@ def chunked_head_refusal(cfg: RecipeConfig, model: Any) -> str | None:
     return None if plan.chunked else plan.reason
 
 
-def check_kernels_rules(cfg: RecipeConfig, layout: Any, hf_config: Any, *, model: Any = None) -> None:
+def check_kernels_rules(
+    cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, *, model: nn.Module | None = None
+) -> None:
     """`ConfigError` naming the key when the model or layout cannot take the requested kernels
     (the fused linear CE's head is checked when `model`, the meta-device model, is given)."""
     section = cfg.kernels
     if section.required:
-        why = liger_layout_refusal(layout)
+        why = liger_layout_refusal(cfg.distributed, layout)
         if why:
             raise ConfigError(KEY, _shown(section.liger), why)
         if importlib.util.find_spec("liger_kernel") is not None:  # else check_kernels_environment says so
@@ -59,13 +78,8 @@ def check_kernels_rules(cfg: RecipeConfig, layout: Any, hf_config: Any, *, model
     fp8 = cfg.fp8
     if not fp8.enabled:
         return
-    if layout.tp > 1:
-        raise ConfigError(
-            "fp8.enabled",
-            True,
-            f"is not wired with tensor parallelism (distributed.tp_size={layout.tp}): float8 linears need "
-            "torchao's float8 TP styles, which this project's TP plans do not use",
-        )
+    if why := kernel_layout_refusal("float8", section=cfg.distributed, layout=layout):
+        raise ConfigError("fp8.enabled", True, why)
     if cfg.peft is not None:
         raise ConfigError(
             "fp8.enabled", True, "is not wired with peft (LoRA's frozen base weights); remove one"

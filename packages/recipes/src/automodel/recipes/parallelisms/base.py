@@ -23,7 +23,7 @@ import contextlib
 from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -33,12 +33,11 @@ from automodel.recipes.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.moe import ExpertShardUnit, MoEParallelizerConfig
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
-    from automodel.recipes.planning.memory import StepSetup
-    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
-    from automodel.recipes.strategies.base import ParallelModel
+    from automodel.recipes.planning.step import StepSetup, StepTraffic
 
 #: One rank's layout report (`automodel.mesh.layout_report.rank_report`): JSON-like values.
 RankReport = Mapping[str, object]
@@ -47,8 +46,48 @@ Options = Mapping[str, object]
 
 _UNSET = ("none", "null", "auto")
 
+#: Outcomes of the model-dependent checks of one meta-device model, by what they depend on (the
+#: error message, or None): `recipes plan` checks many layouts of one model and passes one memo.
+ModelChecks = dict[tuple[object, ...], str | None]
+#: The meta-device model, built on the first call (a check that needs none builds none).
+MetaModel = Callable[[], torch.nn.Module]
+
+
+def checked_once(
+    memo: ModelChecks | None,
+    key: tuple[object, ...],
+    check: Callable[[], object],
+    *,
+    errors: type[Exception] | tuple[type[Exception], ...] = ValueError,
+) -> str | None:
+    """The message of the `errors` `check` raises (None if it passes), run once per `key` of `memo`."""
+    if memo is not None and key in memo:
+        return memo[key]
+    try:
+        check()
+        message = None
+    except errors as e:
+        message = str(e)
+    if memo is not None:
+        memo[key] = message
+    return message
+
+
+#: The kernels a parallelism may refuse to compose with (`Parallelism.kernel_refusal`).
+KernelKind = Literal["liger", "float8"]
+
 #: A context manager factory a micro-batch's forward and backward run inside.
 BatchContext = Callable[[], contextlib.AbstractContextManager[object]]
+
+
+class LoopModel(Protocol):
+    """What the training loop's model (`strategies.base.ParallelModel`) shows a parallelism's loop
+    hooks: a Protocol, so the parallelisms import no strategy (the strategies import them)."""
+
+    @property
+    def pipeline(self) -> Any:
+        """The built pipeline (`automodel.pipeline.AutoPipeline`'s) when pp > 1, else None."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -71,6 +110,26 @@ class BatchRun:
     pad_token_id: int
     #: Rows are packed documents (positions restart at 0 per document).
     packed: bool
+
+
+@dataclass
+class StageBuild:
+    """One model part (the model, or a pipeline stage) between the model-parallel phases of the
+    composition (`Parallelism.apply_to_stage`, in `apply_phase` order) and the data-parallel
+    sharding that follows: what the strategy handed them, and what they leave it."""
+
+    mesh: MeshContext
+    #: The strategy's flags (the TP plan and sequence parallelism are FSDP2's).
+    strategy_config: StrategyConfig
+    #: The ``distributed.moe`` options (`automodel.moe.MoEParallelizerConfig`), None without EP.
+    moe_config: MoEParallelizerConfig | None
+    gradient_divide_factor: float | None
+    #: The part is one pipeline stage (it may hold dense layers only).
+    pipeline_stage: bool
+    #: Left by the phases: the CP attention backend ("none" without CP) ...
+    cp_backend: str = "none"
+    #: ... and the expert units EP split off, which the sharding wraps apart (None: EP did not run).
+    expert_units: list[ExpertShardUnit] | None = None
 
 
 @dataclass(frozen=True)
@@ -196,8 +255,13 @@ def section_mapping(data: Mapping[str, object], key: str) -> Mapping[str, object
     return value
 
 
-class Parallelism(ABC):
-    """One parallelism; subclasses set `name` and `size_key` and override the hooks that apply."""
+#: A parallelism's typed config, from its own section (None for one without a section).
+C = TypeVar("C")
+
+
+class Parallelism(ABC, Generic[C]):
+    """One parallelism over its config class `C` (``Parallelism[None]``: it has no section);
+    subclasses set `name` and `size_key` and override the hooks that apply."""
 
     #: What strategies list it as (`Strategy.supported_axes`); its mesh axis when the mesh has one
     #: of that name (`automodel.mesh.AXES`).
@@ -212,6 +276,13 @@ class Parallelism(ABC):
     unused: ClassVar[str] = "1"
     #: Mesh axes whose sharded parameters the layout report counts for it, in report order.
     report_axes: ClassVar[tuple[str, ...]] = ()
+
+    #: Mesh roles (`roles.mesh_roles`): its axis splits each batch's rows (the batch rank, the
+    #: label-token count's sum); splits each row's tokens (joins the loss sum); its ranks hold
+    #: different plain parameters (the gradient norm's sum).
+    splits_rows: ClassVar[bool] = False
+    splits_tokens: ClassVar[bool] = False
+    holds_distinct_parameters: ClassVar[bool] = False
 
     # ---- the YAML ------------------------------------------------------------------------
     @property
@@ -242,14 +313,12 @@ class Parallelism(ABC):
         """Whether `size` asks for this parallelism (a strategy that does not list it refuses it)."""
         return size is not None and size > 1
 
-    def config_class(self) -> type | None:
+    def config_class(self) -> type[C] | None:
         """The frozen dataclass `build_config` returns (None: it has no section); read by the test
         that every config reachable from a recipe is frozen."""
         return None
 
-    def build_config(
-        self, options: Options | None, *, size: int | None, local_batch_size: int
-    ) -> object | None:
+    def build_config(self, options: Options | None, *, size: int | None, local_batch_size: int) -> C | None:
         """Its typed config from its own section (None: it has none, or it is off)."""
         return None
 
@@ -267,23 +336,44 @@ class Parallelism(ABC):
             return layout.axis_size(axis)
         return section.other_sizes.get(self.size_key, 1)
 
+    def sequence_divisor(self, *, section: DistributedSection, layout: ResolvedLayout, size: int) -> int:
+        """What a sequence length must be a multiple of for it (`roles.sequence_length_divisor`
+        folds them; `check_model` refuses a ``seq_length`` that is not one, and an SFT micro-batch
+        padded to its longest example is rounded up to it); 1 by default."""
+        return 1
+
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
     ) -> None:
         """Rules against the model and the batch, run before launch (`rules.check_layout_rules`)."""
         return None
 
-    def seq_multiple(self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int) -> int:
-        """What every sequence length of a micro-batch must be a multiple of under it (1: any
-        length). The one home of the rule: `check_model` refuses a ``seq_length`` that is not a
-        multiple, and an SFT micro-batch padded to its longest example is rounded up to the least
-        common multiple of all of them (`registry.seq_multiple`)."""
-        return 1
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """The check its package runs when the ranks apply it, run once on the meta-device model
+        before launch (`rules.check_model_supports_layout`): a model it cannot be applied to exactly
+        is refused here, naming the model and why. `meta_model()` builds the model on first use;
+        `memo` keeps outcomes across the layouts `recipes plan` checks (`checked_once`). None by
+        default."""
+        return None
 
     def check_files(self, *, cfg: RecipeConfig) -> None:
         """The files its section names exist on this machine (`ConfigError` naming the key): run
         before any rank starts, with the other checks of this machine (`environment.check_environment`;
         the typed config reads no disk); none by default."""
+        return None
+
+    def kernel_refusal(self, kernel: KernelKind) -> tuple[str, str] | None:
+        """Why `kernel` (Liger's kernels, float8 linears) does not compose with it when in use, as
+        ``(what it is, why)`` for the refusal naming its size key (`kernels.checks`); None: it does."""
         return None
 
     # ---- the planner ---------------------------------------------------------------------
@@ -353,31 +443,52 @@ class Parallelism(ABC):
         expert load the estimate assumed); `setup` is the estimate's. Nothing by default."""
         return []
 
+    def bubble_s(self, *, compute_s: float, setup: StepSetup) -> float:
+        """Seconds its schedule leaves ranks idle in a step of `compute_s` seconds of compute (the
+        roofline, `planning.roofline`); none by default."""
+        return 0.0
+
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Seconds its collectives add to one step on the critical path (the roofline of `recipes
         plan`, `planning.roofline`; built-in sizes are `StepSetup` fields); none by default."""
         return 0.0
+
+    # ---- the composition -----------------------------------------------------------------
+    #: Its place among the model-parallel phases applied to each model part before the
+    #: data-parallel sharding (`registry.in_apply_order`: TP 10 -> CP 20 -> EP 30); None: it
+    #: applies nothing per part (data parallelism is the strategy's, the pipeline splits around).
+    apply_phase: ClassVar[int | None] = None
+
+    def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
+        """Apply it to one model part on the meta device (`size`: its size in the layout), leaving
+        what the sharding needs in `build`; nothing by default."""
+        return None
 
     # ---- the training loop ---------------------------------------------------------------
     def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:
         """This rank's share of one micro-batch (CP's sequence split); unchanged by default."""
         return batch
 
-    def runs_local_batch(self, model: ParallelModel) -> bool:
+    def runs_local_batch(self, model: LoopModel) -> bool:
         """Whether it runs a whole local batch itself (`run_local_batch`: the pipeline schedule
         runs every micro-batch's forward and backward) instead of the loop's micro-batches."""
         return False
 
-    def run_local_batch(self, batch: MicroBatch, *, model: ParallelModel, train: bool) -> torch.Tensor:
+    def run_local_batch(self, batch: MicroBatch, *, model: LoopModel, train: bool) -> torch.Tensor:
         """One local batch (already through every `shard_batch`, inside its context), forward and,
         when `train`, backward; the sum of its losses over this parallelism's group."""
         raise NotImplementedError(f"parallelism {self.name} does not run local batches")
 
-    def finish_backward(self, model: ParallelModel) -> None:
+    def finish_backward(self, model: LoopModel) -> None:
         """After the step's last backward, before the gradient norm (pp: the tied copies' sums)."""
         return None
 
     # ---- the layout report ---------------------------------------------------------------
+    def describe_part(self, part: torch.nn.Module) -> dict[str, object]:
+        """What it put on one model part's modules that its parameters do not show (CP's attention
+        hooks), read off the live part for the layout report; nothing by default."""
+        return {}
+
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
         """What this rank really holds of it, read off its report (not off the config): by
         default, per axis of `report_axes` larger than 1, how many parameters it shards."""

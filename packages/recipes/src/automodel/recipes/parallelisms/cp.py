@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from automodel.context_parallel import make_cp_batch_and_ctx
+from automodel.context_parallel import (
+    apply_context_parallel,
+    check_context_parallel_support,
+    context_parallel_modules,
+    make_cp_batch_and_ctx,
+)
 from automodel.mesh import ResolvedLayout
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
@@ -17,21 +22,25 @@ from automodel.recipes.parallelisms.base import (
     BatchContext,
     BatchRun,
     MemoryShares,
+    MetaModel,
     MicroBatch,
+    ModelChecks,
     Parallelism,
     PlanColumn,
     RankReport,
     SearchPoint,
+    StageBuild,
+    checked_once,
     divisors,
 )
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
-    from automodel.recipes.planning.memory import StepSetup
-    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
+    from automodel.recipes.planning.step import StepSetup, StepTraffic
 
 
 def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
@@ -65,22 +74,29 @@ def context_parallel_inputs(
     return ctx, local, extra
 
 
-class ContextParallel(Parallelism):
+class ContextParallel(Parallelism[None]):
     """The sequence split in 2*cp chunks, rank i holding chunks i and 2*cp-1-i."""
 
     name = "cp"
     size_key = "cp_size"
     report_axes = ("cp",)
+    splits_tokens = True
+    apply_phase = 20
     search_order = 2
     plan_column = PlanColumn("cp", 3)
 
     #: The largest cp `recipes plan` tries.
     max_searched = 8
 
+    def sequence_divisor(self, *, section: DistributedSection, layout: ResolvedLayout, size: int) -> int:
+        """2 * cp chunks of equal length (load-balanced: rank i holds chunks i and 2*cp-1-i)."""
+        return 2 * size if size > 1 else 1
+
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
     ) -> None:
-        seq, multiple = cfg.seq_length, self.seq_multiple(cfg=cfg, layout=layout, size=size)
+        seq = cfg.seq_length
+        multiple = self.sequence_divisor(section=cfg.distributed, layout=layout, size=size)
         if seq % multiple:
             raise ConfigError(
                 cfg.seq_length_key,
@@ -88,9 +104,30 @@ class ContextParallel(Parallelism):
                 f"must be divisible by 2*cp_size = {multiple} (load-balanced context parallelism)",
             )
 
-    def seq_multiple(self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int) -> int:
-        """2*cp: the sequence is split in 2*cp equal chunks (load balancing)."""
-        return 2 * size if size > 1 else 1
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """The model's attention can run context-parallel (automodel.context_parallel's rule)."""
+        if size == 1:
+            return
+        seq = cfg.seq_length
+        error = checked_once(
+            memo, ("cp", seq), lambda: check_context_parallel_support(meta_model(), seq_length=seq)
+        )
+        if error is not None:
+            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+
+    def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
+        """Attention context parallel over ``cp`` (its backend: what `shard_batch` runs with)."""
+        if size > 1:
+            build.cp_backend = apply_context_parallel(module, cp_mesh=build.mesh.get_mesh("cp"))
 
     def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:
         """The load-balanced sequence share of this cp rank, and the context ring attention runs in."""
@@ -129,6 +166,10 @@ class ContextParallel(Parallelism):
             return 0.0
         kv = 2 * shape.kv_heads * shape.head_dim * t.mb_tokens * s.compute_bytes / s.tp
         return 2 * t.layers_rank * t.micro_batches * (s.cp - 1) * kv / t.bandwidth(s.cp * s.tp)
+
+    def describe_part(self, part: torch.nn.Module) -> dict[str, object]:
+        """The attention modules that carry the CP group and hooks (`cp_attention`)."""
+        return {"cp_attention": context_parallel_modules(part)}
 
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
         lines = super().report_lines(report, axis_sizes=axis_sizes)

@@ -10,15 +10,16 @@ from automodel.mesh import DENSE_AXES
 from automodel.recipes.parallelisms.base import Parallelism, PlanColumn, SearchPoint, divisors
 
 if TYPE_CHECKING:
-    from automodel.recipes.planning.roofline import StepTraffic
+    from automodel.recipes.planning.step import StepTraffic
 
 
-class DataParallelReplicate(Parallelism):
+class DataParallelReplicate(Parallelism[None]):
     """Any value set asks for it (even 1): strategies without HSDP refuse the key itself."""
 
     name = "dp_replicate"
     size_key = "dp_replicate_size"
     derived_when_unset = True
+    splits_rows = True
     unused = "unset"
     report_axes = ("dp_replicate",)
     search_order = 5

@@ -8,15 +8,16 @@ from typing import TYPE_CHECKING
 from automodel.recipes.parallelisms.base import Parallelism, PlanColumn, SearchPoint
 
 if TYPE_CHECKING:
-    from automodel.recipes.planning.memory import StepSetup
+    from automodel.recipes.planning.step import StepSetup
 
 
-class DataParallelShard(Parallelism):
+class DataParallelShard(Parallelism[None]):
     """dp_shard = dp_size / dp_replicate_size; an unset dp_size takes what the world leaves."""
 
     name = "dp_shard"
     size_key = "dp_size"
     derived_when_unset = True
+    splits_rows = True
     report_axes = ("dp_shard_cp", "dp_shard")
     search_order = 4
     plan_column = PlanColumn("dp_shard", 8)

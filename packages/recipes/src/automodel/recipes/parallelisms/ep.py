@@ -7,17 +7,27 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
+
 from automodel.mesh import ResolvedLayout, StrategyConfig
-from automodel.moe import MoEParallelizerConfig
+from automodel.moe import (
+    MoEParallelizerConfig,
+    check_expert_parallel_support,
+    parallelize_experts,
+    validate_moe_layout,
+)
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
 from automodel.recipes.parallelisms.base import (
     ActivationSite,
     MemoryShares,
+    MetaModel,
+    ModelChecks,
     Options,
     Parallelism,
     PlanColumn,
     SearchPoint,
+    StageBuild,
     config_error,
     divisors,
     section_mapping,
@@ -27,9 +37,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes.config.recipe import RecipeConfig
-    from automodel.recipes.planning.memory import StepSetup
-    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
+    from automodel.recipes.planning.step import StepSetup, StepTraffic
 
 
 def build_moe_config(moe: Options | None) -> MoEParallelizerConfig:
@@ -41,7 +50,7 @@ def build_moe_config(moe: Options | None) -> MoEParallelizerConfig:
         raise config_error("distributed.moe", options, e) from None
 
 
-class ExpertParallel(Parallelism):
+class ExpertParallel(Parallelism[MoEParallelizerConfig]):
     """Experts over ep ranks, each expert's shard over ep_shard (the rest of dp x cp)."""
 
     name = "ep"
@@ -49,6 +58,7 @@ class ExpertParallel(Parallelism):
     section_key = "moe"
     report_axes = ("ep", "ep_shard")
     search_order = 3
+    apply_phase = 30
     plan_column = PlanColumn("ep", 3)
 
     def check_sizes(
@@ -56,12 +66,12 @@ class ExpertParallel(Parallelism):
     ) -> None:
         section_mapping(data, "moe")
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[MoEParallelizerConfig]:
         return MoEParallelizerConfig
 
     def build_config(
         self, options: Options | None, *, size: int | None, local_batch_size: int
-    ) -> object | None:
+    ) -> MoEParallelizerConfig | None:
         if size == 1 and options is not None:
             warnings.warn("distributed.moe is ignored because ep_size == 1", stacklevel=3)
         return build_moe_config(options) if size is not None and size > 1 else None
@@ -79,6 +89,40 @@ class ExpertParallel(Parallelism):
         if experts % size:
             raise ConfigError(
                 "distributed.ep_size", size, f"must divide the model's number of experts ({experts})"
+            )
+
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """automodel.moe's own rule (the one apply_ep enforces in the ranks), on the meta model."""
+        if size == 1:
+            return
+        try:
+            blocks = check_expert_parallel_support(meta_model(), declared_experts=num_experts(hf_config))
+            validate_moe_layout(layout=layout, num_experts=[b.num_experts for b in blocks])
+        except ValueError as e:
+            raise ConfigError(
+                f"distributed.{self.size_key}",
+                size,
+                f"cannot be applied: model_type {hf_config.model_type!r}: {e}",
+            ) from None
+
+    def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
+        """automodel.moe splits the experts over ``ep`` and names them: units the sharding wraps
+        apart, over ``ep_shard``."""
+        if size > 1:
+            build.expert_units = parallelize_experts(
+                module,
+                mesh=build.mesh,
+                gradient_divide_factor=build.gradient_divide_factor,
+                pipeline_stage=build.pipeline_stage,  # a stage may hold dense layers only
             )
 
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:

@@ -11,14 +11,18 @@ from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms.base import (
+    LoopModel,
     MemoryShares,
+    MetaModel,
     MicroBatch,
+    ModelChecks,
     Options,
     Parallelism,
     PlanColumn,
     RankPosition,
     RankReport,
     SearchPoint,
+    checked_once,
     config_error,
     section_mapping,
 )
@@ -28,11 +32,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.pipeline import PipelineConfig
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
-    from automodel.recipes.planning.memory import StepSetup
-    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
-    from automodel.recipes.strategies.base import ParallelModel
+    from automodel.recipes.planning.step import StepSetup, StepTraffic
 
 
 def build_pipeline_config(pipeline: Options | None, *, local_batch_size: int) -> PipelineConfig:
@@ -94,12 +97,13 @@ def in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
     return min(n_mb, pp) * v  # 1F1B
 
 
-class PipelineParallel(Parallelism):
+class PipelineParallel(Parallelism["PipelineConfig"]):
     """Stages over pp ranks; one pipeline step takes one local batch in micro-batches."""
 
     name = "pp"
     size_key = "pp_size"
     section_key = "pipeline"
+    holds_distinct_parameters = True
     search_order = 1
     plan_column = PlanColumn("pp (schedule)", 19, "<")
 
@@ -111,7 +115,7 @@ class PipelineParallel(Parallelism):
         if pp is not None and pp > 1 and pipeline is None:
             raise ConfigError("distributed.pp_size", pp, "pp_size > 1 needs a distributed.pipeline section")
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[PipelineConfig]:
         # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
         from automodel.pipeline import PipelineConfig
 
@@ -119,12 +123,17 @@ class PipelineParallel(Parallelism):
 
     def build_config(
         self, options: Options | None, *, size: int | None, local_batch_size: int
-    ) -> object | None:
+    ) -> PipelineConfig | None:
         if size == 1 and options is not None:
             warnings.warn("distributed.pipeline is ignored because pp_size == 1", stacklevel=3)
         if options is None or size == 1:
             return None
         return build_pipeline_config(options, local_batch_size=local_batch_size)
+
+    def sequence_divisor(self, *, section: DistributedSection, layout: ResolvedLayout, size: int) -> int:
+        """With sequence parallelism, a stage sends each tp rank's equal share of its cp share."""
+        tp, cp = layout.axis_size("tp"), layout.axis_size("cp")
+        return cp * tp if size > 1 and tp > 1 and section.sequence_parallel else 1
 
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
@@ -165,7 +174,8 @@ class PipelineParallel(Parallelism):
                 raise ConfigError(
                     "step_scheduler.local_batch_size", lb, f"(the pipeline's pp_batch_size): {e}"
                 ) from None
-        seq, multiple = cfg.seq_length, self.seq_multiple(cfg=cfg, layout=layout, size=size)
+        seq = cfg.seq_length
+        multiple = self.sequence_divisor(section=cfg.distributed, layout=layout, size=size)
         if seq % multiple:
             raise ConfigError(
                 cfg.seq_length_key,
@@ -173,11 +183,31 @@ class PipelineParallel(Parallelism):
                 f"must be divisible by cp_size*tp_size = {multiple} for sequence parallelism with pp_size > 1",
             )
 
-    def seq_multiple(self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int) -> int:
-        """cp*tp under sequence parallelism with pp > 1: a stage sends its tp rank's equal share of
-        the sequence-sharded hidden states of its cp share."""
-        tp, cp = layout.tp, layout.cp
-        return cp * tp if size > 1 and tp > 1 and cfg.distributed.sequence_parallel else 1
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """The pipeline can split the model by structure (unless the YAML names each stage's modules)."""
+        pcfg = cfg.distributed.pipeline_config
+        if size == 1 or pcfg is None or pcfg.module_fqns_per_model_part is not None:
+            return
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+        from automodel.pipeline import PipelineSplitError, validate_hf_model_for_pipeline_support
+
+        error = checked_once(
+            memo,
+            ("pp",),
+            lambda: validate_hf_model_for_pipeline_support(meta_model()),
+            errors=PipelineSplitError,
+        )
+        if error is not None:
+            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
 
     def check_files(self, *, cfg: RecipeConfig) -> None:
         pcfg = cfg.distributed.pipeline_config
@@ -191,10 +221,10 @@ class PipelineParallel(Parallelism):
         except ValueError as e:
             raise ConfigError("distributed.pipeline.pp_schedule_csv", pcfg.pp_schedule_csv, str(e)) from None
 
-    def runs_local_batch(self, model: ParallelModel) -> bool:
+    def runs_local_batch(self, model: LoopModel) -> bool:
         return model.pipeline is not None
 
-    def run_local_batch(self, batch: MicroBatch, *, model: ParallelModel, train: bool) -> torch.Tensor:
+    def run_local_batch(self, batch: MicroBatch, *, model: LoopModel, train: bool) -> torch.Tensor:
         """The schedule runs every micro-batch's forward (and backward) itself; the loss (already
         over the step's tokens) summed over the pp group."""
         pipe = model.pipeline
@@ -205,7 +235,7 @@ class PipelineParallel(Parallelism):
         loss = pipe.step(ids, **args) if train else pipe.eval(ids, **args)
         return pipe.reduce_loss(loss)
 
-    def finish_backward(self, model: ParallelModel) -> None:
+    def finish_backward(self, model: LoopModel) -> None:
         if model.pipeline is not None:  # tied embedding/head copies on the first and last stage
             model.pipeline.sync_tied_gradients()
 
@@ -267,6 +297,12 @@ class PipelineParallel(Parallelism):
         first = RankPosition(holds_embedding=True, holds_head=v_shape, **common)
         last = RankPosition(holds_embedding=False, holds_head=not v_shape, **common)
         return (first, last)
+
+    def bubble_s(self, *, compute_s: float, setup: StepSetup) -> float:
+        """(pp - 1) of the stages' slots idle, over the stages per rank times the micro-batches."""
+        s = setup
+        n_mb = max(1, s.local_batch // s.pp_microbatch)
+        return compute_s * (s.pp - 1) / (s.stages_per_rank * n_mb) if s.pp > 1 else 0.0
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
         """Activations and their gradients cross each stage boundary."""

@@ -5,16 +5,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import torch
+
+from automodel.fsdp2 import FSDP2Config, apply_tensor_parallel_from_config
+from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
 from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import positive_ints, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
 from automodel.recipes.parallelisms.base import (
     ActivationSite,
+    KernelKind,
     MemoryShares,
+    MetaModel,
+    ModelChecks,
     Parallelism,
     PlanColumn,
     SearchPoint,
+    StageBuild,
+    checked_once,
     divisors,
 )
 
@@ -22,18 +31,18 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.recipes.config.recipe import RecipeConfig
-    from automodel.recipes.planning.memory import StepSetup
-    from automodel.recipes.planning.roofline import StepTraffic
     from automodel.recipes.planning.shape import ModelShape
+    from automodel.recipes.planning.step import StepSetup, StepTraffic
 
 
-class TensorParallel(Parallelism):
+class TensorParallel(Parallelism[None]):
     """Heads, KV heads and the vocabulary split over tp ranks."""
 
     name = "tp"
     size_key = "tp_size"
     report_axes = ("tp",)
     search_order = 0
+    apply_phase = 10
     plan_column = PlanColumn("tp", 3)
 
     def check_sizes(
@@ -70,11 +79,49 @@ class TensorParallel(Parallelism):
                 "sequence-parallel plan); use tp_size > 1 without it",
             )
 
-    def seq_multiple(self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int) -> int:
-        """tp under sequence parallelism: the norms' regions hold equal shares of the sequence (a
-        ``seq_length`` that is not a multiple still runs, in uneven shards; a padded micro-batch
-        is rounded up to equal ones)."""
-        return size if size > 1 and cfg.distributed.sequence_parallel else 1
+    def check_meta_model(
+        self,
+        *,
+        cfg: RecipeConfig,
+        layout: ResolvedLayout,
+        hf_config: PretrainedConfig,
+        size: int,
+        meta_model: MetaModel,
+        memo: ModelChecks | None,
+    ) -> None:
+        """The TP plan (the YAML's, the model's own, or the default) matches the model's modules and
+        shards every decoder layer (megatron_fsdp applies TP with the same plan rules)."""
+        if size == 1:
+            return
+        d = cfg.distributed
+
+        def check() -> None:
+            model = meta_model()
+            plan = resolve_tp_plan(model, tp_plan=d.tp_plan, sequence_parallel=d.sequence_parallel)
+            check_plan_matches_model(model, plan)
+            check_plan_shards_every_layer(model, plan)
+
+        error = checked_once(memo, ("tp", repr(d.tp_plan), d.sequence_parallel), check)
+        if error is not None:
+            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+
+    def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
+        """The packed-sequence patch, then TP/SP over ``tp`` (automodel.fsdp2's first half)."""
+        config = build.strategy_config
+        assert isinstance(config, FSDP2Config), "the per-part phases run under the FSDP2 strategy"
+        apply_tensor_parallel_from_config(module, mesh=build.mesh, config=config)
+
+    def kernel_refusal(self, kernel: KernelKind) -> tuple[str, str] | None:
+        if kernel == "liger":
+            return (
+                "tensor parallelism",
+                "Liger's kernels take plain tensors, sequence parallelism hands them DTensors, and its "
+                "fused linear cross-entropy has no vocabulary-sharded head",
+            )
+        return (
+            "tensor parallelism",
+            "float8 linears need torchao's float8 TP styles, which this project's TP plans do not use",
+        )
 
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """Inside one node (its collectives are on the critical path of every layer)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from torch import nn
@@ -17,6 +17,9 @@ from automodel.recipes.planning.search import Candidate
 from automodel.recipes.planning.table import yaml_block
 from automodel.recipes.resolved_run import resolve_run
 from automodel.recipes.rules import ModelChecks
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def global_batch_of(c: Candidate) -> int:
@@ -30,14 +33,16 @@ def layout_key(c: Candidate) -> tuple:
     return (*(getattr(s, axis) for axis in PARALLEL_AXES), *s.extra_sizes, s.pp_schedule)
 
 
-def _model_section(hf_config: Any) -> dict[str, Any]:
+def _model_section(hf_config: PretrainedConfig) -> dict[str, Any]:
     """The model as a recipe's ``model.config``: the values that differ from the class's defaults
     (what `model.build_hf_config` builds the same config from)."""
     data = hf_config.to_diff_dict()
     return {k: v for k, v in data.items() if not k.startswith("_") and k != "transformers_version"}
 
 
-def candidate_recipe(c: Candidate, *, hf_config: Any, seq_len: int, peft: str | None) -> dict[str, Any]:
+def candidate_recipe(
+    c: Candidate, *, hf_config: PretrainedConfig, seq_len: int, peft: str | None
+) -> dict[str, Any]:
     """The recipe `recipes plan` stands for with `c`: its printed YAML block, the model and the
     sequence length (``dataset.seq_length``), LoRA's default section with ``--peft lora``."""
     raw = yaml.safe_load("\n".join(yaml_block(c, global_batch=global_batch_of(c))))
@@ -67,7 +72,7 @@ def admit_layouts(
     *,
     top: int,
     gpus: int,
-    hf_config: Any,
+    hf_config: PretrainedConfig,
     model: nn.Module,
     seq_len: int,
     peft: str | None,

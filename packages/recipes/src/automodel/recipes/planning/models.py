@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from automodel.recipes.config.sections import ModelSection
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.hub_cache import resolve_local_or_cached
 from automodel.recipes.model import build_hf_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def _example_dirs() -> list[Path]:
@@ -20,7 +23,7 @@ def _example_dirs() -> list[Path]:
     return [d for d in dict.fromkeys(dirs) if d.is_dir()]
 
 
-def _load(*, source: str, **model_section: Any) -> Any:
+def _load(*, source: str, **model_section: object) -> PretrainedConfig:
     """The config through the recipes' one loader (`model.build_hf_config`: model_type check, a
     directory's own code runs only with trust_remote_code), its error restated for --model."""
     try:

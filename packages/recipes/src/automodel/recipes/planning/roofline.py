@@ -12,21 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from automodel.recipes.parallelisms import parallelisms
-from automodel.recipes.planning.memory import StepSetup
 from automodel.recipes.planning.shape import ModelShape
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """One GPU and its links (defaults: H100 SXM, NVLink 4, one 400 Gb/s NDR port per GPU)."""
-
-    memory_bytes: float = 80 * 2**30
-    peak_flops: float = 989e12  # dense bf16
-    efficiency: float = 0.5  # sustained fraction of peak for a transformer step
-    nvlink_bytes_s: float = 450e9  # per direction, per GPU
-    ib_bytes_s: float = 50e9  # per direction, per GPU
-    gpus_per_node: int = 8
-    memory_headroom: float = 0.9  # usable fraction: CUDA context, allocator fragmentation
+from automodel.recipes.planning.step import Hardware as Hardware
+from automodel.recipes.planning.step import StepSetup, StepTraffic, bandwidth
 
 
 @dataclass(frozen=True)
@@ -38,41 +26,6 @@ class StepTime:
     exposed_comm_s: float
     tokens: float
     mfu: float
-
-
-def _inside_node(axis_and_inner: int, hw: Hardware) -> bool:
-    return axis_and_inner <= hw.gpus_per_node
-
-
-def _bw(group_span: int, hw: Hardware) -> float:
-    return hw.nvlink_bytes_s if _inside_node(group_span, hw) else hw.ib_bytes_s
-
-
-@dataclass(frozen=True)
-class StepTraffic:
-    """What one rank's step moves, shared by the parallelisms' exposed-communication terms
-    (`Parallelism.exposed_comm_s`)."""
-
-    setup: StepSetup
-    shape: ModelShape
-    hw: Hardware
-    world: int
-    #: The strategy shards parameters (else replicated, gradients all-reduced over dp).
-    sharded: bool
-    #: Ranks of the FSDP group (dp_shard x cp) and of the experts' FSDP group.
-    fs: int
-    efs: int
-    #: Dense and expert parameters held per rank after the model-parallel split.
-    dense_rank: float
-    expert_rank: float
-    #: Decoder layers on this rank, micro-batches per step, tokens per micro-batch on this rank.
-    layers_rank: float
-    micro_batches: int
-    mb_tokens: float
-
-    def bandwidth(self, group_span: int) -> float:
-        """Per-GPU bytes/s of a group spanning `group_span` ranks (NVLink inside a node, else IB)."""
-        return _bw(group_span, self.hw)
 
 
 def _routed_params_per_token(shape: ModelShape) -> float:
@@ -102,7 +55,9 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     flops += (s.expert_load - 1) * tokens * routed
     compute = flops / world / (hw.peak_flops * hw.efficiency)
     n_mb = max(1, s.local_batch // s.pp_microbatch)
-    bubble = compute * (s.pp - 1) / (s.stages_per_rank * n_mb) if s.pp > 1 else 0.0
+    bubble = 0.0
+    for parallelism in parallelisms():  # the idle time of a schedule over ranks (pp's bubble)
+        bubble += parallelism.bubble_s(compute_s=compute, setup=s)
     e = s.compute_bytes
     layers_rank = shape.layers / s.pp
     mb_tokens = (s.pp_microbatch if s.pp > 1 else s.local_batch) * s.seq_len / s.cp
@@ -117,7 +72,7 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     sharded = s.sharding.shard_over != "none"  # else replicated: gradients all-reduced over dp
     fsdp = 0.0
     if sharded and fs > 1:
-        bw = _bw(fs * s.tp, hw)
+        bw = bandwidth(fs * s.tp, hw)
         # without PP a layer is gathered for forward and again for backward, unless it stays
         # gathered in between (moe.reshard_after_forward: false)
         per_micro_batch = 1 if s.reshard_after_forward is False else 2
@@ -126,7 +81,7 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     efs = s.ep_shard if s.ep > 1 else fs
     if sharded and efs > 1 and expert_rank:
         expert_gathers = (1 if s.reshard_after_forward is False else 2) * micro_batches
-        fsdp += (efs - 1) / efs * expert_rank * (expert_gathers * e + s.reduce_bytes) / _bw(world, hw)
+        fsdp += (efs - 1) / efs * expert_rank * (expert_gathers * e + s.reduce_bytes) / bandwidth(world, hw)
     traffic = StepTraffic(
         setup=s,
         shape=shape,

@@ -4,11 +4,14 @@ meta-device model (exact for any architecture, nothing is allocated)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from automodel.mesh.model_parts import decoder_layers, input_embeddings, layer_values, text_config
 from automodel.moe import find_moe_blocks
 from automodel.recipes.model import build_meta_model, experts_per_token, num_experts
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _EXPERT = ".experts."
 
@@ -58,7 +61,7 @@ class ModelShape:
         return self.head_params + self.layers * per_layer + (self.embed_params if self.tied_embeddings else 0)
 
 
-def _int(hf_config: Any, *keys: str, default: int = 0) -> int:
+def _int(hf_config: PretrainedConfig, *keys: str, default: int = 0) -> int:
     """The first of `keys` the config sets; for one that varies across layers (a heterogeneous
     config), its mean over the layers, which is what per-layer sums of the estimates need."""
     for key in keys:
@@ -74,7 +77,9 @@ def _expert_param_ids(model: Any) -> set[int]:
     return {id(b.experts.get_parameter(n)) for b in find_moe_blocks(model) for n in b.param_names}
 
 
-def model_shape(hf_config: Any, *, trust_remote_code: bool = False, model: Any = None) -> ModelShape:
+def model_shape(
+    hf_config: PretrainedConfig, *, trust_remote_code: bool = False, model: Any = None
+) -> ModelShape:
     """Sizes from `hf_config`; parameter counts by walking the meta-device model's parameters.
 
     `model`: that meta-device model when the caller already built it (building a 70B model

@@ -16,7 +16,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -26,11 +26,15 @@ from torch.distributed.tensor import DTensor
 from automodel.fsdp2 import grad_sync_context
 from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.recipes.grad_norm import clip_grad_norm
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.parallelisms import mesh_roles, role_group
+from automodel.recipes.planning.step import StrategyMemory
 
 if TYPE_CHECKING:
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.parallelisms import Parallelism
+
+#: A strategy's config class (its constructor arguments are the YAML flags).
+C = TypeVar("C", bound=StrategyConfig)
 
 #: Materialize (seeded init, then pretrained weights) the given parts in place.
 Initialize = Callable[[list[nn.Module]], None]
@@ -96,8 +100,9 @@ class PartWrapping:
 PLAIN_PARTS = PartWrapping()
 
 
-class Strategy(PartWrapping, ABC):
-    """One data-parallel strategy; subclasses set `name` and implement `config_class` and `parallelize`."""
+class Strategy(PartWrapping, ABC, Generic[C]):
+    """One data-parallel strategy over its config class `C`; subclasses set `name` and implement
+    `config_class` and `parallelize`."""
 
     #: The ``distributed.strategy`` value that selects it.
     name: ClassVar[str]
@@ -120,7 +125,7 @@ class Strategy(PartWrapping, ABC):
     float8_all_gather: ClassVar[bool] = False
 
     @abstractmethod
-    def config_class(self) -> type:
+    def config_class(self) -> type[C]:
         """The strategy package's config dataclass (imported lazily: the package may be optional)."""
 
     def machine_defaults(self, options: dict[str, Any], *, cuda: bool) -> dict[str, Any]:
@@ -128,12 +133,12 @@ class Strategy(PartWrapping, ABC):
         group backend, nccl with CUDA, else gloo)."""
         return {**options, "backend": options.get("backend", "nccl" if cuda else "gloo")}
 
-    def with_machine_defaults(self, config: Any, *, keys: frozenset[str], cuda: bool) -> Any:
+    def with_machine_defaults(self, config: C, *, keys: frozenset[str], cuda: bool) -> C:
         """`config` with the flags `keys` set to this machine's defaults (`machine_defaults`)."""
         values = self.machine_defaults({}, cuda=cuda)
         return dataclasses.replace(config, **{k: values[k] for k in keys})
 
-    def check_environment(self, config: StrategyConfig) -> None:
+    def check_environment(self, config: C) -> None:
         """`ConfigError` naming the ``distributed.<key>`` this machine cannot run, the strategy or
         one of its flags `config` (called before any rank starts; `recipes validate` reports it as a
         line); none by default."""
@@ -145,7 +150,7 @@ class Strategy(PartWrapping, ABC):
         supported = ", ".join(self.supported_axes) or "none"
         return f"is not supported by strategy {self.name} (must be {parallelism.unused}; it supports {supported})"
 
-    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
+    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: C) -> None:
         """Rules across this strategy and the layout sizes (`ConfigError` naming the key); none by default."""
         return None
 
@@ -153,13 +158,13 @@ class Strategy(PartWrapping, ABC):
         """Rules across this strategy and the resolved layout (the world size known); none by default."""
         return None
 
-    def needed_alone(self, config: StrategyConfig, *, param_dtype: torch.dtype) -> bool:
+    def needed_alone(self, config: C, *, param_dtype: torch.dtype) -> bool:
         """Whether a world of one needs this strategy with `config` and parameters of `param_dtype`
         (False: it would shard and reduce nothing and change no numerics); True by default."""
         return True
 
     @abstractmethod
-    def memory_model(self, config: Any) -> StrategyMemory:
+    def memory_model(self, config: C) -> StrategyMemory:
         """What it keeps per rank and moves, for `config` (the memory planner's terms, `planning.memory`)."""
 
     @abstractmethod
@@ -196,5 +201,6 @@ class Strategy(PartWrapping, ABC):
         """The global gradient norm before clipping to `max_norm`; under PP one copy of each tied
         weight counts (`pipeline.norm_parameters()`)."""
         counted = None if pipeline is None else {id(p) for p in pipeline.norm_parameters()}
-        pp_group = None if mesh.layout.axis_size("pp") == 1 else mesh.get_mesh("pp").get_group()
-        return clip_grad_norm(params, max_norm=max_norm, pp_group=pp_group, counted_ids=counted)
+        # the ranks holding different plain parameters (the pipeline's stages: `mesh_roles`)
+        norm_group = role_group(mesh, mesh_roles().norm_axes)
+        return clip_grad_norm(params, max_norm=max_norm, pp_group=norm_group, counted_ids=counted)

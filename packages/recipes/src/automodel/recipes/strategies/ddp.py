@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from automodel.fsdp2 import DDPConfig, DDPManager, apply_activation_checkpointing
 from automodel.mesh import MeshContext
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
@@ -19,14 +19,14 @@ if TYPE_CHECKING:
     from automodel.recipes.parallelisms import Parallelism
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(Strategy[DDPConfig]):
     """torch DDP through automodel.fsdp2's `DDPManager` (no wrapper at dp = 1)."""
 
     name = "ddp"
     layer_flags = ("activation_checkpointing",)
     supported_axes = ("dp_shard",)
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[DDPConfig]:
         return DDPConfig
 
     def axis_refusal(self, parallelism: Parallelism) -> str:
@@ -45,7 +45,7 @@ class DDPStrategy(Strategy):
         ddp = part["ddp"]
         return [f"[rank {rank}] {self.name} ({ddp['group_size']} ranks): reducer {ddp['reducer']}"]
 
-    def memory_model(self, config: Any) -> StrategyMemory:
+    def memory_model(self, config: DDPConfig) -> StrategyMemory:
         """Replicated; gradients in flat buckets, all-reduced as they appear."""
         return StrategyMemory(
             shard_over="none",

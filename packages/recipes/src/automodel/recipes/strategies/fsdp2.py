@@ -14,20 +14,19 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Shard
 
-from automodel.context_parallel import apply_context_parallel
 from automodel.fsdp2 import (
     FSDP2Config,
     SubmoduleSharding,
     apply_sharding_from_config,
-    apply_tensor_parallel_from_config,
     default_mp_policy,
 )
 from automodel.fsdp2.fsdp import offload_policy_refusal
 from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
-from automodel.mesh import MeshContext, StrategyConfig
-from automodel.moe import MoEParallelizerConfig, parallelize_experts
+from automodel.mesh import MeshContext
+from automodel.moe import MoEParallelizerConfig
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.parallelisms import StageBuild, in_apply_order
+from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
@@ -45,29 +44,31 @@ def apply_fsdp2_stack(
 ) -> str:
     """TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch -> autocast on one model (or PP stage).
 
-    The FSDP2 halves are automodel.fsdp2's; CP and EP go between them. With EP, automodel.moe
+    The model-parallel phases are the registered parallelisms' (`Parallelism.apply_to_stage`, in
+    `apply_phase` order: TP/SP, CP, EP); the sharding after them is automodel.fsdp2's. With EP, automodel.moe
     splits the experts over ``ep`` and names them; the second half then shards them as units of
     their own over ``ep_shard`` and the rest as for a dense model, with the `moe_config` options
     (router replay, resharding, the root unit, a head precision). Returns the CP attention backend
     to pass to `make_cp_batch_and_ctx` ("none" without CP).
     """
     layout = mesh.layout
-    apply_tensor_parallel_from_config(module, mesh=mesh, config=config)
-    cp_backend = "none"
-    if layout.cp_enabled:
-        cp_backend = apply_context_parallel(module, cp_mesh=mesh.get_mesh("cp"))
-    if not layout.ep_enabled:
+    build = StageBuild(
+        mesh=mesh,
+        strategy_config=config,
+        moe_config=moe_config,
+        gradient_divide_factor=gradient_divide_factor,
+        pipeline_stage=layout.pp_enabled,
+    )
+    for parallelism in in_apply_order():  # the model-parallel phases, in their declared order
+        axis = parallelism.mesh_axis
+        parallelism.apply_to_stage(module, build=build, size=layout.axis_size(axis) if axis else 1)
+    experts = build.expert_units
+    if experts is None:
         apply_sharding_from_config(
             module, mesh=mesh, config=config, gradient_divide_factor=gradient_divide_factor
         )
-        return cp_backend
+        return build.cp_backend
     moe = moe_config if moe_config is not None else MoEParallelizerConfig()
-    experts = parallelize_experts(
-        module,
-        mesh=mesh,
-        gradient_divide_factor=gradient_divide_factor,
-        pipeline_stage=layout.pp_enabled,  # a stage may hold dense layers only
-    )
     mp_policy = config.mp_policy if config.mp_policy is not None else moe.mp_policy
     assert mp_policy is None or isinstance(mp_policy, MixedPrecisionPolicy)
     submodules = [
@@ -102,10 +103,12 @@ def apply_fsdp2_stack(
         reshard_after_forward=moe.reshard_after_forward,
         wrap_root=moe.wrap_outer_model,
     )
-    return cp_backend
+    return build.cp_backend
 
 
-def sequence_parallel_boundary(model: nn.Module, *, mesh: MeshContext, config: Any) -> BoundaryLayout | None:
+def sequence_parallel_boundary(
+    model: nn.Module, *, mesh: MeshContext, config: FSDP2Config
+) -> BoundaryLayout | None:
     """The layout of the hidden states between pipeline stages when the TP plan shards the sequence
     (its residual stream is a ``Shard(1)`` DTensor over tp): the stages send local shards and the
     next stage rebuilds them with it. None without sequence parallelism (plain tensors cross)."""
@@ -121,7 +124,7 @@ def sequence_parallel_boundary(model: nn.Module, *, mesh: MeshContext, config: A
     return BoundaryLayout(mesh=mesh.get_mesh("tp"), placements=(Shard(1),))
 
 
-class FSDP2Strategy(Strategy):
+class FSDP2Strategy(Strategy[FSDP2Config]):
     """automodel.fsdp2's FSDP2 (HSDP with dp_replicate_size), composed with TP/SP, CP, EP and PP."""
 
     name = "fsdp2"
@@ -130,7 +133,7 @@ class FSDP2Strategy(Strategy):
     machine_keys = ("backend", "mp_policy")
     layer_flags = ("activation_checkpointing", "enable_compile", "enable_fsdp2_prefetch")
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[FSDP2Config]:
         return FSDP2Config
 
     def machine_defaults(self, options: dict[str, Any], *, cuda: bool) -> dict[str, Any]:
@@ -140,7 +143,7 @@ class FSDP2Strategy(Strategy):
             options["mp_policy"] = default_mp_policy() if cuda else MixedPrecisionPolicy()
         return options
 
-    def check_environment(self, config: StrategyConfig) -> None:
+    def check_environment(self, config: FSDP2Config) -> None:
         """Pinned CPU offload needs CUDA: refused here, before any rank starts, not in every rank's
         `automodel.fsdp2.fsdp.check_offload_policy`."""
         assert isinstance(config, FSDP2Config)  # parsed by this strategy's config_class
@@ -148,13 +151,13 @@ class FSDP2Strategy(Strategy):
         if reason is not None:
             raise ConfigError("distributed.offload_policy", config.offload_policy, reason)
 
-    def needed_alone(self, config: StrategyConfig, *, param_dtype: torch.dtype) -> bool:
+    def needed_alone(self, config: FSDP2Config, *, param_dtype: torch.dtype) -> bool:
         """Alone, FSDP2 matters only through its mixed precision: compute in another dtype than the
         parameters' (bf16 over fp32 weights on CUDA by default)."""
         compute = config.compute_dtype
         return compute is not None and compute != param_dtype
 
-    def memory_model(self, config: Any) -> StrategyMemory:
+    def memory_model(self, config: FSDP2Config) -> StrategyMemory:
         """Sharded over dp_shard x cp (experts over ep_shard), one unit per layer; deferred sync
         accumulates unsharded gradients."""
         return StrategyMemory(

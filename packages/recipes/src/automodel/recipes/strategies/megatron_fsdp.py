@@ -24,9 +24,9 @@ from automodel.megatron_fsdp import (
     shard_optimizer,
 )
 from automodel.megatron_fsdp import full_tensor as megatron_full_tensor
-from automodel.mesh import MeshContext, StrategyConfig
+from automodel.mesh import MeshContext
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from automodel.recipes.parallelisms import Parallelism
 
 
-class MegatronFSDPStrategy(Strategy):
+class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
     """automodel.megatron_fsdp's adapter around megatron-fsdp's ``fully_shard``."""
 
     name = "megatron_fsdp"
@@ -47,15 +47,17 @@ class MegatronFSDPStrategy(Strategy):
     head_weight_readable = False
     float8_linears = False  # megatron-fsdp's buffers hold plain tensors, not torchao's float8 subclasses
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[MegatronFSDPConfig]:
         return MegatronFSDPConfig
 
-    def with_machine_defaults(self, config: Any, *, keys: frozenset[str], cuda: bool) -> Any:
+    def with_machine_defaults(
+        self, config: MegatronFSDPConfig, *, keys: frozenset[str], cuda: bool
+    ) -> MegatronFSDPConfig:
         values = self.machine_defaults({}, cuda=cuda)
         # tp_plan is an init-only argument, kept as custom_tp_plan: hand it over again
         return dataclasses.replace(config, tp_plan=config.custom_tp_plan, **{k: values[k] for k in keys})
 
-    def memory_model(self, config: Any) -> StrategyMemory:
+    def memory_model(self, config: MegatronFSDPConfig) -> StrategyMemory:
         """Sharded over every dp and cp rank by ZeRO stage (``zero_dp_strategy``); fp32 gradients
         and master weights when asked; two layers' buckets unsharded."""
         zero = int(config.zero_dp_strategy)
@@ -71,7 +73,7 @@ class MegatronFSDPStrategy(Strategy):
             defer_unsharded_grads=False,
         )
 
-    def check_environment(self, config: StrategyConfig) -> None:
+    def check_environment(self, config: MegatronFSDPConfig) -> None:
         """megatron-fsdp must import (it needs CUDA at run time)."""
         try:
             import_megatron_fsdp()
@@ -88,7 +90,9 @@ class MegatronFSDPStrategy(Strategy):
             )
         return "megatron_fsdp does not support it (must be 1)"
 
-    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
+    def check_sizes(
+        self, sizes: dict[str, int | None], options: dict[str, Any], config: MegatronFSDPConfig
+    ) -> None:
         if config.init_fsdp_with_meta_device:
             raise ConfigError(
                 "distributed.init_fsdp_with_meta_device",

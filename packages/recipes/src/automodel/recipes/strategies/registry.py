@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from automodel.recipes.strategies.base import Strategy
+from typing import Any
 
-_STRATEGIES: dict[str, Strategy] = {}
+from automodel.recipes.strategies.base import C, Strategy
+
+#: Each strategy over its own config class (a parameter of its methods): `Strategy[Any]`.
+_STRATEGIES: dict[str, Strategy[Any]] = {}
 
 
-def register_strategy(strategy: Strategy) -> Strategy:
+def register_strategy(strategy: Strategy[C]) -> Strategy[C]:
     """Make `strategy` selectable as ``distributed.strategy: <strategy.name>``."""
     if strategy.name in _STRATEGIES:
         raise ValueError(f"strategy {strategy.name!r} is registered twice")
@@ -22,11 +25,11 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(_STRATEGIES)
 
 
-def get_strategy(name: str) -> Strategy:
+def get_strategy(name: str) -> Strategy[Any]:
     """The registered strategy `name`; KeyError for an unknown one (the section parser names the key first)."""
     return _STRATEGIES[name]
 
 
-def world_of_one_strategy() -> Strategy | None:
+def world_of_one_strategy() -> Strategy[Any] | None:
     """The registered strategy with `Strategy.for_world_of_one` (None if there is none)."""
     return next((s for s in _STRATEGIES.values() if s.for_world_of_one), None)

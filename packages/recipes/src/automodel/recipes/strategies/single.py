@@ -18,7 +18,7 @@ from torch import nn
 
 from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.planning.memory import StrategyMemory
+from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
@@ -33,20 +33,22 @@ class SingleConfig(StrategyConfig):
     backend: str = "gloo"
 
 
-class SingleStrategy(Strategy):
+class SingleStrategy(Strategy[SingleConfig]):
     """One process, parameters as plain tensors: materialize and train the model itself."""
 
     name = "single"
     supported_axes = ("dp_shard", "dp_replicate")  # any size > 1 is refused by `check_sizes`
     for_world_of_one = True
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[SingleConfig]:
         return SingleConfig
 
     def axis_refusal(self, parallelism: Parallelism) -> str:
         return f"strategy {self.name} trains one process (must be 1)"
 
-    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
+    def check_sizes(
+        self, sizes: dict[str, int | None], options: dict[str, Any], config: SingleConfig
+    ) -> None:
         for key, value in sizes.items():
             if value is not None and value > 1:
                 raise ConfigError(
@@ -62,7 +64,7 @@ class SingleStrategy(Strategy):
                 f"{layout.world_size} ranks; use fsdp2 or ddp",
             )
 
-    def memory_model(self, config: Any) -> StrategyMemory:
+    def memory_model(self, config: SingleConfig) -> StrategyMemory:
         """Everything on the one rank; nothing gathered or reduced."""
         return StrategyMemory(
             shard_over="none",

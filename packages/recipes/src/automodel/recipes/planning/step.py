@@ -1,0 +1,169 @@
+"""The planner's value types: a rank's step (`StepSetup`), what a strategy keeps (`StrategyMemory`),
+the hardware (`Hardware`) and what a step moves (`StepTraffic`).
+
+A leaf module (it imports no other recipes module): the parallelisms name these types in their
+planner hooks, and the estimates (`planning.memory`, `planning.roofline`) fold those hooks over the
+registry, so the value types live apart from both and no import circle forms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from automodel.mesh import PARALLEL_AXES
+
+if TYPE_CHECKING:
+    from automodel.recipes.planning.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class StrategyMemory:
+    """What a data-parallel strategy keeps on each rank and moves between them, as the estimate and
+    the roofline read it. Each strategy states its own (`Strategy.memory_model`); the defaults are
+    FSDP2's, which `recipes plan` proposes."""
+
+    #: The ranks parameters, gradients and optimizer state are sharded over (MeshContext's axis
+    #: names): ``dp_shard_cp`` (experts over ``ep_shard`` under EP), ``dp_cp`` (every data-parallel
+    #: and context-parallel rank, experts too), or ``none`` (replicated: gradients are all-reduced).
+    shard_over: Literal["dp_shard_cp", "dp_cp", "none"] = "dp_shard_cp"
+    #: Which of the three are sharded (ZeRO stages: 3 shards all, 2 not the parameters, 1 only the
+    #: optimizer state, 0 none).
+    params_sharded: bool = True
+    grads_sharded: bool = True
+    optimizer_sharded: bool = True
+    #: Bytes per gradient element (None: the storage dtype's).
+    grad_bytes: int | None = None
+    #: fp32 master weights kept beside the parameters.
+    fp32_master: bool = False
+    #: Flat gradient buckets allocated once, when more than one rank holds the model (DDP).
+    gradient_buckets: bool = False
+    #: Unsharded weights held during the step: ``layers`` (one FSDP unit per decoder layer, all but
+    #: the last resharded after forward, every one under PP or with ``reshard_after_forward``
+    #: false; the root unit stays unsharded; the next layer prefetched in backward), ``two_layers``
+    #: (two layers' buckets plus one prefetched), or ``none``.
+    gathered_weights: Literal["layers", "two_layers", "none"] = "layers"
+    #: The previous layer's gradient reduce-scatter is still in flight while a layer's gradients appear.
+    reduce_scatter_in_flight: bool = True
+    #: Gradient accumulation keeps unsharded gradients until the last micro-batch (FSDP2's deferred sync).
+    defer_unsharded_grads: bool = True
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """The layout and training knobs of one rank's step (sizes are the resolved mesh axes)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    sharding: StrategyMemory = field(default_factory=StrategyMemory)
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    seq_len: int = 2048
+    local_batch: int = 1  # rows of one local batch (one pipeline step under PP)
+    grad_accum: int = 1  # local batches per optimizer step
+    pp_microbatch: int = 1
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    storage_bytes: int = 4  # model.dtype: sharded parameters and their gradients
+    compute_bytes: int = 4  # mp_policy.param_dtype: unsharded weights and activations
+    reduce_bytes: int = 4
+    optimizer_states: int = 2
+    optimizer_impl: str = "foreach"  # foreach | fused | loop (per parameter)
+    # FSDP2 units free their unsharded weights after forward: None = the recipes' default (all
+    # layers but the last, none under PP); the MoE parallelizer takes distributed.moe's flag
+    reshard_after_forward: bool | None = None
+    trainable_params: int | None = None  # LoRA: only these have gradients and optimizer state
+    # routed (token, expert) slots the busiest EP rank computes, over the balanced share: the
+    # router decides it at run time (an untrained router gives ~1.4 on 2 ranks, measured)
+    expert_load_factor: float = 1.0
+    # the loss: full logits (0), or the chunked linear cross-entropy with this many fp32 logit
+    # elements per chunk (`automodel.recipes.linear_ce.CHUNK_ELEMENTS`) or tokens per chunk
+    loss_chunk_elements: int = 0
+    loss_chunk_tokens: int | None = None
+    # per-rank bytes held through the whole step by registered parallelisms beyond the built-in
+    # axes' terms above, by name (`automodel.recipes.parallelisms.memory_terms`)
+    extra_bytes: tuple[tuple[str, float], ...] = ()
+    # the sizes of registered parallelisms that have no field above, by name (`size_of`); out of
+    # the repr, which the built-in layouts print as before
+    extra_sizes: tuple[tuple[str, int], ...] = field(default=(), repr=False)
+
+    def size_of(self, name: str) -> int:
+        """The size of parallelism `name`: its field, else `extra_sizes`, else 1 (not used)."""
+        if name in PARALLEL_AXES:
+            value = getattr(self, name)
+            assert isinstance(value, int)
+            return value
+        return dict(self.extra_sizes).get(name, 1)
+
+    @property
+    def dp_shard_cp(self) -> int:
+        return self.dp_shard * self.cp
+
+    @property
+    def ep_shard(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp // self.ep
+
+    def __post_init__(self) -> None:
+        for key in (*PARALLEL_AXES, "seq_len", "local_batch", "grad_accum"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be an int >= 1, got {value!r}")
+        if not self.expert_load_factor >= 1.0:
+            raise ValueError(
+                "expert_load_factor must be >= 1 (the busiest EP rank's routed slots over the mean), "
+                f"got {self.expert_load_factor!r}"
+            )
+
+    @property
+    def expert_load(self) -> float:
+        """The busiest rank's routed slots over its balanced share: 1 without EP, at most ep."""
+        return min(self.expert_load_factor, self.ep) if self.ep > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its links (defaults: H100 SXM, NVLink 4, one 400 Gb/s NDR port per GPU)."""
+
+    memory_bytes: float = 80 * 2**30
+    peak_flops: float = 989e12  # dense bf16
+    efficiency: float = 0.5  # sustained fraction of peak for a transformer step
+    nvlink_bytes_s: float = 450e9  # per direction, per GPU
+    ib_bytes_s: float = 50e9  # per direction, per GPU
+    gpus_per_node: int = 8
+    memory_headroom: float = 0.9  # usable fraction: CUDA context, allocator fragmentation
+
+
+def bandwidth(group_span: int, hw: Hardware) -> float:
+    """Per-GPU bytes/s of a group spanning `group_span` ranks: NVLink inside a node, else IB."""
+    return hw.nvlink_bytes_s if group_span <= hw.gpus_per_node else hw.ib_bytes_s
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """What one rank's step moves, shared by the parallelisms' exposed-communication terms
+    (`Parallelism.exposed_comm_s`)."""
+
+    setup: StepSetup
+    shape: ModelShape
+    hw: Hardware
+    world: int
+    #: The strategy shards parameters (else replicated, gradients all-reduced over dp).
+    sharded: bool
+    #: Ranks of the FSDP group (dp_shard x cp) and of the experts' FSDP group.
+    fs: int
+    efs: int
+    #: Dense and expert parameters held per rank after the model-parallel split.
+    dense_rank: float
+    expert_rank: float
+    #: Decoder layers on this rank, micro-batches per step, tokens per micro-batch on this rank.
+    layers_rank: float
+    micro_batches: int
+    mb_tokens: float
+
+    def bandwidth(self, group_span: int) -> float:
+        """Per-GPU bytes/s of a group spanning `group_span` ranks (NVLink inside a node, else IB)."""
+        return bandwidth(group_span, self.hw)

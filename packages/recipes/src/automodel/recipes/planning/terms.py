@@ -1,0 +1,65 @@
+"""The parallelisms' planner terms folded over the registry: what `planning.memory` and
+`recipes validate` add up (each parallelism's own terms are its hooks, `parallelisms.base`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from automodel.mesh import ResolvedLayout
+from automodel.recipes.parallelisms import ActivationSite, MemoryShares, RankPosition, parallelisms
+from automodel.recipes.planning.shape import ModelShape
+from automodel.recipes.planning.step import StepSetup
+
+if TYPE_CHECKING:
+    from automodel.recipes.config.distributed import DistributedSection
+
+
+def planner_sizes(section: DistributedSection, layout: ResolvedLayout) -> tuple[tuple[str, int], ...]:
+    """The sizes of the registered parallelisms `StepSetup` has no field for (no mesh axis of
+    that name), for `StepSetup.extra_sizes`."""
+    return tuple((p.name, p.size(section, layout)) for p in parallelisms() if p.mesh_axis is None)
+
+
+def memory_terms(
+    section: DistributedSection, layout: ResolvedLayout, *, setup: StepSetup, shape: ModelShape
+) -> tuple[tuple[str, float], ...]:
+    """The registered parallelisms' own per-rank bytes (`Parallelism.memory_terms`), named
+    ``<parallelism> <term>``, for `StepSetup.extra_bytes`."""
+    return tuple(
+        (f"{p.name} {name}", value)
+        for p in parallelisms()
+        for name, value in p.memory_terms(size=p.size(section, layout), setup=setup, shape=shape).items()
+    )
+
+
+def memory_shares(setup: StepSetup, shape: ModelShape) -> MemoryShares:
+    """Every registered parallelism's `Parallelism.memory_shares` at once (their product)."""
+    shares = MemoryShares()
+    for p in parallelisms():
+        shares = shares.times(p.memory_shares(size=setup.size_of(p.name), setup=setup, shape=shape))
+    return shares
+
+
+def memory_positions(setup: StepSetup) -> tuple[RankPosition, ...]:
+    """The positions the memory estimate compares: the first registered parallelism's that names
+    them (`Parallelism.memory_positions`), else one rank holding the whole model."""
+    for p in parallelisms():
+        positions = p.memory_positions(size=setup.size_of(p.name), setup=setup)
+        if positions:
+            return positions
+    return (RankPosition(),)
+
+
+def layer_activation_terms(
+    setup: StepSetup, shape: ModelShape, *, shares: MemoryShares, moe: bool
+) -> dict[ActivationSite, list[float]]:
+    """The registered parallelisms' per-token activation bytes of one decoder layer, by site, in
+    registration order (the order the estimate adds them in)."""
+    terms: dict[ActivationSite, list[float]] = {}
+    for p in parallelisms():
+        size = setup.size_of(p.name)
+        for site, value in p.layer_activation_terms(
+            size=size, setup=setup, shape=shape, shares=shares, moe=moe
+        ).items():
+            terms.setdefault(site, []).append(value)
+    return terms
