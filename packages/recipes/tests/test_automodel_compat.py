@@ -456,7 +456,7 @@ def test_tokenizer_add_bos_token_is_set_and_checked(tmp_path: Path, model_dir: s
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaTokenizerFast
 
-    from automodel.recipes.data.tokenizer import build_tokenizer
+    from automodel.data.tokenizer import build_tokenizer
 
     vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "a", "b"])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -472,7 +472,7 @@ def test_tokenizer_add_bos_token_is_set_and_checked(tmp_path: Path, model_dir: s
     # one rule (data.tokenizer.bos_prefix) for every place that writes BOS: SFT rows, shards, prompts
     from automodel.recipes.config.sections import SFTDatasetSection
     from automodel.recipes.data.sft import ExampleEncoder
-    from automodel.recipes.data.tokenizer import bos_prefix
+    from automodel.data.tokenizer import bos_prefix
     from automodel.recipes.generate import prompt_ids
 
     off = build_tokenizer(str(llama))

@@ -216,8 +216,8 @@ def test_config_package_is_a_leaf_that_reads_no_disk() -> None:
 
 def test_importing_the_config_package_runs_no_other_recipes_module() -> None:
     code = (
-        "import sys, automodel.recipes.config.recipe, automodel.recipes.config.pretrain, "
-        "automodel.recipes.config.streaming, automodel.recipes.config.hub_datasets\n"
+        "import sys, automodel.recipes.config.recipe, automodel.data.pretrain_sections, "
+        "automodel.data.streaming_section, automodel.recipes.config.hub_datasets\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('automodel.'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout

@@ -316,7 +316,7 @@ def test_bad_file_row_is_skipped_and_counted_with_bad_rows_skip(
 ) -> None:
     """``bad_rows: skip``: the bad row is counted under its reason and the rows are exactly those of
     the good rows alone; the default (error) names the file and line."""
-    from automodel.recipes.data.file_check import check_sft_rows
+    from automodel.data.file_check import check_sft_rows
     from automodel.recipes.errors import DataError
 
     good = [{"q": "1+1=", "a": "2"}, {"q": "3+3=", "a": "6"}]

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from automodel.recipes.config.streaming import StreamingSection
+from automodel.data.streaming_section import StreamingSection
 from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -20,8 +20,8 @@ from _recipe_helpers import assert_losses_close, preload, tiny_config, train_on_
 
 from automodel.recipes.data.kinds import parse_section  # noqa: E402
 from automodel.recipes.data.loader import build_train_loader  # noqa: E402
-from automodel.recipes.data.streaming import build_streaming  # noqa: E402
-from automodel.recipes.data.tokenizer import ByteTokenizer  # noqa: E402
+from automodel.data.streaming import build_streaming  # noqa: E402
+from automodel.data.tokenizer import ByteTokenizer  # noqa: E402
 from automodel.recipes.errors import ConfigError  # noqa: E402
 
 preload()

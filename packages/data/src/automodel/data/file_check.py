@@ -24,8 +24,8 @@ from automodel.recipes.data.table_rows import (
     read_parquet_schema,
     read_text_lines,
 )
-from automodel.recipes.errors import ConfigError, DataError
-from automodel.recipes.file_kind import os_error_line, unreadable_file
+from automodel.data.errors import ConfigError, DataError
+from automodel.data.file_kind import os_error_line, unreadable_file
 
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)

@@ -14,9 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from huggingface_hub import constants, snapshot_download
-
-from automodel.recipes.errors import ConfigError
+from automodel.data.errors import ConfigError, optional
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?(@[A-Za-z0-9._/-]+)?$")
 
@@ -29,7 +27,7 @@ def hub_cache_dir() -> str:
     if os.environ.get("HF_HOME"):
         return os.path.join(os.environ["HF_HOME"], "hub")
 
-    return constants.HF_HUB_CACHE
+    return optional("huggingface_hub.constants", needed_for="a Hub id").HF_HUB_CACHE
 
 
 def is_hub_id(name: str) -> bool:
@@ -60,7 +58,7 @@ def resolve_local_or_cached(
 
         try:
             directory = Path(
-                snapshot_download(
+                optional("huggingface_hub", needed_for="a Hub id").snapshot_download(
                     repo_id=repo_id,
                     repo_type=repo_type,
                     revision=revision or None,

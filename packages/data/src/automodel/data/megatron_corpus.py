@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from automodel.recipes.data.corpus_error import CorpusError
-from automodel.recipes.data.file_tokens import FileTokens
-from automodel.recipes.data.megatron_index import MegatronIndex, read_index
+from automodel.data.corpus_error import CorpusError
+from automodel.data.file_tokens import FileTokens
+from automodel.data.megatron_index import MegatronIndex, read_index
 
 
 def corpus_prefix(path: str | Path) -> str:

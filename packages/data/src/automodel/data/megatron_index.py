@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from automodel.recipes.data.corpus_error import CorpusError
+from automodel.data.corpus_error import CorpusError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

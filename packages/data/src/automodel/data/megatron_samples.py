@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from automodel.recipes.data.megatron_corpus import MegatronCorpus
-from automodel.recipes.data.megatron_order import GptOrder
+from automodel.data.megatron_corpus import MegatronCorpus
+from automodel.data.megatron_order import GptOrder
 from automodel.recipes.data.packing import split_rows
-from automodel.recipes.data.sample_order import SampleOrder
+from automodel.data.sample_order import SampleOrder
 
 
 class MegatronSamples:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from automodel.recipes.data.megatron_index import write_index
+from automodel.data.megatron_index import write_index
 
 
 def token_dtype_for_vocab(vocab_size: int) -> np.dtype:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from automodel.recipes.data.corpus_error import CorpusError
-from automodel.recipes.data.file_tokens import FileTokens
+from automodel.data.corpus_error import CorpusError
+from automodel.data.file_tokens import FileTokens
 
 LEGACY_MAGIC = 20240520
 MAGIC = 278895051

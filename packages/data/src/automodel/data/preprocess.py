@@ -20,13 +20,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from automodel.recipes.data.megatron_writer import token_dtype_for_vocab
-from automodel.recipes.data.preprocess_inputs import Task, input_files, plan_tasks
-from automodel.recipes.data.preprocess_worker import TokenizerSpec, adopt_tokenizer, init_worker, run_task
-from automodel.recipes.data.tokenizer import TOKENIZER_FILES, bos_prefix, build_tokenizer
-from automodel.recipes.errors import ConfigError
+from automodel.data.megatron_writer import token_dtype_for_vocab
+from automodel.data.preprocess_inputs import Task, input_files, plan_tasks
+from automodel.data.preprocess_worker import TokenizerSpec, adopt_tokenizer, init_worker, run_task
+from automodel.data.tokenizer import TOKENIZER_FILES, bos_prefix, build_tokenizer
+from automodel.data.errors import ConfigError, optional
 
 MANIFEST = "manifest.json"
 
@@ -128,7 +126,7 @@ def preprocess(
     work = partial(run_task, out_dir=str(out), text_key=text_key, dtype=dtype.name, spec=spec)
     bar = None
     if progress:
-        bar = tqdm(
+        bar = optional("tqdm", needed_for="preprocess's progress bar").tqdm(
             total=sum(t.nbytes for t in pending),
             unit="B",
             unit_scale=True,

@@ -11,10 +11,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from automodel.recipes.errors import ConfigError
-from automodel.recipes.hub_cache import is_hub_id, resolve_local_or_cached
+from automodel.data.errors import ConfigError, optional
+from automodel.data.hub_cache import is_hub_id, resolve_local_or_cached
 
 FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
@@ -82,7 +80,7 @@ def plan_tasks(files: list[Path], *, shard_bytes: int) -> list[Task]:
             ranges = [(a, min(a + shard_bytes, st.st_size)) for a in range(0, st.st_size, shard_bytes)]
             nbytes = [b - a for a, b in ranges]
         elif fmt == "parquet":
-            meta = pq.ParquetFile(path).metadata
+            meta = optional("pyarrow.parquet", needed_for="a Parquet input").ParquetFile(path).metadata
             groups, per = meta.num_row_groups, 0
             sizes = [meta.row_group(i).total_byte_size for i in range(groups)]
             ranges, first = [], 0
@@ -104,7 +102,7 @@ def plan_tasks(files: list[Path], *, shard_bytes: int) -> list[Task]:
 def read_documents(task: Task, *, text_key: str):
     """Yield the task's texts (a missing `text_key` is an error naming the file and line)."""
     if task.format == "parquet":
-        pf = pq.ParquetFile(task.path)
+        pf = optional("pyarrow.parquet", needed_for="a Parquet input").ParquetFile(task.path)
         if text_key not in pf.schema_arrow.names:
             raise ConfigError(
                 "--text-key", text_key, f"is not a column of {task.path} ({', '.join(pf.schema_arrow.names)})"

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from automodel.recipes.data.megatron_writer import MegatronWriter
-from automodel.recipes.data.preprocess_inputs import Task, read_documents
-from automodel.recipes.data.tokenizer import build_tokenizer
+from automodel.data.megatron_writer import MegatronWriter
+from automodel.data.preprocess_inputs import Task, read_documents
+from automodel.data.tokenizer import build_tokenizer
 
 BATCH_DOCS = 1024
 

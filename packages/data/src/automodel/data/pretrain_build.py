@@ -14,20 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from automodel.recipes.config.build import parse_split
-from automodel.recipes.config.pretrain import MegatronPretrainingSection, NanogptSection
-from automodel.recipes.data.blend import MID_LEVEL_SURPLUS, BlendedSamples
-from automodel.recipes.data.blend_indices import blending_indices, normalize, size_per_dataset
-from automodel.recipes.data.corpus_error import CorpusError
-from automodel.recipes.data.index_cache import cached_arrays
-from automodel.recipes.data.megatron_corpus import MegatronCorpus
-from automodel.recipes.data.megatron_order import GptOrder, gpt_order
-from automodel.recipes.data.megatron_paths import resolve_blend, split_range
-from automodel.recipes.data.megatron_samples import MegatronSamples
-from automodel.recipes.data.nanogpt_shard import NanogptShard
-from automodel.recipes.data.sample_order import BlockShuffledOrder, SequentialOrder, StoredThenShuffledOrder
-from automodel.recipes.data.token_windows import TokenSpan, TokenWindows
-from automodel.recipes.errors import ConfigError
+from automodel.data.pretrain_sections import parse_split
+from automodel.data.pretrain_sections import MegatronPretrainingSection, NanogptSection
+from automodel.data.blend import MID_LEVEL_SURPLUS, BlendedSamples
+from automodel.data.blend_indices import blending_indices, normalize, size_per_dataset
+from automodel.data.corpus_error import CorpusError
+from automodel.data.index_cache import cached_arrays
+from automodel.data.megatron_corpus import MegatronCorpus
+from automodel.data.megatron_order import GptOrder, gpt_order
+from automodel.data.megatron_paths import resolve_blend, split_range
+from automodel.data.megatron_samples import MegatronSamples
+from automodel.data.nanogpt_shard import NanogptShard
+from automodel.data.sample_order import BlockShuffledOrder, SequentialOrder, StoredThenShuffledOrder
+from automodel.data.token_windows import TokenSpan, TokenWindows
+from automodel.data.errors import ConfigError
 
 
 def _open(opener: Any, path: str, *, key: str) -> Any:

@@ -1,4 +1,4 @@
-"""YAML sections of the pre-tokenised pretraining kinds, with NeMo AutoModel's key names.
+"""Sections of the pre-tokenised pretraining kinds (frozen, validated), with NeMo AutoModel's key names.
 
 `MegatronPretrainingSection` mirrors AutoModel's ``MegatronPretraining`` (Megatron ``.bin``/``.idx``
 corpora); `NanogptSection` its ``NanogptDataset`` (nanoGPT ``.bin`` shards). Both give samples of
@@ -8,17 +8,32 @@ positions restart after each EOS and attention stays inside each document (rows 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from pathlib import PurePath
-from typing import ClassVar, TypeVar
+from dataclasses import dataclass
+from typing import ClassVar
 
-from automodel.recipes.config.build import derived, parse_split
-from automodel.recipes.config.recipe import DatasetConfig
-from automodel.recipes.config.sections import TokenizerSection
-from automodel.recipes.errors import ConfigError
+from automodel.data.errors import ConfigError
 
 SPLIT_NAMES = ("train", "validation", "test")
-S = TypeVar("S")
+
+
+def parse_split(split: object, *, key: str) -> list[float]:
+    """``"969,30,1"`` -> [0.969, 0.03, 0.001] (missing parts are 0; weights normalised)."""
+    if isinstance(split, list | tuple):
+        split = ",".join(str(s) for s in split)
+    if not isinstance(split, str):
+        raise ConfigError(key, split, 'must be a string of ratios like "969,30,1" or "0.99, 0.01, 0.00"')
+    parts = [p.strip() for p in split.split(",")]
+    try:
+        values = [float(p) for p in parts if p]
+    except ValueError:
+        raise ConfigError(key, split, 'must be comma-separated numbers like "969,30,1"') from None
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
+        raise ConfigError(
+            key, split, "must be 1 to 3 ratios >= 0 (train, validation, test) with a positive sum"
+        )
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return [v / total for v in values]
 
 
 def _positive_int(key: str, value: object, *, minimum: int = 1, allow_none: bool = False) -> None:
@@ -182,41 +197,3 @@ class NanogptSection:
 @dataclass(frozen=True)
 class NanogptValidationSection(NanogptSection):
     SECTION: ClassVar[str] = "validation_dataset"
-
-
-#: Where a Megatron dataset's sample order is cached when ``index_mapping_dir`` is unset.
-DEFAULT_INDEX_MAPPING_SUBDIR = ("cache", "megatron_index")
-
-
-def default_index_mapping_dir(section: S, *, output_dir: str) -> S:
-    """A Megatron section without ``index_mapping_dir`` caches its order under the run's output_dir,
-    so a restart (or another rank) maps it instead of building it: that build is linear in the
-    corpus' documents, a memory map of it is not. Returns the section to use (a new value)."""
-    if isinstance(section, MegatronPretrainingSection) and section.index_mapping_dir is None:
-        return derived(section, index_mapping_dir=str(PurePath(output_dir, *DEFAULT_INDEX_MAPPING_SUBDIR)))
-    return section
-
-
-def adopt_dataset_tokenizer(
-    tokenizer: TokenizerSection, sections: list[DatasetConfig | None]
-) -> TokenizerSection:
-    """NeMo AutoModel names a Megatron dataset's tokenizer inside the dataset section. Its
-    ``pretrained_model_name_or_path`` becomes the run's tokenizer when ``tokenizer:`` names none;
-    two different tokenizers cannot both hold (the tokens would not match the model's embedding).
-    Returns the run's tokenizer section (a new value when adopted)."""
-    for section in sections:
-        spec: dict | None = getattr(section, "tokenizer", None)  # the kinds with a per-dataset tokenizer
-        if spec is None:
-            continue
-        key = f"{section.SECTION}.tokenizer"
-        name = spec.get("pretrained_model_name_or_path")
-        if not isinstance(name, str) or not name:
-            raise ConfigError(
-                f"{key}.pretrained_model_name_or_path", name, "is required (a local directory or a Hub id)"
-            )
-        current = tokenizer.pretrained_model_name_or_path or tokenizer.path
-        if current is None:
-            tokenizer = replace(tokenizer, pretrained_model_name_or_path=name)
-        elif current != name:
-            raise ConfigError(key, name, f"differs from the run's tokenizer {current!r}; use one tokenizer")
-    return tokenizer

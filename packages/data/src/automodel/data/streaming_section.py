@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from automodel.recipes.errors import ConfigError
+from automodel.data.errors import ConfigError
 
 #: file suffix -> ``datasets`` builder
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from automodel.recipes.data.pretrain_build import corpus_files
-from automodel.recipes.errors import ConfigError, DataError
+from automodel.data.pretrain_build import corpus_files
+from automodel.data.errors import ConfigError, DataError
 
 #: Tokens read at each end of a corpus file before launch (256 KiB of uint16 per end).
 SAMPLE_TOKENS = 1 << 17

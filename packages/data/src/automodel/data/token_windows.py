@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from automodel.recipes.data.packing import split_rows
-from automodel.recipes.data.sample_order import SampleOrder
+from automodel.data.sample_order import SampleOrder
 
 
 class TokenSource(Protocol):

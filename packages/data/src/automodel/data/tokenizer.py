@@ -5,10 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
-from automodel.recipes.errors import ConfigError
-from automodel.recipes.trust import announce_remote_code
+from automodel.data.errors import ConfigError, optional
+from automodel.data.trust import announce_remote_code
 
 #: Files that make a directory a Hugging Face tokenizer directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -66,7 +64,8 @@ class HFTokenizer:
             announce_remote_code(key="tokenizer.trust_remote_code", path=path)
         try:
             extra = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
-            self._tok = AutoTokenizer.from_pretrained(
+            transformers = optional("transformers", needed_for="a Hugging Face tokenizer")
+            self._tok = transformers.AutoTokenizer.from_pretrained(
                 path, local_files_only=True, trust_remote_code=trust_remote_code, **extra
             )
         except ValueError as e:

@@ -26,9 +26,9 @@ from automodel.recipes.config.build import resolve_dtype
 from automodel.recipes.config.sections import ModelSection
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.file_kind import read_json_object
-from automodel.recipes.hub_cache import resolve_local_or_cached
+from automodel.data.hub_cache import resolve_local_or_cached
 from automodel.recipes.model_inputs import check_defaulted_inputs
-from automodel.recipes.trust import announce_remote_code
+from automodel.data.trust import announce_remote_code
 
 
 def build_hf_config(section: ModelSection, *, announce: bool = True) -> Any:

@@ -25,7 +25,7 @@ from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
 from automodel.recipes.data.kinds import check_rows
 from automodel.recipes.data.launch_data import check_data_fits_model
-from automodel.recipes.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files
+from automodel.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.model import pretrained_dir

@@ -16,7 +16,7 @@ from automodel.recipes.config.build import derived
 from automodel.recipes.config.checkpoint import CheckpointConfig
 from automodel.recipes.config.kernels import parse_kernels_sections
 from automodel.recipes.config.peft import PeftSection
-from automodel.recipes.config.pretrain import adopt_dataset_tokenizer, default_index_mapping_dir
+from automodel.recipes.config.pretrain_yaml import adopt_dataset_tokenizer, default_index_mapping_dir
 from automodel.recipes.config.recipe import DatasetConfig, LossFn, RecipeConfig
 from automodel.recipes.config.sections import (
     CONSTANT_LR,
@@ -36,9 +36,9 @@ from automodel.recipes.config.sections import (
 )
 from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.data.kinds import parse_section
-from automodel.recipes.data.tokenizer import has_tokenizer_files
+from automodel.data.tokenizer import has_tokenizer_files
 from automodel.recipes.errors import ConfigError, reject_unknown
-from automodel.recipes.hub_cache import resolve_local_or_cached
+from automodel.data.hub_cache import resolve_local_or_cached
 from automodel.recipes.instantiate import locate
 
 __all__ = ["RecipeConfig", "parse_recipe_config"]

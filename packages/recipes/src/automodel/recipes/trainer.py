@@ -31,8 +31,8 @@ from automodel.recipes.data import build_packed_dataset
 from automodel.recipes.data.first_rows import first_rows
 from automodel.recipes.data.launch_data import model_vocab, run_tokenizer
 from automodel.recipes.data.loader import Batch, build_train_loader, read_batch
-from automodel.recipes.data.run_length import data_end_line
-from automodel.recipes.data.token_ids import check_tokenizer_ids
+from automodel.data.run_length import data_end_line
+from automodel.data.token_ids import check_tokenizer_ids
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.kernels.apply import apply_kernels, check_linear_loss_bound

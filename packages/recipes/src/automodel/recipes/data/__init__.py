@@ -1,10 +1,10 @@
 """Data without downloads: embedded corpus, byte tokenizer, local files, packing, stateful sampler."""
 
-from automodel.recipes.data.corpus import embedded_documents
+from automodel.data.corpus import embedded_documents
 from automodel.recipes.data.loader import Batch, BatchLoader, build_packed_dataset
 from automodel.recipes.data.packing import PackedDataset, pack_documents
-from automodel.recipes.data.sampler import StatefulGlobalBatchSampler
-from automodel.recipes.data.tokenizer import ByteTokenizer, build_tokenizer
+from automodel.data.sampler import StatefulGlobalBatchSampler
+from automodel.data.tokenizer import ByteTokenizer, build_tokenizer
 
 __all__ = [
     "Batch",

@@ -35,7 +35,7 @@ from automodel.recipes.config.hub_datasets import (
     SquadSection,
     SquadValidationSection,
 )
-from automodel.recipes.config.pretrain import (
+from automodel.data.pretrain_sections import (
     MegatronPretrainingSection,
     MegatronPretrainingValidationSection,
     NanogptSection,
@@ -52,7 +52,7 @@ from automodel.recipes.config.sections import (
     ValidationDatasetSection,
     build_section,
 )
-from automodel.recipes.config.streaming import StreamingSection, StreamingValidationSection
+from automodel.data.streaming_section import StreamingSection, StreamingValidationSection
 from automodel.recipes.errors import ConfigError
 
 
@@ -149,8 +149,8 @@ def check_rows(section: DatasetConfig | None) -> None:
 
 def _register_builtin() -> None:
     loader = "automodel.recipes.data.loader"
-    build = "automodel.recipes.data.pretrain_build"
-    rows = "automodel.recipes.data.file_check"
+    build = "automodel.data.pretrain_build"
+    rows = "automodel.data.file_check"
     register(DatasetKind("text", DATA_SOURCES, {}, DatasetSection, ValidationDatasetSection,
                          f"{loader}:build_text_dataset", f"{loader}:check_text_paths",
                          f"{rows}:check_text_rows"))  # fmt: skip
@@ -165,7 +165,7 @@ def _register_builtin() -> None:
                          NanogptSection, NanogptValidationSection,
                          f"{build}:build_nanogpt", f"{build}:check_nanogpt_paths"))  # fmt: skip
 
-    stream = "automodel.recipes.data.streaming"
+    stream = "automodel.data.streaming"
     register(DatasetKind("streaming", ("streaming",), {}, StreamingSection, StreamingValidationSection,
                          f"{stream}:build_streaming", f"{stream}:check_streaming_paths"))  # fmt: skip
     hub = "automodel.recipes.compat.datasets"  # NeMo AutoModel's make_squad_dataset and HellaSwag

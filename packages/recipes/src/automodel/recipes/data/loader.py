@@ -11,17 +11,17 @@ import torch
 import torch.distributed as dist
 
 from automodel.recipes.config.sections import SFTDatasetSection
-from automodel.recipes.data.corpus import embedded_documents
-from automodel.recipes.data.file_check import check_bad_rows_files
+from automodel.data.corpus import embedded_documents
+from automodel.data.file_check import check_bad_rows_files
 from automodel.recipes.data.kinds import build_dataset, check_paths
 from automodel.recipes.data.packing import PackedDataset, pack_documents
-from automodel.recipes.data.sample_order import SequentialOrder
-from automodel.recipes.data.sampler import StatefulGlobalBatchSampler
+from automodel.data.sample_order import SequentialOrder
+from automodel.data.sampler import StatefulGlobalBatchSampler
 from automodel.recipes.data.sft import build_sft_dataset
 from automodel.recipes.data.text_rows import first_textless, read_texts_skipping
-from automodel.recipes.data.token_ids import check_batch_ids
+from automodel.data.token_ids import check_batch_ids
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.hub_cache import resolve_local_or_cached
+from automodel.data.hub_cache import resolve_local_or_cached
 
 
 @dataclass

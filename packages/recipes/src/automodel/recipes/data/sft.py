@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
-from automodel.recipes.data.file_check import read_good_rows, section_columns
+from automodel.data.file_check import read_good_rows, section_columns
 from automodel.recipes.data.stdlib_docstrings import stdlib_docstring_examples
 from automodel.recipes.data.table_rows import read_csv_rows, split_data_files
-from automodel.recipes.data.tokenizer import bos_prefix
+from automodel.data.tokenizer import bos_prefix
 from automodel.recipes.errors import ConfigError, DataError
-from automodel.recipes.hub_cache import resolve_local_or_cached
+from automodel.data.hub_cache import resolve_local_or_cached
 
 IGNORE_INDEX = -100
 _EXTENSION_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

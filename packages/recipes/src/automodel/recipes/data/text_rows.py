@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from automodel.recipes.data.file_check import read_good_rows, read_json_rows
+from automodel.data.file_check import read_good_rows, read_json_rows
 from automodel.recipes.errors import DataError
 
 #: The reasons a pretraining row holds no text (counted under ``bad_rows: skip``).
