@@ -15,7 +15,7 @@ from automodel.recipes.data import (
     pack_documents,
 )
 from automodel.recipes.data.loader import build_packed_dataset
-from automodel.recipes.data.packing import PackedDataset, document_position_ids
+from automodel.data.packing import PackedDataset, document_position_ids
 
 
 def test_embedded_corpus_is_real_deterministic_text_with_a_disjoint_holdout() -> None:

@@ -14,7 +14,7 @@ import torch
 
 from automodel.data.megatron_corpus import MegatronCorpus
 from automodel.data.megatron_order import GptOrder
-from automodel.recipes.data.packing import split_rows
+from automodel.data.packing import split_rows
 from automodel.data.sample_order import SampleOrder
 
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from automodel.data.streaming_section import FORMATS, StreamingSection
-from automodel.recipes.data.loader import Batch
-from automodel.recipes.data.packing import PackedDataset, split_rows
+from automodel.data.batches import Batch
+from automodel.data.packing import PackedDataset, split_rows
 from automodel.data.preprocess_worker import encode_batch
 from automodel.data.tokenizer import bos_prefix
 from automodel.data.errors import ConfigError, optional

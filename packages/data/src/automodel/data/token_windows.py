@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from automodel.recipes.data.packing import split_rows
+from automodel.data.packing import split_rows
 from automodel.data.sample_order import SampleOrder
 
 

@@ -2,7 +2,7 @@
 
 from automodel.data.corpus import embedded_documents
 from automodel.recipes.data.loader import Batch, BatchLoader, build_packed_dataset
-from automodel.recipes.data.packing import PackedDataset, pack_documents
+from automodel.data.packing import PackedDataset, pack_documents
 from automodel.data.sampler import StatefulGlobalBatchSampler
 from automodel.data.tokenizer import ByteTokenizer, build_tokenizer
 

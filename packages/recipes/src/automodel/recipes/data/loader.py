@@ -14,7 +14,7 @@ from automodel.recipes.config.sections import SFTDatasetSection
 from automodel.data.corpus import embedded_documents
 from automodel.data.file_check import check_bad_rows_files
 from automodel.recipes.data.kinds import build_dataset, check_paths
-from automodel.recipes.data.packing import PackedDataset, pack_documents
+from automodel.data.packing import PackedDataset, pack_documents
 from automodel.data.sample_order import SequentialOrder
 from automodel.data.sampler import StatefulGlobalBatchSampler
 from automodel.recipes.data.sft import build_sft_dataset
