@@ -40,6 +40,7 @@ AUTOMODEL_DISTRIBUTIONS = (
     "automodel-pipeline",
     "automodel-context-parallel",
     "automodel-moe-ep",
+    "automodel-data",
 )
 THIRD_PARTY_REPORTED = ("torch", "transformers", "megatron-fsdp")
 
