@@ -61,7 +61,7 @@ def write_random_corpus(prefix: Path, *, nbytes: int, seed: int = 0) -> None:
 STARTUP_CHILD = r"""
 import json, resource, sys, time
 import torch  # the trainer's imports are paid before the data is touched
-from automodel.recipes.data.loader import build_sampler
+from automodel.data.batches import build_sampler
 from automodel.data.pretrain_build import build_megatron
 from automodel.data.pretrain_sections import MegatronPretrainingSection
 
@@ -112,7 +112,7 @@ def reader_throughput(prefix: Path, *, seconds: float = 5.0) -> float:
     import torch
 
     from automodel.data.pretrain_sections import MegatronPretrainingSection
-    from automodel.recipes.data.loader import build_sampler
+    from automodel.data.batches import build_sampler
     from automodel.data.pretrain_build import build_megatron
 
     torch.set_num_threads(1)

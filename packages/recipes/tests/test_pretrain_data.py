@@ -17,7 +17,7 @@ from automodel.data.pretrain_sections import (
     NanogptSection,
 )
 from automodel.recipes.data.kinds import parse_section
-from automodel.recipes.data.loader import build_sampler
+from automodel.data.batches import build_sampler
 from automodel.data.megatron_corpus import MegatronCorpus
 from automodel.data.megatron_writer import MegatronWriter, token_dtype_for_vocab
 from automodel.data.nanogpt_shard import MAGIC, write_nanogpt_shard
