@@ -133,15 +133,24 @@ def main() -> None:
         for which, cache in caches.items():  # first run builds the order into the cache, then mapped
             key = "ours" if which == "ours" else "theirs"
             built = child(key, prefix, args.seq, cache)
-            mapped = min((child(key, prefix, args.seq, cache) for _ in range(3)), key=lambda r: r["startup_s"])
-            startup[which] = {"built_s": built["startup_s"], "mapped_s": mapped["startup_s"], "samples": built["samples"]}
+            mapped = min(
+                (child(key, prefix, args.seq, cache) for _ in range(3)), key=lambda r: r["startup_s"]
+            )
+            startup[which] = {
+                "built_s": built["startup_s"],
+                "mapped_s": mapped["startup_s"],
+                "samples": built["samples"],
+            }
             print(f"start-up {which}: order built {built['startup_s']:.3f} s, mapped {mapped['startup_s']:.3f} s "
                   f"({built['samples']} samples)", flush=True)  # fmt: skip
         checked = subprocess.run(
             [sys.executable, "-c", CHECK, str(prefix), str(args.seq), str(caches["ours"]), str(caches["megatron-core"])],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
-        print(f"samples equal to megatron-core's (every {max(1, int(checked) // 200)}th of {checked})", flush=True)
+        print(
+            f"samples equal to megatron-core's (every {max(1, int(checked) // 200)}th of {checked})",
+            flush=True,
+        )
         rates: dict[str, list[float]] = {"ours": [], "megatron-core": []}
         for _ in range(args.rounds):
             for which, cache in caches.items():

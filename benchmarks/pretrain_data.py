@@ -111,9 +111,9 @@ def reader_throughput(prefix: Path, *, seconds: float = 5.0) -> float:
     """Tokens/s of one rank reading its samples (dp 1 of 1, local batch 8, global 64)."""
     import torch
 
-    from automodel.data.pretrain_sections import MegatronPretrainingSection
     from automodel.data.batches import build_sampler
     from automodel.data.pretrain_build import build_megatron
+    from automodel.data.pretrain_sections import MegatronPretrainingSection
 
     torch.set_num_threads(1)
 

@@ -16,13 +16,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _corpus_helpers import Tok, random_docs, write_corpus  # noqa: E402
 
+from automodel.data.batches import build_sampler  # noqa: E402
+from automodel.data.blend_indices import blending_indices, normalize  # noqa: E402
+from automodel.data.pretrain_build import build_megatron  # noqa: E402
 from automodel.data.pretrain_sections import (  # noqa: E402
     MegatronPretrainingSection,
     MegatronPretrainingValidationSection,
 )
-from automodel.data.blend_indices import blending_indices, normalize  # noqa: E402
-from automodel.data.batches import build_sampler  # noqa: E402
-from automodel.data.pretrain_build import build_megatron  # noqa: E402
 
 SEQ = 16
 

@@ -474,8 +474,8 @@ def test_tokenizer_add_bos_token_is_set_and_checked(tmp_path: Path, model_dir: s
     assert on.prepends_bos() and on.bos_token_id == 1
     assert not build_tokenizer(str(llama), add_bos_token=False).prepends_bos()
     # one rule (data.tokenizer.bos_prefix) for every place that writes BOS: SFT rows, shards, prompts
-    from automodel.recipes.config.sections import SFTDatasetSection
-    from automodel.recipes.data.sft import ExampleEncoder
+    from automodel.data.sft import ExampleEncoder
+    from automodel.data.text_sections import SFTDatasetSection
     from automodel.data.tokenizer import bos_prefix
     from automodel.recipes.generate import prompt_ids
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from automodel.recipes.config.sections import SFTDatasetSection, SFTValidationDatasetSection, build_section
+from automodel.data.sft import IGNORE_INDEX, encode_chat, format_plain_prompt
+from automodel.data.text_build import check_sft_paths
+from automodel.data.text_sections import SFTDatasetSection, SFTValidationDatasetSection
+from automodel.recipes.config.sections import build_section
 from automodel.recipes.data import ByteTokenizer, build_packed_dataset, build_tokenizer
-from automodel.recipes.data.loader import check_sft_paths
-from automodel.recipes.data.sft import IGNORE_INDEX, encode_chat, format_plain_prompt
 from automodel.recipes.errors import ConfigError
 from automodel.testing.tiny_model import tiny_causal_lm
 
@@ -291,7 +292,7 @@ def test_row_the_chat_template_refuses_is_skipped_and_counted(tmp_path: Path) ->
 
 
 def test_stdlib_docstrings_examples() -> None:
-    from automodel.recipes.data.stdlib_docstrings import stdlib_docstring_examples
+    from automodel.data.stdlib_docstrings import stdlib_docstring_examples
 
     train, val = stdlib_docstring_examples(split="train"), stdlib_docstring_examples(split="validation")
     assert len(train) > 200 and 0 < len(val) < len(train) // 10

@@ -22,11 +22,11 @@ from automodel.data.batches import BatchLoader, RowDataset, build_sampler
 from automodel.data.errors import ConfigError
 from automodel.data.pretrain_build import build_megatron, build_nanogpt
 from automodel.data.pretrain_sections import MegatronPretrainingSection, NanogptSection
+from automodel.data.sections import DataSection
 from automodel.data.streaming import StreamingDataset, StreamingLoader, build_streaming
 from automodel.data.streaming_section import StreamingSection
-
-#: the sections `build_dataset` reads (their ``*Validation*`` subclasses included)
-PretrainSection = MegatronPretrainingSection | NanogptSection | StreamingSection
+from automodel.data.text_build import build_sft_rows, build_text_dataset
+from automodel.data.text_sections import DatasetSection, SFTDatasetSection
 
 
 class Vocabulary(Protocol):
@@ -50,20 +50,29 @@ class Vocab:
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
             raise ConfigError("vocab_size", self.vocab_size, "must be an int >= 1")
         if not 0 <= self.eos_token_id < self.vocab_size:
-            raise ConfigError("eos_token_id", self.eos_token_id, f"must be an id below vocab_size={self.vocab_size}")
+            raise ConfigError(
+                "eos_token_id", self.eos_token_id, f"must be an id below vocab_size={self.vocab_size}"
+            )
 
 
 def build_dataset(
-    section: PretrainSection, *, tokenizer: Vocabulary, packed_sequence_size: int = 0, seed: int = 0
+    section: DataSection, *, tokenizer: Vocabulary, packed_sequence_size: int = 0, seed: int = 0
 ) -> RowDataset | StreamingDataset:
     """The section's dataset. ``packed_sequence_size > 0``: rows of that length whose positions
-    restart after each EOS. `seed` is the run's (a Megatron section's own ``seed`` wins)."""
+    restart after each EOS. `seed` is the run's (a Megatron section's own ``seed`` wins). The text,
+    streaming and SFT kinds encode text: `tokenizer` is then a `tokenizer.ByteTokenizer` or
+    `tokenizer.HFTokenizer` (`tokenizer.build_tokenizer`); the pre-tokenised kinds read only its
+    sizes (`Vocab`)."""
     if isinstance(section, MegatronPretrainingSection):
         return build_megatron(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed)
     if isinstance(section, NanogptSection):
         return build_nanogpt(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed)
     if isinstance(section, StreamingSection):
         return build_streaming(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed)
+    if isinstance(section, DatasetSection):
+        return build_text_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed)
+    if isinstance(section, SFTDatasetSection):
+        return build_sft_rows(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed)
     raise TypeError(f"{type(section).__name__} is not a section automodel.data builds")
 
 

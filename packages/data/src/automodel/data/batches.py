@@ -3,7 +3,6 @@ per-rank `BatchLoader` whose `state_dict()` is the position in the global sample
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,7 +27,7 @@ class RowDataset(Protocol):
 
     def __len__(self) -> int: ...
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 def build_sampler(

@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from automodel.recipes.config.sections import SFTDatasetSection
-from automodel.recipes.data.table_rows import (
+from automodel.data.errors import ConfigError, DataError
+from automodel.data.file_kind import os_error_line, unreadable_file
+from automodel.data.sections import ExampleSection, RowsSection
+from automodel.data.table_rows import (
     CSV_SUFFIXES,
     PARQUET_SUFFIXES,
     check_parquet_columns,
@@ -24,8 +26,7 @@ from automodel.recipes.data.table_rows import (
     read_parquet_schema,
     read_text_lines,
 )
-from automodel.data.errors import ConfigError, DataError
-from automodel.data.file_kind import os_error_line, unreadable_file
+from automodel.data.text_sections import DatasetSection, SFTDatasetSection
 
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
@@ -178,14 +179,14 @@ def check_bad_rows_files(section: SFTDatasetSection) -> None:
         )
 
 
-def section_columns(section: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def section_columns(section: RowsSection | ExampleSection) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(text columns, list columns) a section's JSON rows must hold where present."""
-    if hasattr(section, "path_or_dataset_id"):  # SFT
-        mapping = section.column_mapping or {}
-        if section.source == "instruction":
-            return tuple(str(c) for c in mapping.values()), ()
-        return (), (str(mapping.get("messages", "messages")),)
-    return ((section.text_key,) if section.source in ("json", "parquet") else ()), ()
+    if isinstance(section, DatasetSection):
+        return ((section.text_key,) if section.source in ("json", "parquet") else ()), ()
+    mapping = getattr(section, "column_mapping", None) or {}  # SFT (a hub section maps no column)
+    if section.source == "instruction":
+        return tuple(str(c) for c in mapping.values()), ()
+    return (), (str(mapping.get("messages", "messages")),)
 
 
 def check_text_file(path: Path) -> None:
@@ -199,7 +200,7 @@ def check_text_file(path: Path) -> None:
         raise DataError(f"{path} holds no text (an empty file)")
 
 
-def check_text_rows(section: Any) -> None:
+def check_text_rows(section: DatasetSection) -> None:
     """The text kind's rows before launch (`DatasetKind.check_rows`): its json / text / parquet
     files; the ``embedded`` source reads none."""
     if section.source == "embedded" or section.path is None:
@@ -208,7 +209,7 @@ def check_text_rows(section: Any) -> None:
     _check_row_files(section, [Path(p) for p in paths], key=f"{section.SECTION}.path", limit=None)
 
 
-def check_sft_rows(section: Any) -> None:
+def check_sft_rows(section: SFTDatasetSection) -> None:
     """The SFT kind's rows before launch (`DatasetKind.check_rows`): instruction and chat files;
     ``stdlib_docstrings`` builds its rows and reads none."""
     if section.source == "stdlib_docstrings":
@@ -220,7 +221,7 @@ def check_sft_rows(section: Any) -> None:
 
 
 def _check_row_files(
-    section: Any, files: list[Path], *, key: str, limit: int | None, folders: bool = False
+    section: RowsSection, files: list[Path], *, key: str, limit: int | None, folders: bool = False
 ) -> None:
     """Every bad row a local file holds, as the run would meet it (`key`: the section's path key).
 
@@ -263,7 +264,9 @@ def _check_one_file(
         check_text_file(f)
 
 
-def read_good_rows(section: Any, files: list[Path]) -> tuple[list[dict[str, Any]], Counter[str]]:
+def read_good_rows(
+    section: RowsSection | ExampleSection, files: list[Path]
+) -> tuple[list[dict[str, Any]], Counter[str]]:
     """``bad_rows: skip``: the good rows of the section's files, in order, with every row's
     columns (missing ones None), and the bad ones counted per reason. `datasets` rejects a whole
     file on one bad row, so the good rows are read here instead (JSON here, the rest `table_rows`)."""

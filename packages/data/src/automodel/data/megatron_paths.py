@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from automodel.data.megatron_corpus import corpus_prefix
 from automodel.data.errors import ConfigError
+from automodel.data.megatron_corpus import corpus_prefix
 
 SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {"valid": "validation", "val": "validation", "dev": "validation"}

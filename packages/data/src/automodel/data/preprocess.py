@@ -20,11 +20,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from automodel.data.errors import ConfigError, optional
 from automodel.data.megatron_writer import token_dtype_for_vocab
 from automodel.data.preprocess_inputs import Task, input_files, plan_tasks
 from automodel.data.preprocess_worker import TokenizerSpec, adopt_tokenizer, init_worker, run_task
 from automodel.data.tokenizer import TOKENIZER_FILES, bos_prefix, build_tokenizer
-from automodel.data.errors import ConfigError, optional
 
 MANIFEST = "manifest.json"
 

@@ -14,20 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from automodel.data.pretrain_sections import parse_split
-from automodel.data.pretrain_sections import MegatronPretrainingSection, NanogptSection
 from automodel.data.blend import MID_LEVEL_SURPLUS, BlendedSamples
 from automodel.data.blend_indices import blending_indices, normalize, size_per_dataset
 from automodel.data.corpus_error import CorpusError
+from automodel.data.errors import ConfigError
 from automodel.data.index_cache import cached_arrays
 from automodel.data.megatron_corpus import MegatronCorpus
 from automodel.data.megatron_order import GptOrder, gpt_order
 from automodel.data.megatron_paths import resolve_blend, split_range
 from automodel.data.megatron_samples import MegatronSamples
 from automodel.data.nanogpt_shard import NanogptShard
+from automodel.data.pretrain_sections import MegatronPretrainingSection, NanogptSection, parse_split
 from automodel.data.sample_order import BlockShuffledOrder, SequentialOrder, StoredThenShuffledOrder
+from automodel.data.sections import DataSection
 from automodel.data.token_windows import TokenSpan, TokenWindows
-from automodel.data.errors import ConfigError
 
 
 def _open(opener: Any, path: str, *, key: str) -> Any:
@@ -238,7 +238,7 @@ def check_megatron_paths(section: MegatronPretrainingSection) -> None:
     megatron_splits(section, vocab_size=None)
 
 
-def corpus_files(section: Any) -> list[tuple[str, Any]]:
+def corpus_files(section: DataSection) -> list[tuple[str, Any]]:
     """``(file, its tokens)`` of a Megatron or nanoGPT section (``tokens(start, stop)``,
     ``num_tokens``, ``dtype``); none for other kinds."""
     if isinstance(section, MegatronPretrainingSection):

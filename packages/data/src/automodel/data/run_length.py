@@ -7,10 +7,21 @@ The run's length is ``min(max_steps, steps_per_epoch * num_epochs)``: a run whos
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import ClassVar, Protocol
 
 
-def data_end_line(*, step: int, steps_per_epoch: int, section: Any) -> str | None:
+class StepsSection(Protocol):
+    """A training loop's step settings (automodel-recipes' ``step_scheduler``)."""
+
+    SECTION: ClassVar[str]
+
+    @property
+    def max_steps(self) -> int | None: ...
+    @property
+    def num_epochs(self) -> int: ...
+
+
+def data_end_line(*, step: int, steps_per_epoch: int, section: StepsSection) -> str | None:
     """The line for a run that ended at `step` because its data did, before ``max_steps``;
     None when it ran to ``max_steps``, has no ``max_steps``, or stopped early (pre-empted)."""
     max_steps, epochs = section.max_steps, section.num_epochs

@@ -37,14 +37,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
+from automodel.data.errors import ConfigError, DataError, optional
 from automodel.data.file_check import read_good_rows, section_columns
-from automodel.recipes.data.stdlib_docstrings import stdlib_docstring_examples
-from automodel.recipes.data.table_rows import read_csv_rows, split_data_files
-from automodel.data.tokenizer import bos_prefix
-from automodel.recipes.errors import ConfigError, DataError
 from automodel.data.hub_cache import resolve_local_or_cached
+from automodel.data.sections import ExampleSection
+from automodel.data.stdlib_docstrings import stdlib_docstring_examples
+from automodel.data.table_rows import read_csv_rows, split_data_files
+from automodel.data.tokenizer import bos_prefix
 
 IGNORE_INDEX = -100
 _EXTENSION_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -80,13 +80,14 @@ def _render(hf: Any, messages: list[dict], *, generation_prompt: bool, tools: An
     alternate under a Llama-2/Mistral-style template) is skipped and counted, not fatal. A template
     that cannot be parsed at all is a config error and still raises."""
     kwargs = {"tools": tools} if tools else {}
+    jinja = optional("jinja2.exceptions", needed_for="a chat template")
     try:
         return hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
         )
-    except TemplateSyntaxError:
+    except jinja.TemplateSyntaxError:
         raise
-    except TemplateError as e:
+    except jinja.TemplateError as e:
         raise SkippedExample(f"refused by the chat template ({e.message or e})") from None
 
 
@@ -151,7 +152,7 @@ def _check_messages(messages: Any) -> list[dict]:
 class ExampleEncoder:
     """Turns one record (role -> value) of a section into an `Example`, or raises `SkippedExample`."""
 
-    def __init__(self, section: Any, tokenizer: Any) -> None:
+    def __init__(self, section: ExampleSection, tokenizer: Any) -> None:
         s = section.SECTION
         self.section = section
         self.tokenizer = tokenizer
@@ -358,11 +359,10 @@ def build_rows(
 
 
 # ---- records ---------------------------------------------------------------------------------
-def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
+def _load_table(section: ExampleSection, *, skipped: Counter[str] | None = None) -> Any:
     """A `datasets.Dataset` from local files, a local directory or a cached Hub dataset id; with
     ``bad_rows: skip`` bad rows of JSON / CSV / Parquet files are left out and counted into `skipped`."""
-    # lazy: start-up, datasets ~0.6 s, only where data is read
-    import datasets
+    datasets = optional("datasets", needed_for="SFT rows")
 
     key = f"{section.SECTION}.{section.PATH_KEY}"
     src = section.path_or_dataset_id
@@ -401,14 +401,15 @@ def _load_table(section: Any, *, skipped: Counter[str] | None = None) -> Any:
         raise ConfigError(
             key, src, f"cannot be read as {what} ({type(e).__name__}: {str(e)[:200]})"
         ) from None
-    if getattr(section, "shuffle_seed", None) is not None:  # AutoModel: shuffled before the limit
-        ds = ds.shuffle(seed=section.shuffle_seed)
+    shuffle_seed: int | None = getattr(section, "shuffle_seed", None)
+    if shuffle_seed is not None:  # AutoModel: shuffled before the limit
+        ds = ds.shuffle(seed=shuffle_seed)
     if section.limit_dataset_samples is not None:
         ds = ds.select(range(min(len(ds), section.limit_dataset_samples)))
     return ds
 
 
-def _csv_table(section: Any, files: list[Path], *, split: str) -> Any:
+def _csv_table(section: ExampleSection, files: list[Path], *, split: str) -> Any:
     """Local CSV files as a `datasets.Dataset` of text values (`table_rows.read_csv_rows`, strict:
     the first bad row is a `DataError` naming file and line)."""
     text_columns, list_columns = section_columns(section)
@@ -421,16 +422,14 @@ def _csv_table(section: Any, files: list[Path], *, split: str) -> Any:
 
 def _rows_dataset(rows: list[dict[str, Any]]) -> Any:
     """Rows (dicts with the same keys) as a `datasets.Dataset`."""
-    # lazy: start-up, datasets ~0.6 s, only where data is read
-    import datasets
+    datasets = optional("datasets", needed_for="SFT rows")
 
     return datasets.Dataset.from_list(rows)
 
 
 def _sliced(ds: Any, split: str) -> Any:
     """`ds` cut to the slice of a split spec such as ``train[:100]`` (whole for ``train``)."""
-    # lazy: start-up, datasets ~0.6 s, only where data is read
-    import datasets
+    datasets = optional("datasets", needed_for="SFT rows")
 
     if "[" in split:
         (part,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(ds)})
@@ -438,7 +437,9 @@ def _sliced(ds: Any, split: str) -> Any:
     return ds
 
 
-def _good_rows_table(section: Any, files: list[Path], *, split: str, skipped: Counter[str] | None) -> Any:
+def _good_rows_table(
+    section: ExampleSection, files: list[Path], *, split: str, skipped: Counter[str] | None
+) -> Any:
     """The good rows of data files as a `datasets.Dataset` (``split`` slice applied)."""
     rows, bad = read_good_rows(section, files)
     if skipped is not None:
@@ -446,7 +447,7 @@ def _good_rows_table(section: Any, files: list[Path], *, split: str, skipped: Co
     return _sliced(_rows_dataset(rows), split)
 
 
-def load_records(section: Any, *, skipped: Counter[str] | None = None) -> list[dict[str, Any]]:
+def load_records(section: ExampleSection, *, skipped: Counter[str] | None = None) -> list[dict[str, Any]]:
     """The section's examples as dicts with role keys (context / question / answer, or messages);
     bad file rows skipped under ``bad_rows: skip`` are counted into `skipped`."""
     if section.source == "stdlib_docstrings":
@@ -456,7 +457,7 @@ def load_records(section: Any, *, skipped: Counter[str] | None = None) -> list[d
         return records
     ds = _load_table(section, skipped=skipped)
     default = {"messages": "messages"} if section.source == "chat" else {}
-    mapping = dict(section.column_mapping or default)
+    mapping = dict(getattr(section, "column_mapping", None) or default)
     if section.source == "chat" and "messages" not in mapping:
         mapping["messages"] = "messages"
     for role, column in mapping.items():
@@ -472,7 +473,7 @@ def load_records(section: Any, *, skipped: Counter[str] | None = None) -> list[d
     return [{role: values[i] for role, values in columns.items()} for i in range(len(ds))]
 
 
-def _report(section: Any, stats: dict[str, Any]) -> None:
+def _report(section: ExampleSection, stats: dict[str, Any]) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     skipped = stats["skipped"]
@@ -488,7 +489,11 @@ def _report(section: Any, stats: dict[str, Any]) -> None:
 
 
 def build_sft_dataset(
-    section: Any, tokenizer: Any, *, packed_sequence_size: int, records: list[dict[str, Any]] | None = None
+    section: ExampleSection,
+    tokenizer: Any,
+    *,
+    packed_sequence_size: int,
+    records: list[dict[str, Any]] | None = None,
 ) -> SFTDataset:
     """Read, encode, fit and lay out the section's examples (see the module docstring); `records`
     (role -> value) replace reading the section's columns (a dataset factory's own reader)."""

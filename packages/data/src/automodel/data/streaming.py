@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from automodel.data.streaming_section import FORMATS, StreamingSection
 from automodel.data.batches import Batch
+from automodel.data.errors import ConfigError, optional
 from automodel.data.packing import PackedDataset, split_rows
 from automodel.data.preprocess_worker import encode_batch
+from automodel.data.streaming_section import FORMATS, StreamingSection
 from automodel.data.tokenizer import bos_prefix
-from automodel.data.errors import ConfigError, optional
 
 #: documents tokenised per tokenizer call
 BATCH_DOCS = 16
@@ -71,7 +71,9 @@ def check_streaming_paths(section: StreamingSection) -> None:
 def open_stream(section: StreamingSection, *, dp_rank: int, dp_size: int, state: dict | None = None) -> Any:
     """This dp rank's share of the stream, at `state` (from its ``state_dict()``) when given."""
     datasets = optional("datasets", needed_for="source: streaming")
-    split_dataset_by_node = optional("datasets.distributed", needed_for="source: streaming").split_dataset_by_node
+    split_dataset_by_node = optional(
+        "datasets.distributed", needed_for="source: streaming"
+    ).split_dataset_by_node
 
     files, builder = stream_files(section)
     try:

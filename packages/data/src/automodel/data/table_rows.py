@@ -21,10 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from automodel.recipes.errors import ConfigError, DataError
+from automodel.data.errors import ConfigError, DataError, optional
 
 CSV_SUFFIXES = (".csv",)
 PARQUET_SUFFIXES = (".parquet",)
@@ -86,13 +83,19 @@ def read_csv_rows(path: Path, *, columns: tuple[str, ...], key: str, strict: boo
     return rows, skipped
 
 
+def _parquet() -> Any:
+    return optional("pyarrow.parquet", needed_for="Parquet rows")
+
+
 def _is_text(t: Any) -> bool:
+    pa = optional("pyarrow", needed_for="Parquet rows")
     return (
         pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t) or str(t) == "string_view"
     )
 
 
 def _is_list(t: Any) -> bool:
+    pa = optional("pyarrow", needed_for="Parquet rows")
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_null(t)
 
 
@@ -125,7 +128,7 @@ def check_parquet_columns(
 
 def read_parquet_schema(path: Path, *, key: str) -> Any:
     try:
-        return pq.read_schema(path)
+        return _parquet().read_schema(path)
     except Exception as e:  # noqa: BLE001 - an unreadable file is named with its reader's reason
         raise ConfigError(key, str(path), f"cannot be read as Parquet ({type(e).__name__}: {e})") from None
 
@@ -136,7 +139,7 @@ def read_parquet_rows(
     """The rows of a Parquet file, its columns checked first (`check_parquet_columns`)."""
     schema = read_parquet_schema(path, key=key)
     check_parquet_columns(path, schema, text_columns=text_columns, list_columns=list_columns, key=key)
-    return pq.read_table(path).to_pylist(), Counter()
+    return _parquet().read_table(path).to_pylist(), Counter()
 
 
 def read_text_lines(path: Path, *, column: str) -> Rows:
@@ -154,8 +157,7 @@ def read_text_lines(path: Path, *, column: str) -> Rows:
 def split_data_files(directory: Path, *, name: str | None, split: str, key: str) -> list[Path]:
     """The data files of `split` (``train[:10%]`` -> train) in a dataset folder (a Hub snapshot), as
     `datasets` itself finds them (file names, or the README's configs)."""
-    # lazy: start-up, datasets ~0.6 s, only where data is read
-    import datasets
+    datasets = optional("datasets", needed_for="a Hub dataset or a folder of data files")
 
     base = split.split("[", 1)[0]
     try:

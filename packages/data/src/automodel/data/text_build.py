@@ -1,40 +1,22 @@
-"""Datasets from the config: documents -> tokens -> packed rows -> per-step micro-batches."""
+"""The text and SFT kinds' datasets: documents -> tokens -> packed rows (text), examples -> rows with
+answer-only labels (SFT); and their pre-launch path checks."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from automodel.recipes.config.sections import SFTDatasetSection
 from automodel.data.corpus import embedded_documents
+from automodel.data.errors import ConfigError, optional
 from automodel.data.file_check import check_bad_rows_files
-from automodel.recipes.data.kinds import build_dataset, check_paths
-from automodel.data.packing import PackedDataset, pack_documents
-from automodel.data.sample_order import SequentialOrder
-from automodel.data.sampler import StatefulGlobalBatchSampler
-from automodel.recipes.data.sft import build_sft_dataset
-from automodel.recipes.data.text_rows import first_textless, read_texts_skipping
-from automodel.data.token_ids import check_batch_ids
-from automodel.recipes.errors import ConfigError
 from automodel.data.hub_cache import resolve_local_or_cached
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-
-
-def check_data_paths(section: Any) -> None:
-    """The section's data files must exist and open (checked before any rank starts; `validate`
-    skips this). Each dataset kind has its own check (`kinds`)."""
-    check_paths(section)
+from automodel.data.packing import PackedDataset, pack_documents
+from automodel.data.sft import build_sft_dataset
+from automodel.data.text_rows import first_textless, read_texts_skipping
+from automodel.data.text_sections import DatasetSection, SFTDatasetSection
 
 
 def check_sft_paths(section: SFTDatasetSection) -> None:
@@ -53,7 +35,7 @@ def check_sft_paths(section: SFTDatasetSection) -> None:
         resolve_local_or_cached(src, key=f"{section.SECTION}.path_or_dataset_id", repo_type="dataset")
 
 
-def check_text_paths(section: Any) -> None:
+def check_text_paths(section: DatasetSection) -> None:
     """Pretraining text: local json / text / parquet files."""
     if section.source == "embedded":
         return
@@ -63,9 +45,8 @@ def check_text_paths(section: Any) -> None:
             raise ConfigError(f"{section.SECTION}.path", p, "does not exist (only local files are read)")
 
 
-def _local_documents(section: Any) -> list[str]:
-    # lazy: start-up, datasets ~0.6 s, only where data is read
-    import datasets
+def _local_documents(section: DatasetSection) -> list[str]:
+    datasets = optional("datasets", needed_for="json / text / parquet pretraining files")
 
     key = section.SECTION
     check_text_paths(section)
@@ -92,7 +73,7 @@ def _local_documents(section: Any) -> list[str]:
     return _documents(section, texts)
 
 
-def _documents(section: Any, texts: Any) -> list[str]:
+def _documents(section: DatasetSection, texts: Any) -> list[str]:
     """The non-empty texts, in order; with ``max_bytes`` set, whole documents up to that many
     characters, and rank 0 says how much of the text that left out."""
     docs = [t for t in texts if isinstance(t, str) and t]
@@ -108,7 +89,7 @@ def _documents(section: Any, texts: Any) -> list[str]:
     return docs[:kept]
 
 
-def max_bytes_line(section: Any, *, docs: list[str], kept: int) -> str:
+def max_bytes_line(section: DatasetSection, *, docs: list[str], kept: int) -> str:
     """The start-up line of a cut corpus: what ``max_bytes`` kept of the text given."""
     read = sum(len(d) for d in docs[:kept])
     return (
@@ -118,7 +99,7 @@ def max_bytes_line(section: Any, *, docs: list[str], kept: int) -> str:
     )
 
 
-def _report_skipped(section: Any, *, rows: int, skipped: Any) -> None:
+def _report_skipped(section: DatasetSection, *, rows: int, skipped: Any) -> None:
     """Rank 0: how many rows were read and how many bad ones were skipped, and why."""
     if not skipped or (dist.is_initialized() and dist.get_rank() != 0):
         return
@@ -131,18 +112,15 @@ def _report_skipped(section: Any, *, rows: int, skipped: Any) -> None:
     )
 
 
-def build_packed_dataset(section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int = 0) -> Any:
-    """The section's dataset (``len`` and ``batch(indices)``), built by its kind (`kinds`)."""
-    return build_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed)
-
-
-def build_sft_rows(section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int) -> Any:
+def build_sft_rows(
+    section: SFTDatasetSection, tokenizer: Any, *, packed_sequence_size: int, seed: int
+) -> Any:
     """SFT examples: answer-only labels, one per row or whole examples packed (`SFTDataset`)."""
     return build_sft_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size)
 
 
 def build_text_dataset(
-    section: Any, tokenizer: Any, *, packed_sequence_size: int, seed: int
+    section: DatasetSection, tokenizer: Any, *, packed_sequence_size: int, seed: int
 ) -> PackedDataset:
     """Read the section's documents, tokenize, and pack into rows (document-aware when packed)."""
     if section.source == "embedded":
@@ -169,92 +147,3 @@ def build_text_dataset(
             )
         ds.rows = ds.rows[: section.max_rows]
     return ds
-
-
-def build_sampler(
-    dataset: Any,
-    *,
-    global_batch_size: int,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    seed: int,
-    shuffle: bool = True,
-) -> StatefulGlobalBatchSampler:
-    """The training sampler over `dataset`, in the dataset's own `sample_order` when it has one;
-    without `shuffle` (``dataloader.shuffle: false``), in the dataset's row order."""
-    return StatefulGlobalBatchSampler(
-        num_rows=len(dataset),
-        global_batch_size=global_batch_size,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=seed,
-        order=getattr(dataset, "sample_order", None) if shuffle else SequentialOrder(len(dataset)),
-    )
-
-
-def build_train_loader(
-    dataset: Any,
-    *,
-    global_batch_size: int,
-    local_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    seed: int,
-    shuffle: bool = True,
-    vocab_size: int | None = None,
-) -> Any:
-    """This rank's stateful loader: a stream's own (`streaming`), else a `BatchLoader` over the
-    global sampler. ``next_step()``, ``state_dict()``, ``load_state_dict()``, ``steps_per_epoch``
-    (None for a stream). With `vocab_size`, each batch's ids are checked against it."""
-    if hasattr(dataset, "loader"):
-        return dataset.loader(
-            global_batch_size=global_batch_size,
-            local_batch_size=local_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-        )
-    sampler = build_sampler(
-        dataset,
-        global_batch_size=global_batch_size,
-        local_batch_size=local_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=seed,
-        shuffle=shuffle,
-    )
-    return BatchLoader(dataset, sampler, vocab_size=vocab_size)
-
-
-def read_batch(dataset: Any, indices: list[int], *, vocab_size: int | None = None) -> Batch:
-    """The micro-batch of `indices`; with `vocab_size`, an id the model cannot embed is a
-    `token_ids.TokenIdError` naming its file and token (one max() over the batch)."""
-    batch = Batch(*dataset.batch(indices))
-    if vocab_size is not None:
-        check_batch_ids(dataset, indices, batch.input_ids, batch.labels, vocab_size=vocab_size)
-    return batch
-
-
-class BatchLoader:
-    """Stateful per-step loader: `next_step()` -> this rank's micro-batches; checkpointable."""
-
-    def __init__(
-        self, dataset: PackedDataset, sampler: StatefulGlobalBatchSampler, *, vocab_size: int | None = None
-    ) -> None:
-        self.dataset = dataset
-        self.sampler = sampler
-        self.vocab_size = vocab_size
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.sampler.steps_per_epoch
-
-    def next_step(self) -> list[Batch]:
-        return [read_batch(self.dataset, ix, vocab_size=self.vocab_size) for ix in self.sampler.next_step()]
-
-    def state_dict(self) -> dict[str, int]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.load_state_dict(state)

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
+from automodel.data.errors import DataError, optional
 from automodel.data.file_check import read_good_rows, read_json_rows
-from automodel.recipes.errors import DataError
+from automodel.data.sections import DataSection
+from automodel.data.text_sections import DatasetSection
 
 #: The reasons a pretraining row holds no text (counted under ``bad_rows: skip``).
 MISSING_KEY = "missing_key"
@@ -53,6 +53,7 @@ def _why(row: dict[str, Any], key: str) -> str | None:
 def textless_rows(path: Path, *, key: str, source: str) -> Iterator[tuple[int, str]]:
     """``(line or row number, reason)`` of each row of `path` without text under `key`."""
     if source == "parquet":
+        pq = optional("pyarrow.parquet", needed_for="Parquet rows")
         if key not in pq.read_schema(path).names:
             return  # a column the file lacks: `datasets` / `table_rows` name it
         column = pq.read_table(path, columns=[key]).column(key)
@@ -65,17 +66,17 @@ def textless_rows(path: Path, *, key: str, source: str) -> Iterator[tuple[int, s
             yield lineno, why
 
 
-def _row_files(section: Any) -> list[Path]:
+def _row_files(section: DatasetSection) -> list[Path]:
     paths = section.path if isinstance(section.path, list) else [section.path]
     return [Path(p).expanduser() for p in paths if p is not None]
 
 
-def _reads_keys(section: Any) -> bool:
+def _reads_keys(section: DatasetSection) -> bool:
     """Only json and parquet rows have a text key (a text file's lines are the documents)."""
     return section.source in ("json", "parquet")
 
 
-def textless_error(path: Path, line: int, why: str, *, section: Any) -> DataError:
+def textless_error(path: Path, line: int, why: str, *, section: DatasetSection) -> DataError:
     what = f"has no {section.text_key!r} key" if why == MISSING_KEY else f"has null {section.text_key!r}"
     return DataError(
         f"{path}:{line}: the row {what} ({section.SECTION}.text_key); under "
@@ -83,10 +84,10 @@ def textless_error(path: Path, line: int, why: str, *, section: Any) -> DataErro
     )
 
 
-def check_text_keys(section: Any) -> None:
+def check_text_keys(section: DataSection | None) -> None:
     """Before launch, ``bad_rows: error``: the first json / parquet row without its text, by file
     and line (``skip`` counts them in the ranks)."""
-    if section is None or not hasattr(section, "text_key") or section.source == "embedded":
+    if not isinstance(section, DatasetSection) or section.source == "embedded":
         return
     if not _reads_keys(section) or section.bad_rows == "skip":
         return
@@ -96,7 +97,7 @@ def check_text_keys(section: Any) -> None:
                 raise textless_error(f, line, why, section=section)
 
 
-def first_textless(section: Any) -> DataError:
+def first_textless(section: DatasetSection) -> DataError:
     """In a rank, `datasets` gave a null text under ``bad_rows: error``: the error naming its row."""
     for f in _row_files(section):
         if f.is_file():
@@ -108,7 +109,7 @@ def first_textless(section: Any) -> DataError:
     )
 
 
-def read_texts_skipping(section: Any, files: list[Path]) -> tuple[list[Any], Counter[str]]:
+def read_texts_skipping(section: DatasetSection, files: list[Path]) -> tuple[list[Any], Counter[str]]:
     """``bad_rows: skip``: every good row's text (None where it has none) and the bad rows counted
     per reason, rows without text among them (`MISSING_KEY`, `NULL_VALUE`)."""
     key = "text" if section.source == "text" else section.text_key

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from automodel.data.pretrain_build import corpus_files
 from automodel.data.errors import ConfigError, DataError
+from automodel.data.pretrain_build import corpus_files
+from automodel.data.sections import DataSection
 
 #: Tokens read at each end of a corpus file before launch (256 KiB of uint16 per end).
 SAMPLE_TOKENS = 1 << 17
@@ -95,7 +96,7 @@ def check_file_ids(
             )
 
 
-def check_corpus_ids(section: Any, *, vocab_size: int) -> None:
+def check_corpus_ids(section: DataSection, *, vocab_size: int) -> None:
     """Megatron and nanoGPT sections: each file's sampled ids (`check_file_ids`); other kinds are
     tokenized here by the checked tokenizer."""
     for path, source in corpus_files(section):

@@ -9,7 +9,6 @@ from types import CodeType
 
 from automodel.data.errors import ConfigError, DataError
 
-
 # The typed errors live in automodel-data (which cannot import recipes); recipes raises the same classes.
 __all__ = ["ConfigError", "DataError", "is_user_error", "reject_unknown", "require_positive_int", "require_type"]
 

@@ -9,6 +9,8 @@ from typing import Any, cast
 
 import torch
 
+from automodel.data.hub_cache import resolve_local_or_cached
+from automodel.data.tokenizer import has_tokenizer_files
 from automodel.recipes._dist_setup import parse_distributed_section
 from automodel.recipes.compat import translate
 from automodel.recipes.compat.defaults import startup_notes
@@ -36,9 +38,7 @@ from automodel.recipes.config.sections import (
 )
 from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.data.kinds import parse_section
-from automodel.data.tokenizer import has_tokenizer_files
 from automodel.recipes.errors import ConfigError, reject_unknown
-from automodel.data.hub_cache import resolve_local_or_cached
 from automodel.recipes.instantiate import locate
 
 __all__ = ["RecipeConfig", "parse_recipe_config"]
