@@ -10,7 +10,14 @@ from types import CodeType
 from automodel.data.errors import ConfigError, DataError
 
 # The typed errors live in automodel-data (which cannot import recipes); recipes raises the same classes.
-__all__ = ["ConfigError", "DataError", "is_user_error", "reject_unknown", "require_positive_int", "require_type"]
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "is_user_error",
+    "reject_unknown",
+    "require_positive_int",
+    "require_type",
+]
 
 
 def require_type(key: str, value: object, types: type | tuple[type, ...], what: str) -> None:
