@@ -186,7 +186,9 @@ def build(out: Path) -> dict[str, tuple[Path, Path]]:
             for req in meta.get_all("Requires-Dist") or []:
                 name = _req_name(req)
                 if name in versions:
-                    spec = req[len(name) :].split(";")[0].strip()
+                    spec = (
+                        re.sub(r"^\s*\[[^\]]*\]", "", req[len(name) :]).split(";")[0].strip()
+                    )  # no [extras]
                     if not spec or not _admits(spec, versions[name]):
                         problems.append(
                             f"{p.name}: requires {req!r}, but the workspace's {name} is {versions[name]}"
