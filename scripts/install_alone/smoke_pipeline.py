@@ -1,6 +1,6 @@
 """install_alone smoke for automodel-pipeline (torch + automodel-mesh only): the README's plain-torch
-example (its first whole script, one that calls init_distributed and needs no transformers, which the
-package does not depend on), a 2-stage GPipe schedule on 2 CPU ranks under torchrun, reproduces the
+example (its whole script that calls init_distributed, needs no transformers, which the package does
+not depend on, and pipelines an nn.Sequential), a 2-stage GPipe schedule on 2 CPU ranks under torchrun, reproduces the
 single-process loss.
 
 Usage: python smoke_pipeline.py README.md   (run in an empty directory; writes example.py there)
@@ -33,7 +33,7 @@ if __name__ == "__main__":
     blocks = [
         block
         for block in re.findall(r"```python\n(.*?)```", Path(sys.argv[1]).read_text(), flags=re.S)
-        if "init_distributed()" in block and "transformers" not in block
+        if "init_distributed()" in block and "transformers" not in block and "nn.Sequential(*[" in block
     ]
     assert blocks, "the README has no plain-torch python example (a script calling init_distributed())"
     Path("example.py").write_text(blocks[0])

@@ -165,7 +165,8 @@ def prioritized(model_types: list[str]) -> list[str]:
 
 
 def tiny_model_config(model_type: str, variant: str = "default") -> dict[str, Any]:
-    """The YAML ``model.config`` of the tiny `model_type` (`variant`: default, options, tie_flipped)."""
+    """The YAML ``model.config`` of the tiny `model_type` (`variant`: default, options, tie_flipped,
+    fewer_kv_heads: half as many key/value heads as attention heads)."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
@@ -179,6 +180,10 @@ def tiny_model_config(model_type: str, variant: str = "default") -> dict[str, An
         if not hasattr(config, "tie_word_embeddings"):
             raise LookupError(f"{model_type} has no tie_word_embeddings")
         out["tie_word_embeddings"] = not bool(config.tie_word_embeddings)
+    elif variant == "fewer_kv_heads":
+        if "num_key_value_heads" not in out or "num_attention_heads" not in out:
+            raise LookupError(f"{model_type} has no num_key_value_heads")
+        out["num_key_value_heads"] = out["num_attention_heads"] // 2
     if variant != "default":
         try:
             AutoConfig.for_model(model_type, **out)

@@ -1,5 +1,6 @@
-"""Tied weights across stages: ranks that disagree on their copies fail together, never hang; a
-refusal gives the fix for the kind of model (transformers' config key, or plain torch).
+"""Tied weights across stages: where each stage holds its copy, ranks that disagree on their copies
+fail together, never hang; a refusal gives the fix for the kind of model (transformers' config key,
+or plain torch).
 
 A rank that misses its copy of a tied weight (its stage knows the weight by another name) once
 skipped the shape check's collective while its peer waited in it, and the run hung. The check is
@@ -8,12 +9,11 @@ now one gather over the world, so every rank raises the same error.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
 from automodel.mesh import MeshContext, ParallelismSizes
-from automodel.pipeline.hf import tied_parameter_names
+from automodel.pipeline.hf import renamed_tied_modules, tied_parameter_names, tied_parameter_places
 from automodel.pipeline.split import check_parameter_coverage
 from automodel.pipeline.tied import TiedParameters
 from automodel.testing.ranks import run_on_ranks
@@ -72,41 +72,35 @@ class _TiedLM(nn.Module):
         self.output.weight = self.tok_embeddings.weight
 
 
-def test_a_stage_without_the_tied_module_is_told_the_generic_fix() -> None:
-    """The fix for a model of one's own: list the module in both stages, or untie in plain torch;
-    the transformers config key is no advice for it."""
+def test_a_stage_holding_only_the_head_knows_the_tie_by_the_head_name() -> None:
+    """Listed once where each sits (embedding on stage 0, head on stage 1): accepted; the last stage
+    holds the weight as ``output.weight`` and the split gives it a copy of its own (the ``output``
+    module is copied); listed in both stages, both know it by its one-process name."""
     model = _TiedLM()
     fqns = [["tok_embeddings", "layers.0"], ["layers.1", "output"]]
-    with pytest.raises(ValueError) as err:
-        tied_parameter_names(model, fqns)
-    message = str(err.value)
-    assert message.startswith(
-        "pipeline stage 1 holds the tied weight tok_embeddings.weight as output.weight; every stage "
-        "holding a tied weight must hold the module it has in one process: list 'tok_embeddings' in that "
-        "stage's module_fqns_per_model_part[1] too"
-    ), message
-    assert message.endswith(
-        "or untie the weights in your model before build, e.g. "
-        "`model.output.weight = nn.Parameter(model.output.weight.detach().clone())`"
-    ), message
-    assert "tie_word_embeddings" not in message
-    # Both fixes work: listed in both stages, or untied as the message shows.
-    assert tied_parameter_names(model, [fqns[0], [*fqns[1], "tok_embeddings"]]) == {
-        "tok_embeddings.weight": [0, 1]
+    places = tied_parameter_places(model, fqns)
+    assert places == {"tok_embeddings.weight": {0: "tok_embeddings.weight", 1: "output.weight"}}
+    assert tied_parameter_names(model, fqns) == {"tok_embeddings.weight": [0, 1]}
+    assert renamed_tied_modules(places, fqns) == {1: {"output"}}
+    check_parameter_coverage(model, fqns, shared_ok=tied_parameter_names(model, fqns))
+    both = [fqns[0], [*fqns[1], "tok_embeddings"]]
+    assert tied_parameter_places(model, both) == {
+        "tok_embeddings.weight": {0: "tok_embeddings.weight", 1: "tok_embeddings.weight"}
     }
-    model.output.weight = nn.Parameter(model.output.weight.detach().clone())
+    assert renamed_tied_modules(tied_parameter_places(model, both), both) == {}
+    model.output.weight = nn.Parameter(model.output.weight.detach().clone())  # untied: nothing shared
     assert tied_parameter_names(model, fqns) == {}
     check_parameter_coverage(model, fqns)
 
 
-def test_a_transformers_model_is_told_its_config_key() -> None:
+def test_a_transformers_model_listed_once_is_accepted() -> None:
     model = tiny_llama(layers=2)
     model.config.tie_word_embeddings = True
     model.tie_weights()
     fqns = [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]]
-    with pytest.raises(ValueError, match="or build the model with tie_word_embeddings=False$") as err:
-        tied_parameter_names(model, fqns)
-    assert "list 'model.embed_tokens' in that stage's module_fqns_per_model_part[1] too" in str(err.value)
+    assert tied_parameter_places(model, fqns) == {
+        "model.embed_tokens.weight": {0: "model.embed_tokens.weight", 1: "lm_head.weight"}
+    }
 
 
 def _differently_shaped(hf_model: bool) -> str:

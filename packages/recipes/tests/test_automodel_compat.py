@@ -368,9 +368,11 @@ def test_keys_that_mean_the_same_are_silent_and_validate_checks_the_optimizer(
         ci={"recipe_owner": "someone", "time": "00:10:00"},
         compile={"enabled": False, "mode": "default", "fullgraph": False, "dynamic": True, "backend": None},
         wandb={"enable": False, "project": "p"},
-        dataset={**raw["dataset"], "seq_length": 64},
+        dataset={**raw["dataset"], "seq_length": 64, "answer_only_loss_mask": False},
         step_scheduler={k: v for k, v in raw["step_scheduler"].items() if k != "ckpt_every_steps"},
+        seed=1111,  # AutoModel's own seed (it ignores rng.seed)
     )
+    raw["distributed"]["mp_policy"] = {"param_dtype": "float32"}  # AutoModel's default is bf16
     raw["model"]["backend"] = {
         "_target_": "nemo_automodel.components.models.common.BackendConfig",
         "attn": "sdpa", "linear": "torch", "rms_norm": "torch_fp32", "rope_fusion": False,
@@ -538,3 +540,42 @@ def test_fused_adam_master_weights_of_bf16_parameters(model_dir: str) -> None:
     assert str(cfg.model.dtype) in ("float32", "torch.float32")
     assert cfg.distributed.strategy_config.compute_dtype == torch.bfloat16
     assert any(n.startswith("optimizer.master_weights: true with model.torch_dtype") for n in cfg.notes)
+
+
+def _automodel_notes(raw: dict[str, Any]) -> list[str]:
+    raw = {**copy.deepcopy(raw), "output_dir": "/tmp/unused"}
+    notes = list(load_config(copy.deepcopy(raw)).notes)
+    # the lines of this test's concern: where AutoModel 0.7 trains the same file differently
+    return [n for n in notes if n.startswith(("distributed.mp_policy", "rng.seed", "dataset.answer_only"))]
+
+
+def test_notes_where_automodel_trains_the_same_file_differently(model_dir: str) -> None:
+    """One start-up line each where NeMo AutoModel 0.7 would train the file differently, and only
+    when it applies to the file: bf16 compute on CPU (no mp_policy), rng.seed (AutoModel seeds with
+    the top-level seed, 42 by default), the last prompt token's label (prompt + completion data)."""
+    raw = automodel_base(model_dir)  # rng.seed 1111, no top-level seed, no mp_policy, SQuAD
+    mp, seed, bos = _automodel_notes(raw)
+    assert mp.startswith("distributed.mp_policy unset: this run computes in fp32 on CPU") and "bf16" in mp
+    assert seed.startswith("rng.seed=1111 seeds this run") and "(default 42): add seed: 1111" in seed
+    assert bos.startswith("dataset.answer_only_loss_mask: the labels are each answer and its EOS")
+    assert "tokenizer.add_bos_token" in bos
+    # each one gone where the file is not affected
+    policy = {"_target_": "torch.distributed.fsdp.MixedPrecisionPolicy", "param_dtype": "float32"}
+    fixed = copy.deepcopy(raw)
+    fixed["distributed"]["mp_policy"] = policy
+    fixed["seed"] = 1111
+    fixed["dataset"]["answer_only_loss_mask"] = False
+    assert _automodel_notes(fixed) == []
+    default_seed = copy.deepcopy(raw)
+    default_seed["rng"]["seed"] = 42
+    assert not [n for n in _automodel_notes(default_seed) if n.startswith("rng.seed")]
+    chat = copy.deepcopy(raw)
+    chat["dataset"] = {"_target_": PREFIX + "chat_dataset.ChatDataset", "path_or_dataset_id": "chat.jsonl"}
+    assert not [n for n in _automodel_notes(chat) if n.startswith("dataset.answer_only")]
+    # a file of this project's own (no nemo_automodel target) gets none of them
+    own = copy.deepcopy(raw)
+    del own["recipe"], own["rng"]["_target_"], own["loss_fn"], own["dataloader"]["_target_"]
+    own["model"] = {"pretrained_model_name_or_path": model_dir}
+    own["dataset"] = {"source": "squad", "dataset_name": "squad.jsonl"}
+    own["dataloader"].pop("collate_fn")
+    assert _automodel_notes(own) == []

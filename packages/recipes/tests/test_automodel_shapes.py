@@ -168,7 +168,7 @@ def test_validation_over_all_of_the_set_as_automodel(stand_ins: dict[str, str], 
     assert (
         note
         and "val_batches=2 global batches" in note[0]
-        and "val_batches: null: all full global batches" in note[0]
+        and "val_batches: null: all of it here too, the last batch smaller" in note[0]
     )
     cfg["step_scheduler"]["val_batches"] = None
     assert not [line for line in load_config(cfg).notes if line.startswith("validation: ")]

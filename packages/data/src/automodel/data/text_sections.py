@@ -107,8 +107,9 @@ class SFTDatasetSection:
     ``instruction`` maps columns onto ``context`` / ``question`` / ``answer`` (NeMo AutoModel's
     ColumnMappedTextInstructionDataset); ``chat`` reads a ``messages`` column in the OpenAI chat
     format (NeMo's ChatDataset); ``stdlib_docstrings`` builds (function signature -> first line of its
-    docstring) pairs from the Python standard library at run time. Each example is one row of
-    ``seq_length`` tokens (padding carries no loss), or several per row with ``packed_sequence``.
+    docstring) pairs from the Python standard library at run time. Each example is one row of at
+    most ``seq_length`` tokens, a micro-batch padded to its longest example (padding carries no
+    loss), or several per row with ``packed_sequence``.
     """
 
     SECTION: ClassVar[str] = "dataset"

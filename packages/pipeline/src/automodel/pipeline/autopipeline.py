@@ -29,7 +29,8 @@ from automodel.pipeline.hf import (
     hf_module_fqns_per_stage,
     make_causal_lm_stage,
     meta_stand_ins,
-    tied_parameter_names,
+    renamed_tied_modules,
+    tied_parameter_places,
     validate_hf_model_for_pipeline_support,
 )
 from automodel.pipeline.hf_structure import HFStructure
@@ -157,8 +158,11 @@ class AutoPipeline:
             backend=dist.get_backend(self.mesh.get_mesh("pp").get_group()),
             torch_version=torch.__version__,
         )
-        tied = tied_parameter_names(model, fqns_per_stage)  # HF or generic: found by parameter identity
+        # HF or generic: found by parameter identity, with the name each holding stage knows them by
+        tied_places = tied_parameter_places(model, fqns_per_stage)
+        tied = {name: sorted(by_stage) for name, by_stage in tied_places.items()}
         check_parameter_coverage(model, fqns_per_stage, shared_ok=tied)
+        renamed = renamed_tied_modules(tied_places, fqns_per_stage)
         pp_mesh = self.mesh.get_mesh("pp")
         pp_rank = pp_mesh.get_local_rank()
         num_stages = len(fqns_per_stage)
@@ -171,7 +175,9 @@ class AutoPipeline:
         # Taken before any stage of this rank is parallelized (wrapped modules cannot be copied).
         stand_ins = meta_stand_ins(model, structure=structure) if structure is not None else None
         for stage_index in ranks[pp_rank]:
-            part = split_module(model, fqns=fqns_per_stage[stage_index], shared_fqns=shared)
+            part = split_module(
+                model, fqns=fqns_per_stage[stage_index], shared_fqns=shared | renamed.get(stage_index, set())
+            )
             if structure is not None:
                 part = make_causal_lm_stage(
                     part,
@@ -218,6 +224,7 @@ class AutoPipeline:
         tied_parameters = TiedParameters.build(
             mesh=self.mesh,
             holders=tied,
+            held_as=tied_places,
             stage_ids_per_rank=ranks,
             model_parts=parts,
             part_stage_ids=list(ranks[pp_rank]),
@@ -378,9 +385,13 @@ class PipelineModel:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters of this rank's stages under their FQNs in the full model (also through the
-        wrappers `parallelize_fn` put around a stage: DDP's ``module.``, torch.compile's ``_orig_mod.``)."""
+        wrappers `parallelize_fn` put around a stage: DDP's ``module.``, torch.compile's ``_orig_mod.``);
+        a tied weight's copy under the name one process gives it (``emb.weight``, also where the
+        stage holds it as ``head.weight``)."""
+        renamed = self.tied_parameters.one_process_names()
         for part in self.model_parts:
-            yield from named_parameters_in_model(part)
+            for name, param in named_parameters_in_model(part):
+                yield renamed.get(id(param), name), param
 
     def sync_tied_gradients(self) -> None:
         """Sum the gradients of tied weights over the stages holding them, so every copy steps alike.

@@ -22,8 +22,7 @@ from automodel.pipeline.hf_structure import (
     trace_hf_structure,
 )
 from automodel.pipeline.layout import split_layers_evenly
-from automodel.pipeline.split import is_transformers_model, split_module
-from automodel.pipeline.tied import untie_advice
+from automodel.pipeline.split import split_module
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -162,16 +161,19 @@ def make_causal_lm_stage(
     )
 
 
-def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> dict[str, list[int]]:
+def tied_parameter_places(
+    model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]
+) -> dict[str, dict[int, str]]:
     """Parameters held by more than one stage (tied weights, the weights of pre-layer modules every
-    stage runs), by their name in `model`: stage ids.
+    stage runs), by their name in `model`: the name each holding stage knows it by, per stage id.
 
-    Found by identity in the whole model, so every rank gets the same answer. Each holding stage
-    must know the weight by that name (the first under which it lists it), as one process does:
-    initialization and checkpoints go by it, and the ranks pair up their copies by it.
+    Found by identity in the whole model, so every rank gets the same answer. A stage holds a tied
+    weight under its one-process name (its first place: ``emb.weight``) when it holds that module,
+    else under the place it holds (``head.weight``, which is also a key of the one-process
+    ``state_dict``); the pipeline then gives that stage a copy of its own (`renamed_tied_modules`)
+    and pairs the copies by these names.
     """
-    places = parameter_places(model)
-    owners = {pid: [m for m, _ in where] for pid, where in places.items()}
+    owners = {pid: [m for m, _ in where] for pid, where in parameter_places(model).items()}
     holders: dict[str, list[int]] = {}
     for name, param in model.named_parameters():
         stages = [
@@ -181,20 +183,36 @@ def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str
         ]
         if len(stages) > 1:
             holders[name] = stages
+    places: dict[str, dict[int, str]] = {}
     for name, stages in holders.items():
         for s in stages:
             pruned = split_module(model, fqns=fqns_per_stage[s])  # shares modules: ids are the model's
             held_as = {id(p): n for n, p in pruned.named_parameters()}
             got = held_as.get(id(model.get_parameter(name)))
-            if got != name:
-                # Rule: every holder knows a tied weight by its one-process name (its first place).
-                module = name.rpartition(".")[0]
-                named = [f"{m}.{a}" if m else a for m, a in places[id(model.get_parameter(name))]]
-                second = next((n for n in named if n != name), name)
-                raise ValueError(
-                    f"pipeline stage {s} holds the tied weight {name} as {got}; every stage holding a tied "
-                    f"weight must hold the module it has in one process: list {module!r} in that stage's "
-                    f"module_fqns_per_model_part[{s}] too (step() sums the copies' gradients), or "
-                    f"{untie_advice(hf_model=is_transformers_model(model), place=second)}"
-                )
-    return holders
+            assert got is not None, f"stage {s} holds a module of {name} but not the weight"
+            places.setdefault(name, {})[s] = got
+    return places
+
+
+def tied_parameter_names(model: nn.Module, fqns_per_stage: Sequence[Sequence[str]]) -> dict[str, list[int]]:
+    """Parameters held by more than one stage, by their name in `model`: the stage ids holding them."""
+    return {name: sorted(by_stage) for name, by_stage in tied_parameter_places(model, fqns_per_stage).items()}
+
+
+def renamed_tied_modules(
+    places: dict[str, dict[int, str]], fqns_per_stage: Sequence[Sequence[str]]
+) -> dict[int, set[str]]:
+    """Per stage, the listed modules that hold a tied weight under another name than its one-process
+    one (the head of a model whose head weight is its embedding's, listed only on the last stage):
+    the split copies them, so that stage's copy is a parameter of its own (two stages of one rank,
+    as in a V schedule, must not share one object) whose gradient `TiedParameters` sums with the others'."""
+    found: dict[int, set[str]] = {}
+    for name, by_stage in places.items():
+        for stage, held_as in by_stage.items():
+            if held_as == name:
+                continue
+            module = held_as.rpartition(".")[0]
+            found.setdefault(stage, set()).update(
+                f for f in fqns_per_stage[stage] if module == f or module.startswith(f + ".")
+            )
+    return found

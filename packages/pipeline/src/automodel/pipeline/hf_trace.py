@@ -26,6 +26,7 @@ from automodel.pipeline.hf_boundary import (
     record_writes,
 )
 from automodel.pipeline.hf_dataflow import SourceTracker, tensors_in
+from automodel.pipeline.hf_values import KnownValues
 from automodel.pipeline.meta_fast_path import fast_meta_result
 from automodel.pipeline.torch_internals import FakeTensorMode
 
@@ -92,15 +93,23 @@ def meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def use_eager_attention(model: nn.Module) -> None:
-    """Eager attention on every config of `model` (fused kernels' meta versions lack features, GQA)."""
+#: Attention implementations the trace runs as the model does (their kernels have meta versions).
+TRACEABLE_ATTENTION = ("eager", "sdpa")
+
+
+def use_traceable_attention(model: nn.Module) -> None:
+    """Keep the model's attention where it is eager or sdpa (the trace runs what training runs); an
+    implementation of its own kernels (flash_attention_2, a hub kernel, flex) has no meta version, so
+    the trace runs sdpa instead, which takes the same inputs (no mask when there is no padding,
+    key/value heads as they are)."""
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
     for config in configs.values():
-        if hasattr(config, "_attn_implementation"):
-            try:
-                config._attn_implementation = "eager"
-            except (AttributeError, ValueError):
-                pass
+        if getattr(config, "_attn_implementation", None) in (None, *TRACEABLE_ATTENTION):
+            continue
+        try:
+            config._attn_implementation = "sdpa"
+        except (AttributeError, ValueError):
+            pass
 
 
 def trace_layer_io(
@@ -110,10 +119,9 @@ def trace_layer_io(
     `with_params`, ("layer", index) for the decoder layers) and what the hooks recorded. Any
     exception of the model's forward propagates (the caller says the model cannot be split)."""
     twin = meta_copy(model)
-    # Shapes only: bf16 satisfies kernels whose meta implementations accept nothing else
-    # (grouped_mm), and eager attention avoids fused kernels whose meta versions lack features (GQA).
+    # Shapes only: bf16 satisfies kernels whose meta implementations accept nothing else (grouped_mm).
     twin.to(torch.bfloat16)
-    use_eager_attention(twin)
+    use_traceable_attention(twin)
     events: list[tuple[str, str]] = []
     io = LayerIO()
     tracker = SourceTracker()
@@ -138,28 +146,29 @@ def trace_layer_io(
 
 
 def _trace_forward(twin: nn.Module, *, events: list, io: LayerIO, tracker: SourceTracker) -> None:
-    """One forward of the parameter-free `twin`: on plain meta tensors (cheap: a 70B model's 80
-    layers in about half a second), else, for models whose forward needs values meta tensors do
-    not have (data-dependent shapes, ``.item()``), under torch's fake-tensor mode (about 50x the
-    cost per op). The hooks record into `events` / `io` (and label values in `tracker`,
-    entered innermost); a failed attempt's records are dropped.
+    """One forward of the parameter-free `twin`, called as a pipeline stage calls it (token ids,
+    position ids ``0..n-1``, no attention mask): on plain meta tensors (cheap: a 70B model's 80
+    layers in about half a second), whose values the trace knows where they follow from its inputs
+    alone (`hf_values.KnownValues`: transformers reads the position ids for packed sequences and
+    then, as in the run, hands sdpa no mask), else, for models whose forward needs values meta
+    tensors do not have (data-dependent shapes), under torch's fake-tensor mode (about 50x the
+    cost per op). The hooks record into `events` / `io` (and label values in `tracker`, entered
+    inside the fake mode); a failed attempt's records are dropped.
     """
 
-    def run(**extra: Any) -> None:
+    def run() -> None:
         ids = torch.zeros(1, TRACE_SEQ, dtype=torch.long, device="meta")
         io.input_ids = ids  # to recognize layers that read the token ids
         tracker.add([ids], [TOKEN_IDS])  # and modules whose outputs derive from them
         positions = torch.arange(TRACE_SEQ, device="meta").unsqueeze(0)
-        twin(input_ids=ids, position_ids=positions, use_cache=False, **extra)
+        twin(input_ids=ids, position_ids=positions, use_cache=False)
 
     try:
-        # An all-ones padding mask: without one, transformers inspects the position ids for packed
-        # sequences with `.item()`, which meta tensors cannot answer.
         # The fast path answers the commonest pointwise operators (torch's Python meta kernels for
         # them cost most of the trace); the tracker still labels their results.
         tracker.shortcut = fast_meta_result
-        with torch.no_grad(), tracker:
-            run(attention_mask=torch.ones(1, TRACE_SEQ, dtype=torch.long, device="meta"))
+        with torch.no_grad(), tracker, KnownValues():
+            run()
         return
     except Exception:  # noqa: BLE001 - retried with fake tensors, whose failure is reported
         events.clear()

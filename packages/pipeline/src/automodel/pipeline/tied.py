@@ -1,7 +1,8 @@
 """Tied weights across pipeline stages (input embedding = LM head): one weight, several copies.
 
 The first stage uses the weight as the embedding, the last as the head. Each holds a copy under
-the weight's name in the model, initialised or loaded identically. After backward, the copies'
+the weight's name in the model, or under the place it holds (``head.weight`` where only the embedding
+is ``emb.weight``: a copy of its own, made by the split), initialised or loaded identically. After backward, the copies'
 gradients are summed over the stages holding them, so every copy takes the same optimizer step
 and the tie holds exactly, as in one process. For the gradient norm, one copy counts. The weights
 of a module every stage runs (a position table read by every layer) are copies of one weight alike;
@@ -43,6 +44,7 @@ class TiedParameters:
     ) -> None:
         self._entries = entries
         self._duplicates = duplicates
+        self._one_process_names: dict[int, str] = {}
 
     @classmethod
     def none(cls) -> TiedParameters:
@@ -54,6 +56,7 @@ class TiedParameters:
         *,
         mesh: MeshContext,
         holders: dict[str, list[int]],
+        held_as: dict[str, dict[int, str]] | None = None,
         stage_ids_per_rank: dict[int, list[int]],
         model_parts: list[nn.Module],
         part_stage_ids: list[int] | None = None,
@@ -62,7 +65,9 @@ class TiedParameters:
         """Collective over the world: every rank makes the same process groups in the same order.
 
         `holders` (tied weight name: stage ids) must be the same on every rank (taken from the
-        whole model before the split); each rank then finds its copies in its own stages by name.
+        whole model before the split); each rank then finds its copies in its own stages by name:
+        the one in `holders`, or where `held_as` (name: stage id: name in that stage) says the stage
+        holds it under another (a head tied to an embedding the stage does not hold).
         """
         if not holders:
             return cls.none()
@@ -71,7 +76,7 @@ class TiedParameters:
         pp_groups = sorted({tuple(layout.group_ranks(r, "pp")) for r in range(mesh.world_size)})
         my_pp = layout.group_ranks(me, "pp").index(me)
         groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        entries, duplicates = [], set()
+        entries, duplicates, renamed = [], set(), {}
         for name in sorted(holders):
             stages = holders[name]
             holder_pp = tuple(sorted({pp_rank_of[s] for s in stages}))
@@ -91,13 +96,17 @@ class TiedParameters:
                 stage_of_part = part_stage_ids[i] if part_stage_ids is not None else None
                 if stage_of_part is None:
                     stage_of_part = getattr(unwrap(part), "stage_index", min(stages))
-                if name in params:
-                    copies.append(params[name])
+                local = (held_as or {}).get(name, {}).get(stage_of_part, name)
+                if local in params:
+                    copies.append(params[local])
+                    if local != name:
+                        renamed[id(params[local])] = name
                     if stage_of_part != min(stages):
-                        duplicates.add(id(params[name]))
+                        duplicates.add(id(params[local]))
             # Kept even without copies: the check below then fails on every rank alike.
             entries.append((name, copies, groups[holder_pp]))
         tied = cls(entries, duplicates)
+        tied._one_process_names = renamed
         tied._check(
             mesh,
             holders,
@@ -132,8 +141,9 @@ class TiedParameters:
                 if not held.get(name):
                     raise ValueError(
                         f"rank {rank} runs a pipeline stage holding the tied weight {name} (stages "
-                        f"{holders[name]}) but has no copy of it under that name; the stage must hold the "
-                        "module the weight has in one process, under that name (names are read through "
+                        f"{holders[name]}) but has no copy of it under that name or the one its stage holds "
+                        "it as; the stage must hold a module the weight has in one process, under the name "
+                        "it has there (names are read through "
                         "DistributedDataParallel and torch.compile around a stage; another wrapper that "
                         "renames parameters must go inside the stage, around its submodules)"
                     )
@@ -153,6 +163,10 @@ class TiedParameters:
     def duplicate_ids(self) -> set[int]:
         """Ids of the copies not counted in a gradient norm (all but the lowest stage's)."""
         return set(self._duplicates)
+
+    def one_process_names(self) -> dict[int, str]:
+        """By parameter id, the one-process name of the copies a stage holds under another name."""
+        return dict(self._one_process_names)
 
     @property
     def names(self) -> list[str]:

@@ -262,7 +262,7 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
                 "logging.tensorboard", True, "needs the tensorboard package (automodel-recipes[tensorboard])"
             )
 
-    cfg = replace(cfg, notes=(*translation.notes, *startup_notes(cfg, raw)))
+    cfg = replace(cfg, notes=(*translation.notes, *startup_notes(cfg, raw, original=original)))
     if cfg.tokenizer.path is None and cfg.model.config is not None:
         vocab = cfg.model.config.get("vocab_size")
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab < 256:

@@ -255,6 +255,14 @@ class Trainer:
                 limit,
             )
         )
+        if self.val_dataset is not None and len(self.val_dataset) < ss.global_batch_size and self.rank == 0:
+            print(
+                f"note: validation_dataset has {len(self.val_dataset)} rows, fewer than "
+                f"step_scheduler.global_batch_size={ss.global_batch_size}: evaluated as one smaller batch "
+                "(the loss is per label token)",
+                file=sys.stderr,
+                flush=True,
+            )
         # a stream has no length: its run is max_steps long (required for it, `rules`)
         steps_per_epoch = self.loader.steps_per_epoch or ss.max_steps
         assert steps_per_epoch is not None
@@ -451,29 +459,34 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Mean token CE over the first `val_batches` global batches of the validation rows (all of
-        them when None, as AutoModel; a last partial global batch is left out)."""
+        them when None, as AutoModel), the last one smaller when the rows run out.
+
+        Every rank runs the same number of micro-batches of ``local_batch_size`` rows, so the
+        collectives inside a forward (FSDP's all-gathers, a pipeline's sends) match on every rank:
+        rows past the end are filler rows without labels (`_validation_batch`), which add nothing
+        to the loss sum or the token count, so the mean stays exact per label token."""
         assert self.val_dataset is not None
         ss = self.cfg.step_scheduler
         for part in self.pm.parts:
             part.eval()
-        gbs, dp = ss.global_batch_size, self.mesh.layout.dp
-        n_batches = len(self.val_dataset) // gbs
+        gbs, dp, lbs = ss.global_batch_size, self.mesh.layout.dp, ss.local_batch_size
+        rows = len(self.val_dataset)
+        n_batches = -(-rows // gbs)
         if ss.val_batches is not None:
             n_batches = min(ss.val_batches, n_batches)
-        if n_batches == 0:
-            raise ConfigError(
-                "validation_dataset", len(self.val_dataset), f"has fewer rows than global_batch_size={gbs}"
-            )
         per_rank, rank = gbs // dp, dp_rank_of(self.mesh)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         self.pipeline_loss.set_divisor(1.0)
         runner = self._batch_runner()
         for b in range(n_batches):
+            # the largest share of this global batch (dp rank 0's): every rank runs as many
+            largest = min(per_rank, rows - b * gbs)
             start = b * gbs + rank * per_rank
-            for mb in range(start, start + per_rank, ss.local_batch_size):
-                indices = list(range(mb, mb + ss.local_batch_size))
-                batch = read_batch(self.val_dataset, indices, vocab_size=self.vocab_size)
+            for mb in range(-(-largest // lbs)):
+                first = start + mb * lbs
+                indices = [i for i in range(first, first + lbs) if i < min(rows, start + per_rank)]
+                batch = self._validation_batch(indices, rows=lbs)
                 if runner is not None:
                     loss_sum += self._local_batch_loss_sum(runner, batch, train=False).float()
                 else:
@@ -484,6 +497,23 @@ class Trainer:
         for part in self.pm.parts:
             part.train()
         return float(loss_sum / tokens)
+
+    def _validation_batch(self, indices: list[int], *, rows: int) -> Batch:
+        """The validation rows `indices`, filled up to `rows` rows with copies of a row whose labels
+        are all -100 (no loss, no token): a rank past the end of the rows still runs the forward."""
+        assert self.val_dataset is not None
+        batch = read_batch(self.val_dataset, indices or [0], vocab_size=self.vocab_size)
+        real = len(indices)
+        if real == rows:
+            return batch
+        fill = rows - real
+        labels = batch.labels[:real]
+        filler = torch.full((fill, batch.labels.shape[1]), -100, dtype=batch.labels.dtype)
+        return Batch(
+            input_ids=torch.cat([batch.input_ids[:real], batch.input_ids[:1].expand(fill, -1)]),
+            labels=torch.cat([labels, filler]),
+            position_ids=torch.cat([batch.position_ids[:real], batch.position_ids[:1].expand(fill, -1)]),
+        )
 
     # ---- the run -------------------------------------------------------------------------
     def train(self) -> TrainResult:

@@ -6,7 +6,7 @@ own nested columns, so a Hub snapshot (or local files with the same columns) nee
   the answer the label.
 - ``HellaSwag`` (kind ``hellaswag``): ``ctx`` as the prompt, ``endings[int(label)]`` the label.
 
-Both then go through the SFT pipeline (`data.sft`): rows of ``seq_length`` tokens, answer-only
+Both then go through the SFT pipeline (`data.sft`): rows of at most ``seq_length`` tokens, answer-only
 loss, packing with ``packed_sequence``.
 """
 
