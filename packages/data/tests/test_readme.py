@@ -4,7 +4,7 @@ sequence equals an uninterrupted 2-rank run's, step for step.
 
 The code and the commands are read from README.md itself (the ``python`` blocks that write
 ``write_corpus.py`` and ``loop.py``, and the ``bash`` block that runs them), so the README is what is
-tested. Five torchrun launches (~13 s each on the shared 2-core host: every rank imports torch): over the suite's 30 s
+tested. Five torchrun launches (67 s in all on the shared 2-core host: every rank imports torch): over the suite's 30 s
 guideline because the claim is the resume across launches and rank counts, which no in-process test
 shows.
 """
