@@ -72,7 +72,7 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Wheel + sdist of each of the seven packages into dist/ (`uv build --package ...`), checked.
+    """Wheel + sdist of each of the eight packages into dist/ (`uv build --package ...`), checked.
 
     The wheel rebuilt from each sdist must equal the tree's (file list and hashes); `twine check
     --strict` (metadata, README rendering); LICENSE, py.typed, version and sibling bounds in each

@@ -34,7 +34,7 @@ SEQ = 2048
 
 def write_random_corpus(prefix: Path, *, nbytes: int, seed: int = 0) -> None:
     """uint16 tokens in documents of 200..4000 tokens, written in chunks (Megatron layout)."""
-    from automodel.recipes.data.megatron_index import write_index
+    from automodel.data.megatron_index import write_index
 
     rng = np.random.default_rng(seed)
     total = nbytes // 2
@@ -61,9 +61,9 @@ def write_random_corpus(prefix: Path, *, nbytes: int, seed: int = 0) -> None:
 STARTUP_CHILD = r"""
 import json, resource, sys, time
 import torch  # the trainer's imports are paid before the data is touched
-from automodel.recipes.data.loader import build_sampler
-from automodel.recipes.data.pretrain_build import build_megatron
-from automodel.recipes.config.pretrain import MegatronPretrainingSection
+from automodel.data.batches import build_sampler
+from automodel.data.pretrain_build import build_megatron
+from automodel.data.pretrain_sections import MegatronPretrainingSection
 
 def rss():
     for line in open("/proc/self/status"):
@@ -111,9 +111,9 @@ def reader_throughput(prefix: Path, *, seconds: float = 5.0) -> float:
     """Tokens/s of one rank reading its samples (dp 1 of 1, local batch 8, global 64)."""
     import torch
 
-    from automodel.recipes.config.pretrain import MegatronPretrainingSection
-    from automodel.recipes.data.loader import build_sampler
-    from automodel.recipes.data.pretrain_build import build_megatron
+    from automodel.data.batches import build_sampler
+    from automodel.data.pretrain_build import build_megatron
+    from automodel.data.pretrain_sections import MegatronPretrainingSection
 
     torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""Build, check and install-alone the seven distributions (the `build` and `install_alone` nox sessions).
+"""Build, check and install-alone the eight distributions (the `build` and `install_alone` nox sessions).
 
     python scripts/dists.py build [--out DIR]          # wheel + sdist per package, checked
     python scripts/dists.py install-alone [--out DIR]  # build, then each wheel alone in a fresh venv
@@ -8,7 +8,7 @@ build: `uv build --package NAME --sdist --wheel --no-sources` per package into D
 hashes as the wheel built from the tree; the wheel's METADATA names the pyproject's version,
 ships LICENSE and py.typed and no `automodel/__init__.py` (PEP 420 namespace); every sibling
 requirement admits the sibling's current version; `twine check --strict` (metadata, README
-rendering) passes on all fourteen files.
+rendering) passes on all sixteen files.
 
 install-alone: for each package a fresh `uv venv` under `.nox/install_alone/<name>/` gets the
 package's wheel plus the wheels of the siblings it declares (transitively), all passed by path
@@ -51,6 +51,10 @@ SMOKE = ROOT / "scripts" / "install_alone"
 HARNESS = ROOT / "packages" / "testing" / "src" / "automodel" / "testing"
 #: PyPI refuses an upload with this classifier; a package that carries it is not a distribution.
 PRIVATE = "Private :: Do Not Upload"
+#: Third-party tools a package's smoke script needs besides the package (installed after the checks
+#: that the venv holds the package's own closure only): automodel-data's README example writes its
+#: corpus with megatron-core's builder.
+SMOKE_TOOLS = {"automodel-data": ("megatron-core",)}
 #: Module names that are test code wherever they appear (besides ``test_*`` and the harness's own).
 TEST_MODULES = frozenset({"testing", "conftest", "tests", "test"})
 
@@ -182,7 +186,9 @@ def build(out: Path) -> dict[str, tuple[Path, Path]]:
             for req in meta.get_all("Requires-Dist") or []:
                 name = _req_name(req)
                 if name in versions:
-                    spec = req[len(name) :].split(";")[0].strip()
+                    spec = (
+                        re.sub(r"^\s*\[[^\]]*\]", "", req[len(name) :]).split(";")[0].strip()
+                    )  # no [extras]
                     if not spec or not _admits(spec, versions[name]):
                         problems.append(
                             f"{p.name}: requires {req!r}, but the workspace's {name} is {versions[name]}"
@@ -326,9 +332,17 @@ def install_alone(out: Path, only: list[str] | None = None) -> None:
         test_code = [f"{wheels[n].name}: {why}" for n in needed for why in wheel_test_code(wheels[n])]
         if test_code:
             sys.exit(f"{name}: the installed wheels hold test code:\n  " + "\n  ".join(test_code))
+        if SMOKE_TOOLS.get(name):  # after the checks above: third-party tools the smoke script runs
+            _run(
+                [uv, "pip", "install", "--quiet", "--no-config", "--python", str(python), "-c", str(constraints),
+                 *SMOKE_TOOLS[name]],
+                cwd=root,
+                env=env,
+            )  # fmt: skip
         smoke = SMOKE / f"smoke_{p.module.split('.', 1)[1]}.py"
         arg = {
             "automodel-pipeline": [str(p.folder / "README.md")],
+            "automodel-data": [str(p.folder / "README.md")],
             "automodel-recipes": [str(ROOT / "examples" / "quickstart.yaml")],
         }.get(name, [])
         result = _run([str(python), "-I", str(smoke), *arg], cwd=work, env=run_env)
@@ -341,7 +355,7 @@ def install_alone(out: Path, only: list[str] | None = None) -> None:
             f"import, no test code, smoke ok; {seconds:.1f} s",
             flush=True,
         )
-    shutil.rmtree(base, ignore_errors=True)  # 7 venvs of hard links: cheap, but no reason to keep them
+    shutil.rmtree(base, ignore_errors=True)  # 8 venvs of hard links: cheap, but no reason to keep them
     print("install_alone timings (install / total):")
     for name, ti, tt in timings:
         print(f"  {name:34s} {ti:6.1f} s {tt:7.1f} s")

@@ -53,6 +53,7 @@ FLOOR_CANDIDATES = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
 #: extras of a package that its own tests exercise
 TEST_EXTRAS = {
     "automodel-pipeline": "hf",
+    "automodel-data": "hf,arrow,datasets",
     "automodel-recipes": "tensorboard,kernels,fp8,wandb,mlflow",
 }
 #: what every package's tests import besides the package: the test runner and the shared harness
@@ -64,6 +65,7 @@ TEST_IMPORTS = {
     "automodel-megatron-fsdp-adapter": ("transformers",),
     "automodel-context-parallel": ("transformers",),
     "automodel-moe-ep": ("transformers",),
+    "automodel-data": ("megatron-core",),
     "automodel-recipes": ("peft", "megatron-core"),
 }
 #: lock pins that belong to one torch build and must follow the torch under test (torch 2.11 caps

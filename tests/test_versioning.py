@@ -133,3 +133,17 @@ def test_source_tree_without_metadata_reads_pyproject(monkeypatch: pytest.Monkey
         "torch": (">=2.11,<2.16", True),
         "transformers": (">=5.17,<6", False),
     }
+
+
+def test_data_package_reads_its_version_without_mesh() -> None:
+    """automodel-data depends on torch and numpy alone, so its _version.py cannot use
+    automodel.mesh.versioning: it reads the same version, and declares the siblings' torch range."""
+    module = importlib.import_module("automodel.data")
+    assert module.__version__ == _project("data")["version"] == importlib.metadata.version("automodel-data")
+    assert "from automodel.mesh" not in _version_file_of("data").read_text()
+    assert "torch>=2.11,<2.16" in _project("data")["dependencies"]
+    assert "torch>=2.11,<2.16" in _project("pipeline")["dependencies"]
+
+
+def _version_file_of(folder: str) -> Path:
+    return ROOT / "packages" / folder / "src" / "automodel" / folder / "_version.py"

@@ -47,7 +47,7 @@ def save_tiny_pretrained(model_type: str, path: Path, *, seed: int = 1) -> Any:
 
 def batch_loss(model: torch.nn.Module, raw: dict[str, Any], step: int = 1) -> float:
     """transformers' own loss on the recipes' global batch of `step` (same data, sampler and seed)."""
-    from automodel.recipes.config.sections import DatasetSection
+    from automodel.data.text_sections import DatasetSection
     from automodel.recipes.data import ByteTokenizer, StatefulGlobalBatchSampler, build_packed_dataset
 
     ds = build_packed_dataset(DatasetSection(**raw["dataset"]), ByteTokenizer(), packed_sequence_size=0)

@@ -462,7 +462,7 @@ def test_tokenizer_add_bos_token_is_set_and_checked(tmp_path: Path, model_dir: s
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaTokenizerFast
 
-    from automodel.recipes.data.tokenizer import build_tokenizer
+    from automodel.data.tokenizer import build_tokenizer
 
     vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "a", "b"])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -476,9 +476,9 @@ def test_tokenizer_add_bos_token_is_set_and_checked(tmp_path: Path, model_dir: s
     assert on.prepends_bos() and on.bos_token_id == 1
     assert not build_tokenizer(str(llama), add_bos_token=False).prepends_bos()
     # one rule (data.tokenizer.bos_prefix) for every place that writes BOS: SFT rows, shards, prompts
-    from automodel.recipes.config.sections import SFTDatasetSection
-    from automodel.recipes.data.sft import ExampleEncoder
-    from automodel.recipes.data.tokenizer import bos_prefix
+    from automodel.data.sft import ExampleEncoder
+    from automodel.data.text_sections import SFTDatasetSection
+    from automodel.data.tokenizer import bos_prefix
     from automodel.recipes.generate import prompt_ids
 
     off = build_tokenizer(str(llama))

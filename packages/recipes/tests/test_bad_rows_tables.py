@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from automodel.recipes.config.sections import DatasetSection, SFTDatasetSection, build_section
+from automodel.data.text_sections import DatasetSection, SFTDatasetSection
+from automodel.recipes.config.sections import build_section
 from automodel.recipes.data import ByteTokenizer, build_packed_dataset
 from automodel.recipes.data.kinds import check_rows
 from automodel.recipes.errors import ConfigError

@@ -235,6 +235,16 @@ IO_CALLS = {
 }
 
 
+#: automodel-data's section modules (and its errors): the dataset sections the config holds live there
+DATA_SECTIONS = (
+    "automodel.data.text_sections",
+    "automodel.data.pretrain_sections",
+    "automodel.data.streaming_section",
+    "automodel.data.sections",
+    "automodel.data.errors",
+)
+
+
 def test_config_package_is_a_leaf_that_reads_no_disk() -> None:
     files = sorted(CONFIG_PACKAGE.glob("*.py"))
     assert len(files) >= 8
@@ -242,7 +252,7 @@ def test_config_package_is_a_leaf_that_reads_no_disk() -> None:
         for module in _imported_modules(path):
             if module.startswith("automodel."):
                 assert module.startswith(
-                    ("automodel.recipes.config", "automodel.recipes.errors", "automodel.mesh")
+                    ("automodel.recipes.config", "automodel.recipes.errors", "automodel.mesh", *DATA_SECTIONS)
                 ), f"{path.name} imports {module}"
             assert module.split(".")[0] not in IO_MODULES, f"{path.name} imports {module}"
         tree = ast.parse(path.read_text())
@@ -263,8 +273,8 @@ def test_config_package_is_a_leaf_that_reads_no_disk() -> None:
 
 def test_importing_the_config_package_runs_no_other_recipes_module() -> None:
     code = (
-        "import sys, automodel.recipes.config.recipe, automodel.recipes.config.pretrain, "
-        "automodel.recipes.config.streaming, automodel.recipes.config.hub_datasets\n"
+        "import sys, automodel.recipes.config.recipe, automodel.data.pretrain_sections, "
+        "automodel.data.streaming_section, automodel.recipes.config.hub_datasets\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('automodel.'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
@@ -273,8 +283,9 @@ def test_importing_the_config_package_runs_no_other_recipes_module() -> None:
     outside = [
         m
         for m in loaded
-        if not m.startswith(("automodel.recipes.config", "automodel.mesh"))
+        if not m.startswith(("automodel.recipes.config", "automodel.mesh", *DATA_SECTIONS))
         and m not in ("automodel.recipes", "automodel.recipes._version", "automodel.recipes.errors")
+        and m not in ("automodel.data", "automodel.data._version")
     ]
     assert outside == []
 

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import torch
 
-from automodel.recipes.config.sections import DatasetSection
+from automodel.data.packing import PackedDataset, document_position_ids
+from automodel.data.text_sections import DatasetSection
 from automodel.recipes.data import (
     ByteTokenizer,
     StatefulGlobalBatchSampler,
     embedded_documents,
     pack_documents,
 )
-from automodel.recipes.data.loader import build_packed_dataset
-from automodel.recipes.data.packing import PackedDataset, document_position_ids
+from automodel.recipes.data.kinds import build_packed_dataset
 
 
 def test_embedded_corpus_is_real_deterministic_text_with_a_disjoint_holdout() -> None:

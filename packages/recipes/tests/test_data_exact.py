@@ -14,27 +14,29 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from automodel.recipes.config.pretrain import MegatronPretrainingSection, NanogptSection
-from automodel.recipes.config.sections import DatasetSection, StepSchedulerSection
-from automodel.recipes.data.launch_data import check_data_fits_model
-from automodel.recipes.data.loader import build_packed_dataset, read_batch
-from automodel.recipes.data.megatron_writer import MegatronWriter
-from automodel.recipes.data.nanogpt_shard import LEGACY_MAGIC, NanogptShard, write_nanogpt_shard
-from automodel.recipes.data.pretrain_build import (
+from automodel.data.batches import read_batch
+from automodel.data.megatron_writer import MegatronWriter
+from automodel.data.nanogpt_shard import LEGACY_MAGIC, NanogptShard, write_nanogpt_shard
+from automodel.data.pretrain_build import (
     build_megatron,
     build_nanogpt,
     check_megatron_paths,
     check_nanogpt_paths,
 )
-from automodel.recipes.data.run_length import data_end_line
-from automodel.recipes.data.text_rows import check_text_keys
-from automodel.recipes.data.token_ids import (
+from automodel.data.pretrain_sections import MegatronPretrainingSection, NanogptSection
+from automodel.data.run_length import data_end_line
+from automodel.data.text_rows import check_text_keys
+from automodel.data.text_sections import DatasetSection
+from automodel.data.token_ids import (
     SAMPLE_TOKENS,
     TokenIdError,
     check_corpus_ids,
     check_tokenizer_ids,
 )
-from automodel.recipes.data.tokenizer import ByteTokenizer, build_tokenizer
+from automodel.data.tokenizer import ByteTokenizer, build_tokenizer
+from automodel.recipes.config.sections import StepSchedulerSection
+from automodel.recipes.data.kinds import build_packed_dataset
+from automodel.recipes.data.launch_data import check_data_fits_model
 from automodel.recipes.errors import ConfigError, DataError
 
 sys.path.insert(0, str(Path(__file__).parent))

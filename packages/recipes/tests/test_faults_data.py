@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import yaml
 
+from automodel.data.megatron_writer import MegatronWriter
+from automodel.data.nanogpt_shard import LEGACY_MAGIC, write_nanogpt_shard
+from automodel.data.token_ids import SAMPLE_TOKENS
 from automodel.recipes.cli import run_cli
-from automodel.recipes.data.megatron_writer import MegatronWriter
-from automodel.recipes.data.nanogpt_shard import LEGACY_MAGIC, write_nanogpt_shard
-from automodel.recipes.data.token_ids import SAMPLE_TOKENS
 
 TESTS_DIR = Path(__file__).parent
 sys.path.insert(0, str(TESTS_DIR))

@@ -143,7 +143,7 @@ def test_pretrained_weights_are_loaded_into_every_layout(tmp_path: Path) -> None
     import torch.nn.functional as F
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from automodel.recipes.config.sections import DatasetSection
+    from automodel.data.text_sections import DatasetSection
     from automodel.recipes.data import ByteTokenizer, StatefulGlobalBatchSampler, build_packed_dataset
 
     base = tiny_config(str(tmp_path / "unused"))

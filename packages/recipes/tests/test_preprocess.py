@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from automodel.data.megatron_corpus import MegatronCorpus
+from automodel.data.preprocess import preprocess
 from automodel.recipes.cli import run_cli
-from automodel.recipes.data.megatron_corpus import MegatronCorpus
-from automodel.recipes.data.preprocess import preprocess
 
 WORDS = [f"w{i}" for i in range(300)]
 
@@ -126,9 +126,9 @@ def test_cli_with_the_runs_tokenizer_adds_bos_and_eos(tmp_path: Path, capsys) ->
 
 def test_readme_flow_builds_the_example_datasets(tmp_path: Path) -> None:
     """README "Pretrain on your corpus": the shipped stdlib text -> preprocess -> the example's datasets."""
+    from automodel.data.tokenizer import ByteTokenizer
     from automodel.recipes.data import embedded_documents
     from automodel.recipes.data.kinds import build_dataset, check_paths
-    from automodel.recipes.data.tokenizer import ByteTokenizer
     from automodel.recipes.loader import load_config
     from automodel.recipes.recipe_config import parse_recipe_config
 

@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from automodel.recipes.config.pretrain import (
+from automodel.data.batches import build_sampler
+from automodel.data.megatron_corpus import MegatronCorpus
+from automodel.data.megatron_writer import MegatronWriter, token_dtype_for_vocab
+from automodel.data.nanogpt_shard import MAGIC, write_nanogpt_shard
+from automodel.data.pretrain_build import build_megatron, build_nanogpt
+from automodel.data.pretrain_sections import (
     MegatronPretrainingSection,
     MegatronPretrainingValidationSection,
     NanogptSection,
 )
+from automodel.data.sample_order import permute
 from automodel.recipes.data.kinds import parse_section
-from automodel.recipes.data.loader import build_sampler
-from automodel.recipes.data.megatron_corpus import MegatronCorpus
-from automodel.recipes.data.megatron_writer import MegatronWriter, token_dtype_for_vocab
-from automodel.recipes.data.nanogpt_shard import MAGIC, write_nanogpt_shard
-from automodel.recipes.data.pretrain_build import build_megatron, build_nanogpt
-from automodel.recipes.data.sample_order import permute
 from automodel.recipes.errors import ConfigError
 
 

@@ -14,7 +14,7 @@ from automodel.testing.ranks import run_on_ranks
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
 
-from automodel.recipes.data.megatron_writer import MegatronWriter  # noqa: E402
+from automodel.data.megatron_writer import MegatronWriter  # noqa: E402
 
 preload()
 

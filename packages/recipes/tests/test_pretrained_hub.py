@@ -144,8 +144,8 @@ def test_uncached_hub_id_exits_2_before_launch(
 
 
 def test_dataset_id_not_cached(hub_cache: Path, tmp_path: Path) -> None:
-    from automodel.recipes.config.sections import SFTDatasetSection
-    from automodel.recipes.data.loader import check_data_paths
+    from automodel.data.text_sections import SFTDatasetSection
+    from automodel.recipes.data.kinds import check_paths as check_data_paths
 
     section = SFTDatasetSection(
         source="instruction",

@@ -498,7 +498,7 @@ def test_known_model_type_with_auto_map_uses_transformers_own_code(tmp_path, mod
 
 
 def test_remote_tokenizer_code_is_not_run_by_default(tmp_path, modules_cache):
-    from automodel.recipes.data.tokenizer import HFTokenizer
+    from automodel.data.tokenizer import HFTokenizer
 
     marker = tmp_path / "pwned"
     d = tmp_path / "evil_tok"

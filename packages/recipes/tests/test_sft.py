@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from automodel.recipes.config.sections import SFTDatasetSection, SFTValidationDatasetSection, build_section
+from automodel.data.sft import IGNORE_INDEX, encode_chat, format_plain_prompt
+from automodel.data.text_build import check_sft_paths
+from automodel.data.text_sections import SFTDatasetSection, SFTValidationDatasetSection
+from automodel.recipes.config.sections import build_section
 from automodel.recipes.data import ByteTokenizer, build_packed_dataset, build_tokenizer
-from automodel.recipes.data.loader import check_sft_paths
-from automodel.recipes.data.sft import IGNORE_INDEX, encode_chat, format_plain_prompt
 from automodel.recipes.errors import ConfigError
 from automodel.testing.tiny_model import tiny_causal_lm
 
@@ -291,7 +292,7 @@ def test_row_the_chat_template_refuses_is_skipped_and_counted(tmp_path: Path) ->
 
 
 def test_stdlib_docstrings_examples() -> None:
-    from automodel.recipes.data.stdlib_docstrings import stdlib_docstring_examples
+    from automodel.data.stdlib_docstrings import stdlib_docstring_examples
 
     train, val = stdlib_docstring_examples(split="train"), stdlib_docstring_examples(split="validation")
     assert len(train) > 200 and 0 < len(val) < len(train) // 10
@@ -316,7 +317,7 @@ def test_bad_file_row_is_skipped_and_counted_with_bad_rows_skip(
 ) -> None:
     """``bad_rows: skip``: the bad row is counted under its reason and the rows are exactly those of
     the good rows alone; the default (error) names the file and line."""
-    from automodel.recipes.data.file_check import check_sft_rows
+    from automodel.data.file_check import check_sft_rows
     from automodel.recipes.errors import DataError
 
     good = [{"q": "1+1=", "a": "2"}, {"q": "3+3=", "a": "6"}]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from automodel.recipes.data.sft import PAD_MULTIPLE, BatchLength
+from automodel.data.sft import PAD_MULTIPLE, BatchLength
 from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -130,10 +130,10 @@ def test_pipeline_keeps_rows_of_seq_length(padded_reference: list[float], tmp_pa
 
 def test_packed_rows_stay_full(tmp_path: Path) -> None:
     """Packing is unchanged: rows of packed_sequence_size, however short their documents."""
+    from automodel.data.sft import batch_length_rows
     from automodel.recipes import load_config
     from automodel.recipes.data import build_packed_dataset
     from automodel.recipes.data.launch_data import run_tokenizer
-    from automodel.recipes.data.sft import batch_length_rows
 
     cfg = load_config(_config(tmp_path, str(tmp_path / "out")))
     ds = build_packed_dataset(cfg.dataset, run_tokenizer(cfg), packed_sequence_size=128)

@@ -12,16 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from automodel.recipes.config.streaming import StreamingSection
+from automodel.data.streaming_section import StreamingSection
 from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
 
+from automodel.data.api import build_loader  # noqa: E402
+from automodel.data.streaming import build_streaming  # noqa: E402
+from automodel.data.tokenizer import ByteTokenizer  # noqa: E402
 from automodel.recipes.data.kinds import parse_section  # noqa: E402
-from automodel.recipes.data.loader import build_train_loader  # noqa: E402
-from automodel.recipes.data.streaming import build_streaming  # noqa: E402
-from automodel.recipes.data.tokenizer import ByteTokenizer  # noqa: E402
 from automodel.recipes.errors import ConfigError  # noqa: E402
 
 preload()
@@ -43,7 +43,7 @@ def write_jsonl(folder: Path, *, files: int, docs: int, seed: int = 0) -> str:
 def loaders(section: Any, *, dp: int, gbs: int = 4, lbs: int = 1) -> list[Any]:
     ds = build_streaming(section, ByteTokenizer(), packed_sequence_size=0, seed=0)
     return [
-        build_train_loader(ds, global_batch_size=gbs, local_batch_size=lbs, dp_rank=r, dp_size=dp, seed=0)
+        build_loader(ds, global_batch_size=gbs, local_batch_size=lbs, dp_rank=r, dp_size=dp, seed=0)
         for r in range(dp)
     ]
 

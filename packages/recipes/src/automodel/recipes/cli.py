@@ -40,6 +40,7 @@ AUTOMODEL_DISTRIBUTIONS = (
     "automodel-pipeline",
     "automodel-context-parallel",
     "automodel-moe-ep",
+    "automodel-data",
 )
 THIRD_PARTY_REPORTED = ("torch", "transformers", "megatron-fsdp")
 
@@ -430,7 +431,7 @@ def _plot(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _preprocess(args: argparse.Namespace, overrides: list[str]) -> int:
     # lazy: start-up, recipes --help: data.preprocess ~1.8 s
-    from automodel.recipes.data.preprocess import preprocess
+    from automodel.data.preprocess import preprocess
 
     if args.config is not None and args.tokenizer is not None:
         raise ConfigError("--tokenizer", args.tokenizer, "names the tokenizer like --config; give only one")
@@ -442,7 +443,7 @@ def _preprocess(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(overrides[0], None, "overrides need --config")
     elif tokenizer is not None and not os.path.isdir(os.path.expanduser(tokenizer)):
         # lazy: start-up, recipes --help: hub_cache ~0.1 s
-        from automodel.recipes.hub_cache import resolve_local_or_cached
+        from automodel.data.hub_cache import resolve_local_or_cached
 
         tokenizer = str(resolve_local_or_cached(tokenizer, key="--tokenizer"))
     manifest = preprocess(

@@ -7,22 +7,17 @@ from __future__ import annotations
 import dis
 from types import CodeType
 
+from automodel.data.errors import ConfigError, DataError
 
-class ConfigError(ValueError):
-    """A config key holds a bad value; `str()` is the one line the CLI prints."""
-
-    def __init__(self, key: str, value: object, message: str) -> None:
-        self.key = key
-        self.value = value
-        self.message = message
-        super().__init__(f"{key}={value!r}: {message}")
-
-    def __reduce__(self) -> tuple:  # picklable: raised in worker processes, re-raised in the parent
-        return (type(self), (self.key, self.value, self.message))
-
-
-class DataError(ValueError):
-    """A data file or row is unusable; `str()` names the file (and line or row) and what is wrong."""
+# The typed errors live in automodel-data (which cannot import recipes); recipes raises the same classes.
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "is_user_error",
+    "reject_unknown",
+    "require_positive_int",
+    "require_type",
+]
 
 
 def require_type(key: str, value: object, types: type | tuple[type, ...], what: str) -> None:

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from automodel.recipes.data.sft import format_plain_prompt
-from automodel.recipes.data.tokenizer import ByteTokenizer, HFTokenizer, bos_prefix, has_tokenizer_files
+from automodel.data.hub_cache import resolve_local_or_cached
+from automodel.data.sft import format_plain_prompt
+from automodel.data.tokenizer import ByteTokenizer, HFTokenizer, bos_prefix, has_tokenizer_files
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.hub_cache import resolve_local_or_cached
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch import nn
 from automodel.mesh import MeshContext, ResolvedLayout, detect_launch_env, fake_world
 from automodel.recipes._dist_setup import resolve_layout
 from automodel.recipes.config.recipe import RecipeConfig
-from automodel.recipes.data.loader import check_data_paths
+from automodel.recipes.data.kinds import check_paths as check_data_paths
 from automodel.recipes.environment import check_environment, check_machine
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import build_hf_config, build_meta_model

@@ -17,6 +17,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import is_flash_attn_2_available
 
+from automodel.data.hub_cache import resolve_local_or_cached
+from automodel.data.trust import announce_remote_code
+
 # The config facts live in model_parts (one home); num_experts / experts_per_token are re-exported
 # for the rules and the planner, which import them from here.
 from automodel.mesh.model_parts import experts_per_token as experts_per_token
@@ -26,9 +29,7 @@ from automodel.recipes.config.build import resolve_dtype
 from automodel.recipes.config.sections import ModelSection
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.file_kind import read_json_object
-from automodel.recipes.hub_cache import resolve_local_or_cached
 from automodel.recipes.model_inputs import check_defaulted_inputs
-from automodel.recipes.trust import announce_remote_code
 
 
 def build_hf_config(section: ModelSection, *, announce: bool = True) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from automodel.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 from automodel.recipes.checkpoint.paths import (
     CheckpointError,
     checkpoint_root,
@@ -25,7 +26,6 @@ from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
 from automodel.recipes.data.kinds import check_rows
 from automodel.recipes.data.launch_data import check_data_fits_model
-from automodel.recipes.data.tokenizer import TOKENIZER_FILES, has_tokenizer_files
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.model import pretrained_dir

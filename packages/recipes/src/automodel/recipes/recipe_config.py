@@ -9,6 +9,8 @@ from typing import Any, cast
 
 import torch
 
+from automodel.data.hub_cache import resolve_local_or_cached
+from automodel.data.tokenizer import has_tokenizer_files
 from automodel.recipes._dist_setup import parse_distributed_section
 from automodel.recipes.compat import translate
 from automodel.recipes.compat.defaults import startup_notes
@@ -16,7 +18,7 @@ from automodel.recipes.config.build import derived
 from automodel.recipes.config.checkpoint import CheckpointConfig
 from automodel.recipes.config.kernels import parse_kernels_sections
 from automodel.recipes.config.peft import PeftSection
-from automodel.recipes.config.pretrain import adopt_dataset_tokenizer, default_index_mapping_dir
+from automodel.recipes.config.pretrain_yaml import adopt_dataset_tokenizer, default_index_mapping_dir
 from automodel.recipes.config.recipe import DatasetConfig, LossFn, RecipeConfig
 from automodel.recipes.config.sections import (
     CONSTANT_LR,
@@ -36,9 +38,7 @@ from automodel.recipes.config.sections import (
 )
 from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.data.kinds import parse_section
-from automodel.recipes.data.tokenizer import has_tokenizer_files
 from automodel.recipes.errors import ConfigError, reject_unknown
-from automodel.recipes.hub_cache import resolve_local_or_cached
 from automodel.recipes.instantiate import locate
 
 __all__ = ["RecipeConfig", "parse_recipe_config"]

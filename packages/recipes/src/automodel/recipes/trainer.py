@@ -22,18 +22,19 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
+from automodel.data.api import build_loader as build_train_loader
+from automodel.data.batches import Batch, read_batch
+from automodel.data.first_rows import first_rows
+from automodel.data.run_length import data_end_line
+from automodel.data.sft import PAD_MULTIPLE, BatchLength, batch_length_rows
+from automodel.data.token_ids import check_tokenizer_ids
 from automodel.mesh import MeshContext
 from automodel.recipes._dist_setup import setup_distributed
 from automodel.recipes.checkpoint import Checkpointer, TrainingState
 from automodel.recipes.checkpoint.paths import CONSOLIDATED_DIR
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.data import build_packed_dataset
-from automodel.recipes.data.first_rows import first_rows
 from automodel.recipes.data.launch_data import model_vocab, run_tokenizer
-from automodel.recipes.data.loader import Batch, build_train_loader, read_batch
-from automodel.recipes.data.run_length import data_end_line
-from automodel.recipes.data.sft import PAD_MULTIPLE, BatchLength, batch_length_rows
-from automodel.recipes.data.token_ids import check_tokenizer_ids
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.kernels.apply import apply_kernels, check_linear_loss_bound

@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from automodel.data.hub_cache import resolve_local_or_cached
+from automodel.data.sft import _load_table, build_sft_dataset
 from automodel.recipes.config.hub_datasets import HellaSwagSection, SquadSection
-from automodel.recipes.data.sft import _load_table, build_sft_dataset
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.hub_cache import resolve_local_or_cached
 
 
 def _column(section: SquadSection | HellaSwagSection, ds: Any, name: str) -> list[Any]:

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import transformers
 
+from automodel.data.hub_cache import resolve_local_or_cached
 from automodel.mesh import parse_dtype
 from automodel.recipes.compat.aliases import LOSS_KERNEL_KEYS, match
 from automodel.recipes.compat.backend import read_backend
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.hub_cache import resolve_local_or_cached
 
 #: top-level sections about AutoModel's CI, not the run: accepted and not used
 METADATA = ("ci",)

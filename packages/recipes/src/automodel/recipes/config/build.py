@@ -1,5 +1,5 @@
 """Parsing helpers of the config layer: YAML value types against a section's field hints, dtype
-names, Megatron split ratios. Pure functions of their arguments (no imports of behaviour, no I/O)."""
+names. Pure functions of their arguments (no imports of behaviour, no I/O)."""
 
 from __future__ import annotations
 
@@ -26,26 +26,6 @@ def resolve_dtype(key: str, value: object) -> torch.dtype:
     if dtype is None:
         raise ConfigError(key, value, f"must be a dtype name ({', '.join(DTYPE_NAMES)})")
     return dtype
-
-
-def parse_split(split: object, *, key: str) -> list[float]:
-    """``"969,30,1"`` -> [0.969, 0.03, 0.001] (missing parts are 0; weights normalised)."""
-    if isinstance(split, list | tuple):
-        split = ",".join(str(s) for s in split)
-    if not isinstance(split, str):
-        raise ConfigError(key, split, 'must be a string of ratios like "969,30,1" or "0.99, 0.01, 0.00"')
-    parts = [p.strip() for p in split.split(",")]
-    try:
-        values = [float(p) for p in parts if p]
-    except ValueError:
-        raise ConfigError(key, split, 'must be comma-separated numbers like "969,30,1"') from None
-    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise ConfigError(
-            key, split, "must be 1 to 3 ratios >= 0 (train, validation, test) with a positive sum"
-        )
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [v / total for v in values]
 
 
 def derived(section: S, **changes: object) -> S:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from automodel.recipes.config.sections import TRUNCATION, check_padding, positive
+from automodel.data.text_sections import TRUNCATION, check_padding, positive
 from automodel.recipes.errors import ConfigError
 
 

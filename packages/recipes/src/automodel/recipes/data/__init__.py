@@ -1,14 +1,14 @@
-"""Data without downloads: embedded corpus, byte tokenizer, local files, packing, stateful sampler."""
+"""The recipes' side of the data layer (which lives in automodel-data, `automodel.data`): the dataset
+kinds a YAML section selects (`kinds`) and the pre-launch checks that need the model (`launch_data`).
+The names below are re-exported for the recipes' callers."""
 
-from automodel.recipes.data.corpus import embedded_documents
-from automodel.recipes.data.loader import Batch, BatchLoader, build_packed_dataset
-from automodel.recipes.data.packing import PackedDataset, pack_documents
-from automodel.recipes.data.sampler import StatefulGlobalBatchSampler
-from automodel.recipes.data.tokenizer import ByteTokenizer, build_tokenizer
+from automodel.data.corpus import embedded_documents
+from automodel.data.packing import PackedDataset, pack_documents
+from automodel.data.sampler import StatefulGlobalBatchSampler
+from automodel.data.tokenizer import ByteTokenizer, build_tokenizer
+from automodel.recipes.data.kinds import build_packed_dataset
 
 __all__ = [
-    "Batch",
-    "BatchLoader",
     "ByteTokenizer",
     "PackedDataset",
     "StatefulGlobalBatchSampler",

@@ -17,7 +17,8 @@ dotted name, e.g. ``...megatron_dataset.MegatronPretraining``). Each kind names:
 Builders are named, not imported, so parsing a config imports no data library.
 
 To add a kind: write its section dataclass(es) (frozen, validated in ``__post_init__`` without
-reading the disk: the built-in ones live in `automodel.recipes.config`) and a builder module, then
+reading the disk: the built-in ones live in automodel-data, `automodel.data.*_sections`, and in
+`automodel.recipes.config.hub_datasets`) and a builder module, then
 one `register(...)` below (or from your own module). The recipe config, the loader, the trainer and the CLI's path
 check all go through `parse_section`, `build_dataset` and `check_paths`.
 """
@@ -29,20 +30,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from automodel.recipes.config.hub_datasets import (
-    HellaSwagSection,
-    HellaSwagValidationSection,
-    SquadSection,
-    SquadValidationSection,
-)
-from automodel.recipes.config.pretrain import (
+from automodel.data.pretrain_sections import (
     MegatronPretrainingSection,
     MegatronPretrainingValidationSection,
     NanogptSection,
     NanogptValidationSection,
 )
-from automodel.recipes.config.recipe import DatasetConfig
-from automodel.recipes.config.sections import (
+from automodel.data.streaming_section import StreamingSection, StreamingValidationSection
+from automodel.data.text_sections import (
     DATA_SOURCES,
     SFT_SOURCES,
     SFT_TARGETS,
@@ -50,9 +45,15 @@ from automodel.recipes.config.sections import (
     SFTDatasetSection,
     SFTValidationDatasetSection,
     ValidationDatasetSection,
-    build_section,
 )
-from automodel.recipes.config.streaming import StreamingSection, StreamingValidationSection
+from automodel.recipes.config.hub_datasets import (
+    HellaSwagSection,
+    HellaSwagValidationSection,
+    SquadSection,
+    SquadValidationSection,
+)
+from automodel.recipes.config.recipe import DatasetConfig
+from automodel.recipes.config.sections import build_section
 from automodel.recipes.errors import ConfigError
 
 
@@ -136,6 +137,13 @@ def build_dataset(section: DatasetConfig, tokenizer: Any, *, packed_sequence_siz
     )
 
 
+def build_packed_dataset(
+    section: DatasetConfig, tokenizer: Any, *, packed_sequence_size: int, seed: int = 0
+) -> Any:
+    """The section's dataset (``len`` and ``batch(indices)``), built by its kind."""
+    return build_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed)
+
+
 def check_paths(section: DatasetConfig | None) -> None:
     if section is not None:
         _call(kind_of(section).check_paths, section)
@@ -148,9 +156,9 @@ def check_rows(section: DatasetConfig | None) -> None:
 
 
 def _register_builtin() -> None:
-    loader = "automodel.recipes.data.loader"
-    build = "automodel.recipes.data.pretrain_build"
-    rows = "automodel.recipes.data.file_check"
+    loader = "automodel.data.text_build"
+    build = "automodel.data.pretrain_build"
+    rows = "automodel.data.file_check"
     register(DatasetKind("text", DATA_SOURCES, {}, DatasetSection, ValidationDatasetSection,
                          f"{loader}:build_text_dataset", f"{loader}:check_text_paths",
                          f"{rows}:check_text_rows"))  # fmt: skip
@@ -165,7 +173,7 @@ def _register_builtin() -> None:
                          NanogptSection, NanogptValidationSection,
                          f"{build}:build_nanogpt", f"{build}:check_nanogpt_paths"))  # fmt: skip
 
-    stream = "automodel.recipes.data.streaming"
+    stream = "automodel.data.streaming"
     register(DatasetKind("streaming", ("streaming",), {}, StreamingSection, StreamingValidationSection,
                          f"{stream}:build_streaming", f"{stream}:check_streaming_paths"))  # fmt: skip
     hub = "automodel.recipes.compat.datasets"  # NeMo AutoModel's make_squad_dataset and HellaSwag

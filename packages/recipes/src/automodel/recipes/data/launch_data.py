@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from automodel.data.text_rows import check_text_keys
+from automodel.data.token_ids import check_corpus_ids, check_tokenizer_ids
+from automodel.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 from automodel.mesh.model_parts import text_config
-from automodel.recipes.data.text_rows import check_text_keys
-from automodel.recipes.data.token_ids import check_corpus_ids, check_tokenizer_ids
-from automodel.recipes.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 from automodel.recipes.model import build_hf_config
 
 if TYPE_CHECKING:

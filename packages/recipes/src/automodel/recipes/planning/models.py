@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from automodel.data.hub_cache import resolve_local_or_cached
 from automodel.recipes.config.sections import ModelSection
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.hub_cache import resolve_local_or_cached
 from automodel.recipes.model import build_hf_config
 
 if TYPE_CHECKING:
