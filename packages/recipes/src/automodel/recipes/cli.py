@@ -257,6 +257,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         if opts.node_rank == 0:  # node 0 checks the config against the output_dir's, for every node
             _check_resume(cfg, allow_changes=args.resume_with_changes)
+        if opts.environment is not None:  # a pod: how its variables were read (checks passed)
+            print(opts.environment, file=sys.stderr, flush=True)
         if opts.multi_process:
             return launch_torchrun(
                 opts,

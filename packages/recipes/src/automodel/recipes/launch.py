@@ -39,8 +39,13 @@ RANK_VARIABLES = (
 
 
 def agent_env(environ: dict[str, str]) -> dict[str, str]:
-    """The agent's environment: `environ` without rank variables and TORCHELASTIC_* leftovers."""
-    env = {k: v for k, v in environ.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    """The agent's environment: `environ` without rank variables, TORCHELASTIC_* leftovers and a
+    pod's PET_* variables (torchrun's defaults for the flags this launcher passes itself)."""
+    env = {
+        k: v
+        for k, v in environ.items()
+        if k not in RANK_VARIABLES and not k.startswith(("TORCHELASTIC_", "PET_"))
+    }
     env.setdefault("OMP_NUM_THREADS", "1")
     # the agent's own C++ log lines (a rendezvous client timing out, with a stack) stay off the
     # terminal; the agent gives the ranks the user's level back (AGENT_RANKS_CPP_LOG_LEVEL)
