@@ -89,8 +89,12 @@ def test_pod_variables_are_read_as_the_node(node: int) -> None:
         assert opts == LaunchOptions(**{**expected.__dict__, "environment": opts.environment}), (env, flags)
         line = opts.environment
         assert line.startswith(f"recipes train: a {kind}"), line
-        assert f"node {node} of 2, 2 ranks here" in line and f"ranks {2 * node}-{2 * node + 1} of 4" in line, line
-        assert f"MASTER_ADDR={ADDR} MASTER_PORT={port}" in line and f"rendezvous at {ADDR}:{port}" in line, line
+        assert (
+            f"node {node} of 2, 2 ranks here" in line and f"ranks {2 * node}-{2 * node + 1} of 4" in line
+        ), line
+        assert f"MASTER_ADDR={ADDR} MASTER_PORT={port}" in line and f"rendezvous at {ADDR}:{port}" in line, (
+            line
+        )
 
 
 def test_pod_without_ranks_per_node_and_torchrun_ranks_in_pods() -> None:
@@ -101,12 +105,21 @@ def test_pod_without_ranks_per_node_and_torchrun_ranks_in_pods() -> None:
              "KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # fmt: skip
     opts = plan_launch({}, older)
     assert opts is not None and (opts.nproc_per_node, opts.nnodes, opts.node_rank) == (1, 2, 1)
-    assert opts.environment is not None and "1 rank here (no variable or flag: 1), rank 1 of 2" in opts.environment
+    assert (
+        opts.environment is not None
+        and "1 rank here (no variable or flag: 1), rank 1 of 2" in opts.environment
+    )
     for sign in ("LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
         rank = {**pytorchjob_env(1, port=port), "RANK": "3", sign: "1"}
         assert plan_launch({}, rank) is None, sign
     # one pod, "auto" ranks per pod (PyTorchJob's default): the flag decides
-    one = {"RANK": "0", "WORLD_SIZE": "1", "PET_NNODES": "1", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "auto"}
+    one = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "PET_NNODES": "1",
+        "PET_NODE_RANK": "0",
+        "PET_NPROC_PER_NODE": "auto",
+    }
     assert plan_launch({"nproc_per_node": 3}, one) == LaunchOptions(
         nproc_per_node=3, environment=plan_launch({"nproc_per_node": 3}, one).environment
     )
@@ -143,7 +156,9 @@ def test_two_pods_train_as_one_node_of_four(tmp_path: Path) -> None:
                 p.kill()
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
-    assert "recipes train: a Kubeflow PyTorchJob pod (PET_NNODES=2 PET_NODE_RANK=0" in texts[0], texts[0][-3000:]
+    assert "recipes train: a Kubeflow PyTorchJob pod (PET_NNODES=2 PET_NODE_RANK=0" in texts[0], texts[0][
+        -3000:
+    ]
     assert "recipes train: a PAI-DLC pod (WORLD_SIZE=2 RANK=1" in texts[1], texts[1][-3000:]
     assert "[rank 3] fsdp2" in texts[1] and "[rank 1] fsdp2" in texts[0], texts  # 2 ranks on each pod
     preload()

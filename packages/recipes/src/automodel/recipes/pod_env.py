@@ -144,8 +144,8 @@ def read_pod(env: Mapping[str, str]) -> PodLaunch | None:
         sources["nnodes"] = f"{nnodes_var}={env[nnodes_var]}"
     if nnodes_var == "PET_NNODES" and "WORLD_SIZE" in env:
         world = _int_var(env, "WORLD_SIZE", minimum=1)
-        counted = {nnodes, nnodes * (nproc or 1)}
-        if world not in counted:
+        world_sizes = {nnodes, nnodes * (nproc or 1)}
+        if world not in world_sizes:
             raise ConfigError(
                 "WORLD_SIZE",
                 env["WORLD_SIZE"],
