@@ -56,6 +56,12 @@ class LaunchOptions:
     max_restarts: int = 0
     #: On a pod: the one line saying how its variables were read (None elsewhere).
     environment: str | None = None
+    #: ``--nnodes MIN:MAX``: MIN (`nnodes` is MAX); None for a fixed number of nodes.
+    min_nnodes: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nnodes is not None
 
     @property
     def multi_process(self) -> bool:
@@ -191,13 +197,13 @@ def _launcher_options(given: Mapping[str, object]) -> LaunchOptions:
     """Check the flags of the CLI as launcher (every rule before anything starts)."""
     nproc = _int_at_least(given, "nproc_per_node", 1, default=1)
     nnodes_raw = given.get("nnodes", "1")
+    if ":" in str(nnodes_raw):
+        return _elastic_options(given, nproc=nproc)
     try:
         nnodes = int(str(nnodes_raw))
     except ValueError:
         raise ConfigError(
-            "--nnodes",
-            nnodes_raw,
-            "must be the number of nodes (an int); elastic MIN:MAX ranges are not supported",
+            "--nnodes", nnodes_raw, "must be the number of nodes (an int) or an elastic range MIN:MAX"
         ) from None
     if nnodes < 1:
         raise ConfigError("--nnodes", nnodes, "must be >= 1")
@@ -238,6 +244,49 @@ def _launcher_options(given: Mapping[str, object]) -> LaunchOptions:
         rdzv_endpoint=f"{host}:{port}",
         rdzv_id=None if given.get("rdzv_id") is None else str(given["rdzv_id"]),
         rdzv_timeout=timeout,
+        max_restarts=max_restarts,
+    )
+
+
+def _elastic_options(given: Mapping[str, object], *, nproc: int) -> LaunchOptions:
+    """``--nnodes MIN:MAX``: torch's c10d rendezvous at --rdzv-endpoint; the nodes take their ranks
+    in the order they join, and a node lost costs one of --max-restarts."""
+    raw = str(given["nnodes"])
+    low, _, high = raw.partition(":")
+    try:
+        min_nodes, max_nodes = int(low), int(high)
+    except ValueError:
+        min_nodes = max_nodes = 0
+    if not 1 <= min_nodes < max_nodes:
+        raise ConfigError("--nnodes", raw, "an elastic range must be MIN:MAX with 1 <= MIN < MAX")
+    if "node_rank" in given:
+        raise ConfigError(
+            "--node-rank",
+            given["node_rank"],
+            "is not used with an elastic --nnodes MIN:MAX (the nodes take their ranks in the order they join); drop it",
+        )
+    if "rdzv_endpoint" not in given:
+        raise ConfigError(
+            "--nnodes",
+            raw,
+            "needs --rdzv-endpoint HOST:PORT (the same on every node; the node at HOST hosts the rendezvous, "
+            "and the job ends if that node is lost)",
+        )
+    max_restarts = _int_at_least(given, "max_restarts", 0, default=0)
+    if max_restarts < 1:
+        raise ConfigError(
+            "--nnodes",
+            raw,
+            "needs --max-restarts N >= 1: each node lost restarts the others once (a node joining costs none)",
+        )
+    host, port = parse_endpoint(str(given["rdzv_endpoint"]))
+    return LaunchOptions(
+        nproc_per_node=nproc,
+        nnodes=max_nodes,
+        min_nnodes=min_nodes,
+        rdzv_endpoint=f"{host}:{port}",
+        rdzv_id=None if given.get("rdzv_id") is None else str(given["rdzv_id"]),
+        rdzv_timeout=_int_at_least(given, "rdzv_timeout", 1, default=DEFAULT_RDZV_TIMEOUT),
         max_restarts=max_restarts,
     )
 
