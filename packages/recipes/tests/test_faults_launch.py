@@ -161,7 +161,18 @@ def test_launcher_flag_against_the_environment_is_refused(
         (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", ":29500"], ["--rdzv-endpoint=':29500'"]),
         (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:99999"], ["--rdzv-endpoint='h:99999'"]),
         (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:x"], ["--rdzv-endpoint='h:x'"]),
-        (["--nnodes", "1:2"], ["--nnodes='1:2'", "MIN:MAX"]),
+        (["--nnodes", "1:2"], ["--nnodes='1:2'", "needs --rdzv-endpoint"]),
+        (
+            ["--nnodes", "2:1", "--rdzv-endpoint", "h:1", "--max-restarts", "1"],
+            ["--nnodes='2:1'", "1 <= MIN < MAX"],
+        ),
+        (["--nnodes", "1:x"], ["--nnodes='1:x'", "MIN:MAX"]),
+        (["--nnodes", "x"], ["--nnodes='x'", "an int) or an elastic range MIN:MAX"]),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "h:1"], ["--nnodes='1:2'", "needs --max-restarts N >= 1"]),
+        (
+            ["--nnodes", "1:2", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--max-restarts", "1"],
+            ["--node-rank=0", "order they join"],
+        ),
         (["--nnodes", "0"], ["--nnodes=0", ">= 1"]),
         (["--nproc-per-node", "0"], ["--nproc-per-node=0", ">= 1"]),
         (

@@ -50,43 +50,40 @@ def rank_memory_bytes(*, ranks_per_node: int) -> tuple[float, str]:
     return ram / ranks_per_node, f"RAM {_gib(ram)} / {ranks_per_node} ranks"
 
 
-def check_memory_fits(run: ResolvedRun, *, ranks_per_node: int, key: str) -> float:
-    """`ConfigError` naming `key` when the per-rank peak estimate (`plan.estimate_memory`, as
-    `recipes validate` prints it) exceeds what one rank has here; returns the estimate."""
+def memory_estimate(run: ResolvedRun) -> tuple[float, str]:
+    """(the per-rank peak bytes of one step of `run`, its phase), as `recipes validate` prints it."""
     # lazy: plan ~4 s (imported by the launcher only for an elastic job)
     from automodel.recipes.plan import estimate_memory
 
     mem = estimate_memory(
-        run.cfg, run.layout, run.hf_config, stages=run.stages, on_gpu=torch.cuda.is_available(), model=None
+        run.cfg, run.layout, run.hf_config, stages=run.stages, on_gpu=torch.cuda.is_available()
     )
-    limit, what = rank_memory_bytes(ranks_per_node=ranks_per_node)
-    if mem.peak_bytes > limit:
-        raise ConfigError(
-            key,
-            run.world_size,
-            f"on {run.world_size} ranks the per-rank memory estimate is {_gib(mem.peak_bytes)} "
-            f"(peak at {mem.peak_phase}), more than {what}: the job cannot shrink that far; raise MIN",
-        )
-    return mem.peak_bytes
+    return mem.peak_bytes, mem.peak_phase
 
 
 def resolve_worlds(
     resolve: Callable[[int], ResolvedRun], *, min_nodes: int, max_nodes: int, ranks_per_node: int, key: str
 ) -> dict[int, ResolvedRun]:
-    """The run resolved for every world of MIN..MAX nodes (`resolve(world_size)`), each checked
-    to fit in memory; the first world that cannot run is refused with its reason."""
+    """The run resolved for every world of MIN..MAX nodes (`resolve(world_size)`), each one's
+    memory estimate checked against what a rank has here; the first world that cannot train is
+    refused, naming the range, the world and why."""
     runs = {}
+    limit, what = rank_memory_bytes(ranks_per_node=ranks_per_node)
     for nodes in range(max_nodes, min_nodes - 1, -1):
         world = nodes * ranks_per_node
+        where = f"on {nodes} node(s) ({world} rank{'s' if world != 1 else ''})"
         try:
             run = resolve(world)
         except ConfigError as e:
+            raise ConfigError(key, f"{min_nodes}:{max_nodes}", f"{where} the run cannot train: {e}") from None
+        peak, phase = memory_estimate(run)
+        if peak > limit:
             raise ConfigError(
                 key,
                 f"{min_nodes}:{max_nodes}",
-                f"on {nodes} node(s) ({world} ranks) the run cannot train: {e}",
-            ) from None
-        check_memory_fits(run, ranks_per_node=ranks_per_node, key=key)
+                f"{where} the per-rank memory estimate is {_gib(peak)} (peak at {phase}), more than "
+                f"{what}: the job cannot shrink that far; raise MIN",
+            )
         runs[world] = run
     return runs
 

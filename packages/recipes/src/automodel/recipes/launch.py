@@ -176,6 +176,10 @@ def launch_torchrun(
     env = agent_env(dict(os.environ))
     if opts.nnodes > 1 and opts.rdzv_endpoint is not None:  # the ranks' restart line reads it
         env[JOB_STORE_VARIABLE] = opts.rdzv_endpoint
+    if opts.elastic:
+        # each restart's rank 0 hosts a fresh store for its ranks: the agents' restart counts differ
+        # once a node joins with a new agent (pytorch/pytorch#135712), so no store may outlive a world
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     error_dir = tempfile.mkdtemp(prefix="automodel-rank-errors-")
     run_dir = Path(tempfile.mkdtemp(prefix="automodel-run-"))
     log = Path(next(iter(runs.values())).output_dir) / "logs" / "torchrun.log"
