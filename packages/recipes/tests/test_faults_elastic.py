@@ -206,3 +206,68 @@ def test_killed_node_the_other_continues_on_one_rank(tmp_path: Path) -> None:
 @full_only
 def test_hung_node_the_other_continues_on_one_rank(tmp_path: Path) -> None:
     _lose_node(tmp_path, hang=True)
+
+
+def _reference_on_rank(raw: dict) -> list[float]:
+    from automodel.recipes import load_config
+    from automodel.recipes.trainer import run_training
+
+    return run_training(load_config(raw)).losses
+
+
+@full_only
+def test_a_node_that_comes_back_joins_at_the_next_restart(tmp_path: Path) -> None:
+    """Node 1's agent killed after a checkpoint; node 0 restarts alone; node 1 started again with the
+    same command joins: node 0's ranks restart to admit it, and the job ends on 2 ranks. Each resume
+    is exact on its world, so every step equals an uninterrupted 2-rank run (RTOL)."""
+    from _recipe_helpers import RTOL, preload, tiny_config
+
+    from automodel.testing.ranks import run_on_ranks
+
+    steps = 30
+    out = tmp_path / "run"
+    config = write_config(tmp_path, out, steps=steps)
+    port = free_port()
+    flags = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1", "--rdzv-timeout=300"]
+    logs = [tmp_path / "node0.stderr", tmp_path / "node1.stderr", tmp_path / "node1_again.stderr"]
+    procs = [start_train(config, *flags, log=logs[0])]
+    try:
+        _wait_listening(port, procs[0], logs[0])
+        procs.append(start_train(config, *flags, log=logs[1]))
+        deadline = time.monotonic() + TIMEOUT
+        while "[rank 1] fsdp2" not in logs[1].read_text() or not (out / "checkpoints" / "LATEST").is_file():
+            assert all(p.poll() is None for p in procs), [log.read_text()[-2000:] for log in logs[:2]]
+            assert time.monotonic() < deadline, "no 2-rank checkpoint"
+            time.sleep(0.2)
+        os.kill(children_of(procs[1].pid)[0], signal.SIGKILL)
+        procs[1].wait(timeout=60)
+        while RESTART.search(logs[0].read_text()) is None:
+            assert procs[0].poll() is None, logs[0].read_text()[-3000:]
+            assert time.monotonic() < deadline, "node 0 never restarted"
+            time.sleep(0.2)
+        procs.append(start_train(config, *flags, log=logs[2]))  # node 1 comes back
+        codes = [procs[0].wait(timeout=TIMEOUT), procs[2].wait(timeout=TIMEOUT)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+    assert re.search(
+        r"\[rank [01]\] recipes train: restart \d+ of this job: node \S+ joined \(1 -> 2 nodes\)",
+        texts[0] + texts[2],
+    )
+    preload()
+    raw = tiny_config(
+        str(tmp_path / "reference"),
+        step_scheduler={"max_steps": steps, "val_every_steps": None},
+        validation_dataset=None,
+    )
+    ref = run_on_ranks(_reference_on_rank, world_size=2, args=(raw,), timeout_s=TIMEOUT)[0]
+    got = losses(out)
+    assert sorted(got) == list(range(1, steps + 1)), got
+    for s in got:
+        assert abs(got[s] - ref[s - 1]) <= RTOL * abs(ref[s - 1]), (
+            f"step {s}: {got[s]} vs 2 ranks {ref[s - 1]}"
+        )
+    assert not _job_processes(config), _job_processes(config)

@@ -136,8 +136,9 @@ def read_pod(env: Mapping[str, str]) -> PodLaunch | None:
         raise ConfigError(
             nnodes_var,
             env[nnodes_var],
-            "is an elastic MIN:MAX range (an ElasticPolicy), which `recipes train` does not run; "
-            "give the job a fixed number of nodes",
+            "is an elastic MIN:MAX range (a PyTorchJob's elasticPolicy), which `recipes train` does not "
+            "read in a pod; give the job a fixed number of replicas (for an elastic job, start `recipes "
+            "train --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --max-restarts N` on each node yourself)",
         )
     else:
         nnodes = _int_var(env, nnodes_var, minimum=1)
