@@ -208,34 +208,33 @@ def test_hung_node_the_other_continues_on_one_rank(tmp_path: Path) -> None:
     _lose_node(tmp_path, hang=True)
 
 
-def _reference_on_rank(raw: dict) -> list[float]:
-    from automodel.recipes import load_config
-    from automodel.recipes.trainer import run_training
-
-    return run_training(load_config(raw)).losses
-
-
 @full_only
 def test_a_node_that_comes_back_joins_at_the_next_restart(tmp_path: Path) -> None:
-    """Node 1's agent killed after a checkpoint; node 0 restarts alone; node 1 started again with the
-    same command joins: node 0's ranks restart to admit it, and the job ends on 2 ranks. Each resume
-    is exact on its world, so every step equals an uninterrupted 2-rank run (RTOL)."""
-    from _recipe_helpers import RTOL, preload, tiny_config
-
-    from automodel.testing.ranks import run_on_ranks
-
-    steps = 30
+    """Node 1's agent killed after a 2-rank checkpoint; node 0 restarts alone; node 1 started again
+    with the same command joins: node 0's ranks restart to admit it and the job ends on 2 ranks.
+    The 1-rank phase equals a straight 1-rank resume of its checkpoint, the 2-rank phase a straight
+    2-rank resume of the checkpoint it restarted from (1e-6).
+    300 steps (2 epochs of the tiny data, a checkpoint every 10) keep node 0 training while node 1
+    starts again."""
+    steps = 300
     out = tmp_path / "run"
     config = write_config(tmp_path, out, steps=steps)
     port = free_port()
-    flags = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1", "--rdzv-timeout=300"]
+    flags = ["--nnodes=1:2", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1", "--rdzv-timeout=300",
+             "--step_scheduler.ckpt_every_steps=10", "--step_scheduler.num_epochs=2"]  # fmt: skip
     logs = [tmp_path / "node0.stderr", tmp_path / "node1.stderr", tmp_path / "node1_again.stderr"]
+    latest = out / "checkpoints" / "LATEST"
     procs = [start_train(config, *flags, log=logs[0])]
     try:
         _wait_listening(port, procs[0], logs[0])
         procs.append(start_train(config, *flags, log=logs[1]))
         deadline = time.monotonic() + TIMEOUT
-        while "[rank 1] fsdp2" not in logs[1].read_text() or not (out / "checkpoints" / "LATEST").is_file():
+        while "[rank 1] fsdp2" not in logs[1].read_text():
+            assert all(p.poll() is None for p in procs), [log.read_text()[-2000:] for log in logs[:2]]
+            assert time.monotonic() < deadline, "node 1 never trained"
+            time.sleep(0.2)
+        before = latest.read_text() if latest.is_file() else None
+        while not latest.is_file() or latest.read_text() == before:  # a checkpoint of the 2-rank world
             assert all(p.poll() is None for p in procs), [log.read_text()[-2000:] for log in logs[:2]]
             assert time.monotonic() < deadline, "no 2-rank checkpoint"
             time.sleep(0.2)
@@ -253,21 +252,29 @@ def test_a_node_that_comes_back_joins_at_the_next_restart(tmp_path: Path) -> Non
                 p.kill()
     texts = [log.read_text() for log in logs]
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
-    assert re.search(
-        r"\[rank [01]\] recipes train: restart \d+ of this job: node \S+ joined \(1 -> 2 nodes\)",
-        texts[0] + texts[2],
+    # every rank says it (the rendezvous may give either node rank 0)
+    joined = re.compile(
+        r"\[rank [01]\] recipes train: restart \d+ of this job: node \S+ joined \(1 -> 2 nodes\); "
+        r"resuming from step (\d+) \((\S+)\) on 2 ranks \(was 1\)"
     )
-    preload()
-    raw = tiny_config(
-        str(tmp_path / "reference"),
-        step_scheduler={"max_steps": steps, "val_every_steps": None},
-        validation_dataset=None,
-    )
-    ref = run_on_ranks(_reference_on_rank, world_size=2, args=(raw,), timeout_s=TIMEOUT)[0]
+    left, join = RESTART.search(texts[0]), joined.search(texts[0])
+    assert left is not None and join is not None and joined.search(texts[2]), texts[2][-3000:]
     got = losses(out)
-    assert sorted(got) == list(range(1, steps + 1)), got
-    for s in got:
-        assert abs(got[s] - ref[s - 1]) <= RTOL * abs(ref[s - 1]), (
-            f"step {s}: {got[s]} vs 2 ranks {ref[s - 1]}"
+    assert sorted(got) == list(range(1, steps + 1)), got  # nothing lost
+    # each phase equals a straight resume of its checkpoint on its world: 1 rank, then 2 ranks
+    for ranks, resumed, until in ((1, left, int(join.group(1))), (2, join, steps)):
+        ref_out = tmp_path / f"reference_{ranks}"
+        ref_config = write_config(
+            tmp_path, ref_out, steps=steps, checkpoint={"restore_from": resumed.group(3)}
         )
+        ref = start_train(
+            ref_config,
+            f"--nproc-per-node={ranks}",
+            "--step_scheduler.num_epochs=2",
+            log=tmp_path / f"ref{ranks}.stderr",
+        )
+        assert ref.wait(timeout=TIMEOUT) == 0, (tmp_path / f"ref{ranks}.stderr").read_text()[-3000:]
+        want = losses(ref_out)
+        for s in range(int(resumed.group(2)) + 1, until + 1):
+            assert abs(got[s] - want[s]) <= 1e-6, f"step {s}: {got[s]} vs a {ranks}-rank resume {want[s]}"
     assert not _job_processes(config), _job_processes(config)
