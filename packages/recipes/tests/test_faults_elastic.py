@@ -254,7 +254,7 @@ def test_a_node_that_comes_back_joins_at_the_next_restart(tmp_path: Path) -> Non
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
     # every rank says it (the rendezvous may give either node rank 0)
     joined = re.compile(
-        r"\[rank [01]\] recipes train: restart \d+ of this job: node \S+ joined \(1 -> 2 nodes\); "
+        r"\[rank [01]\] recipes train: restart \d+ of this job: node (\S+) joined \(1 -> 2 nodes\); "
         r"resuming from step (\d+) \((\S+)\) on 2 ranks \(was 1\)"
     )
     left, join = RESTART.search(texts[0]), joined.search(texts[0])
@@ -262,7 +262,7 @@ def test_a_node_that_comes_back_joins_at_the_next_restart(tmp_path: Path) -> Non
     got = losses(out)
     assert sorted(got) == list(range(1, steps + 1)), got  # nothing lost
     # each phase equals a straight resume of its checkpoint on its world: 1 rank, then 2 ranks
-    for ranks, resumed, until in ((1, left, int(join.group(1))), (2, join, steps)):
+    for ranks, resumed, until in ((1, left, int(join.group(2))), (2, join, steps)):  # (node, step, path)
         ref_out = tmp_path / f"reference_{ranks}"
         ref_config = write_config(
             tmp_path, ref_out, steps=steps, checkpoint={"restore_from": resumed.group(3)}
