@@ -135,6 +135,7 @@ FAULT_TESTS = (
     "packages/recipes/tests/test_faults_refusals.py",
     "packages/recipes/tests/test_faults_data.py",
     "packages/recipes/tests/test_faults_launch.py",
+    "packages/recipes/tests/test_faults_elastic.py",
     "packages/recipes/tests/test_cli_multinode.py",
     "packages/recipes/tests/test_run_safety.py",
     "packages/recipes/tests/test_config_errors.py",

@@ -18,7 +18,7 @@ from _recipe_helpers import tiny_config  # noqa: E402
 
 #: Launcher variables a test environment must not inherit from the shell that runs pytest.
 LAUNCH_PREFIXES = ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_",
-                   "MASTER_", "TORCHELASTIC")  # fmt: skip
+                   "MASTER_", "TORCHELASTIC", "PET_", "NPROC_PER_NODE", "KUBERNETES_SERVICE_")  # fmt: skip
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -33,7 +33,15 @@ SRUN_TASK = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "S
              "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODELIST": "localhost"}  # fmt: skip
 SBATCH_SHELL = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_NODEID": "0",
                 "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_NODELIST": "localhost"}  # fmt: skip
+#: RANK/WORLD_SIZE/MASTER_* with no sign of torchrun or of a pod (a notebook's leftovers).
 TORCHRUN_RANK = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+#: A rank torchrun started (inside a PyTorchJob pod: its PET_* variables inherited).
+REAL_TORCHRUN_RANK = {**TORCHRUN_RANK, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "GROUP_RANK": "1",
+                      "TORCHELASTIC_RUN_ID": "job", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2"}  # fmt: skip
+#: Pod 1 of a PyTorchJob of 2 pods x 2 ranks, and of a PAI-DLC job.
+PYTORCHJOB_POD = {**TORCHRUN_RANK, "RANK": "1", "WORLD_SIZE": "4", "PET_NNODES": "2", "PET_NODE_RANK": "1",
+                  "PET_NPROC_PER_NODE": "2", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}  # fmt: skip
+PAI_POD = {**TORCHRUN_RANK, "RANK": "1", "NPROC_PER_NODE": "2"}
 
 
 @pytest.fixture
@@ -92,6 +100,20 @@ def _refused(job_dir: Path, capsys: pytest.CaptureFixture, *flags: str) -> str:
         ),  # fmt: skip
         ({"RANK": "1"}, [], ["RANK='1'", "WORLD_SIZE is not", "unset RANK"]),
         ({"WORLD_SIZE": "4"}, ["--nproc-per-node", "2"], ["WORLD_SIZE='4'", "RANK is not"]),
+        (
+            REAL_TORCHRUN_RANK,
+            ["--nproc-per-node", "2"],
+            ["--nproc-per-node=2", "already one rank of a torchrun job", "LOCAL_RANK=1"],
+        ),
+        # a pod's flags that disagree with its variables: one line naming both
+        (PYTORCHJOB_POD, ["--nnodes", "4"], ["--nnodes='4'", "PET_NNODES=2", "WORLD_SIZE counts processes"]),
+        (PYTORCHJOB_POD, ["--nproc-per-node", "8"], ["--nproc-per-node=8", "PET_NPROC_PER_NODE=2"]),
+        (PAI_POD, ["--node-rank", "0"], ["--node-rank=0", "PAI-DLC pod's RANK=1"]),
+        (PAI_POD, ["--rdzv-endpoint", "127.0.0.1:1"], ["--rdzv-endpoint='127.0.0.1:1'", "MASTER_PORT=29511"]),
+        ({**PAI_POD, "PET_NODE_RANK": "0"}, [], ["RANK='1'", "disagrees with PET_NODE_RANK='0'"]),
+        ({**PYTORCHJOB_POD, "WORLD_SIZE": "3"}, [], ["WORLD_SIZE='3'", "PET_NNODES=2"]),
+        ({**PAI_POD, "MASTER_PORT": "x"}, [], ["MASTER_PORT='x'"]),
+        ({k: v for k, v in PAI_POD.items() if k != "MASTER_ADDR"}, [], ["MASTER_ADDR=None", "several"]),
     ],
     ids=[
         "torchrun-rank-nproc",
@@ -100,6 +122,15 @@ def _refused(job_dir: Path, capsys: pytest.CaptureFixture, *flags: str) -> str:
         "srun-task-nproc",
         "rank-alone",
         "world-size-alone",
+        "real-torchrun-rank-nproc",
+        "pytorchjob-nnodes-world-size",
+        "pytorchjob-nproc",
+        "pai-node-rank",
+        "pai-endpoint",
+        "pod-rank-variables",
+        "pytorchjob-world-size",
+        "pai-bad-port",
+        "pai-no-master-addr",
     ],  # fmt: skip
 )
 def test_launcher_flag_against_the_environment_is_refused(
@@ -130,7 +161,18 @@ def test_launcher_flag_against_the_environment_is_refused(
         (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", ":29500"], ["--rdzv-endpoint=':29500'"]),
         (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:99999"], ["--rdzv-endpoint='h:99999'"]),
         (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:x"], ["--rdzv-endpoint='h:x'"]),
-        (["--nnodes", "1:2"], ["--nnodes='1:2'", "MIN:MAX"]),
+        (["--nnodes", "1:2"], ["--nnodes='1:2'", "needs --rdzv-endpoint"]),
+        (
+            ["--nnodes", "2:1", "--rdzv-endpoint", "h:1", "--max-restarts", "1"],
+            ["--nnodes='2:1'", "1 <= MIN < MAX"],
+        ),
+        (["--nnodes", "1:x"], ["--nnodes='1:x'", "MIN:MAX"]),
+        (["--nnodes", "x"], ["--nnodes='x'", "an int) or an elastic range MIN:MAX"]),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "h:1"], ["--nnodes='1:2'", "needs --max-restarts N >= 1"]),
+        (
+            ["--nnodes", "1:2", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--max-restarts", "1"],
+            ["--node-rank=0", "order they join"],
+        ),
         (["--nnodes", "0"], ["--nnodes=0", ">= 1"]),
         (["--nproc-per-node", "0"], ["--nproc-per-node=0", ">= 1"]),
         (

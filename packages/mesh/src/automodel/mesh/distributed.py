@@ -142,7 +142,10 @@ def _rendezvous_store(launch: LaunchEnv, *, timeout_minutes: float) -> dist.Stor
 
     Under torchrun the elastic agent hosts the store and keeps it across restarts
     (``--max-restarts``); without a per-attempt prefix, restarted ranks would read the gloo
-    addresses that the killed generation left there and fail with "connection refused".
+    addresses that the killed generation left there and fail with "connection refused". A store
+    rank 0 hosts itself (torchrun's c10d rendezvous with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a
+    fresh one on a fresh port at every restart) needs no prefix, and takes none: the restart count
+    is each agent's own, so a node that joins with a new agent would count differently.
     """
     # only a torchrun rank has an agent hosting the store (a leftover variable must not make a
     # plain process wait for a server nobody runs)
@@ -161,7 +164,7 @@ def _rendezvous_store(launch: LaunchEnv, *, timeout_minutes: float) -> dist.Stor
         )
     except (RuntimeError, TimeoutError) as e:  # torch's DistNetworkError / DistStoreError
         raise RendezvousError(launch, hosts=hosts, cause=e) from e
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if launch.launcher == "torchrun" else "0"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_hosts_store else "0"
     return dist.PrefixStore(f"automodel/attempt_{attempt}", store)
 
 

@@ -246,8 +246,27 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from automodel.recipes.run_lock import acquire_run_lock, run_checkpoint_dir
 
     # the run resolved once for this machine (every check), before any process starts or anything
-    # is written; the ranks get this value and check only their own process group
+    # is written; the ranks get this value and check only their own process group. An elastic job:
+    # once for each world it may shrink or grow to (each one's memory estimate checked too).
     run = resolve_run(cfg, world_size=opts.world_size, this_machine=True)
+    runs = {opts.world_size: run}
+    if opts.min_nnodes is not None:
+        # lazy: start-up, recipes --help: elastic ~0.1 s
+        from automodel.recipes.elastic import resolve_worlds
+
+        runs = resolve_worlds(
+            lambda world: (
+                run
+                if world == opts.world_size
+                else resolve_run(
+                    cfg, world_size=world, this_machine=True, read_files=False, hf_config=run.hf_config
+                )
+            ),
+            min_nodes=opts.min_nnodes,
+            max_nodes=opts.nnodes,
+            ranks_per_node=opts.nproc_per_node,
+            key="--nnodes",
+        )
     # One launcher per node: on a single node it holds the output_dir lock for the whole job
     # (restarts included); on several nodes rank 0 takes it, wherever it runs.
     lock = (
@@ -258,11 +277,13 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         if opts.node_rank == 0:  # node 0 checks the config against the output_dir's, for every node
             _check_resume(cfg, allow_changes=args.resume_with_changes)
+        if opts.environment is not None:  # a pod: how its variables were read (checks passed)
+            print(opts.environment, file=sys.stderr, flush=True)
         if opts.multi_process:
             return launch_torchrun(
                 opts,
                 [args.config, *overrides],
-                run=run,
+                runs=runs,
                 saves_on_sigterm=cfg.checkpoint.enabled,
             )
         return _run_guarded(lambda: run, rank=0, error_dir=None)
@@ -286,10 +307,21 @@ def _train_rank(args: argparse.Namespace, overrides: list[str]) -> int:
 
     def config() -> RecipeConfig | ResolvedRun:
         if args.launcher_resolved is not None:
+            # lazy: start-up, recipes --help: elastic ~0.1 s
+            from automodel.recipes.elastic import run_file
+
             # lazy: start-up, recipes --help: resolved_run ~5 s
             from automodel.recipes.resolved_run import ResolvedRun
 
-            return ResolvedRun.load(Path(args.launcher_resolved))
+            path = run_file(Path(args.launcher_resolved), launch.world_size)
+            if not path.is_file():  # an elastic world the launcher did not resolve (ranks per node differ)
+                raise ConfigError(
+                    "WORLD_SIZE",
+                    launch.world_size,
+                    "the `recipes` launcher resolved this run for other world sizes; give every node "
+                    "the same --nproc-per-node",
+                )
+            return ResolvedRun.load(path)
         cfg = load_and_parse(args.config, overrides)  # `api.train` resolves it in this rank
         if launch.rank == 0:  # no `recipes` launcher checked it
             _check_resume(cfg, allow_changes=args.resume_with_changes)

@@ -18,11 +18,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from automodel.recipes import rank_errors
 from automodel.recipes._agent import AGENT_RANKS_CPP_LOG_LEVEL, read_agent_error
+from automodel.recipes.elastic import JOB_STORE_VARIABLE, run_file
 from automodel.recipes.launch_plan import LaunchOptions
 from automodel.recipes.lifetime import children_of
 
@@ -39,8 +41,14 @@ RANK_VARIABLES = (
 
 
 def agent_env(environ: dict[str, str]) -> dict[str, str]:
-    """The agent's environment: `environ` without rank variables and TORCHELASTIC_* leftovers."""
-    env = {k: v for k, v in environ.items() if k not in RANK_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    """The agent's environment: `environ` without rank variables, TORCHELASTIC_* leftovers and a
+    pod's PET_* variables (torchrun's defaults for the flags this launcher passes itself)."""
+    env = {
+        k: v
+        for k, v in environ.items()
+        if k not in RANK_VARIABLES and not k.startswith(("TORCHELASTIC_", "PET_"))
+    }
+    env.pop(JOB_STORE_VARIABLE, None)  # set below for a job of several nodes only
     env.setdefault("OMP_NUM_THREADS", "1")
     # the agent's own C++ log lines (a rendezvous client timing out, with a stack) stay off the
     # terminal; the agent gives the ranks the user's level back (AGENT_RANKS_CPP_LOG_LEVEL)
@@ -54,12 +62,22 @@ def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
 
     Several nodes meet in torch's static rendezvous: node `node_rank` gets ranks
     ``node_rank * nproc_per_node ...``, node 0 hosts the store at the endpoint, and every node
-    waits at most `rdzv_timeout` seconds for the others."""
-    cmd = [f"--nproc-per-node={opts.nproc_per_node}", f"--nnodes={opts.nnodes}"]
-    if opts.nnodes == 1:
-        cmd.append("--standalone")
+    waits at most `rdzv_timeout` seconds for the others. An elastic job (``--nnodes MIN:MAX``) meets
+    in torch's c10d rendezvous (the store on the endpoint's host; ranks in the order nodes join)."""
+    cmd = [f"--nproc-per-node={opts.nproc_per_node}"]
+    if opts.min_nnodes is not None:  # elastic: c10d rendezvous, the store on the endpoint's host
+        cmd += [
+            f"--nnodes={opts.min_nnodes}:{opts.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={opts.rdzv_endpoint}",
+            f"--rdzv-conf=join_timeout={opts.rdzv_timeout}",
+            f"--rdzv-id={opts.rdzv_id if opts.rdzv_id is not None else 'automodel'}",
+        ]
+    elif opts.nnodes == 1:
+        cmd += [f"--nnodes={opts.nnodes}", "--standalone"]
     else:
         cmd += [
+            f"--nnodes={opts.nnodes}",
             "--rdzv-backend=static",
             f"--rdzv-endpoint={opts.rdzv_endpoint}",
             f"--node-rank={opts.node_rank}",
@@ -79,7 +97,11 @@ def torchrun_command(opts: LaunchOptions, train_args: list[str]) -> list[str]:
 
 def rendezvous_line(opts: LaunchOptions, reason: str) -> str:
     """The one line of a rendezvous that failed (the other nodes never joined, or node 0 is not up)."""
-    where = f"node {opts.node_rank} of {opts.nnodes}"
+    where = (
+        f"a node of --nnodes {opts.min_nnodes}:{opts.nnodes}"
+        if opts.min_nnodes is not None
+        else f"node {opts.node_rank} of {opts.nnodes}"
+    )
     return (
         f"--rdzv-endpoint={opts.rdzv_endpoint}: the nodes did not meet within --rdzv-timeout={opts.rdzv_timeout} s "
         f"({where}: {reason}); start `recipes train` with the same --nnodes and --rdzv-endpoint and "
@@ -136,29 +158,41 @@ class _Forwarder:
 
 
 def launch_torchrun(
-    opts: LaunchOptions, train_args: list[str], *, run: ResolvedRun, saves_on_sigterm: bool = True
+    opts: LaunchOptions,
+    train_args: list[str],
+    *,
+    runs: Mapping[int, ResolvedRun],
+    saves_on_sigterm: bool = True,
 ) -> int:
     """Run the ranks under torchrun's agent; return 0 when every rank succeeded.
 
-    `run` (resolved once on this machine) is pickled into a private directory the ranks are named
-    (``--launcher-resolved``): they train it without resolving the config again.
+    `runs` (resolved once on this machine, by world size: one, or one per node count of an
+    elastic job) are pickled into a private directory the ranks are named (``--launcher-resolved``):
+    each rank trains the one of its world size without resolving the config again.
 
     On failure, print one line per distinct error the ranks reported (exit 2 for user mistakes),
     or the root-cause rank's traceback, or the tail of torchrun's log when no rank reported.
     """
     env = agent_env(dict(os.environ))
+    if opts.nnodes > 1 and opts.rdzv_endpoint is not None:  # the ranks' restart line reads it
+        env[JOB_STORE_VARIABLE] = opts.rdzv_endpoint
+    if opts.elastic:
+        # each restart's rank 0 hosts a fresh store for its ranks: the agents' restart counts differ
+        # once a node joins with a new agent (pytorch/pytorch#135712), so no store may outlive a world
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     error_dir = tempfile.mkdtemp(prefix="automodel-rank-errors-")
     run_dir = Path(tempfile.mkdtemp(prefix="automodel-run-"))
-    log = Path(run.output_dir) / "logs" / "torchrun.log"
+    log = Path(next(iter(runs.values())).output_dir) / "logs" / "torchrun.log"
     try:
-        run.save(run_dir / "run.pkl")
+        for world, run in runs.items():
+            run.save(run_file(run_dir, world))
         log.parent.mkdir(parents=True, exist_ok=True)
         cmd = [
             sys.executable, "-m", "automodel.recipes._agent", f"--parent={os.getpid()}", f"--log={log}",
             f"--error-dir={error_dir}", "--",
             *torchrun_args(
                 opts,
-                [*train_args, f"--launcher-error-dir={error_dir}", f"--launcher-resolved={run_dir / 'run.pkl'}"],
+                [*train_args, f"--launcher-error-dir={error_dir}", f"--launcher-resolved={run_dir}"],
             ),
         ]  # fmt: skip
         agent = subprocess.Popen(cmd, env=env, start_new_session=True)

@@ -26,6 +26,17 @@ class NodeStoppedError(RuntimeError):
     """Another node of the job stopped; `str()` is the one line naming it."""
 
 
+def _attempt(env: Mapping[str, str]) -> str:
+    """This start's key in the store: the agent's restart count where the agent's store outlives the
+    starts; none where each start's rank 0 hosts a fresh store (an elastic job, whose agents count
+    their restarts each on its own)."""
+    return (
+        env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        else "0"
+    )
+
+
 @dataclass
 class NodeWatch:
     """This rank's heartbeat, and the check of the other nodes' (see the module docstring)."""
@@ -52,7 +63,7 @@ class NodeWatch:
                 rank=int(env["RANK"]),
                 world_size=int(env["WORLD_SIZE"]),
                 ranks_per_node=int(env["LOCAL_WORLD_SIZE"]),
-                prefix=f"automodel/beat/{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                prefix=f"automodel/beat/{env.get('TORCHELASTIC_RUN_ID', '')}/{_attempt(env)}",
             )
         except (KeyError, ValueError):
             return None

@@ -35,6 +35,7 @@ from automodel.recipes.checkpoint.paths import CONSOLIDATED_DIR
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.data import build_packed_dataset
 from automodel.recipes.data.launch_data import model_vocab, run_tokenizer
+from automodel.recipes.elastic import announce_start
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.kernels.apply import apply_kernels, check_linear_loss_bound
@@ -212,6 +213,7 @@ class Trainer:
         )
         check_rank(run, world_size=setup.world_size)
         self.mesh, self.device, self.rank = setup.mesh, setup.device, setup.rank
+        announce_start(output_dir=cfg.output_dir)  # after a restart of torchrun's agent: what changed
 
     def _build_data(self) -> None:
         """Tokenizer, this dp rank's training loader, the validation rows and the run's length."""
