@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from automodel.recipes.api import load_config
 from automodel.recipes.errors import ConfigError
@@ -48,8 +49,8 @@ REFUSED = {
     "distributed.dp_replicate_size": "needs a matching layout",
 }
 #: (key path, value) pairs that load and are refused before launch although other values of the
-#: key are not: transformer-engine kernels, which this project never runs
-REFUSED_VALUES = {(f"model.backend.{key}", "te") for key in ("attn", "linear", "rms_norm", "experts")}
+#: key are not (none today: transformer-engine's kernel keys run as the model's own modules)
+REFUSED_VALUES: set[tuple[str, str]] = set()
 
 
 def _model_dir(root: Path) -> Path:
@@ -384,12 +385,15 @@ def test_keys_that_mean_the_same_are_silent_and_validate_checks_the_optimizer(
     assert capsys.readouterr().err.startswith("error: optimizer.adam_w_mode=True: is not an argument of Adam")
 
 
-def test_transformer_engine_backend_is_refused_by_validate_and_train(
+def test_transformer_engine_backend_runs_the_models_own_modules(
     tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture
 ) -> None:
-    """No kernel of this project's training path is transformer-engine's, so ``te`` is never honoured:
-    both commands exit 2 before launch naming every such key and what to write instead; validate
-    prints its plan first, and the file still loads (the compatibility count's "parses")."""
+    """``te`` kernels compute the same math as the transformers model's own modules, which run here
+    (as for ``gmm`` / ``deepep``): the file loads to the same run as without the keys, with one
+    start-up line saying TE's kernels are not used, and `recipes validate` exits 0. A TE FP8 recipe
+    (``te_fp8``) changes the math and is still refused before launch."""
+    import dataclasses
+
     import yaml
 
     from automodel.recipes.cli import run_cli
@@ -400,26 +404,26 @@ def test_transformer_engine_backend_is_refused_by_validate_and_train(
     (tmp_path / "squad.jsonl").write_text(
         json.dumps({"context": "c", "question": "q", "answers": {"text": ["a"], "answer_start": [0]}}) + "\n"
     )
+    plain = load_config(copy.deepcopy(raw))
     raw["model"]["backend"] = {"attn": "te", "linear": "te", "rms_norm": "torch_fp32", "experts": "te"}
     cfg = load_config(copy.deepcopy(raw))
-    assert [(e.key, e.value) for e in cfg.refusals] == [
-        ("model.backend.attn", "te"),
-        ("model.backend.linear", "te"),
-        ("model.backend.experts", "te"),
+    assert not cfg.refusals
+    lines = [n for n in cfg.notes if n.startswith("model.backend")]
+    assert lines == [
+        "model.backend: attn=te, linear=te, experts=te: transformer-engine's kernels are not used; the "
+        "transformers model's own modules run as attn=sdpa, linear=torch, experts=torch (same math)"
     ]
+    same = {"notes": (), "raw": {}}  # the file as written and its lines differ; the run does not
+    assert dataclasses.replace(cfg, **same) == dataclasses.replace(plain, **same)
     path = tmp_path / "te.yaml"
     path.write_text(yaml.safe_dump(raw))
-    for command in ("validate", "train"):
-        capsys.readouterr()
-        assert run_cli([command, str(path)]) == 2, command
-        out, err = capsys.readouterr()
-        assert err.startswith("error: model.backend.attn='te': transformer-engine kernels are never used"), (
-            err
-        )
-        assert "write model.backend.attn: sdpa" in err and "write model.backend.linear: torch" in err
-        assert "model.backend.experts='te'" in err and "write model.backend.experts: torch" in err
-        assert ("peak" in out) == (command == "validate")  # validate shows the plan, then refuses
-    assert not (tmp_path / "run").exists()  # train refused before any rank started
+    capsys.readouterr()
+    assert run_cli(["validate", str(path)]) == 0
+    assert "transformer-engine's kernels are not used" in "".join(capsys.readouterr())
+    raw["model"]["backend"]["te_fp8"] = {"recipe": "current"}
+    assert [(e.key, "FP8" in e.message) for e in load_config(copy.deepcopy(raw)).refusals] == [
+        ("model.backend.te_fp8", True)
+    ]
 
 
 def test_pretrained_config_overrides(model_dir: str) -> None:
@@ -503,3 +507,34 @@ def test_tokenizer_add_bos_token_is_set_and_checked(tmp_path: Path, model_dir: s
     raw["tokenizer"]["add_eos_token"] = False
     with pytest.raises(ConfigError, match=r"tokenizer\.add_eos_token=False"):
         load_config(raw)
+
+
+def test_fused_adam_master_weights_of_bf16_parameters(model_dir: str) -> None:
+    """TE FusedAdam with ``master_weights: true`` over bf16 parameters that the file's mp_policy
+    computes in bf16 (AutoModel's llama_3_3_70b_instruct_squad, llama3_70b_pretrain): the same update
+    as a float32 model (the masters) computing in bf16, with a line; without such an mp_policy the
+    masters are still refused naming the key."""
+    raw = automodel_base(model_dir)
+    raw["output_dir"] = "/tmp/unused"
+    raw["model"]["torch_dtype"] = "bfloat16"
+    raw["optimizer"] = {
+        "_target_": "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam", "lr": 1.0e-5,
+        "adam_w_mode": True, "master_weights": True, "store_param_remainders": True,
+        "exp_avg_dtype": "torch.float32", "exp_avg_sq_dtype": "torch.float32",
+    }  # fmt: skip
+    refused = load_config(copy.deepcopy(raw))
+    assert [e.key for e in refused.refusals] == [
+        "optimizer.exp_avg_dtype",
+        "optimizer.exp_avg_sq_dtype",
+        "optimizer.master_weights",
+    ]
+    raw["distributed"]["mp_policy"] = {
+        "_target_": "torch.distributed.fsdp.MixedPrecisionPolicy",
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+    }
+    cfg = load_config(copy.deepcopy(raw))
+    assert not cfg.refusals
+    assert str(cfg.model.dtype) in ("float32", "torch.float32")
+    assert cfg.distributed.strategy_config.compute_dtype == torch.bfloat16
+    assert any(n.startswith("optimizer.master_weights: true with model.torch_dtype") for n in cfg.notes)

@@ -32,6 +32,7 @@ from automodel.recipes.data.first_rows import first_rows
 from automodel.recipes.data.launch_data import model_vocab, run_tokenizer
 from automodel.recipes.data.loader import Batch, build_train_loader, read_batch
 from automodel.recipes.data.run_length import data_end_line
+from automodel.recipes.data.sft import PAD_MULTIPLE, BatchLength, batch_length_rows
 from automodel.recipes.data.token_ids import check_tokenizer_ids
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
@@ -46,7 +47,14 @@ from automodel.recipes.model import build_meta_model
 from automodel.recipes.model_inputs import position_id_offset
 from automodel.recipes.output_head import HeadLoss, HeadPlan, build_head_loss
 from automodel.recipes.packed_probe import apply_packed_probe
-from automodel.recipes.parallelisms import BatchRun, MicroBatch, Parallelism, axis_sizes, parallelisms
+from automodel.recipes.parallelisms import (
+    BatchRun,
+    MicroBatch,
+    Parallelism,
+    axis_sizes,
+    parallelisms,
+    seq_multiple,
+)
 from automodel.recipes.parallelize import parallelize_model
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.resolved_run import ResolvedRun, check_rank, resolve_run
@@ -216,7 +224,10 @@ class Trainer:
         ss = cfg.step_scheduler
         seq = cfg.packed_sequence.packed_sequence_size
         limit = cfg.packed_sequence.max_packs
-        dataset = build_packed_dataset(cfg.dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed)
+        length = self._batch_length()
+        dataset = batch_length_rows(
+            build_packed_dataset(cfg.dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed), length
+        )
         try:
             self.loader = build_train_loader(
                 dataset if hasattr(dataset, "loader") else first_rows(dataset, limit),
@@ -234,8 +245,11 @@ class Trainer:
             None
             if cfg.validation_dataset is None
             else first_rows(
-                build_packed_dataset(
-                    cfg.validation_dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed
+                batch_length_rows(
+                    build_packed_dataset(
+                        cfg.validation_dataset, self.tokenizer, packed_sequence_size=seq, seed=cfg.seed
+                    ),
+                    length,
                 ),
                 limit,
             )
@@ -246,6 +260,20 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch
         total = steps_per_epoch * ss.num_epochs
         self.total_steps = min(total, ss.max_steps) if ss.max_steps is not None else total
+
+    def _batch_length(self) -> BatchLength | None:
+        """How long a micro-batch of one-example SFT rows is: its longest example rounded up to
+        the least common multiple of `PAD_MULTIPLE` and what the layout needs (`seq_multiple`),
+        in power-of-two buckets when layers are compiled. None (rows of ``seq_length``, as the
+        start-up note says) under pipeline parallelism: its stages exchange fixed-shape buffers."""
+        cfg = self.cfg
+        if cfg.distributed.pipeline_config is not None:
+            return None
+        sc = cfg.distributed.strategy_config
+        return BatchLength(
+            multiple=math.lcm(PAD_MULTIPLE, seq_multiple(cfg, self.mesh.layout)),
+            buckets="enable_compile" in sc.enabled_layer_flags,
+        )
 
     def _build_model(self, run: ResolvedRun) -> torch.nn.Module:
         """The meta-device model (the one the checks ran on when this process resolved the run,

@@ -1,13 +1,12 @@
 """``model.backend``: AutoModel's kernel choices for its own model implementations.
 
 This project trains the transformers model's own modules, so these choices select no kernel
-here. Kernels of other libraries that compute the same math (grouped GEMM, DeepEP, TileLang, ...)
-are accepted and listed in one start-up line. transformer-engine (``te``) is refused by
-`recipes train` and `recipes validate` before launch, naming the key and the value to write:
-no module of this project's training path calls a TE kernel (the only TE code, context-parallel's
-``backend="te"``, is never selected by a recipe), so it cannot be honoured on any machine, with or
-without transformer-engine installed. Values that change the math (``fake_balanced_gate: true``,
-an FP8 recipe) are refused the same way.
+here. Kernels of other libraries that compute the same math (grouped GEMM, DeepEP, TileLang,
+transformer-engine's attention, linear, RMSNorm and grouped experts, ...) are accepted and listed
+in one start-up line; for transformer-engine (``te``) the line says its kernels are not used (no
+module of this project's training path calls one, whether or not transformer-engine is installed).
+Values that change the math (``fake_balanced_gate: true``, a TE FP8 recipe ``te_fp8``) are refused
+by `recipes train` and `recipes validate` before launch, naming the key.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ FLAGS = (
     "dispatcher_share_token_dispatcher",
     "dispatcher_async_dispatch",
 )
-#: per key, the value that names what runs here (what to write instead of ``te``)
+#: per key, the value that names what runs here instead of ``te`` (said in the start-up line)
 INSTEAD_OF_TE = {"attn": "sdpa", "linear": "torch", "rms_norm": "torch_fp32", "experts": "torch"}
 #: what the transformers modules compute, per key (a choice equal to it needs no note)
 HERE = {
@@ -52,6 +51,24 @@ def read_backend(data: Any, *, refusals: list[ConfigError]) -> str | None:
     """Check ``model.backend``; the start-up line for the kernels not used here (None: nothing to
     say). Valid settings that change the math and are not implemented go to `refusals` (refused by
     `recipes train` before launch)."""
+    noted, te = _read(data, refusals=refusals)
+    lines = []
+    if noted:
+        lines.append(
+            f"model.backend: {', '.join(noted)} are kernels of AutoModel's own model implementations; "
+            "here the transformers model's modules run (same math)"
+        )
+    if te:
+        lines.append(
+            f"model.backend: {', '.join(f'{k}=te' for k in te)}: transformer-engine's kernels are not used; "
+            "the transformers model's own modules run as "
+            f"{', '.join(f'{k}={INSTEAD_OF_TE[k]}' for k in te)} (same math)"
+        )
+    return "; ".join(lines) or None
+
+
+def _read(data: Any, *, refusals: list[ConfigError]) -> tuple[list[str], list[str]]:
+    """``(the choices of other kernels, the keys set to te)``; refusals appended to `refusals`."""
     if not isinstance(data, dict):
         raise ConfigError("model.backend", data, "must be a mapping (AutoModel's BackendConfig)")
     data = dict(data)
@@ -59,22 +76,15 @@ def read_backend(data: Any, *, refusals: list[ConfigError]) -> str | None:
         target = data.pop("_target_")
         if not (isinstance(target, str) and target.endswith("BackendConfig")):
             match("model", target, key="model.backend._target_")  # raises with the known names
-    noted = []
+    noted: list[str] = []
+    te: list[str] = []
     for key, value in data.items():
         k = f"model.backend.{key}"
         if key in CHOICES:
             if value not in CHOICES[key]:
                 raise ConfigError(k, value, f"must be one of {', '.join(CHOICES[key])}")
             if value == "te":
-                refusals.append(
-                    ConfigError(
-                        k,
-                        value,
-                        "transformer-engine kernels are never used by this project (the transformers "
-                        "model's own modules run, whether or not transformer-engine is installed); "
-                        f"write model.backend.{key}: {INSTEAD_OF_TE[key]}",
-                    )
-                )
+                te.append(key)
             elif value not in (HERE[key], "torch", "sdpa", "eager", "torch_fp32"):
                 noted.append(f"{key}={value}")
         elif key in FLAGS:
@@ -99,9 +109,4 @@ def read_backend(data: Any, *, refusals: list[ConfigError]) -> str | None:
             refusals.append(ConfigError(k, value, "FP8 training is not implemented in this project"))
         else:
             raise ConfigError(k, value, f"unknown key; known keys: {', '.join(sorted([*CHOICES, *FLAGS]))}")
-    if not noted:
-        return None
-    return (
-        f"model.backend: {', '.join(noted)} are kernels of AutoModel's own model implementations; "
-        "here the transformers model's modules run (same math)"
-    )
+    return noted, te

@@ -48,10 +48,16 @@ def startup_notes(cfg: RecipeConfig, raw: dict) -> list[str]:
             "dataloader.drop_last: false: an epoch's last partial global batch is still dropped here"
         )
     dataset = raw.get("dataset") or {}
-    if hasattr(cfg.dataset, "answer_only_loss_mask") and "seq_length" not in dataset:
-        if cfg.packed_sequence.packed_sequence_size == 0:
-            notes.append(
-                f"dataset.seq_length unset: rows of {cfg.dataset.seq_length} tokens, longer examples skipped "
-                "and counted (AutoModel pads each batch to its longest example)"
-            )
+    sft_rows = hasattr(cfg.dataset, "answer_only_loss_mask") and cfg.packed_sequence.packed_sequence_size == 0
+    if sft_rows and "seq_length" not in dataset:
+        notes.append(
+            f"dataset.seq_length unset: examples longer than {cfg.dataset.seq_length} tokens are skipped "
+            "and counted (AutoModel keeps every example)"
+        )
+    if sft_rows and cfg.distributed.pipeline_config is not None:
+        notes.append(
+            f"pipeline parallelism: every micro-batch is padded to dataset.seq_length={cfg.dataset.seq_length} "
+            "(its stages exchange fixed-shape activations; without pp_size > 1, and in AutoModel, a "
+            "micro-batch is padded to its longest example)"
+        )
     return notes

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 
 from automodel.mesh import parse_dtype
@@ -585,6 +586,15 @@ def _step_scheduler(out: dict, notes: list[str]) -> None:
 _TE_ADAM_FIXED = {"bias_correction": True, "store_param_remainders": None, "capturable": False}
 
 
+def _computes_in(out: dict, dtype: torch.dtype) -> bool:
+    """Whether the file's ``distributed.mp_policy`` computes in `dtype` (its ``param_dtype``)."""
+    dist = out.get("distributed")
+    policy = dist.get("mp_policy") if isinstance(dist, dict) else None
+    if not isinstance(policy, dict) or policy.get("param_dtype") is None:
+        return False
+    return parse_dtype(policy["param_dtype"], key="distributed.mp_policy.param_dtype") == dtype
+
+
 def _optimizer(out: dict, notes: list[str], refusals: list[ConfigError]) -> None:
     """transformer-engine's FusedAdam -> torch.optim.AdamW (adam_w_mode) or Adam, where the same math
     holds: its fp32 master weights and moments are the fp32 parameters and state of a float32 model."""
@@ -603,6 +613,15 @@ def _optimizer(out: dict, notes: list[str], refusals: list[ConfigError]) -> None
 
     model = out.get("model") or {}
     dtype = parse_dtype(model.get("dtype", "float32"), key="model.torch_dtype")
+    if masters and dtype != torch.float32 and _computes_in(out, dtype):
+        # FusedAdam's fp32 master weights of low-precision parameters that FSDP2 computes in that
+        # dtype anyway: the same update as fp32 parameters (the masters) under that mp_policy
+        model["dtype"] = "float32"
+        notes.append(
+            f"optimizer.master_weights: true with model.torch_dtype {dtype}: the model is kept in float32 (the "
+            f"fp32 master weights) and distributed.mp_policy computes in {dtype} (the same update)"
+        )
+        dtype = torch.float32
     for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         if key in opt:
             value = opt.pop(key)

@@ -12,10 +12,13 @@ end-of-turn marker, is the answer), mapped to tokens through the tokenizer's off
 never a label. Labels are the next tokens (``labels[t] = ids[t+1]`` or -100), shifted inside
 each example, so packed examples never predict across a document boundary.
 
-Rows: one example per row of ``seq_length`` tokens, or (``packed_sequence``) several whole
+Rows: one example per row of at most ``seq_length`` tokens, or (``packed_sequence``) several whole
 examples per row of ``packed_sequence_size`` tokens whose position ids restart at 0 at each
 example: transformers builds a block-causal mask from them (attention never crosses examples) and
-context parallelism reads the same boundaries (``cu_seqlens`` from the restarts).
+context parallelism reads the same boundaries (``cu_seqlens`` from the restarts). A micro-batch
+of one-example rows is as long as its longest example rounded up to a small multiple
+(`BatchLength`, applied by `batch_length_rows`), not ``seq_length``: padding carries no label and
+comes after every real token, so under causal attention the loss does not depend on it.
 
 Bad rows are skipped and counted (rank 0 prints the counts): an empty answer, no prompt, a
 conversation without an assistant turn, an example longer than a row (unless ``truncation``). A
@@ -243,7 +246,8 @@ def shifted(example: Example) -> tuple[list[int], list[int]]:
 
 class SFTDataset:
     """Rows of (input_ids, labels, position_ids), each ``[rows, length]``; same interface as
-    `PackedDataset` (``len``, ``batch(indices)``)."""
+    `PackedDataset` (``len``, ``batch(indices)``). `lengths`: each one-example row's real tokens
+    (None for packed rows, which are full)."""
 
     def __init__(
         self,
@@ -252,10 +256,12 @@ class SFTDataset:
         position_ids: torch.Tensor,
         *,
         stats: dict[str, Any],
+        lengths: torch.Tensor | None = None,
     ) -> None:
         self.input_ids, self.labels, self.position_ids = input_ids, labels, position_ids
         self.seq_length = input_ids.shape[1]
         self.stats = stats
+        self.lengths = lengths
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -263,6 +269,57 @@ class SFTDataset:
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ix = torch.as_tensor(indices, dtype=torch.long)
         return self.input_ids[ix], self.labels[ix], self.position_ids[ix]
+
+
+#: What a micro-batch of one-example rows is rounded up to when the layout needs no larger multiple.
+PAD_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class BatchLength:
+    """How long a micro-batch of one-example rows is: its longest example rounded up to
+    `multiple`, at most the rows' width (``seq_length``). With `buckets` (compiled layers) the
+    length is `multiple` times a power of two, so a run sees at most ``log2(width / multiple) + 2``
+    shapes."""
+
+    multiple: int
+    buckets: bool = False
+
+    def of(self, longest: int, *, cap: int) -> int:
+        """The micro-batch length for a longest example of `longest` tokens in rows of `cap`."""
+        units = max(1, -(-longest // self.multiple))
+        if self.buckets:
+            units = 1 << (units - 1).bit_length()
+        return min(units * self.multiple, cap)
+
+
+class BatchLengthRows:
+    """A view of an `SFTDataset` of one-example rows whose ``batch(indices)`` is cut to
+    `BatchLength.of` its longest row (other attributes pass through)."""
+
+    def __init__(self, dataset: SFTDataset, length: BatchLength) -> None:
+        assert dataset.lengths is not None, "packed rows are full: nothing to cut"
+        self.dataset, self.length, self.lengths = dataset, length, dataset.lengths
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        longest = int(self.lengths[torch.as_tensor(indices, dtype=torch.long)].max())
+        n = self.length.of(longest, cap=self.dataset.seq_length)
+        ids, labels, pos = self.dataset.batch(indices)
+        return ids[:, :n].contiguous(), labels[:, :n].contiguous(), pos[:, :n].contiguous()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dataset, name)
+
+
+def batch_length_rows(dataset: Any, length: BatchLength | None) -> Any:
+    """`dataset` with micro-batches as long as `length` makes them, where it is an `SFTDataset`
+    of one-example rows; else (packed rows, other kinds, `length` None) `dataset` itself."""
+    if length is None or not isinstance(dataset, SFTDataset) or dataset.lengths is None:
+        return dataset
+    return BatchLengthRows(dataset, length)
 
 
 def build_rows(
@@ -421,7 +478,8 @@ def _report(section: Any, stats: dict[str, Any]) -> None:
     skipped = stats["skipped"]
     why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items()))
     line = (
-        f"{section.SECTION}: {stats['examples']} examples -> {stats['rows']} rows of {stats['row_length']} tokens, "
+        f"{section.SECTION}: {stats['examples']} examples -> {stats['rows']} rows of "
+        f"{'' if stats['packed'] else 'at most '}{stats['row_length']} tokens, "
         f"{stats['label_tokens']} label tokens"
     )
     if skipped:
@@ -460,13 +518,15 @@ def build_sft_dataset(
         pad_token_id=tokenizer.eos_token_id if pad is None else pad,
         packed=packed,
     )
+    lengths = None if packed else torch.tensor([len(ex.ids) - 1 for ex in examples], dtype=torch.long)
     stats = {
         "records": len(records) + bad_file_rows,
         "examples": len(examples),
         "skipped": dict(skipped),
         "rows": ids.shape[0],
         "row_length": row_length,
+        "packed": packed,
         "label_tokens": int((labels != IGNORE_INDEX).sum()),
     }
     _report(section, stats)
-    return SFTDataset(ids, labels, pos, stats=stats)
+    return SFTDataset(ids, labels, pos, stats=stats, lengths=lengths)

@@ -38,6 +38,7 @@ from automodel.recipes.parallelisms.registry import (
     register_parallelism,
     searched,
     section_keys,
+    seq_multiple,
     size_keys,
     unregister_parallelism,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "register_parallelism",
     "searched",
     "section_keys",
+    "seq_multiple",
     "size_keys",
     "unregister_parallelism",
 ]

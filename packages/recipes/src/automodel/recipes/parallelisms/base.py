@@ -273,6 +273,13 @@ class Parallelism(ABC):
         """Rules against the model and the batch, run before launch (`rules.check_layout_rules`)."""
         return None
 
+    def seq_multiple(self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int) -> int:
+        """What every sequence length of a micro-batch must be a multiple of under it (1: any
+        length). The one home of the rule: `check_model` refuses a ``seq_length`` that is not a
+        multiple, and an SFT micro-batch padded to its longest example is rounded up to the least
+        common multiple of all of them (`registry.seq_multiple`)."""
+        return 1
+
     def check_files(self, *, cfg: RecipeConfig) -> None:
         """The files its section names exist on this machine (`ConfigError` naming the key): run
         before any rank starts, with the other checks of this machine (`environment.check_environment`;

@@ -80,13 +80,17 @@ class ContextParallel(Parallelism):
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int
     ) -> None:
-        seq = cfg.seq_length
-        if size > 1 and seq % (2 * size):
+        seq, multiple = cfg.seq_length, self.seq_multiple(cfg=cfg, layout=layout, size=size)
+        if seq % multiple:
             raise ConfigError(
                 cfg.seq_length_key,
                 seq,
-                f"must be divisible by 2*cp_size = {2 * size} (load-balanced context parallelism)",
+                f"must be divisible by 2*cp_size = {multiple} (load-balanced context parallelism)",
             )
+
+    def seq_multiple(self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int) -> int:
+        """2*cp: the sequence is split in 2*cp equal chunks (load balancing)."""
+        return 2 * size if size > 1 else 1
 
     def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:
         """The load-balanced sequence share of this cp rank, and the context ring attention runs in."""

@@ -165,14 +165,19 @@ class PipelineParallel(Parallelism):
                 raise ConfigError(
                     "step_scheduler.local_batch_size", lb, f"(the pipeline's pp_batch_size): {e}"
                 ) from None
-        tp, cp, seq = layout.tp, layout.cp, cfg.seq_length
-        if tp > 1 and cfg.distributed.sequence_parallel and (seq // cp) % tp:
-            # a stage sends its tp rank's equal share of the sequence-sharded hidden states
+        seq, multiple = cfg.seq_length, self.seq_multiple(cfg=cfg, layout=layout, size=size)
+        if seq % multiple:
             raise ConfigError(
                 cfg.seq_length_key,
                 seq,
-                f"must be divisible by cp_size*tp_size = {cp * tp} for sequence parallelism with pp_size > 1",
+                f"must be divisible by cp_size*tp_size = {multiple} for sequence parallelism with pp_size > 1",
             )
+
+    def seq_multiple(self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int) -> int:
+        """cp*tp under sequence parallelism with pp > 1: a stage sends its tp rank's equal share of
+        the sequence-sharded hidden states of its cp share."""
+        tp, cp = layout.tp, layout.cp
+        return cp * tp if size > 1 and tp > 1 and cfg.distributed.sequence_parallel else 1
 
     def check_files(self, *, cfg: RecipeConfig) -> None:
         pcfg = cfg.distributed.pipeline_config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from automodel.mesh import ResolvedLayout
@@ -9,6 +10,7 @@ from automodel.recipes.parallelisms.base import ActivationSite, MemoryShares, Pa
 
 if TYPE_CHECKING:
     from automodel.recipes.config.distributed import DistributedSection
+    from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.memory import StepSetup
     from automodel.recipes.planning.shape import ModelShape
 
@@ -56,6 +58,13 @@ def axis_sizes(section: DistributedSection, layout: ResolvedLayout) -> dict[str,
     sizes = {axis: layout.axis_size(axis) for axis in layout.axis_names()}
     sizes.update({p.name: p.size(section, layout) for p in _PARALLELISMS.values()})
     return sizes
+
+
+def seq_multiple(cfg: RecipeConfig, layout: ResolvedLayout) -> int:
+    """The least common multiple of every parallelism's `Parallelism.seq_multiple` under `layout`:
+    what a micro-batch's sequence length must be a multiple of."""
+    d = cfg.distributed
+    return math.lcm(*(p.seq_multiple(cfg=cfg, layout=layout, size=p.size(d, layout)) for p in parallelisms()))
 
 
 def planner_sizes(section: DistributedSection, layout: ResolvedLayout) -> tuple[tuple[str, int], ...]:

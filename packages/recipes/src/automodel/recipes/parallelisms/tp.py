@@ -70,6 +70,12 @@ class TensorParallel(Parallelism):
                 "sequence-parallel plan); use tp_size > 1 without it",
             )
 
+    def seq_multiple(self, *, cfg: RecipeConfig, layout: ResolvedLayout, size: int) -> int:
+        """tp under sequence parallelism: the norms' regions hold equal shares of the sequence (a
+        ``seq_length`` that is not a multiple still runs, in uneven shards; a padded micro-batch
+        is rounded up to equal ones)."""
+        return size if size > 1 and cfg.distributed.sequence_parallel else 1
+
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """Inside one node (its collectives are on the critical path of every layer)."""
         return [{self.name: d} for d in divisors(min(point.room, point.gpus_per_node))]
