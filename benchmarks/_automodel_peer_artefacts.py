@@ -84,7 +84,6 @@ def save_model(directory: Path, *, seed: int = 0) -> None:
         eos_token_id=vocab[EOS],
         pad_token_id=vocab[PAD],
         tie_word_embeddings=False,
-        torch_dtype="float32",
         **MODEL,
     )
     torch.manual_seed(seed)

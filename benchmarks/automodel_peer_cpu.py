@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,13 +132,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _choices(flag: str, value: str, allowed: object) -> list[str]:
+def _choices(flag: str, value: str, allowed: Iterable[str]) -> list[str]:
+    known = list(allowed)
     names = [v for v in value.split(",") if v]
-    bad = [n for n in names if n not in allowed]  # type: ignore[operator]
+    bad = [n for n in names if n not in known]
     if bad or not names:
         raise SystemExit(
-            f"{flag}={value}: unknown {', '.join(bad) or 'empty'}; choose from {', '.join(allowed)}"
-        )  # type: ignore[arg-type]
+            f"{flag}={value}: unknown {', '.join(bad) or 'empty'}; choose from {', '.join(known)}"
+        )
     return names
 
 
@@ -185,6 +187,15 @@ def checkout_commit(checkout: Path) -> str:
 
 def _git_dir(checkout: Path) -> Path:
     return checkout / ".git" if (checkout / ".git").exists() else checkout
+
+
+def processes(file: Path, nproc: int) -> int:
+    """`nproc`, or fewer where the file names its own count (``ci.nproc_per_node``; the chat file
+    is a one-process file: ``dp_size: 1``, which ours refuses on 2 processes and AutoModel ignores)."""
+    import yaml
+
+    own = (yaml.safe_load(file.read_text()).get("ci") or {}).get("nproc_per_node")
+    return min(nproc, own) if isinstance(own, int) and own > 0 else nproc
 
 
 def read_recipe(checkout: Path, rel: str, dest: Path) -> Path:
@@ -275,13 +286,14 @@ def median_time(steps: list[Step]) -> float | None:
     return statistics.median(times) if times else None
 
 
-def summary_row(name: str, mode: str, am: Run, ours: Run) -> dict[str, object]:
+def summary_row(name: str, mode: str, nproc: int, am: Run, ours: Run) -> dict[str, object]:
     n = min(len(am.steps), len(ours.steps))
     pairs = list(zip(am.steps[:n], ours.steps[:n], strict=True))
     t_am, t_ours = median_time(am.steps), median_time(ours.steps)
     return {
         "file": name,
         "mode": mode,
+        "nproc": nproc,
         "steps": n,
         "max_loss_diff": max((abs(a.loss - o.loss) for a, o in pairs), default=None),
         "max_grad_norm_diff": max((abs(a.grad_norm - o.grad_norm) for a, o in pairs), default=None),
@@ -314,12 +326,12 @@ def step_table(am: Run, ours: Run) -> str:
 
 def summary_table(rows: list[dict[str, object]]) -> str:
     lines = [
-        "| file | labels / precision | steps | max abs loss diff | max abs grad-norm diff | label tokens equal | median step s AutoModel | median step s ours | ours / AutoModel |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|",
+        "| file | labels / precision | processes | steps | max abs loss diff | max abs grad-norm diff | label tokens equal | median step s AutoModel | median step s ours | ours / AutoModel |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['file']} | {r['mode']} | failed: {r['error']} |||||||")
+            lines.append(f"| {r['file']} | {r['mode']} | {r['nproc']} | failed: {r['error']} |||||||")
             continue
         mode = (
             "as written (BOS tokenizer, each its default precision)"
@@ -327,16 +339,16 @@ def summary_table(rows: list[dict[str, object]]) -> str:
             else "equal labels, fp32 both"
         )
         lines.append(
-            f"| {r['file']} | {mode} | {r['steps']} | {_fmt(r['max_loss_diff'], '.1e')} | {_fmt(r['max_grad_norm_diff'], '.1e')} "
+            f"| {r['file']} | {mode} | {r['nproc']} | {r['steps']} | {_fmt(r['max_loss_diff'], '.1e')} | {_fmt(r['max_grad_norm_diff'], '.1e')} "
             f"| {'yes' if r['labels_equal'] else 'no'} | {_fmt(r['automodel_s'], '.2f')} | {_fmt(r['ours_s'], '.2f')} | {_fmt(r['ratio'], '.2f')} |"
         )
     return "\n".join(lines)
 
 
-def report(results: list[tuple[str, str, Run, Run]], *, header: str) -> str:
-    rows = [summary_row(name, mode, am, ours) for name, mode, am, ours in results]
+def report(results: list[tuple[str, str, int, Run, Run]], *, header: str) -> str:
+    rows = [summary_row(name, mode, nproc, am, ours) for name, mode, nproc, am, ours in results]
     parts = [header, "", summary_table(rows)]
-    for name, mode, am, ours in results:
+    for name, mode, _, am, ours in results:
         if am.steps and ours.steps:
             parts += ["", f"### {name}, {mode}", "", step_table(am, ours)]
     return "\n".join(parts) + "\n"
@@ -359,37 +371,38 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.files:
         recipe = FILES[name]
         file = read_recipe(args.automodel_checkout, recipe.path, work / "files" / Path(recipe.path).name)
+        nproc = processes(file, args.nproc)
         for mode in args.modes:
-            print(f"{name} ({recipe.path}), {mode}", flush=True)
+            print(f"{name} ({recipe.path}), {mode}, {nproc} processes", flush=True)
             overrides = common_overrides(recipe, mode, artefacts, args.steps)
             run_dir = work / "runs" / f"{name}_{mode}"
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             am_logs, ours_logs = run_dir / "automodel", run_dir / "ours"
             am = run_one(
-                automodel_command(python, file, args.nproc, overrides, am_logs),
+                automodel_command(python, file, nproc, overrides, am_logs),
                 log=run_dir / "automodel.log",
                 cwd=run_dir,
                 metrics=am_logs / "training.jsonl",
                 trainer="automodel",
             )
             ours = run_one(
-                ours_command(file, args.nproc, overrides, ours_logs),
+                ours_command(file, nproc, overrides, ours_logs),
                 log=run_dir / "ours.log",
                 cwd=ROOT,
                 metrics=ours_logs / "metrics.jsonl",
                 trainer="ours",
             )
-            results.append((name, mode, am, ours))
+            results.append((name, mode, nproc, am, ours))
     header = (
-        f"NeMo AutoModel 0.7.0 vs `recipes train`, {args.nproc} processes, {args.steps} steps, {args.rows} rows; "
+        f"NeMo AutoModel 0.7.0 vs `recipes train`, up to {args.nproc} processes, {args.steps} steps, {args.rows} rows; "
         f"files from NVIDIA-NeMo/Automodel {commit[:9]} examples/llm_finetune; work dir {work}"
     )
     text = report(results, header=header)
     print(text)
     if args.report:
         args.report.write_text(text)
-    return 0 if all(not (am.error or ours.error) for _, _, am, ours in results) else 1
+    return 0 if all(not (am.error or ours.error) for *_, am, ours in results) else 1
 
 
 if __name__ == "__main__":

@@ -126,6 +126,10 @@ def test_recipe_read_from_work_tree_or_git_dir(bench, tmp_path: Path) -> None:
     assert bench.read_recipe(repo, rel, tmp_path / "a.yaml").read_text() == "recipe: A\n"
     assert bench.read_recipe(repo / ".git", rel, tmp_path / "b.yaml").read_text() == "recipe: A\n"
     assert bench.checkout_commit(repo) == bench.checkout_commit(repo / ".git") == head
+    # a file's own process count caps --nproc
+    (tmp_path / "one.yaml").write_text("ci:\n  nproc_per_node: 1\n")
+    (tmp_path / "any.yaml").write_text("recipe: A\n")
+    assert bench.processes(tmp_path / "one.yaml", 2) == 1 and bench.processes(tmp_path / "any.yaml", 2) == 2
 
 
 def test_tokenizers_label_as_documented(tmp_path: Path) -> None:
@@ -152,14 +156,16 @@ def test_report_figures(bench) -> None:
     ours = Run(
         "ours", [Step(4.0, 2.0, 10, 5.0), Step(3.9000004, 1.9, 11, 0.5), Step(3.8, 1.8000002, 12, 1.0)]
     )
-    row = bench.summary_row("squad", "equal", am, ours)
+    row = bench.summary_row("squad", "equal", 2, am, ours)
     assert row["steps"] == 3 and row["labels_equal"] is True
     assert row["max_loss_diff"] == pytest.approx(4e-7, rel=1e-3)
     assert row["max_grad_norm_diff"] == pytest.approx(2e-7, rel=1e-3)
     # medians after the first step: AutoModel 2.0 s, ours 0.75 s
     assert row["automodel_s"] == 2.0 and row["ours_s"] == 0.75 and row["ratio"] == 0.375
-    text = bench.report([("squad", "equal", am, ours)], header="H")
-    assert "| squad | equal labels, fp32 both | 3 | 4.0e-07 | 2.0e-07 | yes | 2.00 | 0.75 | 0.38 |" in text
+    text = bench.report([("squad", "equal", 2, am, ours)], header="H")
+    assert (
+        "| squad | equal labels, fp32 both | 2 | 3 | 4.0e-07 | 2.0e-07 | yes | 2.00 | 0.75 | 0.38 |" in text
+    )
     assert "| 2 | 3.9000000 | 3.9000004 | 4.0e-07 | 1.900000 / 1.900000 | 11 / 11 | 1.00 / 0.50 |" in text
-    failed = bench.summary_row("chat", "as_written", Run("automodel", error="exit 1, see x"), ours)
+    failed = bench.summary_row("chat", "as_written", 1, Run("automodel", error="exit 1, see x"), ours)
     assert "failed: exit 1, see x" in bench.summary_table([failed])
