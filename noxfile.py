@@ -5,7 +5,8 @@ imported, checked free of test code and smoke-run), `release_check` (versions, c
 (every causal LM of the transformers registry under every layout; writes docs/models.md), `torch_range`
 (each package's tests in a fresh venv on the oldest and newest torch it admits), `composed`
 (composed layouts on common families; writes docs/composed.md), `faults` (every fault and
-bad-input case of the recipes and the pipeline package).
+bad-input case of the recipes and the pipeline package), `automodel_peer` (NeMo AutoModel 0.7.0 itself
+vs `recipes train` on its own recipe files, CPU; installs it outside the repository).
 
 All sessions run in the workspace environment (`uv run --frozen nox -s ...`), so torch is never
 installed twice. `gpu_tests` runs scripts/gpu_check.sh, which also works on GPU runners that have
@@ -165,3 +166,13 @@ def composed(session: nox.Session) -> None:
     """Composed 4-rank layouts (pipeline with TP, SP, CP, EP; EP with CP) on common families, one
     process vs each; writes docs/composed.md. Posargs go to the sweep (`-- --models llama,mixtral`)."""
     session.run(sys.executable, str(ROOT / "tests" / "conformance" / "composed.py"), *session.posargs)
+
+
+@nox.session
+def automodel_peer(session: nox.Session) -> None:
+    """NeMo AutoModel 0.7.0 itself vs `recipes train` on its own recipe files (SQuAD full and LoRA,
+    HellaSwag, chat), same tiny model, tokenizer and rows, CPU: per-step losses and step times side
+    by side. Installs AutoModel in a venv outside the repository (~/.cache/automodel-peer) and patches
+    it (benchmarks/automodel_0.7.0_cpu.patch). Not in .ci/run: it needs the registry and ~30 min.
+    `nox -s automodel_peer -- --automodel-checkout PATH [--nproc 2] [--steps 10] [--files squad]`."""
+    session.run(sys.executable, str(ROOT / "benchmarks" / "automodel_peer_cpu.py"), *session.posargs)
