@@ -41,3 +41,15 @@ def write_arithmetic_jsonl(path: Path, *, n: int = 64) -> Path:
     rows = [{"q": f"{i % 13}+{(7 * i) % 11}=", "a": str(i % 13 + (7 * i) % 11)} for i in range(n)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def arithmetic_instruction_section(tmp: Path, *, seq_length: int) -> dict:
+    """A ``dataset:`` section over 64 `write_arithmetic_jsonl` rows in ``tmp``: answer-only
+    instruction rows of at most `seq_length` tokens."""
+    return {
+        "source": "instruction",
+        "path_or_dataset_id": str(write_arithmetic_jsonl(tmp / "sft.jsonl", n=64)),
+        "column_mapping": {"question": "q", "answer": "a"},
+        "answer_only_loss_mask": True,
+        "seq_length": seq_length,
+    }

@@ -17,7 +17,7 @@ from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import assert_losses_close, preload, tiny_config  # noqa: E402
-from _sft_helpers import write_arithmetic_jsonl  # noqa: E402
+from _sft_helpers import arithmetic_instruction_section  # noqa: E402
 
 preload()
 
@@ -27,14 +27,7 @@ SEQ = 256
 
 
 def _config(tmp: Path, out: str, **sections: Any) -> dict:
-    data = write_arithmetic_jsonl(tmp / "sft.jsonl", n=64)
-    dataset = {
-        "source": "instruction",
-        "path_or_dataset_id": str(data),
-        "column_mapping": {"question": "q", "answer": "a"},
-        "answer_only_loss_mask": True,
-        "seq_length": SEQ,
-    }
+    dataset = arithmetic_instruction_section(tmp, seq_length=SEQ)
     cfg = tiny_config(out, step_scheduler={"max_steps": 2, "val_every_steps": 2}, **sections)
     cfg["dataset"] = dataset
     cfg["validation_dataset"] = {**dataset, "limit_dataset_samples": 16}

@@ -12,7 +12,7 @@ from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import assert_losses_close, preload, tiny_config, train_on_rank  # noqa: E402
-from _sft_helpers import write_arithmetic_jsonl  # noqa: E402
+from _sft_helpers import arithmetic_instruction_section  # noqa: E402
 
 preload()
 
@@ -20,14 +20,7 @@ TIMEOUT = 300
 
 
 def _sft_config(tmp: Path, out: str, *, packed: int = 0, **sections) -> dict:
-    data = write_arithmetic_jsonl(tmp / "sft.jsonl", n=64)
-    dataset = {
-        "source": "instruction",
-        "path_or_dataset_id": str(data),
-        "column_mapping": {"question": "q", "answer": "a"},
-        "answer_only_loss_mask": True,
-        "seq_length": 16,
-    }
+    dataset = arithmetic_instruction_section(tmp, seq_length=16)
     cfg = tiny_config(
         out,
         dataset=None,
