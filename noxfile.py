@@ -99,7 +99,7 @@ def install_alone(session: nox.Session) -> None:
 def torch_range(session: nox.Session) -> None:
     """Each package's tests in a fresh venv outside the workspace, on the oldest and the newest torch
     its `torch` specifier admits (`-- --only automodel-pipeline --torch 2.15.0`; after a second `--`,
-    pytest arguments). .ci/run runs mesh, pipeline and context-parallel on the newest torch.
+    pytest arguments). .ci/run runs mesh, pipeline, context-parallel and data on the newest torch.
     See scripts/torch_range.py."""
     session.run(sys.executable, str(ROOT / "scripts" / "torch_range.py"), *session.posargs)
 

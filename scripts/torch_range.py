@@ -12,8 +12,9 @@ run from there so no workspace `pyproject.toml`, constraint or lock applies) get
 - the package's wheel and the wheels of the siblings it declares (built as `nox -s build` does), with
   the extras its tests use (`TEST_EXTRAS`);
 - `torch==<v>` (the CUDA build PyPI serves; the tests run on the CPU);
-- the test tools (`TEST_TOOLS`: pytest, the dev-only harness `automodel-testing`, and what a
-  package's tests import beyond its own dependencies);
+- the test tools (`TEST_TOOLS`: pytest, the dev-only harness `automodel-testing`, which the
+  workspace's conftest.py imports, with the sibling wheels it requires (`HARNESS_SIBLINGS`), and what
+  a package's tests import beyond its own dependencies);
 - every other third-party package at uv.lock's version where the lock has it (torch and the CUDA
   libraries it pins excepted), so the torch version is the one thing that differs from the
   workspace.
@@ -57,7 +58,11 @@ TEST_EXTRAS = {
     "automodel-recipes": "tensorboard,kernels,fp8,wandb,mlflow",
 }
 #: what every package's tests import besides the package: the test runner and the shared harness
+#: (the workspace's conftest.py imports it, so every package's tests need it)
 TEST_TOOLS = ("pytest", str(ROOT / "packages" / "testing"))
+#: the harness's workspace dependencies: no index serves them, so their wheels are installed with it
+#: (automodel-data's own closure lacks automodel-mesh; its tests import nothing of mesh)
+HARNESS_SIBLINGS = ("automodel-mesh",)
 #: per package, what its tests import that the package itself does not declare (from the dev group)
 TEST_IMPORTS = {
     "automodel-mesh": ("transformers",),
@@ -129,9 +134,9 @@ def run_one(
         env=env,
     )
     extras = TEST_EXTRAS.get(name)
-    wheel_args = [
-        f"{wheels[n]}[{extras}]" if (n == name and extras) else str(wheels[n]) for n in _closure(name, wheels)
-    ]
+    needed = _closure(name, wheels)
+    needed += [n for n in HARNESS_SIBLINGS if n not in needed]
+    wheel_args = [f"{wheels[n]}[{extras}]" if (n == name and extras) else str(wheels[n]) for n in needed]
     _run(
         [uv, "pip", "install", "--quiet", "--no-config", "--no-sources", "--python", str(python),
          "-c", str(constraints), f"torch=={torch_version}", *wheel_args, *TEST_TOOLS, *TEST_IMPORTS.get(name, ())],

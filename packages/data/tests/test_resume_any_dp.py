@@ -94,3 +94,37 @@ def test_streaming_refuses_another_dp_size_by_name(tmp_path: Path) -> None:
         ConfigError, match=r"^dataset\.source='streaming': cannot resume exactly on dp rank 0 of 1"
     ):
         other.load_state_dict(state)
+
+
+def test_a_position_from_a_dataset_of_another_length_is_refused(tmp_path: Path) -> None:
+    """The position counts the dataset's rows: loaded into a loader over another corpus it would
+    silently point elsewhere, so it is refused naming both lengths."""
+    short = write_corpus(tmp_path / "short", random_docs(60, seed=1))
+    longer = write_corpus(tmp_path / "long", random_docs(90, seed=2))
+    loaders = []
+    for prefix in (short, longer):
+        section = MegatronPretrainingSection(paths=prefix, seq_length=16, split="100,0,0", seed=SEED)
+        dataset = build_dataset(section, tokenizer=Vocab(vocab_size=512, eos_token_id=0), seed=SEED)
+        loaders.append(
+            build_loader(
+                dataset, global_batch_size=GLOBAL, local_batch_size=4, dp_rank=0, dp_size=2, seed=SEED
+            )
+        )
+    loaders[0].next_step()
+    state = loaders[0].state_dict()
+    assert set(state) == {"epoch", "batch_in_epoch", "seed", "num_rows"} and state["batch_in_epoch"] == 1
+    rows = (state["num_rows"], loaders[1].state_dict()["num_rows"])
+    assert rows[0] != rows[1]
+    with pytest.raises(
+        ValueError, match=rf"^sampler state is for {rows[0]} rows, this dataset has {rows[1]}$"
+    ):
+        loaders[1].load_state_dict(state)
+
+
+def test_a_bad_section_value_is_a_config_error_naming_key_and_value() -> None:
+    """Sections validate on creation: a `ConfigError` (a `ValueError`) whose one line names both."""
+    with pytest.raises(ConfigError) as e:
+        MegatronPretrainingSection(paths="corpus", seq_length=1)
+    assert isinstance(e.value, ValueError) and str(e.value) == "dataset.seq_length=1: must be an int >= 2"
+    with pytest.raises(ConfigError, match=r"^dataset\.shuffle_files='yes': must be true or false$"):
+        NanogptSection(file_pattern="shard_*.bin", shuffle_files="yes")
