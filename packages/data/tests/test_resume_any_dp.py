@@ -112,13 +112,27 @@ def test_a_position_from_a_dataset_of_another_length_is_refused(tmp_path: Path) 
         )
     loaders[0].next_step()
     state = loaders[0].state_dict()
-    assert set(state) == {"epoch", "batch_in_epoch", "seed", "num_rows"} and state["batch_in_epoch"] == 1
+    assert set(state) == {"epoch", "batch_in_epoch", "seed", "num_rows", "global_batch_size"}
+    assert state["batch_in_epoch"] == 1
     rows = (state["num_rows"], loaders[1].state_dict()["num_rows"])
     assert rows[0] != rows[1]
     with pytest.raises(
         ValueError, match=rf"^sampler state is for {rows[0]} rows, this dataset has {rows[1]}$"
     ):
         loaders[1].load_state_dict(state)
+
+
+def test_a_position_under_another_global_batch_size_is_refused(tmp_path: Path) -> None:
+    """The position counts global batches: loaded under another global batch size it would name
+    other samples, so it is refused naming both sizes."""
+    prefix = write_corpus(tmp_path / "c", random_docs(60, seed=1))
+    section = MegatronPretrainingSection(paths=prefix, seq_length=16, split="100,0,0", seed=SEED)
+    dataset = build_dataset(section, tokenizer=Vocab(vocab_size=512, eos_token_id=0), seed=SEED)
+    saved = build_loader(dataset, global_batch_size=8, local_batch_size=4, dp_rank=0, dp_size=2, seed=SEED)
+    saved.next_step()
+    other = build_loader(dataset, global_batch_size=4, local_batch_size=2, dp_rank=0, dp_size=2, seed=SEED)
+    with pytest.raises(ValueError, match=r"^sampler state is for global_batch_size=8, this loader's is 4: "):
+        other.load_state_dict(saved.state_dict())
 
 
 def test_a_bad_section_value_is_a_config_error_naming_key_and_value() -> None:

@@ -85,12 +85,20 @@ class StatefulGlobalBatchSampler:
             "batch_in_epoch": self.batch_in_epoch,
             "seed": self.seed,
             "num_rows": self.num_rows,
+            "global_batch_size": self.global_batch_size,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("num_rows", self.num_rows) != self.num_rows:
             raise ValueError(
                 f"sampler state is for {state['num_rows']} rows, this dataset has {self.num_rows}"
+            )
+        # the position counts global batches: under another global batch size the same count
+        # names other samples (a state saved before the size was recorded carries no check)
+        if state.get("global_batch_size", self.global_batch_size) != self.global_batch_size:
+            raise ValueError(
+                f"sampler state is for global_batch_size={state['global_batch_size']}, this loader's is "
+                f"{self.global_batch_size}: the same position would name other samples"
             )
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
