@@ -61,12 +61,7 @@ def step_setup(
     if cfg.peft is not None:
         trainable = -1  # filled by the caller that knows the adapter sizes
     return StepSetup(
-        tp=layout.tp,
-        pp=layout.pp,
-        cp=layout.cp,
-        ep=layout.ep,
-        dp_shard=layout.dp_shard,
-        dp_replicate=layout.dp_replicate,
+        sizes=tuple(layout.sizes().items()),
         sharding=strategy.memory_model(d.strategy_config),
         sequence_parallel=d.strategy_config.sequence_parallel_enabled,
         activation_checkpointing="activation_checkpointing" in d.strategy_config.enabled_layer_flags,
