@@ -377,6 +377,13 @@ class Parallelism(ABC, Generic[C]):
         return None
 
     # ---- the planner ---------------------------------------------------------------------
+    def step_fields(self, *, section: DistributedSection, size: int, stages: int) -> dict[str, object]:
+        """The `StepSetup` fields besides its size that a run of `section` sets for it, as `recipes
+        train` runs it (`planning.setup.step_setup`: pp's micro-batch, schedule and stages per rank,
+        ep's resharding, tp's sequence parallelism); `section` has the machine's defaults resolved,
+        `stages` is the pipeline's stage count. None by default."""
+        return {}
+
     def memory_terms(self, *, size: int, setup: StepSetup, shape: ModelShape) -> dict[str, float]:
         """Per-rank bytes it holds through the whole step, by name (added to the static part of
         the estimate, `StepSetup.extra_bytes`); none by default."""
