@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from automodel.mesh import DENSE_AXES, FLATTENED_AXES, MOE_AXES, MeshContext, ParallelismSizes, fake_world
+from automodel.mesh import MeshContext, ParallelismSizes, dense_axes, fake_world, flattened_axes, moe_axes
 from automodel.mesh.planned import own_group_ranks, rank_grid
 
 from .layouts import legal_layouts
@@ -20,12 +20,12 @@ WORLD = 8
 def _torch_meshes(ctx: MeshContext) -> dict[str, DeviceMesh]:
     """The 1-D meshes of every axis as torch builds them (one new_group per group of every rank)."""
     layout = ctx.layout
-    dense = init_device_mesh("cpu", layout.dense_shape, mesh_dim_names=DENSE_AXES)
-    out = {axis: dense[axis] for axis in DENSE_AXES}
-    out.update({name: dense[axes]._flatten(name) for name, axes in FLATTENED_AXES.items()})
+    dense = init_device_mesh("cpu", layout.dense_shape, mesh_dim_names=dense_axes())
+    out = {axis: dense[axis] for axis in dense_axes()}
+    out.update({name: dense[axes]._flatten(name) for name, axes in flattened_axes().items()})
     if layout.ep_enabled:
         ranks = torch.arange(layout.world_size).reshape(layout.moe_shape)
-        moe = DeviceMesh("cpu", ranks, mesh_dim_names=(*MOE_AXES, "moe_tp"))
+        moe = DeviceMesh("cpu", ranks, mesh_dim_names=(*moe_axes(), "moe_tp"))
         out.update({axis: moe[axis] for axis in ("ep_shard", "ep")})
     return out
 
@@ -63,8 +63,8 @@ def test_sixteen_k_ranks_create_only_the_planned_ranks_groups() -> None:
         ctx = MeshContext.build(sizes, device_type="cpu")
         created = distributed_c10d._world.group_count - before
         layout = ctx.layout
-        flattening = sum(layout.world_size // layout.axis_size(name) for name in FLATTENED_AXES)
-        assert created == len(DENSE_AXES) + len(MOE_AXES) + 1 + flattening
+        flattening = sum(layout.world_size // layout.axis_size(name) for name in flattened_axes())
+        assert created == len(dense_axes()) + len(moe_axes()) + 1 + flattening
 
 
 def test_a_group_that_disagrees_with_the_layout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

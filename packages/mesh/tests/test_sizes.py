@@ -30,14 +30,14 @@ BAD_LAYOUTS = [
     (
         dict(tp_size=3),
         8,
-        "world_size 8 is not divisible by tp_size*pp_size*cp_size = 3 (tp_size=3, pp_size=1, cp_size=1)",
+        "world_size 8 is not divisible by pp_size*cp_size*tp_size = 3 (pp_size=1, cp_size=1, tp_size=3)",
     ),
     (
         dict(tp_size=2, pp_size=2, cp_size=2),
         12,
-        "world_size 12 is not divisible by tp_size*pp_size*cp_size = 8",
+        "world_size 12 is not divisible by pp_size*cp_size*tp_size = 8",
     ),
-    (dict(pp_size=16), 8, "tp_size*pp_size*cp_size = 16"),
+    (dict(pp_size=16), 8, "pp_size*cp_size*tp_size = 16"),
     (dict(dp_replicate_size=3), 8, "dp_replicate_size=3 must divide dp_size=8"),
     (dict(dp_replicate_size=4), 4, "dp_replicate_size=4 equals dp_size=4"),
     (dict(dp_replicate_size=2, tp_size=2), 4, "dp_replicate_size=2 equals dp_size=2"),

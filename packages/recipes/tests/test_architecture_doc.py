@@ -39,7 +39,7 @@ FILE_SUFFIXES = ("py", "md", "toml", "yaml", "json")
 #: Backticked dotted names that are not modules: attribute paths inside a Hugging Face model.
 NOT_NAMES = frozenset({"model.layers", "transformer.h"})
 #: A class or constant named without its module (``ResolvedRun``, ``Strategy.axis_refusal``,
-#: ``PARALLEL_AXES``): it must be defined at the top level of some package module.
+#: ``parallel_axes``): it must be defined at the top level of some package module.
 CLASSLIKE = re.compile(r"^[A-Z][A-Za-z0-9_]*(\.[A-Za-z_]\w*)*$")
 TOP_LEVEL = re.compile(r"^(?:class\s+([A-Z]\w*)|([A-Z][A-Z0-9_]*)\s*[:=])", re.M)
 DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+$")
@@ -193,7 +193,7 @@ def test_the_check_passes_good_names() -> None:
         "rules.check_layout_rules",
         "ParallelModel.strategy",  # a dataclass field without a default
         "Strategy.axis_refusal",
-        "PARALLEL_AXES",
+        "parallel_axes",
         "ValueError",  # a builtin: not checked
         "planning/search.py: enumerate_layouts",
         "data/file_check.check_text_rows",

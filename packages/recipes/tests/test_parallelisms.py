@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 import yaml
 
-from automodel.mesh import AXES, DENSE_AXES, FLATTENED_AXES, MOE_AXES, PARALLEL_AXES, ResolvedLayout
+from automodel.mesh import ResolvedLayout, axes, dense_axes, flattened_axes, moe_axes, parallel_axes
 from automodel.mesh.model_parts import text_config
 from automodel.recipes import load_config
 from automodel.recipes._dist_setup import parse_distributed_section, resolve_layout
@@ -44,6 +44,7 @@ from automodel.recipes.planning.models import resolve_model_config
 from automodel.recipes.planning.roofline import Hardware
 from automodel.recipes.planning.search import enumerate_layouts
 from automodel.recipes.planning.shape import model_shape
+from automodel.recipes.planning.step import sized
 from automodel.recipes.planning.table import format_table, yaml_block
 from automodel.recipes.strategies import get_strategy, register_strategy, registry, strategy_names
 from automodel.recipes.strategies.fsdp2 import FSDP2Strategy
@@ -164,19 +165,22 @@ def test_the_parallelisms_are_registered_in_order() -> None:
 
 
 def test_the_axis_table_gives_the_mesh_axes() -> None:
-    assert DENSE_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    assert FLATTENED_AXES == {
+    assert dense_axes() == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert flattened_axes() == {
         "dp": ("dp_replicate", "dp_shard"),
         "dp_shard_cp": ("dp_shard", "cp"),
         "dp_cp": ("dp_replicate", "dp_shard", "cp"),
     }
-    assert MOE_AXES == ("pp", "ep_shard", "ep")
-    assert PARALLEL_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-    assert ResolvedLayout.axis_names() == tuple(a.name for a in AXES if a.mesh != "moe") + ("ep_shard", "ep")
+    assert moe_axes() == ("pp", "ep_shard", "ep")
+    assert parallel_axes() == ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+    assert ResolvedLayout.axis_names() == tuple(a.name for a in axes() if a.mesh != "moe") + (
+        "ep_shard",
+        "ep",
+    )
     # every built-in parallelism sizes a mesh axis; every size key is the table's
-    keys = {a.size_key for a in AXES if a.size_key is not None}
+    keys = {a.size_key for a in axes() if a.size_key is not None}
     assert {p.size_key for p in parallelisms()} == keys
-    assert all(p.mesh_axis in PARALLEL_AXES for p in parallelisms())
+    assert all(p.mesh_axis in parallel_axes() for p in parallelisms())
 
 
 def test_the_mesh_roles_come_from_the_parallelisms_flags() -> None:
@@ -293,12 +297,12 @@ def test_plan_searches_the_built_in_axes_in_their_order() -> None:
 
 def test_a_new_parallelism_scales_the_memory_estimate_through_its_hooks(toy_split: None) -> None:
     shape = model_shape(resolve_model_config("llama3.1-8b"))
-    base = StepSetup(dp_shard=4, seq_len=4096, compute_bytes=2)
+    base = StepSetup(sizes=sized(dp_shard=4), seq_len=4096, compute_bytes=2)
     off = estimate_step_memory(shape, base)
     on = estimate_step_memory(
-        shape, StepSetup(dp_shard=4, seq_len=4096, compute_bytes=2, extra_sizes=(("toy_split", 2),))
+        shape, StepSetup(sizes=sized(dp_shard=4, toy_split=2), seq_len=4096, compute_bytes=2)
     )
-    half = estimate_step_memory(shape, StepSetup(dp_shard=4, seq_len=2048, compute_bytes=2))
+    half = estimate_step_memory(shape, StepSetup(sizes=sized(dp_shard=4), seq_len=2048, compute_bytes=2))
     assert base.size_of("toy_split") == 1 and on.params_per_rank == off.params_per_rank
     # half the tokens on each rank, plus its own tensor per layer and token
     assert on.activation_bytes == half.activation_bytes + shape.layers * SPLIT_BYTES * 2048

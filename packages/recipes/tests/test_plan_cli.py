@@ -62,22 +62,23 @@ def test_moe_load_factor_raises_only_the_busiest_ep_ranks_share() -> None:
     from automodel.recipes.planning.models import resolve_model_config
     from automodel.recipes.planning.roofline import Hardware, estimate_step_time
     from automodel.recipes.planning.shape import model_shape
+    from automodel.recipes.planning.step import sized
 
     shape = model_shape(resolve_model_config("qwen3-30b-a3b"))
     hw = Hardware()
     for ep, grows in ((1, False), (8, True)):
-        base = StepSetup(ep=ep, dp_shard=8, seq_len=4096, compute_bytes=2, reduce_bytes=4)
+        base = StepSetup(sizes=sized(ep=ep, dp_shard=8), seq_len=4096, compute_bytes=2, reduce_bytes=4)
         heavy = replace(base, expert_load_factor=1.5)
         mem0, mem1 = estimate_step_memory(shape, base), estimate_step_memory(shape, heavy)
         t0, t1 = (estimate_step_time(shape, s, hw, world=8).seconds for s in (base, heavy))
         assert (mem1.activation_bytes > mem0.activation_bytes) is grows, ep
         assert (t1 > t0) is grows, ep
     # the factor is capped at ep: one rank cannot receive more than every slot
-    capped = StepSetup(ep=2, dp_shard=2, seq_len=4096, expert_load_factor=2.0)
+    capped = StepSetup(sizes=sized(ep=2, dp_shard=2), seq_len=4096, expert_load_factor=2.0)
     over = replace(capped, expert_load_factor=7.0)
     assert estimate_step_memory(shape, over).peak_bytes == estimate_step_memory(shape, capped).peak_bytes
     with pytest.raises(ValueError, match="expert_load_factor must be >= 1"):
-        StepSetup(ep=2, dp_shard=2, expert_load_factor=0.9)
+        StepSetup(sizes=sized(ep=2, dp_shard=2), expert_load_factor=0.9)
 
 
 def test_ep_layouts_try_freeing_gathered_weights_after_forward(capsys: pytest.CaptureFixture) -> None:
@@ -91,10 +92,11 @@ def test_ep_layouts_try_freeing_gathered_weights_after_forward(capsys: pytest.Ca
     from automodel.recipes.planning.models import resolve_model_config
     from automodel.recipes.planning.roofline import Hardware, estimate_step_time
     from automodel.recipes.planning.shape import model_shape
+    from automodel.recipes.planning.step import sized
 
     shape = model_shape(resolve_model_config("qwen3-30b-a3b"))
     kept = StepSetup(
-        ep=8, dp_shard=8, seq_len=4096, compute_bytes=2, reduce_bytes=4, grad_accum=64,
+        sizes=sized(ep=8, dp_shard=8), seq_len=4096, compute_bytes=2, reduce_bytes=4, grad_accum=64,
         activation_checkpointing=True, reshard_after_forward=False,
     )  # fmt: skip
     freed = replace(kept, reshard_after_forward=True)

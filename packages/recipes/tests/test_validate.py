@@ -73,7 +73,7 @@ def test_megatron_fsdp_estimate_follows_zero_dp_strategy(zero: int | str, sharde
 @pytest.mark.parametrize(
     ("name", "args", "rule"),
     [
-        ("llama3_70b_64gpu.yaml", ["--world-size=1000"], "is not divisible by tp_size*pp_size*cp_size"),
+        ("llama3_70b_64gpu.yaml", ["--world-size=1000"], "is not divisible by pp_size*cp_size*tp_size"),
         ("llama3_70b_64gpu.yaml", ["--world-size=1024", "--distributed.tp_size=16"], "num_key_value_heads=8"),
         (
             "llama3_70b_64gpu.yaml",

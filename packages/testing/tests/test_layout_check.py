@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from automodel.mesh import AXES
+from automodel.mesh import axes
 from automodel.mesh.layout_report import default_layers_fqn, describe_module
 from automodel.testing.layout_check import check_layout_applied
 from automodel.testing.layout_table import LAYOUTS, MATRIX_LAYOUTS, Layout, layouts_named
@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from automodel.testing.tiny_model import TINY_MOE_SIZES, tiny_causal_lm  # noqa: E402
 
-_COORDS = {a.name: 0 for a in AXES if a.mesh != "flattened"}
+_COORDS = {a.name: 0 for a in axes() if a.mesh != "flattened"}
 _MODEL_TYPE = {"dense": "llama", "moe": "qwen3_moe"}
 
 

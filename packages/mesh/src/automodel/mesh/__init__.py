@@ -1,7 +1,16 @@
 """automodel.mesh: parallelism sizes, device meshes, process-group setup, model introspection."""
 
 from automodel.mesh._version import __version__ as __version__
-from automodel.mesh.axes import AXES, DENSE_AXES, FLATTENED_AXES, MOE_AXES, PARALLEL_AXES, Axis
+from automodel.mesh.axes import (
+    Axis,
+    axes,
+    dense_axes,
+    flattened_axes,
+    moe_axes,
+    parallel_axes,
+    register_axis,
+    unregister_axis,
+)
 from automodel.mesh.context import MeshContext
 from automodel.mesh.distributed import (
     DistInfo,
@@ -19,13 +28,15 @@ from automodel.mesh.sizes import ParallelismSizes, ResolvedLayout
 from automodel.mesh.strategy_config import StrategyConfig
 
 __all__ = [
-    "AXES",
-    "PARALLEL_AXES",
     "Axis",
-    "DENSE_AXES",
     "DTYPE_NAMES",
-    "FLATTENED_AXES",
-    "MOE_AXES",
+    "axes",
+    "dense_axes",
+    "flattened_axes",
+    "moe_axes",
+    "parallel_axes",
+    "register_axis",
+    "unregister_axis",
     "DistInfo",
     "LaunchEnv",
     "MeshContext",

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from automodel.mesh.axes import DENSE_AXES, FLATTENED_AXES, MOE_AXES
+from automodel.mesh.axes import dense_axes, flattened_axes, moe_axes
 from automodel.mesh.planned import own_groups_mesh
 from automodel.mesh.sizes import ParallelismSizes, ResolvedLayout
 from automodel.mesh.torch_internals import flatten_mesh
@@ -18,7 +18,8 @@ from automodel.mesh.torch_internals import flatten_mesh
 class MeshContext:
     """Device meshes of one rank plus the resolved layout they were built from.
 
-    The dense mesh has dims ``(pp, dp_replicate, dp_shard, cp, tp)`` and flattened views ``dp``,
+    The dense mesh has dims ``(pp, dp_replicate, dp_shard, cp, tp)`` (and a plugin's registered
+    axis, `automodel.mesh.register_axis`) and flattened views ``dp``,
     ``dp_shard_cp`` and ``dp_cp``. When ``ep > 1`` a MoE mesh ``(pp, ep_shard, ep)`` spans the
     ``dp*cp`` ranks of this rank's pp stage and tp coordinate.
     """
@@ -57,19 +58,19 @@ class MeshContext:
         # rank's group of each axis (see `planned`), not every rank's.
         fake = dist.get_backend() == "fake"
         if fake:
-            mesh = own_groups_mesh(device_type, layout.dense_shape, DENSE_AXES)
+            mesh = own_groups_mesh(device_type, layout.dense_shape, dense_axes())
         else:
-            mesh = init_device_mesh(device_type, layout.dense_shape, mesh_dim_names=DENSE_AXES)
-        flattened = {name: flatten_mesh(mesh[axes], name) for name, axes in FLATTENED_AXES.items()}
+            mesh = init_device_mesh(device_type, layout.dense_shape, mesh_dim_names=dense_axes())
+        flattened = {name: flatten_mesh(mesh[axes], name) for name, axes in flattened_axes().items()}
         moe_mesh = None
         if layout.ep_enabled:
-            moe_names = (*MOE_AXES, "moe_tp")
+            moe_names = (*moe_axes(), "moe_tp")
             if fake:
                 moe_root = own_groups_mesh(device_type, layout.moe_shape, moe_names)
             else:
                 ranks = torch.arange(layout.world_size).reshape(layout.moe_shape)
                 moe_root = DeviceMesh(device_type, ranks, mesh_dim_names=moe_names)
-            moe_mesh = moe_root[MOE_AXES]
+            moe_mesh = moe_root[moe_axes()]
         ctx = cls(layout=layout, device_mesh=mesh, moe_mesh=moe_mesh, _flattened=flattened)
         if fake:
             ctx.check_groups()
@@ -82,7 +83,7 @@ class MeshContext:
         one against the other (a fake world has no collective to check them with)."""
         rank = dist.get_rank()
         for axis in self.layout.axis_names():
-            if axis in MOE_AXES[1:] and not self.ep_enabled:
+            if axis in moe_axes()[1:] and not self.ep_enabled:
                 continue
             members = dist.get_process_group_ranks(self.get_mesh(axis).get_group())
             expected = self.layout.group_ranks(rank, axis)
@@ -95,11 +96,11 @@ class MeshContext:
     # ---- lookup --------------------------------------------------------------------------
     def get_mesh(self, name: str) -> DeviceMesh:
         """The 1-D mesh of a dense, flattened (dp, dp_shard_cp, dp_cp) or MoE (ep, ep_shard) axis."""
-        if name in DENSE_AXES:
+        if name in dense_axes():
             return self.device_mesh[name]
         if name in self._flattened:
             return self._flattened[name]
-        if name in MOE_AXES[1:]:
+        if name in moe_axes()[1:]:
             if self.moe_mesh is None:
                 raise ValueError(
                     f"mesh axis {name!r} exists only when ep_size > 1 (ep_size={self.layout.ep})"
@@ -112,7 +113,7 @@ class MeshContext:
 
         The MoE axes (ep, ep_shard) are None whenever expert parallelism is off.
         """
-        if self.layout.axis_size(name) == 1 or (name in MOE_AXES[1:] and not self.ep_enabled):
+        if self.layout.axis_size(name) == 1 or (name in moe_axes()[1:] and not self.ep_enabled):
             return None
         return self.get_mesh(name)
 

@@ -7,11 +7,12 @@ layout can be checked for 16k ranks without creating a single process group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Mapping
 
-from automodel.mesh.axes import AXES, DENSE_AXES, FLATTENED_AXES, MOE_AXES
+from automodel.mesh.axes import axes, dense_axes, flattened_axes, moe_axes
 
-__all__ = ["DENSE_AXES", "FLATTENED_AXES", "MOE_AXES", "ParallelismSizes", "ResolvedLayout"]
+__all__ = ["ParallelismSizes", "ResolvedLayout"]
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -21,41 +22,80 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
-@dataclass(frozen=True)
 class ParallelismSizes:
-    """The six parallelism sizes as a user writes them; `dp_size=None` means derived."""
+    """The sizes as a user writes them, one per size key of the axis table (`axes()`):
+    ``ParallelismSizes(tp_size=2)``, read back as ``sizes.tp_size``. An optional key (dp_size,
+    dp_replicate_size) may be None (derived); the others default to 1. Immutable and hashable."""
 
-    dp_size: int | None = None
-    dp_replicate_size: int | None = None
-    tp_size: int = 1
-    pp_size: int = 1
-    cp_size: int = 1
-    ep_size: int = 1
+    __slots__ = ("_sizes",)
+    _sizes: dict[str, int | None]
 
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name in ("dp_size", "dp_replicate_size"):
-                continue
-            _check_positive_int(f.name, value)
+    def __init__(self, **sizes: int | None) -> None:
+        rows = {a.size_key: a for a in axes() if a.size_key is not None}
+        unknown = sorted(set(sizes) - set(rows))
+        if unknown:
+            raise TypeError(f"ParallelismSizes got unknown size keys {unknown}; known: {', '.join(rows)}")
+        values: dict[str, int | None] = {}
+        for key, row in rows.items():
+            value = sizes.get(key, None if row.optional else 1)
+            if not (value is None and row.optional):
+                _check_positive_int(key, value)
+            values[key] = value
+        object.__setattr__(self, "_sizes", values)
+
+    def __getattr__(self, name: str) -> int | None:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._sizes[name]
+        except KeyError:
+            raise AttributeError(f"ParallelismSizes has no size key {name!r}") from None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("ParallelismSizes is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ParallelismSizes) and self._sizes == other._sizes
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._sizes.items()))
+
+    def __repr__(self) -> str:
+        return f"ParallelismSizes({', '.join(f'{k}={v!r}' for k, v in self._sizes.items())})"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_sizes_from, (self._sizes,))
+
+    def as_dict(self) -> dict[str, int | None]:
+        """Every size key and its value (None: derived)."""
+        return dict(self._sizes)
+
+    def size(self, key: str) -> int:
+        """The size of a key that is never None (a model-parallel or MoE axis's)."""
+        value = self._sizes[key]
+        assert value is not None, key
+        return value
 
     def resolve(self, world_size: int) -> ResolvedLayout:
         """Derive dp and check every divisibility rule for `world_size` ranks."""
         _check_positive_int("world_size", world_size)
-        tp, pp, cp, ep = self.tp_size, self.pp_size, self.cp_size, self.ep_size
-        model_parallel = tp * pp * cp
+        split = {a.size_key: self.size(a.size_key) for a in axes() if a.model_parallel and a.size_key}
+        model_parallel = math.prod(split.values())
         if world_size % model_parallel != 0:
+            keys = "*".join(split)
+            each = ", ".join(f"{k}={v}" for k, v in split.items())
             raise ValueError(
-                f"world_size {world_size} is not divisible by tp_size*pp_size*cp_size = {model_parallel} "
-                f"(tp_size={tp}, pp_size={pp}, cp_size={cp})"
+                f"world_size {world_size} is not divisible by {keys} = {model_parallel} ({each})"
             )
         dp = world_size // model_parallel
-        if self.dp_size is not None and self.dp_size != dp:
+        dp_size = self._sizes["dp_size"]
+        if dp_size is not None and dp_size != dp:
             raise ValueError(
-                f"dp_size={self.dp_size} does not fit world_size {world_size}: dp_size*tp_size*pp_size*cp_size "
-                f"= {self.dp_size * model_parallel}, expected dp_size={dp} (or leave dp_size unset)"
+                f"dp_size={dp_size} does not fit world_size {world_size}: dp_size*{'*'.join(split)} "
+                f"= {dp_size * model_parallel}, expected dp_size={dp} (or leave dp_size unset)"
             )
-        dp_replicate = 1 if self.dp_replicate_size is None else self.dp_replicate_size
+        replicate = self._sizes["dp_replicate_size"]
+        dp_replicate = 1 if replicate is None else replicate
         if dp % dp_replicate != 0:
             raise ValueError(f"dp_replicate_size={dp_replicate} must divide dp_size={dp}")
         if dp_replicate > 1 and dp_replicate == dp:
@@ -63,32 +103,79 @@ class ParallelismSizes:
                 f"dp_replicate_size={dp_replicate} equals dp_size={dp}: pure replication without sharding "
                 "is what strategy: ddp is for; use dp_replicate_size < dp_size"
             )
+        cp, ep = self.size("cp_size"), self.size("ep_size")
         if (dp * cp) % ep != 0:
             raise ValueError(
                 f"dp_size*cp_size = {dp * cp} (dp_size={dp}, cp_size={cp}) is not divisible by ep_size={ep}"
             )
+        sized = {
+            a.name: self.size(a.size_key)
+            for a in axes()
+            if a.parallel and a.size_key is not None and not a.optional
+        }
         return ResolvedLayout(
-            world_size=world_size,
-            pp=pp,
-            dp_replicate=dp_replicate,
-            dp_shard=dp // dp_replicate,
-            cp=cp,
-            tp=tp,
-            ep=ep,
+            world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, **sized
         )
 
 
-@dataclass(frozen=True)
-class ResolvedLayout:
-    """A fully determined layout: every axis size, and the rank arithmetic over them."""
+def _sizes_from(sizes: Mapping[str, int | None]) -> ParallelismSizes:
+    return ParallelismSizes(**sizes)
 
+
+class ResolvedLayout:
+    """A fully determined layout: every axis size (the axis table's parallel axes, read as
+    ``layout.tp`` or ``layout.axis_size("tp")``), and the rank arithmetic over them. Immutable."""
+
+    __slots__ = ("_sizes", "world_size")
     world_size: int
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    ep: int
+    _sizes: dict[str, int]
+
+    def __init__(self, *, world_size: int, **sizes: int) -> None:
+        names = [a.name for a in axes() if a.parallel]
+        unknown = sorted(set(sizes) - set(names))
+        if unknown:
+            raise TypeError(f"ResolvedLayout got unknown axes {unknown}; known: {', '.join(names)}")
+        values = {name: sizes.get(name, 1) for name in names}
+        for name, value in (("world_size", world_size), *values.items()):
+            _check_positive_int(name, value)
+        object.__setattr__(self, "world_size", world_size)
+        object.__setattr__(self, "_sizes", values)
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._sizes[name]
+        except KeyError:
+            raise AttributeError(f"ResolvedLayout has no axis {name!r}") from None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("ResolvedLayout is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ResolvedLayout)
+            and self.world_size == other.world_size
+            and self._sizes == other._sizes
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.world_size, *self._sizes.items()))
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{k}={v}" for k, v in self._sizes.items())
+        return f"ResolvedLayout(world_size={self.world_size}, {sizes})"
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_layout_from, (self.world_size, self._sizes))
+
+    def sizes(self) -> dict[str, int]:
+        """Every parallel axis's size, in table order."""
+        return dict(self._sizes)
+
+    def enabled(self, name: str) -> bool:
+        """Whether axis `name` (any of `axis_names`) has more than one rank."""
+        return self.axis_size(name) > 1
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -144,17 +231,21 @@ class ResolvedLayout:
     # ---- shapes --------------------------------------------------------------------------
     def axis_size(self, name: str) -> int:
         """Size of a dense, flattened or MoE axis by name."""
-        if any(a.name == name for a in AXES):
-            return getattr(self, name)
+        if name in self._sizes:
+            return self._sizes[name]
+        if any(a.name == name for a in axes()):
+            value = getattr(self, name)  # a derived size: a property below
+            assert isinstance(value, int)
+            return value
         raise ValueError(f"unknown mesh axis {name!r}; known: {', '.join(self.axis_names())}")
 
     @staticmethod
     def axis_names() -> tuple[str, ...]:
-        return DENSE_AXES + tuple(FLATTENED_AXES) + MOE_AXES[1:]
+        return dense_axes() + tuple(flattened_axes()) + moe_axes()[1:]
 
     @property
     def dense_shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, a) for a in DENSE_AXES)
+        return tuple(self.axis_size(a) for a in dense_axes())
 
     @property
     def moe_shape(self) -> tuple[int, int, int, int]:
@@ -168,7 +259,7 @@ class ResolvedLayout:
             raise ValueError(f"rank {rank} is outside world_size {self.world_size}")
         coords: dict[str, int] = {}
         rest = rank
-        for axis, size in zip(reversed(DENSE_AXES), reversed(self.dense_shape)):
+        for axis, size in zip(reversed(dense_axes()), reversed(self.dense_shape)):
             coords[axis] = rest % size
             rest //= size
         dp_cp_index = (coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]) * self.cp + coords["cp"]
@@ -178,25 +269,25 @@ class ResolvedLayout:
     def group_ranks(self, rank: int, axis: str) -> list[int]:
         """The ranks that share a process group with `rank` along `axis` (in group order)."""
         coords = self.coordinates(rank)
-        if axis in DENSE_AXES:
+        if axis in dense_axes():
             spanned: tuple[str, ...] = (axis,)
-        elif axis in FLATTENED_AXES:
-            spanned = FLATTENED_AXES[axis]
-        elif axis in MOE_AXES:
+        elif axis in flattened_axes():
+            spanned = flattened_axes()[axis]
+        elif axis in moe_axes():
             return self._moe_group_ranks(coords, axis)
         else:
             raise ValueError(f"unknown mesh axis {axis!r}; known: {', '.join(self.axis_names())}")
         strides = self._dense_strides()
         members = [rank - sum(coords[a] * strides[a] for a in spanned)]
         for a in spanned:  # outermost first: the last spanned axis varies fastest (row-major)
-            members = [m + i * strides[a] for m in members for i in range(getattr(self, a))]
+            members = [m + i * strides[a] for m in members for i in range(self.axis_size(a))]
         return members
 
     def _dense_strides(self) -> dict[str, int]:
         """Rank distance between neighbours along each dense axis (row-major)."""
         strides: dict[str, int] = {}
         step = 1
-        for axis, size in zip(reversed(DENSE_AXES), reversed(self.dense_shape)):
+        for axis, size in zip(reversed(dense_axes()), reversed(self.dense_shape)):
             strides[axis] = step
             step *= size
         return strides
@@ -212,7 +303,11 @@ class ResolvedLayout:
 
     def describe(self) -> str:
         """One line naming every axis size, for logs and error messages."""
-        parts = [f"{a}={getattr(self, a)}" for a in DENSE_AXES]
+        parts = [f"{a}={self.axis_size(a)}" for a in dense_axes()]
         if self.ep_enabled:
             parts += [f"ep={self.ep}", f"ep_shard={self.ep_shard}"]
         return f"world_size={self.world_size}: " + " ".join(parts)
+
+
+def _layout_from(world_size: int, sizes: Mapping[str, int]) -> ResolvedLayout:
+    return ResolvedLayout(world_size=world_size, **sizes)

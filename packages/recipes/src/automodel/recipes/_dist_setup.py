@@ -32,6 +32,7 @@ from automodel.mesh import (
     MeshContext,
     ParallelismSizes,
     ResolvedLayout,
+    axes,
     init_distributed,
     parse_dtype,
 )
@@ -42,9 +43,11 @@ from automodel.recipes.parallelisms import config_error, parallelisms, section_k
 from automodel.recipes.parallelisms.base import section_mapping
 from automodel.recipes.strategies import Strategy, get_strategy, strategy_names, world_of_one_strategy
 
-#: The `ParallelismSizes` fields: the size keys of the parallelisms that form mesh axes; the other
-#: registered parallelisms' sizes are `DistributedSection.other_sizes`.
-_MESH_SIZE_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelismSizes))
+
+def _mesh_size_keys() -> frozenset[str]:
+    """The `ParallelismSizes` keys: the size keys of the mesh axes (`automodel.mesh.axes`); the
+    other registered parallelisms' sizes are `DistributedSection.other_sizes`."""
+    return frozenset(a.size_key for a in axes() if a.size_key is not None)
 
 
 def strategy_flags(strategy: str) -> tuple[str, ...]:
@@ -140,7 +143,7 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
         parallelism.check_sizes(sizes=sizes, data=data, strategy_config=strategy_config)
 
     try:
-        psizes = ParallelismSizes(**{k: v for k, v in sizes.items() if k in _MESH_SIZE_KEYS})
+        psizes = ParallelismSizes(**{k: v for k, v in sizes.items() if k in _mesh_size_keys()})
     except ValueError as e:  # pragma: no cover - every size was checked above
         raise ConfigError("distributed", sizes, str(e)) from None
     configs: dict[str, object] = {}
@@ -159,7 +162,7 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
         strategy_config=strategy_config,
         machine_keys=machine_keys,
         parallelism_configs=configs,
-        other_sizes={k: v or 1 for k, v in sizes.items() if k not in _MESH_SIZE_KEYS},
+        other_sizes={k: v or 1 for k, v in sizes.items() if k not in _mesh_size_keys()},
         explicit_flags=frozenset(options),
         strategy_given="strategy" in data or any(k != "backend" for k in options),
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from automodel.mesh import AXES, ResolvedLayout
+from automodel.mesh import ResolvedLayout, axes
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.model import build_meta_model
@@ -77,7 +77,7 @@ def _estimate(
     setup = dataclasses.replace(
         setup,
         trainable_params=_trainable_params(cfg, model),
-        extra_sizes=planner_sizes(cfg.distributed, layout),
+        sizes=(*setup.sizes, *planner_sizes(cfg.distributed, layout)),
     )
     extra = memory_terms(cfg.distributed, layout, setup=setup, shape=shape)
     if extra:
@@ -122,7 +122,7 @@ def plan_layout(
         "",
         f"{'axis':<14}{'size':>8}",
     ]
-    for row in AXES:  # the MoE mesh's axes only when it exists
+    for row in axes():  # the MoE mesh's axes only when it exists
         if row.mesh != "moe" or layout.ep_enabled:
             lines.append(f"{row.name:<14}{layout.axis_size(row.name):>8}")
     for parallelism in parallelisms():  # the registered parallelisms that form no mesh axis

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from automodel.mesh import DENSE_AXES, FLATTENED_AXES
+from automodel.mesh import dense_axes, flattened_axes
 from automodel.testing.layout_table import Layout
 
 #: One rank's report (`automodel.mesh.layout_report.rank_report`), as JSON-able data.
@@ -38,7 +38,9 @@ EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 
 #: The dense axes outside ``dp_shard_cp``: ranks equal on these hold the FSDP slices of one tensor.
-_OUTSIDE_FSDP_SHARD: tuple[str, ...] = tuple(a for a in DENSE_AXES if a not in FLATTENED_AXES["dp_shard_cp"])
+_OUTSIDE_FSDP_SHARD: tuple[str, ...] = tuple(
+    a for a in dense_axes() if a not in flattened_axes()["dp_shard_cp"]
+)
 
 
 def placement_on(entry: dict[str, Any], axis: str) -> str | None:

@@ -12,7 +12,7 @@ parallelism), never a copy. A layout only one suite runs is still listed here, w
 An entry also states what the checker (`automodel.testing.layout_check.check_layout_applied`)
 cannot read off the sizes: ``replicated`` says its data parallelism copies the parameters (DDP)
 rather than shards them, so the checker never compares strategy names. The axes and their YAML
-size keys come from `automodel.mesh.AXES`, so an axis added there is sized here too.
+size keys come from `automodel.mesh.axes`, so an axis added there is sized here too.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from automodel.mesh import AXES, ParallelismSizes
+from automodel.mesh import ParallelismSizes, axes
 
-#: The axes a ``distributed`` section sizes, by their YAML keys (`AXES`' parallel, sized rows: pp,
+#: The axes a ``distributed`` section sizes, by their YAML keys (`axes()`' parallel, sized rows: pp,
 #: dp_replicate, cp, tp, ep).
-_SIZE_KEYS: dict[str, str] = {a.name: a.size_key for a in AXES if a.parallel and a.size_key is not None}
+_SIZE_KEYS: dict[str, str] = {a.name: a.size_key for a in axes() if a.parallel and a.size_key is not None}
 
 
 @dataclass(frozen=True)

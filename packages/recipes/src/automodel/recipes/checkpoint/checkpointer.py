@@ -42,7 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from automodel.mesh import PARALLEL_AXES, MeshContext
+from automodel.mesh import MeshContext, parallel_axes
 from automodel.recipes.checkpoint import integrity, paths
 from automodel.recipes.checkpoint.consolidated import save_consolidated
 from automodel.recipes.checkpoint.paths import CheckpointError
@@ -427,7 +427,7 @@ class Checkpointer:
         if self.mesh is None:
             return None
         lay = self.mesh.layout
-        return {axis: lay.axis_size(axis) for axis in PARALLEL_AXES}
+        return {axis: lay.axis_size(axis) for axis in parallel_axes()}
 
     # ---- restore -------------------------------------------------------------------------
     def resolve_restore_path(self) -> Path | None:

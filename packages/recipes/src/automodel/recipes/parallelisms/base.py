@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, Typ
 
 import torch
 
-from automodel.mesh import PARALLEL_AXES, MeshContext, ResolvedLayout, StrategyConfig
+from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig, parallel_axes
 from automodel.recipes.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -264,7 +264,7 @@ class Parallelism(ABC, Generic[C]):
     subclasses set `name` and `size_key` and override the hooks that apply."""
 
     #: What strategies list it as (`Strategy.supported_axes`); its mesh axis when the mesh has one
-    #: of that name (`automodel.mesh.AXES`).
+    #: of that name (`automodel.mesh.axes`).
     name: ClassVar[str]
     #: The ``distributed.<size_key>`` YAML key of its size.
     size_key: ClassVar[str]
@@ -288,9 +288,9 @@ class Parallelism(ABC, Generic[C]):
     @property
     def mesh_axis(self) -> str | None:
         """The mesh axis it sizes, None for one that forms no mesh axis. A checkpoint records the
-        mesh axes' sizes (`automodel.mesh.PARALLEL_AXES`) and DCP reshards across all of them, so
+        mesh axes' sizes (`automodel.mesh.parallel_axes`) and DCP reshards across all of them, so
         a checkpoint restores under any other layout."""
-        return self.name if self.name in PARALLEL_AXES else None
+        return self.name if self.name in parallel_axes() else None
 
     def parse_size(self, data: Mapping[str, object]) -> int | None:
         """Its size from the ``distributed:`` mapping: an int >= 1 (default 1), or None when unset
@@ -377,6 +377,13 @@ class Parallelism(ABC, Generic[C]):
         return None
 
     # ---- the planner ---------------------------------------------------------------------
+    def step_fields(self, *, section: DistributedSection, size: int, stages: int) -> dict[str, object]:
+        """The `StepSetup` fields besides its size that a run of `section` sets for it, as `recipes
+        train` runs it (`planning.setup.step_setup`: pp's micro-batch, schedule and stages per rank,
+        ep's resharding, tp's sequence parallelism); `section` has the machine's defaults resolved,
+        `stages` is the pipeline's stage count. None by default."""
+        return {}
+
     def memory_terms(self, *, size: int, setup: StepSetup, shape: ModelShape) -> dict[str, float]:
         """Per-rank bytes it holds through the whole step, by name (added to the static part of
         the estimate, `StepSetup.extra_bytes`); none by default."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from automodel.mesh import DENSE_AXES
+from automodel.mesh import dense_axes
 from automodel.recipes.parallelisms.base import Parallelism, PlanColumn, SearchPoint, divisors
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ class DataParallelReplicate(Parallelism[None]):
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """None, or replicas whose shard group (the dense axes inside dp_replicate) fills one node."""
         dp = point.sizes["dp_shard"]
-        inner = DENSE_AXES[DENSE_AXES.index(self.name) + 1 :]
+        inner = dense_axes()[dense_axes().index(self.name) + 1 :]
         group = math.prod(point.sizes.get(a, 1) for a in inner)
         replicas = [r for r in divisors(dp) if r > 1 and group // r == point.gpus_per_node]
         return [{self.name: 1}] + [{self.name: r, "dp_shard": dp // r} for r in replicas]

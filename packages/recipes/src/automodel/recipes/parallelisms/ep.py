@@ -36,6 +36,7 @@ from automodel.recipes.parallelisms.base import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
     from automodel.recipes.planning.step import StepSetup, StepTraffic
@@ -141,6 +142,12 @@ class ExpertParallel(Parallelism[MoEParallelizerConfig]):
             f"expert load factor {setup.expert_load:g} (the busiest ep rank's routed tokens "
             "over the mean; --moe-load-factor)"
         ]
+
+    def step_fields(self, *, section: DistributedSection, size: int, stages: int) -> dict[str, object]:
+        moe = section.moe_config
+        return (
+            {"reshard_after_forward": bool(moe.reshard_after_forward)} if size > 1 and moe is not None else {}
+        )
 
     def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
         """moe.reshard_after_forward: False (the default) keeps every layer's gathered weights from

@@ -252,6 +252,13 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
             return []
         return [f"pipeline: {pipe.pp_schedule}, {stages} stages, micro-batch {pipe.pp_microbatch_size}"]
 
+    def step_fields(self, *, section: DistributedSection, size: int, stages: int) -> dict[str, object]:
+        fields: dict[str, object] = {"stages_per_rank": max(1, stages // size) if size > 1 else 1}
+        pipe = section.pipeline_config
+        if pipe is not None:
+            fields.update(pp_microbatch=pipe.pp_microbatch_size, pp_schedule=pipe.pp_schedule)
+        return fields
+
     def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
         """1F1B, and interleaved 1F1B with two stages per rank where the layers allow it."""
         if size == 1:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from automodel.mesh import DENSE_AXES, FLATTENED_AXES, MeshContext, ResolvedLayout
+from automodel.mesh import MeshContext, ResolvedLayout, dense_axes, flattened_axes
 from automodel.recipes.parallelisms.registry import parallelisms
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class MeshRoles:
 
 def _axes(flag: str) -> tuple[str, ...]:
     flagged = {p.mesh_axis for p in parallelisms() if p.mesh_axis is not None and getattr(p, flag)}
-    return tuple(a for a in DENSE_AXES if a in flagged)
+    return tuple(a for a in dense_axes() if a in flagged)
 
 
 def mesh_roles() -> MeshRoles:
@@ -46,21 +46,21 @@ def mesh_roles() -> MeshRoles:
     tokens = _axes("splits_tokens")
     return MeshRoles(
         batch_axes=rows,
-        loss_axes=tuple(a for a in DENSE_AXES if a in rows or a in tokens),
+        loss_axes=tuple(a for a in dense_axes() if a in rows or a in tokens),
         norm_axes=_axes("holds_distinct_parameters"),
     )
 
 
 def role_group(mesh: MeshContext, axes: tuple[str, ...]) -> dist.ProcessGroup | None:
     """The process group spanning `axes` of this rank (None: they hold one rank): the dense axis
-    itself, or the flattened axis that spans exactly them (`automodel.mesh.FLATTENED_AXES`)."""
+    itself, or the flattened axis that spans exactly them (`automodel.mesh.flattened_axes`)."""
     if math.prod(mesh.layout.axis_size(a) for a in axes) == 1:
         return None
     if len(axes) == 1:
         return mesh.get_mesh(axes[0]).get_group()
-    name = next((n for n, spans in FLATTENED_AXES.items() if spans == axes), None)
+    name = next((n for n, spans in flattened_axes().items() if spans == axes), None)
     if name is None:
-        raise ValueError(f"no flattened mesh axis spans {axes}; the mesh has {dict(FLATTENED_AXES)}")
+        raise ValueError(f"no flattened mesh axis spans {axes}; the mesh has {dict(flattened_axes())}")
     return mesh.get_mesh(name).get_group()
 
 

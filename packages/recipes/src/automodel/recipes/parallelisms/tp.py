@@ -30,6 +30,7 @@ from automodel.recipes.parallelisms.base import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
     from automodel.recipes.planning.step import StepSetup, StepTraffic
@@ -126,6 +127,9 @@ class TensorParallel(Parallelism[None]):
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """Inside one node (its collectives are on the critical path of every layer)."""
         return [{self.name: d} for d in divisors(min(point.room, point.gpus_per_node))]
+
+    def step_fields(self, *, section: DistributedSection, size: int, stages: int) -> dict[str, object]:
+        return {"sequence_parallel": section.strategy_config.sequence_parallel_enabled}
 
     def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
         """Sequence parallelism with TP, but for MoE models (their expert block has no SP plan)."""

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from torch import nn
 
-from automodel.mesh import PARALLEL_AXES
 from automodel.recipes.api import load_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.search import Candidate
@@ -30,7 +29,7 @@ def global_batch_of(c: Candidate) -> int:
 
 def layout_key(c: Candidate) -> tuple:
     s = c.setup
-    return (*(getattr(s, axis) for axis in PARALLEL_AXES), *s.extra_sizes, s.pp_schedule)
+    return (s.sizes, s.pp_schedule)
 
 
 def _model_section(hf_config: PretrainedConfig) -> dict[str, Any]:

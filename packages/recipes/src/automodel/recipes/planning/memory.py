@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from automodel.mesh import FLATTENED_AXES
+from automodel.mesh import flattened_axes
 from automodel.recipes.parallelisms import MemoryShares, RankPosition
 from automodel.recipes.planning.shape import ModelShape
 from automodel.recipes.planning.step import StepSetup as StepSetup
@@ -145,8 +145,8 @@ def estimate_step_memory(shape: ModelShape, setup: StepSetup) -> MemoryEstimate:
 
 
 def _shard_group(s: StepSetup, axis: str) -> int:
-    """Ranks of a flattened mesh axis (`automodel.mesh.FLATTENED_AXES`) in `s`."""
-    return math.prod(s.size_of(a) for a in FLATTENED_AXES[axis])
+    """Ranks of a flattened mesh axis (`automodel.mesh.flattened_axes`) in `s`."""
+    return math.prod(s.size_of(a) for a in flattened_axes()[axis])
 
 
 def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> MemoryEstimate:

@@ -9,12 +9,15 @@ cannot hide. Each parallelism's exposed term is its `Parallelism.exposed_comm_s`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from automodel.mesh import dense_axes, flattened_axes
 from automodel.recipes.parallelisms import parallelisms
 from automodel.recipes.planning.shape import ModelShape
 from automodel.recipes.planning.step import Hardware as Hardware
 from automodel.recipes.planning.step import StepSetup, StepTraffic, bandwidth
+from automodel.recipes.planning.terms import memory_positions, memory_shares
 
 
 @dataclass(frozen=True)
@@ -46,37 +49,44 @@ def training_flops_per_token(shape: ModelShape, seq_len: int, *, recompute: bool
 
 def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: int) -> StepTime:
     """Seconds of one optimizer step of `s` on `world` GPUs."""
-    dp = s.dp_shard * s.dp_replicate
+    # the parallelisms' shares of the model and the tokens, and the schedule's micro-batches
+    # (`Parallelism.memory_shares`, `memory_positions`): pp's layers, cp's tokens, tp's and ep's
+    # weights, pp's micro-batches, each through its own hook
+    shares = memory_shares(s, shape)
+    position = memory_positions(s)[0]
+    dp = math.prod(s.size_of(a) for a in flattened_axes()["dp"])
     rows = s.local_batch * s.grad_accum * dp
     tokens = rows * s.seq_len
     flops = tokens * training_flops_per_token(shape, s.seq_len, recompute=s.activation_checkpointing)
     # the busiest EP rank computes expert_load times its share of the routed slots
     routed = 6 * shape.layers * _routed_params_per_token(shape) * (4 / 3 if s.activation_checkpointing else 1)
-    flops += (s.expert_load - 1) * tokens * routed
+    flops += (shares.expert_load - 1) * tokens * routed
     compute = flops / world / (hw.peak_flops * hw.efficiency)
-    n_mb = max(1, s.local_batch // s.pp_microbatch)
     bubble = 0.0
     for parallelism in parallelisms():  # the idle time of a schedule over ranks (pp's bubble)
         bubble += parallelism.bubble_s(compute_s=compute, setup=s)
     e = s.compute_bytes
-    layers_rank = shape.layers / s.pp
-    mb_tokens = (s.pp_microbatch if s.pp > 1 else s.local_batch) * s.seq_len / s.cp
-    micro_batches = s.grad_accum * (n_mb if s.pp > 1 else 1)
-    # FSDP over dp_shard*cp: gather bf16 weights for forward and backward of every micro-batch,
+    layers_rank = shape.layers / shares.layers
+    mb_rows = s.local_batch if position.micro_batch_rows is None else position.micro_batch_rows
+    mb_tokens = mb_rows * s.seq_len / shares.tokens
+    micro_batches = s.grad_accum * position.micro_batches
+    # FSDP over dp_shard_cp: gather bf16 weights for forward and backward of every micro-batch,
     # reduce-scatter the gradients once per step (reduce dtype)
-    fs = s.dp_shard * s.cp
-    dense_rank = (shape.layer_dense_params / s.tp * layers_rank) + (
+    fs = math.prod(s.size_of(a) for a in flattened_axes()["dp_shard_cp"])
+    dense_rank = (shape.layer_dense_params / shares.heads * layers_rank) + (
         shape.embed_params + shape.head_params
-    ) / s.tp / s.pp
-    expert_rank = shape.layer_expert_params / (s.ep if s.ep > 1 else s.tp) * layers_rank
+    ) / shares.heads / shares.layers
+    expert_rank = shape.layer_expert_params / shares.experts * layers_rank
     sharded = s.sharding.shard_over != "none"  # else replicated: gradients all-reduced over dp
     fsdp = 0.0
     if sharded and fs > 1:
-        bw = bandwidth(fs * s.tp, hw)
+        dense = dense_axes()  # the FSDP group spans dp_shard and the dense axes inside it
+        bw = bandwidth(math.prod(s.size_of(a) for a in dense[dense.index("dp_shard") :]), hw)
         # without PP a layer is gathered for forward and again for backward, unless it stays
         # gathered in between (moe.reshard_after_forward: false)
         per_micro_batch = 1 if s.reshard_after_forward is False else 2
-        gathers = per_micro_batch * micro_batches if s.pp == 1 else 2 * s.grad_accum
+        # a schedule (pp) keeps every layer gathered over its micro-batches
+        gathers = 2 * s.grad_accum if position.scheduled else per_micro_batch * micro_batches
         fsdp += (fs - 1) / fs * dense_rank * (gathers * e + s.reduce_bytes) / bw
     efs = s.ep_shard if s.ep > 1 else fs
     if sharded and efs > 1 and expert_rank:

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
-from automodel.mesh import DENSE_AXES, FLATTENED_AXES, PARALLEL_AXES
+from automodel.mesh import dense_axes, flattened_axes
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms import SearchPoint, searched
 from automodel.recipes.planning.memory import MemoryEstimate, StepSetup, estimate_step_memory
@@ -29,7 +29,7 @@ class Candidate:
     @property
     def tokens_per_s_per_gpu(self) -> float:
         s = self.setup
-        world = math.prod(getattr(s, axis) for axis in DENSE_AXES)  # the dense mesh's ranks
+        world = math.prod(getattr(s, axis) for axis in dense_axes())  # the dense mesh's ranks
         return self.time.tokens / self.time.seconds / world
 
 
@@ -42,7 +42,7 @@ def _layouts(shape: ModelShape, *, gpus: int, gpus_per_node: int) -> Iterator[di
         if i == len(order):
             yield sizes
             return
-        room = gpus // math.prod(sizes.get(axis, 1) for axis in DENSE_AXES)
+        room = gpus // math.prod(sizes.get(axis, 1) for axis in dense_axes())
         point = SearchPoint(shape=shape, gpus=gpus, gpus_per_node=gpus_per_node, sizes=sizes, room=room)
         for assignment in order[i].search_sizes(point):
             yield from walk(i + 1, {**sizes, **assignment})
@@ -102,9 +102,7 @@ def _add_batches(
 ) -> None:
     """The candidates of one size assignment: the searched parallelisms' options
     (`Parallelism.search_options`, in search order), then AC, then the local batch sizes."""
-    axes = {name: size for name, size in sizes.items() if name in PARALLEL_AXES}
-    extra_sizes = tuple((name, size) for name, size in sizes.items() if name not in PARALLEL_AXES)
-    dp = math.prod(axes.get(a, 1) for a in FLATTENED_AXES["dp"])
+    dp = math.prod(sizes.get(a, 1) for a in flattened_axes()["dp"])
     order = searched()
     per_axis = [p.search_options(size=sizes.get(p.name, 1), shape=shape) for p in order]
     batches = next(
@@ -119,7 +117,7 @@ def _add_batches(
                 if gb % (lbs * dp):
                     continue
                 base = StepSetup(
-                    **axes, extra_sizes=extra_sizes, activation_checkpointing=ac,
+                    sizes=tuple(sizes.items()), activation_checkpointing=ac,
                     seq_len=k["seq_len"], local_batch=lbs, grad_accum=gb // (lbs * dp), pp_microbatch=1,
                     storage_bytes=4, compute_bytes=2, reduce_bytes=4, trainable_params=k["trainable"],
                     expert_load_factor=k["expert_load_factor"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from automodel.recipes._dist_setup import resolve_machine_defaults
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.linear_ce import CHUNK_ELEMENTS
 from automodel.recipes.output_head import is_linear_loss
+from automodel.recipes.parallelisms import parallelisms
 from automodel.recipes.planning.memory import StepSetup
 from automodel.recipes.strategies import get_strategy
 
@@ -56,36 +58,32 @@ def step_setup(
     if kwargs.get("foreach") is None and not kwargs.get("fused") and not on_gpu:
         impl = "loop"  # torch picks foreach only for CUDA tensors
     ss = cfg.step_scheduler
-    pipe = d.pipeline_config
     trainable = None
     if cfg.peft is not None:
         trainable = -1  # filled by the caller that knows the adapter sizes
-    return StepSetup(
-        tp=layout.tp,
-        pp=layout.pp,
-        cp=layout.cp,
-        ep=layout.ep,
-        dp_shard=layout.dp_shard,
-        dp_replicate=layout.dp_replicate,
+    setup = StepSetup(
+        sizes=tuple(layout.sizes().items()),
         sharding=strategy.memory_model(d.strategy_config),
-        sequence_parallel=d.strategy_config.sequence_parallel_enabled,
         activation_checkpointing="activation_checkpointing" in d.strategy_config.enabled_layer_flags,
         seq_len=cfg.seq_length,
         local_batch=ss.local_batch_size,
         grad_accum=max(1, ss.global_batch_size // (ss.local_batch_size * layout.dp)),
-        pp_microbatch=pipe.pp_microbatch_size if pipe is not None else 1,
-        pp_schedule=pipe.pp_schedule if pipe is not None else "1f1b",
-        stages_per_rank=max(1, stages // layout.pp) if layout.pp > 1 else 1,
         storage_bytes=storage,
         compute_bytes=compute,
         reduce_bytes=reduce,
         optimizer_states=optimizer_states(cfg.optimizer.target),
         optimizer_impl=impl,
         trainable_params=None if trainable is None else None,
-        reshard_after_forward=bool(d.moe_config.reshard_after_forward) if layout.ep > 1 else None,
         expert_load_factor=expert_load_factor,
         **_loss_fields(cfg, on_gpu=on_gpu, head_weight_readable=strategy.head_weight_readable),
     )
+    # each parallelism's own fields (pp's schedule, ep's resharding, tp's sequence parallelism)
+    own = {
+        key: value
+        for p in parallelisms()
+        for key, value in p.step_fields(section=d, size=p.size(d, layout), stages=stages).items()
+    }
+    return replace(setup, **own)
 
 
 def _loss_fields(cfg: RecipeConfig, *, on_gpu: bool, head_weight_readable: bool) -> dict:

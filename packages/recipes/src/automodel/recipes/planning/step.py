@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from automodel.mesh import PARALLEL_AXES
+from automodel.mesh import parallel_axes
 
 if TYPE_CHECKING:
     from automodel.recipes.planning.shape import ModelShape
@@ -49,16 +49,22 @@ class StrategyMemory:
     defer_unsharded_grads: bool = True
 
 
+def sized(**sizes: int) -> tuple[tuple[str, int], ...]:
+    """`StepSetup.sizes` from keyword sizes: ``StepSetup(sizes=sized(tp=2, dp_shard=4))``."""
+    return tuple(sizes.items())
+
+
 @dataclass(frozen=True)
 class StepSetup:
-    """The layout and training knobs of one rank's step (sizes are the resolved mesh axes)."""
+    """The layout and training knobs of one rank's step.
 
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp_shard: int = 1
-    dp_replicate: int = 1
+    The sizes are keyed by name, not one field per axis: every mesh axis of the table
+    (`automodel.mesh.parallel_axes`, a plugin's registered one included) and every registered
+    parallelism that forms none; ``setup.tp`` reads the ``tp`` axis's size (1 when absent)."""
+
+    #: Parallelism sizes by name (axis or parallelism); an absent one is 1. Kept sorted with the
+    #: 1s dropped, so two setups of one layout compare equal.
+    sizes: tuple[tuple[str, int], ...] = ()
     sharding: StrategyMemory = field(default_factory=StrategyMemory)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
@@ -87,17 +93,16 @@ class StepSetup:
     # per-rank bytes held through the whole step by registered parallelisms beyond the built-in
     # axes' terms above, by name (`automodel.recipes.parallelisms.memory_terms`)
     extra_bytes: tuple[tuple[str, float], ...] = ()
-    # the sizes of registered parallelisms that have no field above, by name (`size_of`); out of
-    # the repr, which the built-in layouts print as before
-    extra_sizes: tuple[tuple[str, int], ...] = field(default=(), repr=False)
 
     def size_of(self, name: str) -> int:
-        """The size of parallelism `name`: its field, else `extra_sizes`, else 1 (not used)."""
-        if name in PARALLEL_AXES:
-            value = getattr(self, name)
-            assert isinstance(value, int)
-            return value
-        return dict(self.extra_sizes).get(name, 1)
+        """The size of parallelism or mesh axis `name` (1: not used)."""
+        return dict(self.sizes).get(name, 1)
+
+    def __getattr__(self, name: str) -> int:
+        """A mesh axis's size as an attribute (``setup.tp``), for every axis of the table."""
+        if name.startswith("_") or name not in parallel_axes():
+            raise AttributeError(f"StepSetup has no attribute {name!r}")
+        return self.size_of(name)
 
     @property
     def dp_shard_cp(self) -> int:
@@ -108,7 +113,11 @@ class StepSetup:
         return self.dp_replicate * self.dp_shard * self.cp // self.ep
 
     def __post_init__(self) -> None:
-        for key in (*PARALLEL_AXES, "seq_len", "local_batch", "grad_accum"):
+        for name, size in self.sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {size!r}")
+        object.__setattr__(self, "sizes", tuple(sorted((n, v) for n, v in dict(self.sizes).items() if v > 1)))
+        for key in ("seq_len", "local_batch", "grad_accum"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")

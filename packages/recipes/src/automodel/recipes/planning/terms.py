@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 
 def planner_sizes(section: DistributedSection, layout: ResolvedLayout) -> tuple[tuple[str, int], ...]:
-    """The sizes of the registered parallelisms `StepSetup` has no field for (no mesh axis of
-    that name), for `StepSetup.extra_sizes`."""
+    """The sizes of the registered parallelisms that form no mesh axis (the layout holds the
+    others), for `StepSetup.sizes`."""
     return tuple((p.name, p.size(section, layout)) for p in parallelisms() if p.mesh_axis is None)
 
 
