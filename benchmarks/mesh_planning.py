@@ -16,7 +16,7 @@ import time
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from automodel.mesh import DENSE_AXES, MeshContext, ParallelismSizes, fake_world
+from automodel.mesh import MeshContext, ParallelismSizes, dense_axes, fake_world
 
 SIZES = ParallelismSizes(pp_size=8, tp_size=8, cp_size=2, ep_size=8)
 WORLD = 16_384
@@ -33,7 +33,7 @@ def plan_and_check(rank: int) -> None:
 
 def bare_torch_mesh(rank: int) -> None:
     with fake_world(WORLD, rank=rank):
-        init_device_mesh("cpu", SIZES.resolve(WORLD).dense_shape, mesh_dim_names=DENSE_AXES)
+        init_device_mesh("cpu", SIZES.resolve(WORLD).dense_shape, mesh_dim_names=dense_axes())
 
 
 def timed(fn, rank: int) -> float:
