@@ -546,7 +546,11 @@ def _automodel_notes(raw: dict[str, Any]) -> list[str]:
     raw = {**copy.deepcopy(raw), "output_dir": "/tmp/unused"}
     notes = list(load_config(copy.deepcopy(raw)).notes)
     # the lines of this test's concern: where AutoModel 0.7 trains the same file differently
-    return [n for n in notes if n.startswith(("distributed.mp_policy", "rng.seed", "dataset.answer_only"))]
+    return [
+        n
+        for n in notes
+        if n.startswith(("distributed.mp_policy", "rng.seed", "dataset.answer_only", "peft:"))
+    ]
 
 
 def test_notes_where_automodel_trains_the_same_file_differently(model_dir: str) -> None:
@@ -569,6 +573,13 @@ def test_notes_where_automodel_trains_the_same_file_differently(model_dir: str) 
     default_seed = copy.deepcopy(raw)
     default_seed["rng"]["seed"] = 42
     assert not [n for n in _automodel_notes(default_seed) if n.startswith("rng.seed")]
+    lora = copy.deepcopy(fixed)
+    lora["peft"] = {"_target_": "nemo_automodel.components._peft.lora.PeftConfig", "dim": 8}
+    (note,) = _automodel_notes(lora)
+    assert (
+        note.startswith("peft: lora_A (xavier) is drawn from this run's per-parameter")
+        and "seed + rank" in note
+    )
     chat = copy.deepcopy(raw)
     chat["dataset"] = {"_target_": PREFIX + "chat_dataset.ChatDataset", "path_or_dataset_id": "chat.jsonl"}
     assert not [n for n in _automodel_notes(chat) if n.startswith("dataset.answer_only")]

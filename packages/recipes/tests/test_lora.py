@@ -92,6 +92,30 @@ def test_moe_experts_cannot_be_targeted() -> None:
     assert info.module_fqns == [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
 
 
+def test_lora_a_init_reads_nemo_automodels_key() -> None:
+    """``lora_A_init`` is NeMo AutoModel 0.7's key with its meaning: default ``xavier``, drawn with
+    ``xavier_normal_`` (its ``LinearLoRA.init_lora_weights``); anything else kaiming-uniform(a=sqrt 5)."""
+    import math
+
+    from automodel.recipes.peft import PeftSection
+    from automodel.recipes.peft.lora import init_adapter_A
+
+    assert PeftSection().lora_A_init == "xavier"
+    shape = (8, 64)  # [dim, in]
+    uniform_bound = math.sqrt(6.0 / sum(shape))  # xavier_uniform_'s support: a normal draw exceeds it
+    got = torch.empty(shape)
+    init_adapter_A(got, method="xavier", generator=torch.Generator().manual_seed(3))
+    ref = torch.empty(shape)
+    torch.nn.init.xavier_normal_(ref, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(got, ref)
+    assert got.abs().max().item() > uniform_bound
+    assert abs(got.std().item() - math.sqrt(2.0 / sum(shape))) < 0.03
+    for method in ("kaiming", "uniform"):
+        init_adapter_A(got, method=method, generator=torch.Generator().manual_seed(3))
+        torch.nn.init.kaiming_uniform_(ref, a=math.sqrt(5), generator=torch.Generator().manual_seed(3))
+        assert torch.equal(got, ref)
+
+
 def test_zero_b_gives_the_base_model_exactly() -> None:
     """B = 0 at initialisation: the wrapped model's logits are the base model's, bit for bit; the
     base weights are the same (frozen) Parameters and only the adapters require grad."""

@@ -41,18 +41,29 @@ def test_chat_answer_mask_matches_hand_computed(chat_tok) -> None:
         {"role": "user", "content": "say hi"},
         {"role": "assistant", "content": "hello and hi"},
     ]
-    ex = encode_chat(tok, messages, answer_only=True, key="dataset.use_hf_chat_template")
-    # The template, token by token; an assistant turn's answer is its content and its <|end|>.
-    prompt1 = "<|system|> you are a bot <|end|> <|user|> what is two plus two <|end|> <|assistant|>"
+    # The template, token by token. As NeMo AutoModel 0.7 (ChatDataset's mask_generation_prompt: false,
+    # its default) an assistant turn is its role header, content and <|end|>; with
+    # mask_generation_prompt the header (what the generation prompt writes) is not labelled.
+    prompt1 = "<|system|> you are a bot <|end|> <|user|> what is two plus two <|end|>"
     answer1 = "four <|end|>"
-    prompt2 = "<|user|> say hi <|end|> <|assistant|>"
+    prompt2 = "<|user|> say hi <|end|>"
     answer2 = "hello and hi <|end|>"
-    expected_ids, expected_mask = [], []
-    for text, is_answer in ((prompt1, False), (answer1, True), (prompt2, False), (answer2, True)):
-        expected_ids += _ids(v, text)
-        expected_mask += [is_answer] * len(text.split())
-    assert ex.ids == expected_ids
-    assert ex.label_mask == expected_mask
+    for mask_generation_prompt in (False, True):
+        ex = encode_chat(
+            tok,
+            messages,
+            answer_only=True,
+            key="dataset.use_hf_chat_template",
+            mask_generation_prompt=mask_generation_prompt,
+        )
+        expected_ids, expected_mask = [], []
+        parts = (prompt1, False), ("<|assistant|>", not mask_generation_prompt), (answer1, True)
+        parts += (prompt2, False), ("<|assistant|>", not mask_generation_prompt), (answer2, True)
+        for text, is_answer in parts:
+            expected_ids += _ids(v, text)
+            expected_mask += [is_answer] * len(text.split())
+        assert ex.ids == expected_ids
+        assert ex.label_mask == expected_mask
     full = encode_chat(tok, messages, answer_only=False, key="k")
     assert full.ids == expected_ids and all(full.label_mask)
 
@@ -81,8 +92,14 @@ def test_instruction_rows_labels_token_by_token(tmp_path: Path, chat_tok) -> Non
     n = len(tokens) - 1
     assert ids[0, :n].tolist() == tokens[:-1]
     assert ids[0, n:].tolist() == [v["<pad>"]] * (24 - n)  # padding ...
-    expected = [IGNORE_INDEX] * (n - 2) + [v["five"], v["<|end|>"]] + [IGNORE_INDEX] * (24 - n)
-    assert labels[0].tolist() == expected  # ... never carries loss
+    # the assistant turn as NeMo AutoModel labels it (its header too) ...
+    answer = [v["<|assistant|>"], v["five"], v["<|end|>"]]
+    expected = [IGNORE_INDEX] * (n - 3) + answer + [IGNORE_INDEX] * (24 - n)
+    assert labels[0].tolist() == expected  # ... padding never carries loss
+    # mask_generation_prompt: the header the generation prompt writes is not a label
+    header_free = _section(**{**section.__dict__, "mask_generation_prompt": True})
+    _, labels_hf, _ = build_packed_dataset(header_free, tok, packed_sequence_size=0).batch([0])
+    assert labels_hf[0].tolist() == [IGNORE_INDEX] * (n - 2) + answer[1:] + [IGNORE_INDEX] * (24 - n)
     assert pos[0].tolist() == list(range(24))
     # answer_only_loss_mask: false trains every next token of the example, still not the padding
     section = _section(**{**section.__dict__, "answer_only_loss_mask": False})
@@ -263,7 +280,8 @@ def test_chat_messages_jsonl(tmp_path: Path, chat_tok) -> None:
     )
     assert len(ds) == 1 and ds.stats["skipped"] == {"no assistant turn": 1}
     _, labels, _ = ds.batch([0])
-    assert [t for t in labels[0].tolist() if t != IGNORE_INDEX] == [v["hi"], v["<|end|>"]]
+    # the assistant turn with its header (AutoModel's ChatDataset default, mask_generation_prompt: false)
+    assert [t for t in labels[0].tolist() if t != IGNORE_INDEX] == [v["<|assistant|>"], v["hi"], v["<|end|>"]]
 
 
 ALTERNATING = (  # Llama-2 / Mistral style: refuses conversations whose roles do not alternate

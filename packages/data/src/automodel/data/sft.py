@@ -6,9 +6,11 @@ the tokenizer's chat template when it has one (``use_hf_chat_template``), else a
 ``format_plain_prompt(context, question) + answer + EOS``.
 
 With ``answer_only_loss_mask`` only answer tokens are labels: in a chat template these are the
-characters an assistant turn adds to the conversation (the rendering of ``messages[:i]`` with the
-generation prompt is a prefix of the rendering of ``messages[:i+1]``; the rest, the answer with its
-end-of-turn marker, is the answer), mapped to tokens through the tokenizer's offsets. Padding is
+characters an assistant turn adds to the conversation (the rendering of ``messages[:i]`` is a prefix
+of the rendering of ``messages[:i+1]``; the rest, the turn's role header, answer and end-of-turn
+marker, is labelled, as NeMo AutoModel 0.7 does; with ``mask_generation_prompt`` the prefix is
+rendered with the generation prompt, so the role header is not), mapped to tokens through the
+tokenizer's offsets. Padding is
 never a label. Labels are the next tokens (``labels[t] = ids[t+1]`` or -100), shifted inside
 each example, so packed examples never predict across a document boundary.
 
@@ -92,16 +94,27 @@ def _render(hf: Any, messages: list[dict], *, generation_prompt: bool, tools: An
 
 
 def encode_chat(
-    tokenizer: Any, messages: list[dict], *, answer_only: bool, key: str, tools: Any = None
+    tokenizer: Any,
+    messages: list[dict],
+    *,
+    answer_only: bool,
+    key: str,
+    tools: Any = None,
+    mask_generation_prompt: bool = False,
 ) -> Example:
-    """Render `messages` with the chat template; the assistant turns' own characters are labels."""
+    """Render `messages` with the chat template; every assistant turn's rendered characters are labels.
+
+    As NeMo AutoModel 0.7's ``format_chat_template``: a turn is what the template adds for it (its
+    role header, content and end-of-turn marker); with `mask_generation_prompt` the part the template's
+    generation prompt writes (the role header) is not labelled, the turn's content and marker are.
+    """
     hf = tokenizer.hf
     full = _render(hf, messages, generation_prompt=False, tools=tools)
     spans: list[tuple[int, int]] = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = _render(hf, messages[:i], generation_prompt=True, tools=tools) if i else ""
+        before = _render(hf, messages[:i], generation_prompt=mask_generation_prompt, tools=tools) if i else ""
         upto = _render(hf, messages[: i + 1], generation_prompt=False, tools=tools)
         if not upto.startswith(before) or not full.startswith(upto):
             raise ConfigError(
@@ -157,6 +170,8 @@ class ExampleEncoder:
         self.section = section
         self.tokenizer = tokenizer
         self.key = f"{s}.use_hf_chat_template"
+        # AutoModel's ChatDataset key; the sections without it (SQuAD, HellaSwag) take its default
+        self.mask_generation_prompt = bool(getattr(section, "mask_generation_prompt", False))
         if section.chat_template is not None:
             if tokenizer.hf is None:
                 raise ConfigError(
@@ -186,7 +201,12 @@ class ExampleEncoder:
         if self.section.source == "chat":
             messages = _check_messages(record.get("messages"))
             return encode_chat(
-                self.tokenizer, messages, answer_only=answer_only, key=self.key, tools=record.get("tools")
+                self.tokenizer,
+                messages,
+                answer_only=answer_only,
+                key=self.key,
+                tools=record.get("tools"),
+                mask_generation_prompt=self.mask_generation_prompt,
             )
         if "prompt" in record:  # a dataset factory's own prompt text (SQuAD, HellaSwag): verbatim
             prompt, answer = _text(record["prompt"]), _text(record.get("answer"))
@@ -194,7 +214,13 @@ class ExampleEncoder:
                 raise SkippedExample("empty answer")
             if self.use_template:
                 messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-                return encode_chat(self.tokenizer, messages, answer_only=answer_only, key=self.key)
+                return encode_chat(
+                    self.tokenizer,
+                    messages,
+                    answer_only=answer_only,
+                    key=self.key,
+                    mask_generation_prompt=self.mask_generation_prompt,
+                )
             return encode_plain(
                 self.tokenizer, prompt=prompt, answer=answer, answer_only=answer_only, bos=self.bos
             )
@@ -209,7 +235,13 @@ class ExampleEncoder:
                 messages.append({"role": "system", "content": context})
             messages.append({"role": "user", "content": question or context})
             messages.append({"role": "assistant", "content": answer})
-            return encode_chat(self.tokenizer, messages, answer_only=answer_only, key=self.key)
+            return encode_chat(
+                self.tokenizer,
+                messages,
+                answer_only=answer_only,
+                key=self.key,
+                mask_generation_prompt=self.mask_generation_prompt,
+            )
         prompt = format_plain_prompt(context=context, question=question)
         return encode_plain(
             self.tokenizer, prompt=prompt, answer=answer, answer_only=answer_only, bos=self.bos

@@ -120,6 +120,9 @@ class SFTDatasetSection:
     split: str = "train"  # for a Hub id or a directory (local files are one split), stdlib: train/validation
     name: str | None = None  # dataset configuration (subset) of a Hub id or directory
     answer_only_loss_mask: bool = True
+    # AutoModel's ChatDataset key: false (its default) labels each assistant turn as the template renders
+    # it, role header included; true leaves out what the generation prompt writes (the role header)
+    mask_generation_prompt: bool = False
     # null: the tokenizer's chat template when it has one, else plain "context\nquestion\n" + answer
     use_hf_chat_template: bool | None = None
     chat_template: str | None = None  # a Jinja template that replaces the tokenizer's (saved with it)
@@ -183,7 +186,7 @@ class SFTDatasetSection:
                 raise ConfigError(
                     f"{s}.column_mapping", mapping, "must map context or question (or both) besides answer"
                 )
-        for key in ("answer_only_loss_mask",):
+        for key in ("answer_only_loss_mask", "mask_generation_prompt"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{s}.{key}", getattr(self, key), "must be true or false")
         if (

@@ -35,7 +35,7 @@ def _materialize(
 ) -> None:
     for part in parts:
         init_fn = None
-        if peft is not None:  # LoRA: A kaiming-uniform, B zeros; the rest as without adapters
+        if peft is not None:  # LoRA: A as peft.lora_A_init, B zeros; the rest as without adapters
             config = getattr(part, "config", None)
             std = float(getattr(config, "initializer_range", 0.02) or 0.02)
             init_fn = lora_init_fn(default_init_fn(std), section=peft)

@@ -3,7 +3,7 @@
 The lines are printed once at start-up (`recipes train` rank 0, `recipes validate`), and only when
 the key is absent from the YAML, so an explicit setting is never commented on. Where NeMo
 AutoModel 0.7 itself would train the same file differently (`automodel_file_notes`: mixed
-precision on CPU, which seed, the label of the prompt's last token), the line is printed only for
+precision on CPU, which seed, the label of the prompt's last token, LoRA's first draws), the line is printed only for
 AutoModel's own files (a ``_target_`` naming ``nemo_automodel``).
 """
 
@@ -49,6 +49,13 @@ def automodel_file_notes(cfg: RecipeConfig, original: dict) -> list[str]:
         notes.append(
             f"rng.seed={rng_seed} seeds this run; AutoModel 0.7 ignores rng.seed and seeds with the top-level "
             f"seed (default {AUTOMODEL_SEED}): add seed: {rng_seed} to seed both the same"
+        )
+    if cfg.peft is not None:
+        notes.append(
+            f"peft: lora_A ({cfg.peft.lora_A_init}) is drawn from this run's per-parameter (seed, name) generators, "
+            "the same on every layout; AutoModel 0.7 draws each rank's shard of it from that rank's own stream "
+            "(seed + rank, after the base weights' random init), so the adapters start from other values of the "
+            "same distribution and the losses agree in distribution, not step for step"
         )
     dataset = cfg.dataset
     # AutoModel's format_prompt_completion (SQuAD, column-mapped instructions without a template)

@@ -8,7 +8,7 @@
       alpha: 32                    # scale = alpha / dim
       dropout: 0.0
       dropout_position: post       # post: dropout on the LoRA output (NeMo); pre: on its input (peft)
-      lora_A_init: kaiming         # kaiming (= peft's init; NeMo's "uniform"), xavier
+      lora_A_init: xavier          # xavier: xavier_normal_ (NeMo AutoModel's default); kaiming / uniform: peft's init
       lora_dtype: null             # adapter dtype; null: the base weight's
       save_merged: false           # also write consolidated/ with the adapters merged into the weights
 
@@ -48,7 +48,7 @@ class PeftSection:
     alpha: int | float = 32
     dropout: float = 0.0
     dropout_position: str = "post"
-    lora_A_init: str = "kaiming"
+    lora_A_init: str = "xavier"  # NeMo AutoModel 0.7's PeftConfig default (xavier_normal_)
     lora_dtype: str | None = None
     save_merged: bool = False
 

@@ -10,7 +10,7 @@ and ``bias`` Parameters under the same FQN, plus ``lora_A`` [dim, in] and ``lora
 Because it happens on the meta model, every later step composes with it unchanged: the pipeline
 split keeps the adapters inside their decoder layers, TP lays them out with their linear's plan
 key (`automodel.fsdp2.tp_plan.with_lora_adapters`), FSDP2 shards them in the same units as their frozen
-base weights, and materialization initialises them (A: kaiming-uniform as peft, B: zeros, so
+base weights, and materialization initialises them (A: xavier-normal as NeMo AutoModel, B: zeros, so
 step 0 equals the base model) from the same (seed, FQN) generators as every other parameter.
 
 MoE experts in transformers 5 are stacked 3-D parameters (``experts.gate_up_proj`` [E, 2I, H]),
@@ -51,7 +51,7 @@ class LoRALinear(nn.Linear):
         alpha: float,
         dropout: float = 0.0,
         dropout_position: str = "post",
-        lora_A_init: str = "kaiming",
+        lora_A_init: str = "xavier",
         lora_dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)  # keep the base Parameters (on meta): nothing new is allocated for them
@@ -93,10 +93,13 @@ class LoRALinear(nn.Linear):
 
 
 def init_adapter_A(tensor: torch.Tensor, *, method: str, generator: torch.Generator | None = None) -> None:
-    """kaiming (``uniform``): peft's ``kaiming_uniform_(a=sqrt(5))``; xavier: ``xavier_uniform_``."""
+    """xavier: ``xavier_normal_``; kaiming (``uniform``): peft's ``kaiming_uniform_(a=sqrt(5))``.
+
+    As NeMo AutoModel 0.7's ``LinearLoRA.init_lora_weights``, whose key this is.
+    """
     with torch.no_grad():
         if method == "xavier":
-            nn.init.xavier_uniform_(tensor, generator=generator)
+            nn.init.xavier_normal_(tensor, generator=generator)
         else:
             nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
 
