@@ -14,7 +14,7 @@ def test_version_lists_every_package_and_the_frameworks(capsys: pytest.CaptureFi
     lines = capsys.readouterr().out.splitlines()
     names = [line.split(" ", 1)[0] for line in lines]
     assert names == [*AUTOMODEL_DISTRIBUTIONS, "torch", "transformers", "megatron-fsdp"]
-    assert len(AUTOMODEL_DISTRIBUTIONS) == 7
+    assert len(AUTOMODEL_DISTRIBUTIONS) == 8
     for name, line in zip(names, lines):
         assert line == f"{name} {importlib.metadata.version(name)}"
 

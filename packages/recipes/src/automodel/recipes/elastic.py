@@ -52,7 +52,7 @@ def rank_memory_bytes(*, ranks_per_node: int) -> tuple[float, str]:
 
 def memory_estimate(run: ResolvedRun) -> tuple[float, str]:
     """(the per-rank peak bytes of one step of `run`, its phase), as `recipes validate` prints it."""
-    # lazy: plan ~4 s (imported by the launcher only for an elastic job)
+    # lazy: start-up, automodel.recipes.plan ~4 s (the launcher needs it only for an elastic job)
     from automodel.recipes.plan import estimate_memory
 
     mem = estimate_memory(
