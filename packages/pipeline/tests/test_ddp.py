@@ -134,7 +134,11 @@ def test_pp2_ddp2_tied_matches_single_process(schedule: str, accumulate: int) ->
         seen = set()
         for r in results:
             for name, grad in r["grads"][step].items():
-                torch.testing.assert_close(grad, ref_grads[step][name], rtol=1e-5, atol=1e-6, msg=name)
+                ref = ref_grads[step][name]
+                # 1e-5 of the tensor's scale: fp32 sums in another order (one thread, as torch_range
+                # runs) differ by ~1.6e-6 on entries of 0.36 after one SGD step
+                atol = 1e-5 * float(ref.abs().max())
+                torch.testing.assert_close(grad, ref, rtol=1e-5, atol=atol, msg=name)
                 seen.add(name)
         # full-model FQNs, no "module." prefix; the tied weight as wte.weight on both stages
         assert seen == set(ref_grads[step]), seen
