@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _launch_helpers import LAUNCH_PREFIXES, clean_env, free_port, losses, start_train, write_config  # noqa: E402
 
 from automodel.recipes.cli import run_cli  # noqa: E402
+from automodel.recipes.launch import agent_env  # noqa: E402
 from automodel.recipes.launch_plan import LaunchOptions, plan_launch  # noqa: E402
 from automodel.testing.faults import full_only  # noqa: E402
 
@@ -223,6 +224,17 @@ def test_the_environment_decides_who_starts_the_ranks() -> None:
     leftovers = {"LOCAL_RANK": "3", "TORCHELASTIC_RUN_ID": "old", "CUDA_VISIBLE_DEVICES": "0"}
     assert plan_launch(two, leftovers) == expected
     assert plan_launch(none, leftovers) == LaunchOptions()
+
+
+def test_the_agent_environment_follows_torchruns_thread_rule() -> None:
+    """Several ranks on a node: one intra-op thread each unless the user chose; a node's only rank
+    (a job of one process per node) keeps torch's default, as torchrun leaves it; rank leftovers go."""
+    user = {"PATH": "/bin", "RANK": "3", "PET_NNODES": "2", "TORCHELASTIC_RUN_ID": "old"}
+    assert agent_env(user, nproc_per_node=2)["OMP_NUM_THREADS"] == "1"
+    assert agent_env({**user, "OMP_NUM_THREADS": "4"}, nproc_per_node=2)["OMP_NUM_THREADS"] == "4"
+    alone = agent_env(user, nproc_per_node=1)
+    assert "OMP_NUM_THREADS" not in alone
+    assert not {"RANK", "PET_NNODES", "TORCHELASTIC_RUN_ID"} & alone.keys() and alone["PATH"] == "/bin"
 
 
 def test_stale_rank_with_nproc_is_refused_by_the_console_script(tmp_path: Path) -> None:

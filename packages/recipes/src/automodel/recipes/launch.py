@@ -40,16 +40,21 @@ RANK_VARIABLES = (
 )  # fmt: skip
 
 
-def agent_env(environ: dict[str, str]) -> dict[str, str]:
+def agent_env(environ: dict[str, str], *, nproc_per_node: int) -> dict[str, str]:
     """The agent's environment: `environ` without rank variables, TORCHELASTIC_* leftovers and a
-    pod's PET_* variables (torchrun's defaults for the flags this launcher passes itself)."""
+    pod's PET_* variables (torchrun's defaults for the flags this launcher passes itself).
+
+    Several ranks on a node get one intra-op thread each unless the user set OMP_NUM_THREADS
+    (torchrun's own default, without its banner); a node's only rank keeps torch's default of
+    every core, as under torchrun, so one process is not held to one core."""
     env = {
         k: v
         for k, v in environ.items()
         if k not in RANK_VARIABLES and not k.startswith(("TORCHELASTIC_", "PET_"))
     }
     env.pop(JOB_STORE_VARIABLE, None)  # set below for a job of several nodes only
-    env.setdefault("OMP_NUM_THREADS", "1")
+    if nproc_per_node > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
     # the agent's own C++ log lines (a rendezvous client timing out, with a stack) stay off the
     # terminal; the agent gives the ranks the user's level back (AGENT_RANKS_CPP_LOG_LEVEL)
     env[AGENT_RANKS_CPP_LOG_LEVEL] = env.get("TORCH_CPP_LOG_LEVEL", "")
@@ -173,7 +178,7 @@ def launch_torchrun(
     On failure, print one line per distinct error the ranks reported (exit 2 for user mistakes),
     or the root-cause rank's traceback, or the tail of torchrun's log when no rank reported.
     """
-    env = agent_env(dict(os.environ))
+    env = agent_env(dict(os.environ), nproc_per_node=opts.nproc_per_node)
     if opts.nnodes > 1 and opts.rdzv_endpoint is not None:  # the ranks' restart line reads it
         env[JOB_STORE_VARIABLE] = opts.rdzv_endpoint
     if opts.elastic:
