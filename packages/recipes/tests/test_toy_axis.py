@@ -51,6 +51,7 @@ from automodel.recipes.parallelisms import (
 from automodel.recipes.parallelisms.base import sharded_on
 from automodel.recipes.plan import plan_layout
 from automodel.recipes.planning.models import resolve_model_config
+from automodel.recipes.planning.propose import plan
 from automodel.recipes.planning.roofline import Hardware
 from automodel.recipes.planning.search import enumerate_layouts
 from automodel.recipes.planning.shape import model_shape
@@ -282,6 +283,19 @@ def test_recipes_plan_searches_the_toy_axis(sq: None) -> None:
     head = format_table(split[:1])[0].split()
     assert head[:6] == ["#", "tp", "pp", "(schedule)", "cp", "ep"] and head[6] == "sq"
     assert "  sq_size: 2" in yaml_block(split[0], global_batch=8)
+
+
+def test_recipes_plan_admits_the_toy_axis_layouts(sq: None) -> None:
+    """The layouts `recipes plan` proposes pass `recipes train`'s pre-launch resolution
+    (`planning.admit`): a toy layout's YAML names the strategy that lists the axis, and the toy's
+    own rules refuse what it does not compose with, with their message."""
+    best, lines = plan(model="llama3.1-8b", gpus=8, seq_len=4096, top=10)
+    toy = [c for c in best if c.setup.sq == 2]
+    assert toy, lines
+    assert "  strategy: sq_fsdp2" in yaml_block(toy[0], global_batch=8)
+    assert all(c.setup.tp == c.setup.cp == c.setup.pp == 1 for c in toy)
+    assert any("the toy sq axis composes with data parallelism only" in line for line in lines), lines
+    assert "  strategy: fsdp2" in yaml_block(next(c for c in best if c.setup.sq == 1), global_batch=8)
 
 
 # ---- recipes train under the toy ---------------------------------------------------------------
