@@ -31,7 +31,14 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from automodel.mesh import Axis, ParallelismSizes, ResolvedLayout, StrategyConfig, register_axis, unregister_axis
+from automodel.mesh import (
+    Axis,
+    ParallelismSizes,
+    ResolvedLayout,
+    StrategyConfig,
+    register_axis,
+    unregister_axis,
+)
 from automodel.recipes import load_config
 from automodel.recipes._dist_setup import parse_distributed_section
 from automodel.recipes.cli import run_cli
@@ -149,7 +156,9 @@ class _ToySequenceAxis(Parallelism[None]):
             return
         for key in ("tp_size", "cp_size", "pp_size", "ep_size"):
             if (sizes.get(key) or 1) > 1:
-                raise ConfigError(f"distributed.{key}", sizes[key], "the toy sq axis composes with data parallelism only")
+                raise ConfigError(
+                    f"distributed.{key}", sizes[key], "the toy sq axis composes with data parallelism only"
+                )
 
     def sequence_divisor(self, *, section: DistributedSection, layout: ResolvedLayout, size: int) -> int:
         return size  # equal shares of each row
@@ -222,7 +231,9 @@ def sq(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(registry, "_STRATEGIES", dict(registry._STRATEGIES))
     register_strategy(_SqFSDP2())
     # its ranks hold the same parameters: FSDP shards over it too, and gradients sum over it
-    register_axis(Axis("sq", "dense", size_key="sq_size", model_parallel=True, holds_replicas=True), before="tp")
+    register_axis(
+        Axis("sq", "dense", size_key="sq_size", model_parallel=True, holds_replicas=True), before="tp"
+    )
     register_parallelism(_ToySequenceAxis())
     try:
         yield
