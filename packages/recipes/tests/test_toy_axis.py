@@ -207,7 +207,9 @@ class _ToySequenceAxis(Parallelism[None]):
 
     def report_lines(self, report: RankReport, *, axis_sizes: Mapping[str, int]) -> list[str]:
         size = axis_sizes.get(self.name, 1)
-        modules = sum(len(part.get("sq_attention", [])) for part in report["parts"])
+        parts = report["parts"]
+        assert isinstance(parts, list)
+        modules = sum(len(part.get("sq_attention", [])) for part in parts)
         if size == 1 or not modules:
             return []
         return [f"[rank {report['rank']}] sq ({size} ranks): all-to-all attention in {modules} modules"]
