@@ -20,6 +20,7 @@ from automodel.mesh import (
     ParallelismSizes,
     ResolvedLayout,
     dense_axes,
+    flattened_axes,
     parallel_axes,
     register_axis,
     unregister_axis,
@@ -110,3 +111,54 @@ def test_a_registered_axis_forms_real_groups_that_swap_sequence_for_heads(toy_ax
         assert r["exact"], rank
         assert "sq=2 tp=2" in str(r["describe"])
     assert [r["members"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+def test_an_axis_holding_replicas_joins_the_parameter_sharding_axes() -> None:
+    """A registered axis whose ranks hold the same parameters (as cp's) joins ``dp_shard_cp`` (FSDP's
+    shard group) and ``dp_cp``: their sizes, rank groups and the expert split take it in."""
+    register_axis(
+        Axis("sq", "dense", size_key="sq_size", model_parallel=True, holds_replicas=True), before="tp"
+    )
+    try:
+        assert flattened_axes()["dp_shard_cp"] == ("dp_shard", "cp", "sq")
+        assert flattened_axes()["dp_cp"] == ("dp_replicate", "dp_shard", "cp", "sq")
+        layout = ParallelismSizes(sq_size=2, tp_size=2).resolve(8)
+        assert (layout.dp_shard_cp, layout.dp_cp, layout.fsdp_enabled) == (4, 4, True)
+        assert layout.group_ranks(1, "dp_shard_cp") == [1, 3, 5, 7]
+        with pytest.raises(
+            ValueError, match=r"dp_size\*cp_size\*sq_size = 4 \(dp_size=2, cp_size=1, sq_size=2\)"
+        ):
+            ParallelismSizes(sq_size=2, ep_size=3).resolve(4)
+    finally:
+        unregister_axis("sq")
+    assert flattened_axes()["dp_shard_cp"] == ("dp_shard", "cp")
+
+
+def _groups_over(sizes: ParallelismSizes) -> dict[str, object]:
+    ctx = MeshContext.build(sizes)
+    rank, layout = dist.get_rank(), ctx.layout
+    coords = [layout.coordinates(r) for r in range(layout.world_size)]
+    spanned = ("dp_shard", "sq")  # no flattened axis spans exactly these: made on the first call
+    fixed = [a for a in dense_axes() if a not in spanned]
+    mesh = ctx.mesh_over(spanned)
+    assert mesh is not None and ctx.mesh_over(spanned) is mesh  # made once
+    single = ctx.mesh_over(("dp_replicate", "dp_shard", "cp"))  # dp_replicate and cp hold one rank
+    assert single is not None
+    return {
+        "members": dist.get_process_group_ranks(mesh.get_group()),
+        "expected": [
+            r for r in range(layout.world_size) if all(coords[r][a] == coords[rank][a] for a in fixed)
+        ],
+        "single": dist.get_process_group_ranks(single.get_group()),
+        "dp_shard": layout.group_ranks(rank, "dp_shard"),
+        "none": ctx.mesh_over(("pp", "cp")),
+    }
+
+
+def test_a_mesh_over_axes_no_flattened_axis_spans_is_made_once(toy_axis: None) -> None:
+    results = run_on_ranks(_groups_over, world_size=4, args=(ParallelismSizes(sq_size=2),), timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["members"] == r["expected"] == [0, 1, 2, 3], rank
+        assert len(r["single"]) == 2, rank
+        assert r["single"] == r["dp_shard"], rank
+        assert r["none"] is None

@@ -37,13 +37,19 @@ class Axis:
     model_parallel: bool = False
     #: Its size key may be left unset (None): derived (dp) or 1 unless asked for (dp_replicate).
     optional: bool = False
+    #: A dense axis whose ranks hold the same parameters and different tokens of each row (cp, a
+    #: plugin's sequence axis): their gradients must be summed over it, so the flattened axes with
+    #: `spans_replicas` (FSDP's ``dp_shard_cp``, and ``dp_cp``) span it too.
+    holds_replicas: bool = False
+    #: A flattened axis that spans, besides `spans`, every `holds_replicas` dense axis.
+    spans_replicas: bool = False
 
 
 _BUILT_IN: tuple[Axis, ...] = (
     Axis("pp", "dense", size_key="pp_size", model_parallel=True),
     Axis("dp_replicate", "dense", size_key="dp_replicate_size", optional=True),
     Axis("dp_shard", "dense"),
-    Axis("cp", "dense", size_key="cp_size", model_parallel=True),
+    Axis("cp", "dense", size_key="cp_size", model_parallel=True, holds_replicas=True),
     Axis("tp", "dense", size_key="tp_size", model_parallel=True),
     Axis(
         "dp",
@@ -53,8 +59,10 @@ _BUILT_IN: tuple[Axis, ...] = (
         parallel=False,
         optional=True,
     ),
-    Axis("dp_shard_cp", "flattened", spans=("dp_shard", "cp"), parallel=False),
-    Axis("dp_cp", "flattened", spans=("dp_replicate", "dp_shard", "cp"), parallel=False),
+    # the data axes and every axis holding parameter replicas (cp, a registered sequence axis): the
+    # names are torchtitan's, for the built-in replica axis
+    Axis("dp_shard_cp", "flattened", spans=("dp_shard",), parallel=False, spans_replicas=True),
+    Axis("dp_cp", "flattened", spans=("dp_replicate", "dp_shard"), parallel=False, spans_replicas=True),
     Axis("ep_shard", "moe", parallel=False),
     Axis("ep", "moe", size_key="ep_size"),
 )
@@ -71,7 +79,8 @@ def axes() -> tuple[Axis, ...]:
 def register_axis(row: Axis, *, before: str) -> Axis:
     """Add a model-parallel dense axis (a plugin's own mesh dim) just outside dense axis `before`
     (``before="tp"``: the new axis's ranks are tp groups apart). Only a dense, model-parallel axis
-    with a size key can be added: the flattened and MoE axes are arithmetic over the built-in ones."""
+    with a size key can be added: the flattened and MoE axes are arithmetic over the dense ones (an
+    axis with `Axis.holds_replicas` joins ``dp_shard_cp`` and ``dp_cp``, as cp does)."""
     if row.mesh != "dense" or not row.model_parallel or row.size_key is None or not row.parallel:
         raise ValueError(
             f"axis {row.name!r}: only a dense, model-parallel axis with a size key can be registered"
@@ -100,8 +109,14 @@ def dense_axes() -> tuple[str, ...]:
 
 
 def flattened_axes() -> dict[str, tuple[str, ...]]:
-    """Flattened axes and the dense axes they span."""
-    return {a.name: a.spans for a in _AXES if a.mesh == "flattened"}
+    """Flattened axes and the dense axes they span, in dense order (``dp_shard_cp`` spans dp_shard
+    and every axis that holds parameter replicas: cp, and a registered one that says so)."""
+    replicas = {a.name for a in _AXES if a.mesh == "dense" and a.holds_replicas}
+    return {
+        a.name: tuple(d for d in dense_axes() if d in a.spans or (a.spans_replicas and d in replicas))
+        for a in _AXES
+        if a.mesh == "flattened"
+    }
 
 
 def moe_axes() -> tuple[str, ...]:

@@ -28,6 +28,8 @@ class MeshContext:
     device_mesh: DeviceMesh
     moe_mesh: DeviceMesh | None = None
     _flattened: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    #: Meshes over dense axes no flattened axis spans (`mesh_over`), by their axes.
+    _spanned: dict[tuple[str, ...], DeviceMesh] = field(default_factory=dict, repr=False)
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -107,6 +109,26 @@ class MeshContext:
                 )
             return self.moe_mesh[name]
         raise ValueError(f"unknown mesh axis {name!r}; known: {', '.join(ResolvedLayout.axis_names())}")
+
+    def mesh_over(self, axes: tuple[str, ...]) -> DeviceMesh | None:
+        """The 1-D mesh of this rank spanning the dense `axes` (a role's: the ranks a loss or a
+        gradient norm sums over), None when they hold one rank. Axes of size 1 change no group, so
+        the dense axis, or the flattened axis spanning the same ranks, answers; a set no axis spans
+        is flattened on the first call, once (a collective: every rank asks at the same point)."""
+        unknown = [a for a in axes if a not in dense_axes()]
+        if unknown:
+            raise ValueError(f"mesh_over takes dense axes; {unknown} are not ({', '.join(dense_axes())})")
+        wide = tuple(a for a in dense_axes() if a in axes and self.layout.axis_size(a) > 1)
+        if not wide:
+            return None
+        if len(wide) == 1:
+            return self.device_mesh[wide[0]]
+        for name, spans in flattened_axes().items():
+            if tuple(a for a in spans if self.layout.axis_size(a) > 1) == wide:
+                return self._flattened[name]
+        if wide not in self._spanned:
+            self._spanned[wide] = flatten_mesh(self.device_mesh[wide], "_".join(wide))
+        return self._spanned[wide]
 
     def get_optional_mesh(self, name: str) -> DeviceMesh | None:
         """Like `get_mesh`, but None when the axis has size 1 (the parallelism is off).

@@ -103,11 +103,13 @@ def describe_module(
 def rank_report(
     *, parts: list[dict[str, Any]], mesh: MeshContext, strategy: str, cp_backend: str = "none"
 ) -> dict[str, Any]:
-    """The whole report of this rank: its layout coordinates plus every part it holds (each
-    described by `describe_module`)."""
+    """The whole report of this rank: its layout (every mesh axis's size, a registered one's
+    included, and its coordinates) plus every part it holds (each described by `describe_module`)."""
+    layout = mesh.layout
     return {
         "rank": mesh.rank,
         "strategy": strategy,
+        "axis_sizes": {axis: layout.axis_size(axis) for axis in layout.axis_names()},
         "coordinates": dict(mesh.coordinates),
         "cp_backend": cp_backend,
         "parts": parts,

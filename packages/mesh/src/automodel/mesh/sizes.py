@@ -103,10 +103,13 @@ class ParallelismSizes:
                 f"dp_replicate_size={dp_replicate} equals dp_size={dp}: pure replication without sharding "
                 "is what strategy: ddp is for; use dp_replicate_size < dp_size"
             )
-        cp, ep = self.size("cp_size"), self.size("ep_size")
-        if (dp * cp) % ep != 0:
+        # the experts split the ranks of dp_cp: dp and every axis holding parameter replicas (cp)
+        replicas = {a.size_key: self.size(a.size_key) for a in axes() if a.holds_replicas and a.size_key}
+        dp_cp, ep = dp * math.prod(replicas.values()), self.size("ep_size")
+        if dp_cp % ep != 0:
+            each = ", ".join(f"{k}={v}" for k, v in {"dp_size": dp, **replicas}.items())
             raise ValueError(
-                f"dp_size*cp_size = {dp * cp} (dp_size={dp}, cp_size={cp}) is not divisible by ep_size={ep}"
+                f"{'*'.join(['dp_size', *replicas])} = {dp_cp} ({each}) is not divisible by ep_size={ep}"
             )
         sized = {
             a.name: self.size(a.size_key)
@@ -182,13 +185,18 @@ class ResolvedLayout:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def _span_size(self, name: str) -> int:
+        """Ranks of flattened axis `name`: the product of the dense axes it spans."""
+        return math.prod(self.axis_size(a) for a in flattened_axes()[name])
+
     @property
     def dp_shard_cp(self) -> int:
-        return self.dp_shard * self.cp
+        """FSDP's shard group: dp_shard and every axis holding parameter replicas (cp, ...)."""
+        return self._span_size("dp_shard_cp")
 
     @property
     def dp_cp(self) -> int:
-        return self.dp * self.cp
+        return self._span_size("dp_cp")
 
     @property
     def ep_shard(self) -> int:
@@ -225,7 +233,7 @@ class ResolvedLayout:
 
     @property
     def fsdp_enabled(self) -> bool:
-        """Parameters are sharded (over dp_shard and/or cp)."""
+        """Parameters are sharded (over dp_shard and/or an axis holding replicas, cp)."""
         return self.dp_shard_cp > 1
 
     # ---- shapes --------------------------------------------------------------------------
@@ -262,7 +270,9 @@ class ResolvedLayout:
         for axis, size in zip(reversed(dense_axes()), reversed(self.dense_shape)):
             coords[axis] = rest % size
             rest //= size
-        dp_cp_index = (coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]) * self.cp + coords["cp"]
+        dp_cp_index = 0  # row-major over the dense axes dp_cp spans
+        for axis in flattened_axes()["dp_cp"]:
+            dp_cp_index = dp_cp_index * self.axis_size(axis) + coords[axis]
         coords["ep_shard"], coords["ep"] = divmod(dp_cp_index, self.ep)
         return coords
 

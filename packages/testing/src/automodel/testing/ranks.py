@@ -119,7 +119,8 @@ def _rank_main(
         )
         result = fn(*args, **kwargs)
         payload = pickle.dumps(result)
-        dist.barrier()
+        if dist.is_initialized():  # `fn` may end the group itself (the `recipes train` command does)
+            dist.barrier()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         status, payload = "error", traceback.format_exc().encode()
     try:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from automodel.mesh import MeshContext, ResolvedLayout, dense_axes, flattened_axes
+from automodel.mesh import MeshContext, ResolvedLayout, dense_axes
 from automodel.recipes.parallelisms.registry import parallelisms
 
 if TYPE_CHECKING:
@@ -52,16 +52,10 @@ def mesh_roles() -> MeshRoles:
 
 
 def role_group(mesh: MeshContext, axes: tuple[str, ...]) -> dist.ProcessGroup | None:
-    """The process group spanning `axes` of this rank (None: they hold one rank): the dense axis
-    itself, or the flattened axis that spans exactly them (`automodel.mesh.flattened_axes`)."""
-    if math.prod(mesh.layout.axis_size(a) for a in axes) == 1:
-        return None
-    if len(axes) == 1:
-        return mesh.get_mesh(axes[0]).get_group()
-    name = next((n for n, spans in flattened_axes().items() if spans == axes), None)
-    if name is None:
-        raise ValueError(f"no flattened mesh axis spans {axes}; the mesh has {dict(flattened_axes())}")
-    return mesh.get_mesh(name).get_group()
+    """The process group spanning `axes` of this rank (None: they hold one rank), whichever axes a
+    parallelism flagged (`MeshContext.mesh_over`: a dense or flattened axis, else one made once)."""
+    spanning = mesh.mesh_over(axes)
+    return None if spanning is None else spanning.get_group()
 
 
 def batch_ranks(layout: ResolvedLayout) -> int:
