@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,11 +231,17 @@ def apply_lora(model: nn.Module, *, section: PeftSection) -> LoRAInfo:
     )
 
 
-def lora_init_fn(base_init: Any, *, section: PeftSection) -> Any:
-    """An `automodel.fsdp2` init function: adapters as `LoRALinear.reset_adapters`, the rest as `base_init`."""
+def lora_init_fn(
+    base_init: Any, *, section: PeftSection, initial: Mapping[str, torch.Tensor] | None = None
+) -> Any:
+    """An `automodel.fsdp2` init function: adapters as `LoRALinear.reset_adapters`, the rest as `base_init`.
+
+    `initial`: adapter weights by FQN (``peft.initial_adapter``, `peft.initial`) copied instead of drawn."""
 
     def init(fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        if fqn.endswith(".lora_A.weight"):
+        if initial is not None and is_adapter_key(fqn):
+            tensor.copy_(initial[fqn])
+        elif fqn.endswith(".lora_A.weight"):
             init_adapter_A(tensor, method=section.lora_A_init, generator=generator)
         elif fqn.endswith(".lora_B.weight"):
             tensor.zero_()

@@ -1,0 +1,123 @@
+"""``peft.initial_adapter``: LoRA starts from a Hugging Face PEFT adapter directory (both A and B as
+they are in the file), the same on one process and sharded by FSDP2; a directory that does not fit
+the run's ``peft`` section is refused before launch, naming the key and what differs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from automodel.testing.ranks import run_on_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _lora_helpers import lora_initial_adapters_on_rank  # noqa: E402
+from _recipe_helpers import TINY, assert_losses_close, preload, tiny_config  # noqa: E402
+
+preload()
+
+TIMEOUT = 300
+PEFT = {"dim": 4, "alpha": 8}
+PREFIX = "base_model.model."
+
+
+def _lora_meta_model(peft: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from automodel.recipes.peft import PeftSection, apply_lora
+
+    cfg = dict(TINY["model"]["config"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    section = PeftSection(**peft)
+    apply_lora(model, section=section)
+    return model, section
+
+
+def _write_adapter(directory: Path, *, r: int = 4, alpha: float = 8, drop: int = 0, **config) -> dict:
+    """A PEFT adapter for TINY with PEFT's section: A and B random (B non-zero, so the model is not
+    the base one; a fresh draw has B = 0), keys as peft writes them; `drop` leaves out that many
+    tensors; `r`, `alpha` and `config` go to adapter_config.json."""
+    model, _ = _lora_meta_model(PEFT)
+    gen = torch.Generator().manual_seed(5)
+    tensors = {
+        n: torch.randn(tuple(p.shape), generator=gen) * 0.05
+        for n, p in model.named_parameters()
+        if ".lora_" in n
+    }
+    names = sorted(tensors)[drop:]
+    directory.mkdir(parents=True)
+    save_file({PREFIX + n: tensors[n] for n in names}, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha, **config})
+    )
+    return {n: tensors[n] for n in names}
+
+
+# ---- refused before launch ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("write", "message"),
+    [
+        (None, "is not a local directory"),
+        ({"r": 2}, r"r=2, but this run's peft\.dim=4"),
+        ({"alpha": 16}, r"lora_alpha=16, but this run's peft\.alpha=8"),
+        ({"use_dora": True}, "use_dora=True is not supported"),
+        ({"drop": 1}, r"has no base_model\.model\.model\.layers\.0\.mlp\.down_proj\.lora_A\.weight"),
+    ],
+)
+def test_an_adapter_that_does_not_fit_is_refused_naming_the_key(write, message, tmp_path: Path) -> None:
+    from automodel.recipes import load_config
+    from automodel.recipes.errors import ConfigError
+    from automodel.recipes.preflight import check_run_files
+
+    directory = tmp_path / "adapter"
+    if write is not None:
+        _write_adapter(directory, **write)
+    cfg = load_config(tiny_config(str(tmp_path / "run"), peft={**PEFT, "initial_adapter": str(directory)}))
+    with pytest.raises(ConfigError, match=rf"peft\.initial_adapter.*{message}"):
+        check_run_files(cfg)
+
+
+def test_an_adapter_for_other_modules_or_shapes_is_refused(tmp_path: Path) -> None:
+    from automodel.recipes.errors import ConfigError
+    from automodel.recipes.peft import check_initial_adapter
+
+    _write_adapter(tmp_path / "a")
+    attention_only, section = _lora_meta_model(
+        {**PEFT, "target_modules": ["q_proj"], "initial_adapter": str(tmp_path / "a")}
+    )
+    with pytest.raises(
+        ConfigError, match=r"peft\.initial_adapter.*holds model\.layers\.0\.mlp\.down_proj.*does not select"
+    ):
+        check_initial_adapter(section, attention_only)
+    model, section = _lora_meta_model({**PEFT, "initial_adapter": str(tmp_path / "a")})
+    check_initial_adapter(section, model)  # the matching section passes
+    with pytest.raises(ConfigError, match=r"peft\.initial_adapter"):
+        _lora_meta_model({**PEFT, "initial_adapter": ""})
+
+
+# ---- the run starts from it, on every layout alike ---------------------------------------------------
+def test_the_run_starts_from_the_adapter_on_one_process_and_fsdp2(tmp_path: Path) -> None:
+    """The adapters before step 1 are the file's, bit for bit (gathered from the FSDP2 shards), and
+    the 2-rank FSDP2 run's losses equal one process's; A really is sharded (half its rows per rank)."""
+    written = _write_adapter(tmp_path / "adapter")
+    peft = {**PEFT, "initial_adapter": str(tmp_path / "adapter")}
+    steps = {"max_steps": 2, "val_every_steps": None}
+    one = tiny_config(str(tmp_path / "one"), peft=peft, step_scheduler=steps, validation_dataset=None)
+    (ref,) = run_on_ranks(lora_initial_adapters_on_rank, world_size=1, args=(one,), timeout_s=TIMEOUT)
+    two = tiny_config(str(tmp_path / "two"), peft=peft, step_scheduler=steps, validation_dataset=None)
+    results = run_on_ranks(lora_initial_adapters_on_rank, world_size=2, args=(two,), timeout_s=TIMEOUT)
+    for result in [ref, *results]:
+        assert set(result["adapters"]) == set(written)
+        for name, tensor in written.items():
+            assert torch.equal(result["adapters"][name], tensor), name
+    a = "model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert ref["local_shapes"][a] == (4, 64)
+    for result in results:  # each rank holds half of A's rows
+        assert result["placements"][a] == {"dp_shard_cp": "S(0)"}, result["placements"][a]
+        assert result["local_shapes"][a] == (2, 64), result["local_shapes"][a]
+        assert_losses_close(result["losses"], ref["losses"])
