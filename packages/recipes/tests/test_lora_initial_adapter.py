@@ -121,3 +121,31 @@ def test_the_run_starts_from_the_adapter_on_one_process_and_fsdp2(tmp_path: Path
         assert result["placements"][a] == {"dp_shard_cp": "S(0)"}, result["placements"][a]
         assert result["local_shapes"][a] == (2, 64), result["local_shapes"][a]
         assert_losses_close(result["losses"], ref["losses"])
+
+
+def test_a_runs_own_saved_adapter_is_a_start(tmp_path: Path) -> None:
+    """``step_N/adapter/`` of a LoRA run (this project's export) passes the checks and is the next
+    run's start, bit for bit."""
+    from safetensors.torch import load_file
+
+    steps = {"max_steps": 1, "val_every_steps": None}
+    first = tiny_config(
+        str(tmp_path / "first"),
+        peft=PEFT,
+        step_scheduler=steps,
+        validation_dataset=None,
+        checkpoint={"enabled": True, "save_consolidated": False},
+    )
+    run_on_ranks(lora_initial_adapters_on_rank, world_size=1, args=(first,), timeout_s=TIMEOUT)
+    adapter = tmp_path / "first" / "checkpoints" / "step_1" / "adapter"
+    saved = {
+        k.removeprefix(PREFIX): v for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()
+    }
+    peft = {**PEFT, "initial_adapter": str(adapter)}
+    second = tiny_config(str(tmp_path / "second"), peft=peft, step_scheduler=steps, validation_dataset=None)
+    (result,) = run_on_ranks(lora_initial_adapters_on_rank, world_size=1, args=(second,), timeout_s=TIMEOUT)
+    assert set(result["adapters"]) == set(saved)
+    b = "model.layers.0.self_attn.q_proj.lora_B.weight"
+    assert torch.count_nonzero(saved[b]) > 0  # trained one step: not a fresh start
+    for name, tensor in saved.items():
+        assert torch.equal(result["adapters"][name], tensor), name
