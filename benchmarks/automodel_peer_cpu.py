@@ -259,6 +259,11 @@ def initial_adapter_command(
     return [*torchrun, str(INITIAL_ADAPTER), str(out), str(file), *overrides]
 
 
+def initial_adapter_overrides(recipe: RecipeFile, mode: str, adapter: Path) -> list[str]:
+    """Ours only: start from AutoModel's initial adapter (LoRA files, equal mode); a key AutoModel lacks."""
+    return [f"--peft.initial_adapter={adapter}"] if recipe.lora and mode == "equal" else []
+
+
 def ours_command(file: Path, nproc: int, overrides: list[str], logs: Path) -> list[str]:
     uv = shutil.which("uv") or "uv"
     return [uv, "run", "--frozen", "recipes", "train", str(file), "--nproc-per-node", str(nproc), *overrides, f"--output_dir={logs}"]  # fmt: skip
@@ -402,9 +407,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             am_logs, ours_logs = run_dir / "automodel", run_dir / "ours"
-            ours_overrides = overrides
-            if recipe.lora and mode == "equal":
-                adapter = run_dir / "automodel_initial_adapter"
+            adapter = run_dir / "automodel_initial_adapter"
+            ours_overrides = [*overrides, *initial_adapter_overrides(recipe, mode, adapter)]
+            if ours_overrides != overrides:
                 cmd = initial_adapter_command(python, file, nproc, [*overrides, f"--checkpoint.checkpoint_dir={am_logs}"], adapter)  # fmt: skip
                 rc = _logged(cmd, log=run_dir / "automodel_initial_adapter.log", cwd=run_dir, what="automodel initial adapter")  # fmt: skip
                 if rc != 0 or not (adapter / "adapter_model.safetensors").is_file():
@@ -413,7 +418,6 @@ def main(argv: list[str] | None = None) -> int:
                         (name, mode, nproc, Run("automodel", error=error), Run("ours", error=error))
                     )
                     continue
-                ours_overrides = [*overrides, f"--peft.initial_adapter={adapter}"]
             am = run_one(
                 automodel_command(python, file, nproc, overrides, am_logs),
                 log=run_dir / "automodel.log",
