@@ -1,5 +1,5 @@
 """``peft.initial_adapter``: LoRA starts from a Hugging Face PEFT adapter directory (both A and B as
-they are in the file), the same on one process and sharded by FSDP2; a directory that does not fit
+they are in the file), the same on one process and under FSDP2, TP, PP and DDP; a directory that does not fit
 the run's ``peft`` section is refused before launch, naming the key and what differs."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from automodel.testing.layout_table import layouts_named
 from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -101,26 +102,63 @@ def test_an_adapter_for_other_modules_or_shapes_is_refused(tmp_path: Path) -> No
 
 
 # ---- the run starts from it, on every layout alike ---------------------------------------------------
-def test_the_run_starts_from_the_adapter_on_one_process_and_fsdp2(tmp_path: Path) -> None:
-    """The adapters before step 1 are the file's, bit for bit (gathered from the FSDP2 shards), and
-    the 2-rank FSDP2 run's losses equal one process's; A really is sharded (half its rows per rank)."""
-    written = _write_adapter(tmp_path / "adapter")
-    peft = {**PEFT, "initial_adapter": str(tmp_path / "adapter")}
-    steps = {"max_steps": 2, "val_every_steps": None}
-    one = tiny_config(str(tmp_path / "one"), peft=peft, step_scheduler=steps, validation_dataset=None)
-    (ref,) = run_on_ranks(lora_initial_adapters_on_rank, world_size=1, args=(one,), timeout_s=TIMEOUT)
-    two = tiny_config(str(tmp_path / "two"), peft=peft, step_scheduler=steps, validation_dataset=None)
-    results = run_on_ranks(lora_initial_adapters_on_rank, world_size=2, args=(two,), timeout_s=TIMEOUT)
-    for result in [ref, *results]:
-        assert set(result["adapters"]) == set(written)
-        for name, tensor in written.items():
-            assert torch.equal(result["adapters"][name], tensor), name
-    a = "model.layers.0.self_attn.q_proj.lora_A.weight"
-    assert ref["local_shapes"][a] == (4, 64)
-    for result in results:  # each rank holds half of A's rows
-        assert result["placements"][a] == {"dp_shard_cp": "S(0)"}, result["placements"][a]
-        assert result["local_shapes"][a] == (2, 64), result["local_shapes"][a]
-        assert_losses_close(result["losses"], ref["losses"])
+STEPS = {"max_steps": 2, "val_every_steps": None}
+A, O_A = "model.layers.0.self_attn.q_proj.lora_A.weight", "model.layers.0.self_attn.o_proj.lora_A.weight"
+#: layout -> (ranks, distributed section, what rank r holds: checked on its local adapter shards)
+LAYOUTS = {
+    layout.name: (layout.ranks, {"strategy": "fsdp2", **layout.distributed})
+    for layout in layouts_named("fsdp2_dp2", "tp2", "pp2_1f1b", "ddp2")
+}
+APPLIED = {
+    "fsdp2_dp2": lambda r, rank: r["local_shapes"][A] == (2, 64),  # half of A's rows on each rank
+    "tp2": lambda r, rank: (
+        r["local_shapes"][A] == (4, 64) and r["local_shapes"][O_A] == (4, 32)
+    ),  # rowwise o_proj: A's columns
+    "pp2_1f1b": lambda r, rank: (
+        {n.split(".")[2] for n in r["adapters"]} == {str(rank)}
+    ),  # stage r: layer r's adapters
+    "ddp2": lambda r, rank: all(p is None for p in r["placements"].values()),  # whole plain tensors
+}
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    directory = tmp_path_factory.mktemp("initial") / "adapter"
+    return directory, _write_adapter(directory)
+
+
+@pytest.fixture(scope="module")
+def one_process(adapter, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    peft = {**PEFT, "initial_adapter": str(adapter[0])}
+    out = tmp_path_factory.mktemp("one")
+    cfg = tiny_config(str(out), peft=peft, step_scheduler=STEPS, validation_dataset=None)
+    (ref,) = run_on_ranks(lora_initial_adapters_on_rank, world_size=1, args=(cfg,), timeout_s=TIMEOUT)
+    assert ref["adapters"].keys() == adapter[1].keys()
+    for name, tensor in adapter[1].items():
+        assert torch.equal(ref["adapters"][name], tensor), name
+    return ref
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_run_starts_from_the_adapter_on_every_layout(
+    name: str, adapter, one_process, tmp_path: Path
+) -> None:
+    """The adapters before step 1 are the file's, bit for bit (gathered from this layout's shards, on
+    one process too), and the losses equal one process's; each rank holds what the layout says."""
+    world, dist_section = LAYOUTS[name]
+    peft = {**PEFT, "initial_adapter": str(adapter[0])}
+    cfg = tiny_config(
+        str(tmp_path), peft=peft, step_scheduler=STEPS, validation_dataset=None, distributed=dist_section
+    )
+    results = run_on_ranks(lora_initial_adapters_on_rank, world_size=world, args=(cfg,), timeout_s=TIMEOUT)
+    held: set[str] = set()
+    for rank, result in enumerate(results):
+        for key, tensor in result["adapters"].items():
+            assert torch.equal(tensor, adapter[1][key]), (name, rank, key)
+        held |= result["adapters"].keys()
+        assert APPLIED[name](result, rank), (name, rank, result["local_shapes"])
+        assert_losses_close(result["losses"], one_process["losses"])
+    assert held == adapter[1].keys()
 
 
 def test_a_runs_own_saved_adapter_is_a_start(tmp_path: Path) -> None:
