@@ -1,8 +1,9 @@
 """``peft.initial_adapter``: start LoRA from an existing adapter instead of a fresh draw.
 
 The directory is Hugging Face PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``,
-keys ``base_model.model.<linear FQN>.lora_A.weight`` / ``lora_B.weight``), which peft, NeMo AutoModel
-and this project's own runs (``checkpoints/step_N/adapter``) write. Its ``r`` and ``lora_alpha`` must be
+keys ``base_model.model.<linear FQN>.lora_A.weight`` / ``lora_B.weight``), which peft and this
+project's own runs (``checkpoints/step_N/adapter``) write, as does the AutoModel benchmark's dump of
+AutoModel's initial adapter (``benchmarks/_automodel_initial_adapter.py``). Its ``r`` and ``lora_alpha`` must be
 the run's ``peft.dim`` and ``peft.alpha`` and its tensors exactly the adapters the run's ``peft``
 section selects, with their shapes: anything else would train another model than the YAML says, so
 it is refused by name (before launch: `check_initial_adapter`; in the ranks: `read_initial_adapter`).

@@ -11,7 +11,8 @@ Because it happens on the meta model, every later step composes with it unchange
 split keeps the adapters inside their decoder layers, TP lays them out with their linear's plan
 key (`automodel.fsdp2.tp_plan.with_lora_adapters`), FSDP2 shards them in the same units as their frozen
 base weights, and materialization initialises them (A: xavier-normal as NeMo AutoModel, B: zeros, so
-step 0 equals the base model) from the same (seed, FQN) generators as every other parameter.
+step 0 equals the base model) from the same (seed, FQN) generators as every other parameter, or
+copies both from ``peft.initial_adapter`` (`automodel.recipes.peft.initial`).
 
 MoE experts in transformers 5 are stacked 3-D parameters (``experts.gate_up_proj`` [E, 2I, H]),
 not ``nn.Linear`` modules: they cannot carry these adapters, and targeting them is a ConfigError.
