@@ -18,6 +18,12 @@ differs (``checkpoint.checkpoint_dir`` / ``output_dir``). Two comparisons per fi
   (AutoModel: FSDP2 bf16 compute even on CPU; ours: fp32).
 - ``equal``: the tokenizer appends EOS and no BOS, so AutoModel's prompt length is right and both
   label the answer and EOS; ``distributed.mp_policy`` fp32 (param, reduce and output dtype) for both.
+  LoRA files: both start from AutoModel's initial adapter. AutoModel draws each rank's shard of
+  ``lora_A`` from that rank's own stream (seed + rank) after the base weights' random init, which
+  no layout-independent rule reproduces, so `_automodel_initial_adapter.py` (AutoModel's python,
+  torchrun, the same file and overrides) runs AutoModel's own ``setup()`` and writes the adapters
+  it starts from in PEFT format, and ours gets ``--peft.initial_adapter=DIR`` (a key of ours only:
+  AutoModel's PeftConfig has none; AutoModel's run is unchanged).
 
 Prints per-step losses, grad norms, label tokens and step times side by side, and per file the
 largest loss difference and the ratio of median step times (steps after the first), as markdown.
@@ -45,6 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = ROOT / "benchmarks" / "automodel_0.7.0_cpu.patch"
+INITIAL_ADAPTER = ROOT / "benchmarks" / "_automodel_initial_adapter.py"
 AUTOMODEL = "nemo-automodel==0.7.0"
 DEFAULT_VENV = Path.home() / ".cache" / "automodel-peer" / "nemo-automodel-0.7.0"
 SEED = 1111  # the files' own rng.seed
@@ -66,6 +73,7 @@ class RecipeFile:
     path: str
     data: str  # artefact name: squad, hellaswag, chat
     keys: tuple[str, str]  # dataset / validation_dataset path keys
+    lora: bool = False  # a peft section: in the equal mode both start from AutoModel's initial adapter
 
     def data_overrides(self, artefacts: dict[str, Path]) -> list[str]:
         root = artefacts[self.data]
@@ -79,7 +87,7 @@ FILES = {
     f.name: f
     for f in (
         RecipeFile("squad", "llama3_2/llama3_2_1b_squad.yaml", "squad", ("dataset_name", "dataset_name")),
-        RecipeFile("squad_lora", "llama3_2/llama3_2_1b_squad_peft.yaml", "squad", ("dataset_name", "dataset_name")),
+        RecipeFile("squad_lora", "llama3_2/llama3_2_1b_squad_peft.yaml", "squad", ("dataset_name", "dataset_name"), lora=True),
         RecipeFile("hellaswag", "llama3_2/llama3_2_1b_hellaswag.yaml", "hellaswag", ("path_or_dataset", "path_or_dataset")),
         RecipeFile(
             "chat",
@@ -243,6 +251,19 @@ def automodel_command(python: Path, file: Path, nproc: int, overrides: list[str]
     ]
 
 
+def initial_adapter_command(
+    python: Path, file: Path, nproc: int, overrides: list[str], out: Path
+) -> list[str]:
+    """AutoModel's own setup() of `file` with the training run's overrides; writes its initial adapter to `out`."""
+    torchrun = [str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*torchrun, str(INITIAL_ADAPTER), str(out), str(file), *overrides]
+
+
+def initial_adapter_overrides(recipe: RecipeFile, mode: str, adapter: Path) -> list[str]:
+    """Ours only: start from AutoModel's initial adapter (LoRA files, equal mode); a key AutoModel lacks."""
+    return [f"--peft.initial_adapter={adapter}"] if recipe.lora and mode == "equal" else []
+
+
 def ours_command(file: Path, nproc: int, overrides: list[str], logs: Path) -> list[str]:
     uv = shutil.which("uv") or "uv"
     return [uv, "run", "--frozen", "recipes", "train", str(file), "--nproc-per-node", str(nproc), *overrides, f"--output_dir={logs}"]  # fmt: skip
@@ -263,7 +284,7 @@ def ours_steps(path: Path) -> list[Step]:
     return [Step(r["loss"], r["grad_norm"], r["num_tokens"], r["step_time_s"]) for r in rows]
 
 
-def run_one(cmd: list[str], *, log: Path, cwd: Path, metrics: Path, trainer: str) -> Run:
+def _logged(cmd: list[str], *, log: Path, cwd: Path, what: str) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("VIRTUAL_ENV", None)
     start = time.perf_counter()
@@ -271,7 +292,12 @@ def run_one(cmd: list[str], *, log: Path, cwd: Path, metrics: Path, trainer: str
         fh.write(" ".join(cmd) + "\n\n")
         fh.flush()
         rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
-    print(f"  {trainer}: exit {rc} in {time.perf_counter() - start:.0f} s (log {log})", flush=True)
+    print(f"  {what}: exit {rc} in {time.perf_counter() - start:.0f} s (log {log})", flush=True)
+    return rc
+
+
+def run_one(cmd: list[str], *, log: Path, cwd: Path, metrics: Path, trainer: str) -> Run:
+    rc = _logged(cmd, log=log, cwd=cwd, what=trainer)
     if rc != 0 or not metrics.exists():
         return Run(trainer, error=f"exit {rc}, see {log}")
     return Run(trainer, steps=(automodel_steps if trainer == "automodel" else ours_steps)(metrics))
@@ -287,6 +313,7 @@ def median_time(steps: list[Step]) -> float | None:
 
 
 def summary_row(name: str, mode: str, nproc: int, am: Run, ours: Run) -> dict[str, object]:
+    """One file and mode: the largest per-step differences and the median step times."""
     n = min(len(am.steps), len(ours.steps))
     pairs = list(zip(am.steps[:n], ours.steps[:n], strict=True))
     t_am, t_ours = median_time(am.steps), median_time(ours.steps)
@@ -337,6 +364,7 @@ def summary_table(rows: list[dict[str, object]]) -> str:
             "as written (BOS tokenizer, each its default precision)"
             if r["mode"] == "as_written"
             else "equal labels, fp32 both"
+            + (", AutoModel's initial adapter" if FILES[str(r["file"])].lora else "")
         )
         lines.append(
             f"| {r['file']} | {mode} | {r['nproc']} | {r['steps']} | {_fmt(r['max_loss_diff'], '.1e')} | {_fmt(r['max_grad_norm_diff'], '.1e')} "
@@ -379,6 +407,17 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             am_logs, ours_logs = run_dir / "automodel", run_dir / "ours"
+            adapter = run_dir / "automodel_initial_adapter"
+            ours_overrides = [*overrides, *initial_adapter_overrides(recipe, mode, adapter)]
+            if ours_overrides != overrides:
+                cmd = initial_adapter_command(python, file, nproc, [*overrides, f"--checkpoint.checkpoint_dir={am_logs}"], adapter)  # fmt: skip
+                rc = _logged(cmd, log=run_dir / "automodel_initial_adapter.log", cwd=run_dir, what="automodel initial adapter")  # fmt: skip
+                if rc != 0 or not (adapter / "adapter_model.safetensors").is_file():
+                    error = f"initial adapter: exit {rc}, see {run_dir / 'automodel_initial_adapter.log'}"
+                    results.append(
+                        (name, mode, nproc, Run("automodel", error=error), Run("ours", error=error))
+                    )
+                    continue
             am = run_one(
                 automodel_command(python, file, nproc, overrides, am_logs),
                 log=run_dir / "automodel.log",
@@ -387,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                 trainer="automodel",
             )
             ours = run_one(
-                ours_command(file, nproc, overrides, ours_logs),
+                ours_command(file, nproc, ours_overrides, ours_logs),
                 log=run_dir / "ours.log",
                 cwd=ROOT,
                 metrics=ours_logs / "metrics.jsonl",

@@ -113,6 +113,27 @@ def test_both_trainers_get_the_same_overrides(bench, tmp_path: Path) -> None:
             assert len(data) == 2 and all(str(art[recipe.data]) in o for o in data)
 
 
+def test_lora_equal_mode_starts_ours_from_automodels_initial_adapter(bench, tmp_path: Path) -> None:
+    """Only a LoRA file's equal mode: AutoModel's own python runs the dump script with exactly its
+    training run's overrides, and ours gets the adapter directory through its own key."""
+    art = {k: tmp_path / k for k in ("model_bos", "model_eos", "squad", "hellaswag", "chat")}
+    adapter = tmp_path / "adapter"
+    for name, recipe in bench.FILES.items():
+        for mode in bench.MODES:
+            extra = bench.initial_adapter_overrides(recipe, mode, adapter)
+            want = name == "squad_lora" and mode == "equal"
+            assert extra == ([f"--peft.initial_adapter={adapter}"] if want else []), (name, mode)
+    lora = bench.FILES["squad_lora"]
+    ov = [*bench.common_overrides(lora, "equal", art, 7), f"--checkpoint.checkpoint_dir={tmp_path / 'am'}"]
+    cmd = bench.initial_adapter_command(tmp_path / "py", tmp_path / "f.yaml", 2, ov, adapter)
+    train = bench.automodel_command(tmp_path / "py", tmp_path / "f.yaml", 2, ov[:-1], tmp_path / "am")
+    torchrun = train[: train.index("nemo_automodel.cli.app") - 1]  # AutoModel's python, torchrun, N processes
+    assert cmd[: cmd.index(str(bench.INITIAL_ADAPTER))] == torchrun
+    assert cmd[cmd.index(str(bench.INITIAL_ADAPTER)) + 1 :] == [str(adapter), str(tmp_path / "f.yaml"), *ov]
+    assert ov == train[train.index(str(tmp_path / "f.yaml")) + 1 :]  # the training run's overrides, in order
+    assert bench.INITIAL_ADAPTER.is_file()
+
+
 def test_recipe_read_from_work_tree_or_git_dir(bench, tmp_path: Path) -> None:
     repo = tmp_path / "Automodel"
     rel = "llama3_2/x.yaml"

@@ -78,3 +78,31 @@ def lora_train_then_logits(raw: dict[str, Any], input_ids: Any) -> Any:
     with torch.no_grad():
         logits = model(input_ids=input_ids.to(trainer.device), use_cache=False).logits
     return logits.detach().cpu()
+
+
+def lora_initial_adapters_on_rank(raw: dict[str, Any]) -> dict[str, Any]:
+    """Build `raw`, gather every adapter weight to full size before the first step (collective),
+    then train; returns the adapters, their placements and local shapes on this rank, and the losses."""
+    from torch.distributed.tensor import DTensor
+
+    from automodel.recipes import load_config
+    from automodel.recipes.trainer import Trainer
+
+    trainer = Trainer(load_config(raw))
+    trainer.build()
+    adapters, placements, local_shapes = {}, {}, {}
+    for part in trainer.pm.parts:
+        for name, p in part.named_parameters():
+            if ".lora_" in name:
+                name = name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")
+                placements[name] = _placements(p)
+                local_shapes[name] = tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                adapters[name] = full.detach().cpu().clone()
+    result = trainer.train()
+    return {
+        "adapters": adapters,
+        "placements": placements,
+        "local_shapes": local_shapes,
+        "losses": result.losses,
+    }

@@ -580,6 +580,8 @@ def test_notes_where_automodel_trains_the_same_file_differently(model_dir: str) 
         note.startswith("peft: lora_A (xavier) is drawn from this run's per-parameter")
         and "seed + rank" in note
     )
+    lora["peft"]["initial_adapter"] = "/adapter/AutoModel/starts/from"  # the same start: nothing to note
+    assert _automodel_notes(lora) == []
     chat = copy.deepcopy(raw)
     chat["dataset"] = {"_target_": PREFIX + "chat_dataset.ChatDataset", "path_or_dataset_id": "chat.jsonl"}
     assert not [n for n in _automodel_notes(chat) if n.startswith("dataset.answer_only")]

@@ -23,7 +23,7 @@ from automodel.mesh import MeshContext
 from automodel.recipes.checkpoint import load_pretrained_weights
 from automodel.recipes.config.distributed import DistributedSection
 from automodel.recipes.config.peft import PeftSection
-from automodel.recipes.peft import is_adapter_key, lora_init_fn
+from automodel.recipes.peft import is_adapter_key, lora_init_fn, read_initial_adapter
 from automodel.recipes.strategies import Initialize, ParallelModel, get_strategy
 from automodel.recipes.strategies.base import PLAIN_PARTS
 
@@ -33,12 +33,14 @@ __all__ = ["ParallelModel", "parallelize_model"]
 def _materialize(
     parts: list[nn.Module], *, device: torch.device, seed: int, peft: PeftSection | None = None
 ) -> None:
+    # LoRA: A as peft.lora_A_init, B zeros, or both from peft.initial_adapter; the rest as without adapters
+    initial = read_initial_adapter(peft, parts) if peft is not None and peft.initial_adapter else None
     for part in parts:
         init_fn = None
-        if peft is not None:  # LoRA: A as peft.lora_A_init, B zeros; the rest as without adapters
+        if peft is not None:
             config = getattr(part, "config", None)
             std = float(getattr(config, "initializer_range", 0.02) or 0.02)
-            init_fn = lora_init_fn(default_init_fn(std), section=peft)
+            init_fn = lora_init_fn(default_init_fn(std), section=peft, initial=initial)
         materialize_meta_model(part, device=device, seed=seed, init_fn=init_fn)
 
 

@@ -1,6 +1,7 @@
 """Checks that `recipes train` runs before any rank starts, for mistakes the ranks would otherwise
 meet minutes later, once per rank, as tracebacks: optimizer arguments, the checkpoint it restores,
-the pretrained model directory (`run_files`) and unreadable data files and rows. Each raises `ConfigError` naming the key, or
+the pretrained model directory (`run_files`), the LoRA adapter to start from (``peft.initial_adapter``)
+and unreadable data files and rows. Each raises `ConfigError` naming the key, or
 `DataError` naming the file and line (exit 2, one line).
 """
 
@@ -28,7 +29,8 @@ from automodel.recipes.data.kinds import check_rows
 from automodel.recipes.data.launch_data import check_data_fits_model
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
-from automodel.recipes.model import pretrained_dir
+from automodel.recipes.model import build_hf_config, build_meta_model, pretrained_dir
+from automodel.recipes.peft import apply_lora, check_initial_adapter
 from automodel.recipes.run_files import check_model_dir, checkpoint_problem
 
 #: Optimizer options whose validity depends on the device of the parameters: not tried on CPU here.
@@ -149,3 +151,15 @@ def check_run_files(cfg: RecipeConfig) -> None:
     if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
         check_model_dir(cfg.model, pretrained_dir(cfg.model))
     check_data_fits_model(cfg)  # rows without text, token ids beyond the model's vocab_size
+    if cfg.peft is not None and cfg.peft.initial_adapter is not None:
+        check_initial_adapter_dir(cfg)
+
+
+def check_initial_adapter_dir(cfg: RecipeConfig) -> None:
+    """``peft.initial_adapter``: its config (rank, alpha) and tensors against the model's adapters
+    (a meta-device model with the run's LoRA applied; nothing is allocated)."""
+    assert cfg.peft is not None
+    hf_config = build_hf_config(cfg.model, announce=False)
+    model = build_meta_model(hf_config, dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
+    apply_lora(model, section=cfg.peft)
+    check_initial_adapter(cfg.peft, model)

@@ -50,12 +50,13 @@ def automodel_file_notes(cfg: RecipeConfig, original: dict) -> list[str]:
             f"rng.seed={rng_seed} seeds this run; AutoModel 0.7 ignores rng.seed and seeds with the top-level "
             f"seed (default {AUTOMODEL_SEED}): add seed: {rng_seed} to seed both the same"
         )
-    if cfg.peft is not None:
+    if cfg.peft is not None and cfg.peft.initial_adapter is None:
         notes.append(
             f"peft: lora_A ({cfg.peft.lora_A_init}) is drawn from this run's per-parameter (seed, name) generators, "
             "the same on every layout; AutoModel 0.7 draws each rank's shard of it from that rank's own stream "
             "(seed + rank, after the base weights' random init), so the adapters start from other values of the "
-            "same distribution and the losses agree in distribution, not step for step"
+            "same distribution and the losses agree in distribution, not step for step (peft.initial_adapter: "
+            "start from an adapter directory, e.g. the one AutoModel starts from)"
         )
     dataset = cfg.dataset
     # AutoModel's format_prompt_completion (SQuAD, column-mapped instructions without a template)

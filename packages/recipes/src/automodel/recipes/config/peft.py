@@ -11,6 +11,7 @@
       lora_A_init: xavier          # xavier: xavier_normal_ (NeMo AutoModel's default); kaiming / uniform: peft's init
       lora_dtype: null             # adapter dtype; null: the base weight's
       save_merged: false           # also write consolidated/ with the adapters merged into the weights
+      initial_adapter: null        # ours alone: start from this HF PEFT adapter directory, not a fresh draw
 
 Nothing set selects ``target_modules: ["*_proj"]`` (NeMo's default). ``target_modules``,
 ``exclude_modules`` and ``match_all_linear`` are mutually exclusive, as in NeMo.
@@ -51,6 +52,9 @@ class PeftSection:
     lora_A_init: str = "xavier"  # NeMo AutoModel 0.7's PeftConfig default (xavier_normal_)
     lora_dtype: str | None = None
     save_merged: bool = False
+    #: A Hugging Face PEFT adapter directory to start from (`peft.initial`); a key of this project's
+    #: only (AutoModel 0.7's PeftConfig has none). Null: A drawn as lora_A_init says, B zeros.
+    initial_adapter: str | None = None
 
     def __post_init__(self) -> None:
         s = self.SECTION
@@ -90,6 +94,12 @@ class PeftSection:
             )
         if self.lora_dtype is not None:
             resolve_dtype(f"{s}.lora_dtype", self.lora_dtype)
+        if self.initial_adapter is not None and (
+            not isinstance(self.initial_adapter, str) or not self.initial_adapter
+        ):
+            raise ConfigError(
+                f"{s}.initial_adapter", self.initial_adapter, "must be the path of a PEFT adapter directory"
+            )
 
     @property
     def scale(self) -> float:

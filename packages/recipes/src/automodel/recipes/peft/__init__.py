@@ -2,6 +2,7 @@
 
 from automodel.recipes.config.peft import PeftSection
 from automodel.recipes.peft.export import adapter_config, gather_adapters, save_adapter
+from automodel.recipes.peft.initial import check_initial_adapter, read_initial_adapter
 from automodel.recipes.peft.lora import (
     LoRAInfo,
     LoRALinear,
@@ -18,10 +19,12 @@ __all__ = [
     "PeftSection",
     "adapter_config",
     "apply_lora",
+    "check_initial_adapter",
     "gather_adapters",
     "is_adapter_key",
     "lora_init_fn",
     "merged_weight",
+    "read_initial_adapter",
     "save_adapter",
     "select_linears",
 ]

@@ -11,7 +11,8 @@ Because it happens on the meta model, every later step composes with it unchange
 split keeps the adapters inside their decoder layers, TP lays them out with their linear's plan
 key (`automodel.fsdp2.tp_plan.with_lora_adapters`), FSDP2 shards them in the same units as their frozen
 base weights, and materialization initialises them (A: xavier-normal as NeMo AutoModel, B: zeros, so
-step 0 equals the base model) from the same (seed, FQN) generators as every other parameter.
+step 0 equals the base model) from the same (seed, FQN) generators as every other parameter, or
+copies both from ``peft.initial_adapter`` (`automodel.recipes.peft.initial`).
 
 MoE experts in transformers 5 are stacked 3-D parameters (``experts.gate_up_proj`` [E, 2I, H]),
 not ``nn.Linear`` modules: they cannot carry these adapters, and targeting them is a ConfigError.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,11 +232,17 @@ def apply_lora(model: nn.Module, *, section: PeftSection) -> LoRAInfo:
     )
 
 
-def lora_init_fn(base_init: Any, *, section: PeftSection) -> Any:
-    """An `automodel.fsdp2` init function: adapters as `LoRALinear.reset_adapters`, the rest as `base_init`."""
+def lora_init_fn(
+    base_init: Any, *, section: PeftSection, initial: Mapping[str, torch.Tensor] | None = None
+) -> Any:
+    """An `automodel.fsdp2` init function: adapters as `LoRALinear.reset_adapters`, the rest as `base_init`.
+
+    `initial`: adapter weights by FQN (``peft.initial_adapter``, `peft.initial`) copied instead of drawn."""
 
     def init(fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-        if fqn.endswith(".lora_A.weight"):
+        if initial is not None and is_adapter_key(fqn):
+            tensor.copy_(initial[fqn])
+        elif fqn.endswith(".lora_A.weight"):
             init_adapter_A(tensor, method=section.lora_A_init, generator=generator)
         elif fqn.endswith(".lora_B.weight"):
             tensor.zero_()
