@@ -31,6 +31,7 @@ from automodel.recipes.parallelisms import (
     SearchPoint,
     axis_sizes,
     batch_ranks,
+    get_parallelism,
     mesh_roles,
     parallelisms,
     register_parallelism,
@@ -318,3 +319,15 @@ def test_a_new_parallelism_is_searched_and_proposed(toy_split: None) -> None:
     assert head[:8] == ["#", "tp", "pp", "(schedule)", "cp", "ep", "dp_shard", "dp_repl"]
     assert head[8] == "toy_split"
     assert "  toy_split_size: 2" in yaml_block(split[0], global_batch=8)
+
+
+def test_a_model_refusal_is_worded_by_one_helper(toy: None) -> None:
+    """`check_meta_model`'s refusals all come from `Parallelism.cannot_apply` (one wording, naming the
+    size key): no parallelism module spells the message itself."""
+    error = get_parallelism("toy").cannot_apply(2, "its layers are not a list")
+    assert str(error) == "distributed.toy_size=2: cannot be applied: its layers are not a list"
+    package = Path(Parallelism.__module__.replace(".", "/")).parent
+    modules = sorted((Path(__file__).parents[1] / "src" / package).glob("*.py"))
+    assert len(modules) >= 8
+    spelled = [m.name for m in modules if m.name != "base.py" and "cannot be applied" in m.read_text()]
+    assert spelled == []

@@ -365,6 +365,11 @@ class Parallelism(ABC, Generic[C]):
         default."""
         return None
 
+    def cannot_apply(self, size: int, why: str) -> ConfigError:
+        """The refusal of `check_meta_model`: its size key cannot be applied to the model, and why
+        (one wording for every parallelism: ``distributed.<size_key>=N: cannot be applied: why``)."""
+        return ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {why}")
+
     def check_files(self, *, cfg: RecipeConfig) -> None:
         """The files its section names exist on this machine (`ConfigError` naming the key): run
         before any rank starts, with the other checks of this machine (`environment.check_environment`;

@@ -122,7 +122,7 @@ class ContextParallel(Parallelism[None]):
             memo, ("cp", seq), lambda: check_context_parallel_support(meta_model(), seq_length=seq)
         )
         if error is not None:
-            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+            raise self.cannot_apply(size, error)
 
     def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
         """Attention context parallel over ``cp`` (its backend: what `shard_batch` runs with)."""

@@ -109,11 +109,7 @@ class ExpertParallel(Parallelism[MoEParallelizerConfig]):
             blocks = check_expert_parallel_support(meta_model(), declared_experts=num_experts(hf_config))
             validate_moe_layout(layout=layout, num_experts=[b.num_experts for b in blocks])
         except ValueError as e:
-            raise ConfigError(
-                f"distributed.{self.size_key}",
-                size,
-                f"cannot be applied: model_type {hf_config.model_type!r}: {e}",
-            ) from None
+            raise self.cannot_apply(size, f"model_type {hf_config.model_type!r}: {e}") from None
 
     def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
         """automodel.moe splits the experts over ``ep`` and names them: units the sharding wraps

@@ -207,7 +207,7 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
             errors=PipelineSplitError,
         )
         if error is not None:
-            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+            raise self.cannot_apply(size, error)
 
     def check_files(self, *, cfg: RecipeConfig) -> None:
         pcfg = cfg.distributed.pipeline_config
