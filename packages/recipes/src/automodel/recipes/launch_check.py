@@ -95,7 +95,7 @@ def check_launch(
         with fake_world(world_size):
             mesh = MeshContext.build(cfg.distributed.sizes, device_type="cpu")
             assert mesh.layout == layout
-    stages = pipeline_stages(cfg, layout, hf_config) if layout.pp_enabled else 1
+    stages = pipeline_stages(cfg, layout, hf_config)
     return CheckedLaunch(
         layout=layout, hf_config=hf_config, model=model, stages=stages, machine_refusals=machine_refusals
     )

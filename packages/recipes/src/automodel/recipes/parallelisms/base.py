@@ -90,6 +90,18 @@ class LoopModel(Protocol):
         ...
 
 
+class StepMeter(Protocol):
+    """What a parallelism records over one real training step (`Parallelism.step_meter`): entered
+    around the step, then `fields` (a collective over its group: every rank calls it) gives the
+    `StepSetup` fields the estimate takes as run-time facts (ep: ``expert_load_factor``)."""
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def fields(self) -> dict[str, float]: ...
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch as this rank's model takes it: its tensors, the extra model keyword
@@ -404,6 +416,13 @@ class Parallelism(ABC, Generic[C]):
         none; the first parallelism that names positions decides them)."""
         return None
 
+    def expert_shard_ranks(self, *, size: int, setup: StepSetup) -> int | None:
+        """The ranks the data-parallel sharding spreads the expert weights it split off over, when
+        they are wrapped apart from the dense weights (ep: ``ep_shard``); None: it splits none off
+        (the experts are sharded with the dense weights). The first parallelism that names some
+        decides (`planning.terms.expert_shard_ranks`)."""
+        return None
+
     def layer_activation_terms(
         self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool
     ) -> dict[ActivationSite, float]:
@@ -464,6 +483,11 @@ class Parallelism(ABC, Generic[C]):
         """Seconds its collectives add to one step on the critical path (the roofline of `recipes
         plan`, `planning.roofline`; built-in sizes are `StepSetup` fields); none by default."""
         return 0.0
+
+    def step_meter(self, mesh: MeshContext, *, size: int) -> StepMeter | None:
+        """What `planning.measure` records of it over a real step, for the estimate's run-time
+        fields (ep: the busiest rank's routed load); None (nothing to measure) by default."""
+        return None
 
     # ---- the composition -----------------------------------------------------------------
     #: Its place among the model-parallel phases applied to each model part before the

@@ -64,12 +64,14 @@ def build_pipeline_config(pipeline: Options | None, *, local_batch_size: int) ->
 
 
 def pipeline_stages(cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig) -> int:
-    """Total pipeline stages for the configured schedule (validates the ``pipeline`` section)."""
+    """Total pipeline stages for the configured schedule (validates the ``pipeline`` section); 1
+    without pp (the model is one stage)."""
+    pcfg = cfg.distributed.pipeline_config
+    if pcfg is None:  # pp_size > 1 always has a pipeline config
+        return 1
     # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
     from automodel.pipeline import num_stages_for
 
-    pcfg = cfg.distributed.pipeline_config
-    assert pcfg is not None, "pp_size > 1 always has a pipeline config"
     if pcfg.module_fqns_per_model_part is not None:
         return len(pcfg.module_fqns_per_model_part)
     try:

@@ -203,4 +203,4 @@ class Strategy(PartWrapping, ABC, Generic[C]):
         counted = None if pipeline is None else {id(p) for p in pipeline.norm_parameters()}
         # the ranks holding different plain parameters (the pipeline's stages: `mesh_roles`)
         norm_group = role_group(mesh, mesh_roles().norm_axes)
-        return clip_grad_norm(params, max_norm=max_norm, pp_group=norm_group, counted_ids=counted)
+        return clip_grad_norm(params, max_norm=max_norm, norm_group=norm_group, counted_ids=counted)
