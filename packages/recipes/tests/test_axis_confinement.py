@@ -47,9 +47,6 @@ _REFUSAL = "a strategy's own refusal message for a parallelism its allow-list le
 _PP_FIELDS = (
     "pp's StepSetup fields (set through Parallelism.step_fields; keyed options would rewrite StepSetup)"
 )
-_CP_BACKEND = (
-    "CP's attention backend rides on ParallelModel and the layout report, not the cp plugin's values"
-)
 _TRAINER = "the trainer's data-parallel rank and batch share (toyaxis's file: to ask the mesh roles)"
 NOT_MOVED_YET: dict[tuple[str, str], str] = {
     ("config/distributed.py", "custom_tp_plan"): _TP_KEYS,
@@ -99,10 +96,7 @@ NOT_MOVED_YET: dict[tuple[str, str], str] = {
     ("strategies/megatron_fsdp.py", "dp_replicate"): _REFUSAL,
     ("strategies/megatron_fsdp.py", "dp_world_size"): "megatron-fsdp's own API (a keyword it takes)",
     ("strategies/megatron_fsdp.py", "zero_dp_strategy"): "megatron-fsdp's own API (a keyword it takes)",
-    ("strategies/base.py", "cp_backend"): _CP_BACKEND,
-    ("strategies/fsdp2.py", "cp_backend"): _CP_BACKEND,
-    ("layout_report.py", "cp_backend"): _CP_BACKEND,
-    ("trainer.py", "cp_backend"): _CP_BACKEND,
+    ("strategies/fsdp2.py", "pp"): "FSDP2 builds the pipeline around its stack (fsdp2.py: toyaxis's file)",
     ("trainer.py", "_cp_shard"): "the trainer's batch transforms (toyaxis's file)",
     ("trainer.py", "dp"): _TRAINER,
     ("trainer.py", "dp_rank"): _TRAINER,

@@ -23,7 +23,7 @@ import contextlib
 from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -80,13 +80,19 @@ KernelKind = Literal["liger", "float8"]
 BatchContext = Callable[[], contextlib.AbstractContextManager[object]]
 
 
+#: What the parallelisms resolved when the strategy applied them, by parallelism name, for the
+#: loop and the layout report (cp: its attention backend; pp: the built pipeline); each parallelism
+#: reads and writes only its own entry, so nothing outside it names what it resolved.
+Resolved = Mapping[str, object]
+
+
 class LoopModel(Protocol):
     """What the training loop's model (`strategies.base.ParallelModel`) shows a parallelism's loop
     hooks: a Protocol, so the parallelisms import no strategy (the strategies import them)."""
 
     @property
-    def pipeline(self) -> Any:
-        """The built pipeline (`automodel.pipeline.AutoPipeline`'s) when pp > 1, else None."""
+    def resolved(self) -> Resolved:
+        """What each parallelism resolved when it was applied (`Resolved`)."""
         ...
 
 
@@ -117,8 +123,8 @@ class BatchRun:
     """What the training loop knows that a batch transform needs."""
 
     mesh: MeshContext
-    #: The attention backend the strategy applied context parallelism with ("none" without CP).
-    cp_backend: str
+    #: What each parallelism resolved when it was applied (`Resolved`: cp's attention backend).
+    resolved: Resolved
     pad_token_id: int
     #: Rows are packed documents (positions restart at 0 per document).
     packed: bool
@@ -138,8 +144,9 @@ class StageBuild:
     gradient_divide_factor: float | None
     #: The part is one pipeline stage (it may hold dense layers only).
     pipeline_stage: bool
-    #: Left by the phases: the CP attention backend ("none" without CP) ...
-    cp_backend: str = "none"
+    #: Left by the phases: what each resolved for the loop, by its name (`Resolved`: cp's attention
+    #: backend) ...
+    resolved: dict[str, object] = field(default_factory=dict)
     #: ... and the expert units EP split off, which the sharding wraps apart (None: EP did not run).
     expert_units: list[ExpertShardUnit] | None = None
 
@@ -519,7 +526,22 @@ class Parallelism(ABC, Generic[C]):
         """After the step's last backward, before the gradient norm (pp: the tied copies' sums)."""
         return None
 
+    def norm_parameter_ids(self, model: LoopModel) -> set[int] | None:
+        """The parameters (by id) the gradient norm counts when some are copies of others (pp: a
+        tied weight two stages hold counts once); None: every one. The first that names some decides."""
+        return None
+
     # ---- the layout report ---------------------------------------------------------------
+    def describe_rank(self, resolved: Resolved) -> dict[str, object]:
+        """What it resolved on this rank, as keys of the rank's report (cp: ``cp_backend``);
+        nothing by default."""
+        return {}
+
+    def part_stage_ids(self, resolved: Resolved) -> list[int] | None:
+        """The pipeline stage each of this rank's model parts is (pp), for the layout report;
+        None: the parts are not stages."""
+        return None
+
     def describe_part(self, part: torch.nn.Module) -> dict[str, object]:
         """What it put on one model part's modules that its parameters do not show (CP's attention
         hooks), read off the live part for the layout report; nothing by default."""
