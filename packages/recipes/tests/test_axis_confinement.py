@@ -80,10 +80,6 @@ NOT_MOVED_YET: dict[tuple[str, str], str] = {
         "config/distributed.py",
         "ep",
     ): "the typed section's moe_config (config is a leaf: it cannot ask the registry)",
-    (
-        "recipe_config.py",
-        "pp_microbatch_size",
-    ): "packed rows need one row per forward: the pipeline's micro-batch",
     ("planning/step.py", "pp_microbatch"): _PP_FIELDS,
     ("planning/step.py", "pp_schedule"): _PP_FIELDS,
     ("planning/search.py", "pp_microbatch"): _PP_FIELDS,

@@ -512,6 +512,12 @@ class Parallelism(ABC, Generic[C]):
         """This rank's share of one micro-batch (CP's sequence split); unchanged by default."""
         return batch
 
+    def forward_rows(self, section: DistributedSection) -> int | None:
+        """The rows one forward of the model takes when it runs the local batch itself in smaller
+        pieces (pp: ``pipeline.pp_microbatch_size``), for the rules that need one row per forward
+        (packed sequences, `recipe_config`); None: the loop's micro-batch, the local batch."""
+        return None
+
     def runs_local_batch(self, model: LoopModel) -> bool:
         """Whether it runs a whole local batch itself (`run_local_batch`: the pipeline schedule
         runs every micro-batch's forward and backward) instead of the loop's micro-batches."""

@@ -228,6 +228,10 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         """The pipeline the strategy built (None without pp)."""
         return cast("PipelineModel | None", resolved.get(self.name))
 
+    def forward_rows(self, section: DistributedSection) -> int | None:
+        pipe = section.pipeline_config
+        return None if pipe is None else pipe.pp_microbatch_size
+
     def runs_local_batch(self, model: LoopModel) -> bool:
         return self.pipeline(model.resolved) is not None
 
