@@ -11,9 +11,12 @@ the config class leaves unset or unusable are given checkpoint-like values (`CHE
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from automodel.testing.tiny_model import TINY_MOE_SIZES, TINY_SIZES
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 #: The shared tiny sizes (`automodel.testing.tiny_model`) the sweep shrinks to; 4 layers and 256
 #: positions are the sweep's own (pp2_ac runs two stages per rank; docs/models.md was measured so).
@@ -142,7 +145,7 @@ NOT_STANDALONE: dict[str, str] = {
 }
 
 
-def _shrunk_sizes(config: Any) -> dict[str, Any]:
+def _shrunk_sizes(config: PretrainedConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in _SIZES.items():
         current = getattr(config, key, None)
@@ -151,14 +154,14 @@ def _shrunk_sizes(config: Any) -> dict[str, Any]:
     return out
 
 
-def _sub_configs(config: Any) -> dict[str, Any]:
+def _sub_configs(config: PretrainedConfig) -> dict[str, Any]:
     """Nested configs that are parts of one model (DBRX's attn_config), not separate models."""
     from transformers import PretrainedConfig
 
     return {key: value for key, value in vars(config).items() if isinstance(value, PretrainedConfig)}
 
 
-def tiny_overrides(config: Any) -> dict[str, Any]:
+def tiny_overrides(config: PretrainedConfig) -> dict[str, Any]:
     """The fields to change on `config` (a transformers config with its defaults) to make it tiny."""
     config = copy.deepcopy(config)
     if hasattr(config, "allow_global_per_layer_attribute_access"):
@@ -228,7 +231,7 @@ def tiny_overrides(config: Any) -> dict[str, Any]:
     return {key: value for key, value in out.items() if settable(config, key, value)}
 
 
-def settable(config: Any, key: str, value: Any) -> bool:
+def settable(config: PretrainedConfig, key: str, value: Any) -> bool:
     """False for read-only fields (a property without setter, maybe behind an `attribute_map` alias,
     or one whose setter refuses, as ProphetNet's num_hidden_layers)."""
     probe = copy.deepcopy(config)

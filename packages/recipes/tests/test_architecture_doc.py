@@ -15,16 +15,22 @@ Every backticked name of the page is checked when it looks like one of:
   and ``dir/module.name`` (``data/file_check.check_text_rows``) an attribute of the module.
 
 Names of other kinds (YAML values, commands, functions named without their module) are not checked.
+
+Some statements are checked against the code itself: the counts table against the registries, and
+the table of the guards the ranks run again against the appliers' source.
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import dataclasses
 import functools
 import importlib
 import importlib.util
+import inspect
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -201,3 +207,75 @@ def test_the_check_passes_good_names() -> None:
         "recipes/strategies/",
     ):
         assert check_name(good) is None, good
+
+
+# ---- statements checked against the code, not only the names ----------------------------------
+
+#: A call that refuses: ``check_*`` / ``validate_*`` (private ones too) and ``*_or_refuse``.
+GUARD = re.compile(r"^_?(check|validate)_\w+$|\w+_or_refuse$")
+
+
+def _table(section: str) -> list[list[str]]:
+    """The rows of the page's table between ``<!-- <section>: start -->`` and ``... end -->``."""
+    text = DOC.read_text()
+    body = text.split(f"<!-- {section}: start -->", 1)[1].split(f"<!-- {section}: end -->", 1)[0]
+    rows = [line for line in body.splitlines() if line.startswith("|")][2:]  # past the header
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def guards_called(source: str) -> set[str]:
+    """The names of the guards `source` calls (a function's or a class's)."""
+    tree = ast.parse(textwrap.dedent(source))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = (
+                func.id
+                if isinstance(func, ast.Name)
+                else func.attr
+                if isinstance(func, ast.Attribute)
+                else ""
+            )
+            if GUARD.match(name):
+                names.add(name)
+    return names
+
+
+def test_the_ranks_package_guards_are_the_appliers_own() -> None:
+    """Every guard the page lists for an applier the ranks call is called in it, and every guard it
+    calls is listed (the ones reached through another listed helper are named in parentheses)."""
+    rows = _table("rank guards")
+    assert len(rows) >= 6
+    for applier, guards in rows:
+        (name,) = re.findall(r"`([^`]+)`", applier)
+        listed = re.findall(r"`([^`]+)`", guards.split("(", 1)[0])
+        called = guards_called(inspect.getsource(resolve_dotted(name)))  # type: ignore[arg-type]
+        assert set(listed) == called, (name, sorted(called))
+
+
+def test_the_guard_scan_sees_calls_not_definitions() -> None:
+    source = "def f(x):\n    check_a(x)\n    m._validate_b(x)\n    y = tree_or_refuse(x)\n    checked(x)\n"
+    assert guards_called(source) == {"check_a", "_validate_b", "tree_or_refuse"}
+
+
+def test_the_counts_table_matches_the_registries() -> None:
+    from automodel.mesh import axes
+    from automodel.recipes.data.kinds import kinds
+    from automodel.recipes.parallelisms import parallelisms
+    from automodel.recipes.strategies import strategy_names
+
+    counts = {row[0]: row[1] for row in _table("counts")}
+    rows = axes()
+    by_mesh = {m: [a.name for a in rows if a.mesh == m] for m in ("dense", "flattened", "moe")}
+    count, listed = counts["strategies"].split(": ", 1)
+    assert (int(count), set(listed.split(", "))) == (len(strategy_names()), set(strategy_names()))
+    names = [p.name for p in parallelisms()]
+    assert counts["parallelisms"] == f"{len(names)}, in registration order: {', '.join(names)}"
+    assert counts["mesh axes"] == (
+        f"{len(rows)}: {len(by_mesh['dense'])} dense ({', '.join(by_mesh['dense'])}), "
+        f"{len(by_mesh['flattened'])} flattened ({', '.join(by_mesh['flattened'])}), "
+        f"{len(by_mesh['moe'])} MoE ({', '.join(by_mesh['moe'])})"
+    )
+    kind_names = [k.name for k in kinds()]
+    assert counts["dataset kinds"] == f"{len(kind_names)}: {', '.join(kind_names)}"

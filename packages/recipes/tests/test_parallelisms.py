@@ -31,6 +31,7 @@ from automodel.recipes.parallelisms import (
     SearchPoint,
     axis_sizes,
     batch_ranks,
+    get_parallelism,
     mesh_roles,
     parallelisms,
     register_parallelism,
@@ -318,3 +319,34 @@ def test_a_new_parallelism_is_searched_and_proposed(toy_split: None) -> None:
     assert head[:8] == ["#", "tp", "pp", "(schedule)", "cp", "ep", "dp_shard", "dp_repl"]
     assert head[8] == "toy_split"
     assert "  toy_split_size: 2" in yaml_block(split[0], global_batch=8)
+
+
+def test_a_model_refusal_is_worded_by_one_helper(toy: None) -> None:
+    """`check_meta_model`'s refusals all come from `Parallelism.cannot_apply` (one wording, naming the
+    size key): no parallelism module spells the message itself."""
+    error = get_parallelism("toy").cannot_apply(2, "its layers are not a list")
+    assert str(error) == "distributed.toy_size=2: cannot be applied: its layers are not a list"
+    package = Path(Parallelism.__module__.replace(".", "/")).parent
+    modules = sorted((Path(__file__).parents[1] / "src" / package).glob("*.py"))
+    assert len(modules) >= 8
+    spelled = [m.name for m in modules if m.name != "base.py" and "cannot be applied" in m.read_text()]
+    assert spelled == []
+
+
+def test_packed_rows_take_one_row_per_forward_from_the_pipelines_micro_batch(tmp_path: Path) -> None:
+    """The packed-rows rule asks the parallelisms how many rows one forward takes
+    (`Parallelism.forward_rows`): under pp, the pipeline's micro-batch (without pp the YAML
+    translation already runs packed rows one per micro-batch)."""
+    packed = {
+        "packed_sequence": {"packed_sequence_size": 32},
+        "step_scheduler": {"local_batch_size": 2, "global_batch_size": 2},
+    }
+    by_rows = {"pp_size": 2, "pipeline": {"pp_microbatch_size": 1, "pp_schedule": "1f1b"}}
+    cfg = load_config(tiny_config(str(tmp_path / "out"), distributed=by_rows, **packed))
+    assert cfg.step_scheduler.local_batch_size == 2
+    assert [r for p in parallelisms() if (r := p.forward_rows(cfg.distributed)) is not None] == [1]
+    two = {"pp_size": 2, "pipeline": {"pp_microbatch_size": 2, "pp_schedule": "1f1b"}}
+    with pytest.raises(
+        ConfigError, match="step_scheduler.local_batch_size=2: must be 1 for packed sequences"
+    ):
+        load_config(tiny_config(str(tmp_path / "out"), distributed=two, **packed))

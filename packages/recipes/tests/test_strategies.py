@@ -32,17 +32,17 @@ class _ToyConfig(StrategyConfig):
     toy_flag: int = 0
 
 
-class _ToyStrategy(Strategy):
+class _ToyStrategy(Strategy[_ToyConfig]):
     name = "toy"
 
-    def config_class(self) -> type:
+    def config_class(self) -> type[_ToyConfig]:
         return _ToyConfig
 
-    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: Any) -> None:
+    def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: _ToyConfig) -> None:
         if sizes["tp_size"] != 1:
             raise ConfigError("distributed.tp_size", sizes["tp_size"], "toy is data parallel only")
 
-    def memory_model(self, config: Any) -> StrategyMemory:
+    def memory_model(self, config: _ToyConfig) -> StrategyMemory:
         return StrategyMemory(shard_over="none", gathered_weights="none", reduce_scatter_in_flight=False)
 
     def parallelize(self, model, **_: Any):  # type: ignore[override]

@@ -40,7 +40,7 @@ def write_jsonl(folder: Path, *, files: int, docs: int, seed: int = 0) -> str:
     return str(folder)
 
 
-def loaders(section: Any, *, dp: int, gbs: int = 4, lbs: int = 1) -> list[Any]:
+def loaders(section: StreamingSection, *, dp: int, gbs: int = 4, lbs: int = 1) -> list[Any]:
     ds = build_streaming(section, ByteTokenizer(), packed_sequence_size=0, seed=0)
     return [
         build_loader(ds, global_batch_size=gbs, local_batch_size=lbs, dp_rank=r, dp_size=dp, seed=0)

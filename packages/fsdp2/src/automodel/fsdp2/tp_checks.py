@@ -95,7 +95,7 @@ def _forward_source(cls: type) -> str | None:
         return None
 
 
-def _check_no_statistics_over_sharded_mlp(config: Any, sharding: list[str]) -> None:
+def _check_no_statistics_over_sharded_mlp(config: object, sharding: list[str]) -> None:
     """Rule: a colwise MLP projection leaves each rank a slice of the intermediate width, so an MLP
     that computes statistics across that width (Gemma 3n's activation sparsity: a Gaussian top-k
     from the mean and deviation of the gate activations) would compute them per slice (measured:

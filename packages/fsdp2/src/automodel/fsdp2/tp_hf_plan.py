@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -79,7 +78,7 @@ def get_hf_tp_shard_plan(model: nn.Module) -> TPPlan:
     return plan
 
 
-def _mla_kv_a_style(config: Any) -> ParallelStyle:
+def _mla_kv_a_style(config: object) -> ParallelStyle:
     """Multi-head latent attention's ``kv_a_proj_with_mqa`` ([latent | rope key shared by all heads]):
     replicated, with the rope key's gradient summed over tp (each rank's heads use it)."""
     width = getattr(config, "qk_rope_head_dim", None)

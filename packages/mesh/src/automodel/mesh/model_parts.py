@@ -36,7 +36,7 @@ def canonical_fqn(fqn: str) -> str:
     return ".".join(a for a in fqn.split(".") if a not in WRAPPER_ATOMS)
 
 
-def text_config(config: Any) -> Any:
+def text_config(config: object) -> Any:
     """The config of the text decoder: a multimodal model's ``text_config`` (its layers, heads and
     vocabulary), else `config` itself (None stays None)."""
     get = getattr(config, "get_text_config", None)
@@ -48,7 +48,7 @@ def model_text_config(model: nn.Module) -> Any:
     return text_config(getattr(model, "config", None))
 
 
-def layer_values(config: Any, key: str) -> list[Any]:
+def layer_values(config: object, key: str) -> list[Any]:
     """`key` of every decoder layer for an attribute that varies across layers, else its one global
     value (None where the config lacks it).
 
@@ -56,8 +56,9 @@ def layer_values(config: Any, key: str) -> list[Any]:
     heads, per-layer head counts) has no single value of the attributes that vary across its layers,
     and transformers raises when one is read globally: they are read here, one value per layer.
     """
-    if key in (getattr(config, "per_layer_attributes", None) or ()):
-        return [getattr(layer, key, None) for layer in config.per_layer_config]
+    layers = getattr(config, "per_layer_config", None)
+    if layers is not None and key in (getattr(config, "per_layer_attributes", None) or ()):
+        return [getattr(layer, key, None) for layer in layers]
     return [getattr(config, key, None)]
 
 
@@ -65,12 +66,12 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def positive_ints(config: Any, key: str) -> list[int]:
+def positive_ints(config: object, key: str) -> list[int]:
     """The distinct positive int values `key` takes over the layers, ascending (empty if unset)."""
     return sorted({v for v in layer_values(config, key) if _positive_int(v)})
 
 
-def head_dims(config: Any) -> list[int]:
+def head_dims(config: object) -> list[int]:
     """Every attention head width the layers use (``head_dim``, else hidden_size / heads)."""
     dims = positive_ints(config, "head_dim")
     if dims:
@@ -89,7 +90,7 @@ def _is_hf_config(value: Any) -> bool:
     return any(c.__name__ in _HF_CONFIG_CLASSES for c in type(value).__mro__)
 
 
-def config_int(config: Any, keys: tuple[str, ...]) -> int | None:
+def config_int(config: object, keys: tuple[str, ...]) -> int | None:
     """The first positive int of `keys` in the config, else in a part config holding it (DBRX's
     ``ffn_config``)."""
     for key in keys:
@@ -102,12 +103,12 @@ def config_int(config: Any, keys: tuple[str, ...]) -> int | None:
     return None
 
 
-def num_experts(config: Any) -> int | None:
+def num_experts(config: object) -> int | None:
     """Routed experts per MoE layer; None for a dense model."""
     return config_int(config, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
 
 
-def experts_per_token(config: Any) -> int | None:
+def experts_per_token(config: object) -> int | None:
     """Routed experts each token goes to (top-k); None where the config does not say."""
     return config_int(
         config, ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "moe_topk", "top_k")

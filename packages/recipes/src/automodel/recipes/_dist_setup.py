@@ -173,10 +173,9 @@ def resolve_layout(section: DistributedSection, world_size: int) -> ResolvedLayo
     try:
         layout = section.sizes.resolve(world_size)
     except ValueError as e:
-        s = section.sizes
-        value = (
-            f"tp={s.tp_size} pp={s.pp_size} cp={s.cp_size} ep={s.ep_size} dp={s.dp_size} world={world_size}"
-        )
+        # every size of the axis table, as the YAML sets it (None: derived), and the world size
+        sizes = " ".join(f"{key.removesuffix('_size')}={v}" for key, v in section.sizes.as_dict().items())
+        value = f"{sizes} world={world_size}"
         raise ConfigError("distributed", value, str(e)) from None
     get_strategy(section.strategy).check_layout(layout)
     return layout

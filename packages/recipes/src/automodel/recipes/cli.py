@@ -175,25 +175,25 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--raw", action="store_true", help="send the prompt as is (no chat template or SFT prompt format)"
     )
-    pp = sub.add_parser(
+    prep = sub.add_parser(
         "preprocess",
         help="tokenize jsonl/json/parquet/text files, folders or a cached Hub dataset into Megatron .bin/.idx shards",
     )
-    pp.add_argument("inputs", nargs="+", help="files, folders, or a Hub dataset id in the local cache")
-    pp.add_argument("--output", required=True, help="folder for shard_NNNNN.bin/.idx and manifest.json")
-    pp.add_argument("--text-key", "--text_key", default="text", dest="text_key")
-    pp.add_argument(
+    prep.add_argument("inputs", nargs="+", help="files, folders, or a Hub dataset id in the local cache")
+    prep.add_argument("--output", required=True, help="folder for shard_NNNNN.bin/.idx and manifest.json")
+    prep.add_argument("--text-key", "--text_key", default="text", dest="text_key")
+    prep.add_argument(
         "--config", default=None, help="a recipe YAML: use its tokenizer (tokenizer: or the model's own)"
     )
-    pp.add_argument(
+    prep.add_argument(
         "--tokenizer", default=None, help="a tokenizer directory or cached Hub id (default: bytes)"
     )
-    pp.add_argument(
+    prep.add_argument(
         "--trust-remote-code", "--trust_remote_code", action="store_true", dest="trust_remote_code"
     )
-    pp.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1))
-    pp.add_argument("--shard-size-mb", "--shard_size_mb", type=float, default=128.0, dest="shard_size_mb")
-    pp.add_argument("--no-progress", action="store_false", dest="progress")
+    prep.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1))
+    prep.add_argument("--shard-size-mb", "--shard_size_mb", type=float, default=128.0, dest="shard_size_mb")
+    prep.add_argument("--no-progress", action="store_false", dest="progress")
     pl = sub.add_parser("plot", help="write <OUTPUT_DIR>/loss.png from metrics.jsonl")
     pl.add_argument("output_dir")
     pl.add_argument("--out", default=None)

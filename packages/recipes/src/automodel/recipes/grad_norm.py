@@ -5,8 +5,9 @@ accumulator, one kernel per group of gradients): torch's float32 norm of one lar
 CPU tensor drifts (1e8 standard normals: 9,889.6 instead of 10,000, measured), and a sharded
 layout sums other partial sums than one process does, so a float32 norm differs between layouts
 by rounding alone. Each rank sums the squares of its local shards; the sums are then added over
-the mesh dimensions a gradient is split over (every one it is not replicated on), and over the pp
-group, since each stage holds different parameters.
+the mesh dimensions a gradient is split over (every one it is not replicated on), and over
+`norm_group`, the ranks that hold different plain parameters (the pipeline's stages: the mesh
+role `MeshRoles.norm_axes`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def total_grad_norm(
-    params: list[torch.nn.Parameter], *, pp_group: dist.ProcessGroup | None = None
+    params: list[torch.nn.Parameter], *, norm_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """The global L2 norm of all gradients of the model (every rank gets the same value, float32)."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
@@ -55,8 +56,8 @@ def total_grad_norm(
         sq = part if sq is None else sq + part.to(sq.device)
     if sq is None:
         sq = torch.zeros((), dtype=torch.float64)
-    if pp_group is not None:
-        dist.all_reduce(sq, group=pp_group)
+    if norm_group is not None:
+        dist.all_reduce(sq, group=norm_group)
     return sq.sqrt().float()
 
 
@@ -64,7 +65,7 @@ def clip_grad_norm(
     params: list[torch.nn.Parameter],
     *,
     max_norm: float | None,
-    pp_group: dist.ProcessGroup | None = None,
+    norm_group: dist.ProcessGroup | None = None,
     counted_ids: set[int] | None = None,
 ) -> torch.Tensor:
     """Clip in place to `max_norm` (None: measure only); returns the norm before clipping.
@@ -74,7 +75,7 @@ def clip_grad_norm(
     """
     params = [p for p in params if p.grad is not None]
     counted = params if counted_ids is None else [p for p in params if id(p) in counted_ids]
-    norm = total_grad_norm(counted, pp_group=pp_group)
+    norm = total_grad_norm(counted, norm_group=norm_group)
     if max_norm is not None and params:
         by_mesh: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
         for p in params:

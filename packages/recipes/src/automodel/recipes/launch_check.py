@@ -20,7 +20,7 @@ them refuses is refused by every one with the same message. In order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch import nn
@@ -36,13 +36,16 @@ from automodel.recipes.preflight import check_optimizer_kwargs, check_optimizer_
 from automodel.recipes.rules import ModelChecks, check_layout_rules, pipeline_stages
 from automodel.recipes.trackers import check_trackers
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 
 @dataclass(frozen=True)
 class CheckedLaunch:
     """What the checks resolved, for the callers that go on to plan or report."""
 
     layout: ResolvedLayout
-    hf_config: Any
+    hf_config: PretrainedConfig
     #: The meta-device model the rules ran on (callers may reuse it, e.g. for parameter counts).
     model: nn.Module
     #: Pipeline stages of the configured schedule (1 without pp).
@@ -62,7 +65,7 @@ def check_launch(
     *,
     world_size: int,
     this_machine: bool,
-    hf_config: Any = None,
+    hf_config: PretrainedConfig | None = None,
     model: nn.Module | None = None,
     model_checks: ModelChecks | None = None,
     read_files: bool = True,
@@ -92,7 +95,7 @@ def check_launch(
         with fake_world(world_size):
             mesh = MeshContext.build(cfg.distributed.sizes, device_type="cpu")
             assert mesh.layout == layout
-    stages = pipeline_stages(cfg, layout, hf_config) if layout.pp_enabled else 1
+    stages = pipeline_stages(cfg, layout, hf_config)
     return CheckedLaunch(
         layout=layout, hf_config=hf_config, model=model, stages=stages, machine_refusals=machine_refusals
     )

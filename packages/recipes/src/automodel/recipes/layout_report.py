@@ -20,6 +20,7 @@ from torch import nn
 from automodel.mesh import MeshContext
 from automodel.mesh.layout_report import default_layers_fqn, describe_module, rank_report
 from automodel.recipes.parallelisms import parallelisms
+from automodel.recipes.parallelisms.base import Resolved
 from automodel.recipes.parallelisms.base import is_shard_placement as is_shard_placement
 from automodel.recipes.strategies.base import PLAIN_PARTS, PartWrapping
 
@@ -54,15 +55,19 @@ def describe_part(
 
 
 def describe_rank(
-    *, parts: list[nn.Module], mesh: MeshContext, strategy: Strategy, cp_backend: str, pipeline: Any
+    *, parts: list[nn.Module], mesh: MeshContext, strategy: Strategy, resolved: Resolved
 ) -> dict[str, Any]:
-    """The whole report of this rank: layout coordinates plus every part it holds."""
-    stage_ids = None if pipeline is None else list(pipeline.stage_ids)
+    """The whole report of this rank: layout coordinates plus every part it holds, and what each
+    parallelism resolved (`Parallelism.describe_rank`, `Parallelism.part_stage_ids`)."""
+    stage_ids = next((ids for p in parallelisms() if (ids := p.part_stage_ids(resolved)) is not None), None)
     per_part = [
         describe_part(part, stage_ids=None if stage_ids is None else [stage_ids[i]], strategy=strategy)
         for i, part in enumerate(parts)
     ]
-    return rank_report(parts=per_part, mesh=mesh, strategy=strategy.name, cp_backend=cp_backend)
+    report = rank_report(parts=per_part, mesh=mesh, strategy=strategy.name)
+    for parallelism in parallelisms():
+        report.update(parallelism.describe_rank(resolved))
+    return report
 
 
 def write_rank_report(report: dict[str, Any], *, output_dir: Path) -> Path:

@@ -14,7 +14,7 @@ from automodel.mesh import ResolvedLayout, axes
 from automodel.mesh.model_parts import text_config
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.model import build_meta_model
-from automodel.recipes.parallelisms import in_plan_order, parallelisms
+from automodel.recipes.parallelisms import batch_ranks, in_plan_order, parallelisms
 from automodel.recipes.peft import apply_lora
 from automodel.recipes.planning.memory import MemoryEstimate, StepSetup, estimate_step_memory
 from automodel.recipes.planning.setup import step_setup
@@ -116,14 +116,16 @@ def plan_layout(
         expert_load_factor=expert_load_factor,
     )
     ss = cfg.step_scheduler
-    accum = ss.global_batch_size // (ss.local_batch_size * layout.dp)
+    accum = ss.global_batch_size // (ss.local_batch_size * batch_ranks(layout))
     lines = [
         f"config OK for world_size={world_size} (strategy={cfg.distributed.strategy})",
         "",
         f"{'axis':<14}{'size':>8}",
     ]
-    for row in axes():  # the MoE mesh's axes only when it exists
-        if row.mesh != "moe" or layout.ep_enabled:
+    # the MoE mesh's axes only when it exists: one of its sized axes has more than one rank
+    moe_mesh = any(layout.enabled(row.name) for row in axes() if row.mesh == "moe" and row.size_key)
+    for row in axes():
+        if row.mesh != "moe" or moe_mesh:
             lines.append(f"{row.name:<14}{layout.axis_size(row.name):>8}")
     for parallelism in parallelisms():  # the registered parallelisms that form no mesh axis
         if parallelism.mesh_axis is None:

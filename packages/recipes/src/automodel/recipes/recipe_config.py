@@ -40,6 +40,7 @@ from automodel.recipes.config.trackers import MlflowSection, WandbSection
 from automodel.recipes.data.kinds import parse_section
 from automodel.recipes.errors import ConfigError, reject_unknown
 from automodel.recipes.instantiate import locate
+from automodel.recipes.parallelisms import parallelisms
 
 __all__ = ["RecipeConfig", "parse_recipe_config"]
 
@@ -223,8 +224,9 @@ def parse_recipe_config(raw: dict) -> RecipeConfig:
         refusals=tuple(translation.refusals),
     )
     ss = cfg.step_scheduler
-    pipe = cfg.distributed.pipeline_config
-    one_row_per_forward = ss.local_batch_size == 1 or (pipe is not None and pipe.pp_microbatch_size == 1)
+    # a parallelism that runs the local batch itself may run it a row at a time (pp's micro-batches)
+    rows = [r for p in parallelisms() if (r := p.forward_rows(cfg.distributed)) is not None]
+    one_row_per_forward = ss.local_batch_size == 1 or rows == [1]
     if cfg.packed_sequence.packed_sequence_size > 0 and not one_row_per_forward:
         raise ConfigError(
             "step_scheduler.local_batch_size",

@@ -68,16 +68,16 @@ def check_layout_rules(
     stages, experts vs ep, seq vs cp, batch, and what the model supports (`memo`: see
     `check_model_supports_layout`)."""
     d = cfg.distributed
-    dp = batch_ranks(layout)  # the ranks that split each batch's rows (`mesh_roles`)
+    rows = batch_ranks(layout)  # the ranks that split each batch's rows (`mesh_roles`)
     _check_streaming(cfg)
     for parallelism in parallelisms():  # each one's rules against the model and the batch
         parallelism.check_model(cfg=cfg, layout=layout, hf_config=hf_config, size=parallelism.size(d, layout))
     ss = cfg.step_scheduler
-    if ss.global_batch_size % (ss.local_batch_size * dp):
+    if ss.global_batch_size % (ss.local_batch_size * rows):
         raise ConfigError(
             "step_scheduler.global_batch_size",
             ss.global_batch_size,
-            f"must be a multiple of local_batch_size*dp = {ss.local_batch_size}*{dp} = {ss.local_batch_size * dp}",
+            f"must be a multiple of local_batch_size*dp = {ss.local_batch_size}*{rows} = {ss.local_batch_size * rows}",
         )
     if model is not None:
         _check_no_backward_recompute(model, hf_config, strategy=d.strategy)

@@ -338,8 +338,7 @@ class Trainer:
             parts=self.pm.parts,
             mesh=self.mesh,
             strategy=self.pm.strategy,
-            cp_backend=self.pm.cp_backend,
-            pipeline=self.pm.pipeline,
+            resolved=self.pm.resolved,
         )
         section = self.cfg.distributed
         lines = summary_lines(
@@ -407,7 +406,7 @@ class Trainer:
         (`Parallelism.shard_batch`: CP's sequence split), with the context its attention runs in."""
         run = BatchRun(
             mesh=self.mesh,
-            cp_backend=self.pm.cp_backend,
+            resolved=self.pm.resolved,
             pad_token_id=self.tokenizer.pad_token_id,
             packed=self.cfg.packed_sequence.packed_sequence_size > 0,
         )
@@ -455,7 +454,10 @@ class Trainer:
     def _clip_grad_norm(self) -> torch.Tensor:
         """The global gradient norm before clipping to ``clip_grad_norm.max_norm`` (the strategy's)."""
         return self.pm.strategy.clip_grad_norm(
-            self.params, max_norm=self.cfg.clip_grad_norm.max_norm, mesh=self.mesh, pipeline=self.pm.pipeline
+            self.params,
+            max_norm=self.cfg.clip_grad_norm.max_norm,
+            mesh=self.mesh,
+            counted_ids=self.pm.norm_parameter_ids(),
         )
 
     @torch.no_grad()

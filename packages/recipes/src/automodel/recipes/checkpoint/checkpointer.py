@@ -58,7 +58,7 @@ from automodel.recipes.checkpoint.state import (
     has_legacy_extra,
 )
 from automodel.recipes.config.checkpoint import CheckpointConfig
-from automodel.recipes.peft import save_adapter
+from automodel.recipes.peft import LoRAInfo, save_adapter
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +157,12 @@ class Checkpointer:
         *,
         output_dir: str | os.PathLike,
         mesh: MeshContext | None = None,
-        lora: Any = None,
+        lora: LoRAInfo | None = None,
         base_model_name_or_path: str | None = None,
     ):
         self.config = config
         self.mesh = mesh
-        self.lora = lora  # automodel.recipes.peft.LoRAInfo of a LoRA run
+        self.lora = lora  # a LoRA run: its adapters and section
         self.base_model_name_or_path = base_model_name_or_path
         self.root = paths.checkpoint_root(checkpoint_dir=config.checkpoint_dir, output_dir=output_dir)
         self.last_saved_step: int | None = None

@@ -23,7 +23,7 @@ import contextlib
 from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 
@@ -80,14 +80,32 @@ KernelKind = Literal["liger", "float8"]
 BatchContext = Callable[[], contextlib.AbstractContextManager[object]]
 
 
+#: What the parallelisms resolved when the strategy applied them, by parallelism name, for the
+#: loop and the layout report (cp: its attention backend; pp: the built pipeline); each parallelism
+#: reads and writes only its own entry, so nothing outside it names what it resolved.
+Resolved = Mapping[str, object]
+
+
 class LoopModel(Protocol):
     """What the training loop's model (`strategies.base.ParallelModel`) shows a parallelism's loop
     hooks: a Protocol, so the parallelisms import no strategy (the strategies import them)."""
 
     @property
-    def pipeline(self) -> Any:
-        """The built pipeline (`automodel.pipeline.AutoPipeline`'s) when pp > 1, else None."""
+    def resolved(self) -> Resolved:
+        """What each parallelism resolved when it was applied (`Resolved`)."""
         ...
+
+
+class StepMeter(Protocol):
+    """What a parallelism records over one real training step (`Parallelism.step_meter`): entered
+    around the step, then `fields` (a collective over its group: every rank calls it) gives the
+    `StepSetup` fields the estimate takes as run-time facts (ep: ``expert_load_factor``)."""
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def fields(self) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True)
@@ -105,8 +123,8 @@ class BatchRun:
     """What the training loop knows that a batch transform needs."""
 
     mesh: MeshContext
-    #: The attention backend the strategy applied context parallelism with ("none" without CP).
-    cp_backend: str
+    #: What each parallelism resolved when it was applied (`Resolved`: cp's attention backend).
+    resolved: Resolved
     pad_token_id: int
     #: Rows are packed documents (positions restart at 0 per document).
     packed: bool
@@ -126,8 +144,9 @@ class StageBuild:
     gradient_divide_factor: float | None
     #: The part is one pipeline stage (it may hold dense layers only).
     pipeline_stage: bool
-    #: Left by the phases: the CP attention backend ("none" without CP) ...
-    cp_backend: str = "none"
+    #: Left by the phases: what each resolved for the loop, by its name (`Resolved`: cp's attention
+    #: backend) ...
+    resolved: dict[str, object] = field(default_factory=dict)
     #: ... and the expert units EP split off, which the sharding wraps apart (None: EP did not run).
     expert_units: list[ExpertShardUnit] | None = None
 
@@ -365,6 +384,11 @@ class Parallelism(ABC, Generic[C]):
         default."""
         return None
 
+    def cannot_apply(self, size: int, why: str) -> ConfigError:
+        """The refusal of `check_meta_model`: its size key cannot be applied to the model, and why
+        (one wording for every parallelism: ``distributed.<size_key>=N: cannot be applied: why``)."""
+        return ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {why}")
+
     def check_files(self, *, cfg: RecipeConfig) -> None:
         """The files its section names exist on this machine (`ConfigError` naming the key): run
         before any rank starts, with the other checks of this machine (`environment.check_environment`;
@@ -397,6 +421,13 @@ class Parallelism(ABC, Generic[C]):
     def memory_positions(self, *, size: int, setup: StepSetup) -> tuple[RankPosition, ...] | None:
         """The ranks' places in its schedule whose peaks the estimate compares (None: it runs
         none; the first parallelism that names positions decides them)."""
+        return None
+
+    def expert_shard_ranks(self, *, size: int, setup: StepSetup) -> int | None:
+        """The ranks the data-parallel sharding spreads the expert weights it split off over, when
+        they are wrapped apart from the dense weights (ep: ``ep_shard``); None: it splits none off
+        (the experts are sharded with the dense weights). The first parallelism that names some
+        decides (`planning.terms.expert_shard_ranks`)."""
         return None
 
     def layer_activation_terms(
@@ -460,6 +491,11 @@ class Parallelism(ABC, Generic[C]):
         plan`, `planning.roofline`; built-in sizes are `StepSetup` fields); none by default."""
         return 0.0
 
+    def step_meter(self, mesh: MeshContext, *, size: int) -> StepMeter | None:
+        """What `planning.measure` records of it over a real step, for the estimate's run-time
+        fields (ep: the busiest rank's routed load); None (nothing to measure) by default."""
+        return None
+
     # ---- the composition -----------------------------------------------------------------
     #: Its place among the model-parallel phases applied to each model part before the
     #: data-parallel sharding (`registry.in_apply_order`: TP 10 -> CP 20 -> EP 30); None: it
@@ -476,6 +512,12 @@ class Parallelism(ABC, Generic[C]):
         """This rank's share of one micro-batch (CP's sequence split); unchanged by default."""
         return batch
 
+    def forward_rows(self, section: DistributedSection) -> int | None:
+        """The rows one forward of the model takes when it runs the local batch itself in smaller
+        pieces (pp: ``pipeline.pp_microbatch_size``), for the rules that need one row per forward
+        (packed sequences, `recipe_config`); None: the loop's micro-batch, the local batch."""
+        return None
+
     def runs_local_batch(self, model: LoopModel) -> bool:
         """Whether it runs a whole local batch itself (`run_local_batch`: the pipeline schedule
         runs every micro-batch's forward and backward) instead of the loop's micro-batches."""
@@ -490,7 +532,22 @@ class Parallelism(ABC, Generic[C]):
         """After the step's last backward, before the gradient norm (pp: the tied copies' sums)."""
         return None
 
+    def norm_parameter_ids(self, model: LoopModel) -> set[int] | None:
+        """The parameters (by id) the gradient norm counts when some are copies of others (pp: a
+        tied weight two stages hold counts once); None: every one. The first that names some decides."""
+        return None
+
     # ---- the layout report ---------------------------------------------------------------
+    def describe_rank(self, resolved: Resolved) -> dict[str, object]:
+        """What it resolved on this rank, as keys of the rank's report (cp: ``cp_backend``);
+        nothing by default."""
+        return {}
+
+    def part_stage_ids(self, resolved: Resolved) -> list[int] | None:
+        """The pipeline stage each of this rank's model parts is (pp), for the layout report;
+        None: the parts are not stages."""
+        return None
+
     def describe_part(self, part: torch.nn.Module) -> dict[str, object]:
         """What it put on one model part's modules that its parameters do not show (CP's attention
         hooks), read off the live part for the layout report; nothing by default."""

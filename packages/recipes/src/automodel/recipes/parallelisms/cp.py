@@ -28,6 +28,7 @@ from automodel.recipes.parallelisms.base import (
     Parallelism,
     PlanColumn,
     RankReport,
+    Resolved,
     SearchPoint,
     StageBuild,
     checked_once,
@@ -122,22 +123,27 @@ class ContextParallel(Parallelism[None]):
             memo, ("cp", seq), lambda: check_context_parallel_support(meta_model(), seq_length=seq)
         )
         if error is not None:
-            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+            raise self.cannot_apply(size, error)
 
     def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
         """Attention context parallel over ``cp`` (its backend: what `shard_batch` runs with)."""
         if size > 1:
-            build.cp_backend = apply_context_parallel(module, cp_mesh=build.mesh.get_mesh("cp"))
+            build.resolved[self.name] = apply_context_parallel(module, cp_mesh=build.mesh.get_mesh("cp"))
+
+    def backend(self, resolved: Resolved) -> str:
+        """The attention backend it was applied with ("none": not applied)."""
+        return str(resolved.get(self.name, "none"))
 
     def shard_batch(self, batch: MicroBatch, *, run: BatchRun) -> MicroBatch:
         """The load-balanced sequence share of this cp rank, and the context ring attention runs in."""
-        if run.cp_backend == "none":
+        backend = self.backend(run.resolved)
+        if backend == "none":
             return batch
         assert not batch.extra, "context parallelism shards the batch first"
         ctx, fields, extra = context_parallel_inputs(
             batch.fields,
             cp_mesh=run.mesh.get_mesh("cp"),
-            backend=run.cp_backend,
+            backend=backend,
             pad_token_id=run.pad_token_id,
             packed=run.packed,
         )
@@ -166,6 +172,10 @@ class ContextParallel(Parallelism[None]):
             return 0.0
         kv = 2 * shape.kv_heads * shape.head_dim * t.mb_tokens * s.compute_bytes / s.tp
         return 2 * t.layers_rank * t.micro_batches * (s.cp - 1) * kv / t.bandwidth(s.cp * s.tp)
+
+    def describe_rank(self, resolved: Resolved) -> dict[str, object]:
+        """``cp_backend``: the attention backend ("none" without CP)."""
+        return {"cp_backend": self.backend(resolved)}
 
     def describe_part(self, part: torch.nn.Module) -> dict[str, object]:
         """The attention modules that carry the CP group and hooks (`cp_attention`)."""

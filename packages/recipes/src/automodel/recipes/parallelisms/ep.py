@@ -8,9 +8,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-from automodel.mesh import ResolvedLayout, StrategyConfig
+from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.moe import (
+    ExpertLoad,
     MoEParallelizerConfig,
     check_expert_parallel_support,
     parallelize_experts,
@@ -28,6 +30,7 @@ from automodel.recipes.parallelisms.base import (
     PlanColumn,
     SearchPoint,
     StageBuild,
+    StepMeter,
     config_error,
     divisors,
     section_mapping,
@@ -49,6 +52,31 @@ def build_moe_config(moe: Options | None) -> MoEParallelizerConfig:
         return MoEParallelizerConfig(**options)
     except (ValueError, TypeError) as e:
         raise config_error("distributed.moe", options, e) from None
+
+
+class _ExpertLoadMeter:
+    """automodel.moe's `ExpertLoad` over one step: the ep group's busiest rank's routed rows over
+    the mean (`StepSetup.expert_load_factor`)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.load = ExpertLoad()
+        self.group = group
+
+    def __enter__(self) -> _ExpertLoadMeter:
+        self.load.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.load.__exit__(*exc)
+
+    def fields(self) -> dict[str, float]:
+        return {"expert_load_factor": self.load.load_factor(group=self.group)}
+
+
+def expert_load(setup: StepSetup) -> float:
+    """The busiest rank's routed slots over its balanced share: 1 without EP, at most ep."""
+    ep = setup.size_of("ep")
+    return min(setup.expert_load_factor, ep) if ep > 1 else 1.0
 
 
 class ExpertParallel(Parallelism[MoEParallelizerConfig]):
@@ -109,11 +137,7 @@ class ExpertParallel(Parallelism[MoEParallelizerConfig]):
             blocks = check_expert_parallel_support(meta_model(), declared_experts=num_experts(hf_config))
             validate_moe_layout(layout=layout, num_experts=[b.num_experts for b in blocks])
         except ValueError as e:
-            raise ConfigError(
-                f"distributed.{self.size_key}",
-                size,
-                f"cannot be applied: model_type {hf_config.model_type!r}: {e}",
-            ) from None
+            raise self.cannot_apply(size, f"model_type {hf_config.model_type!r}: {e}") from None
 
     def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
         """automodel.moe splits the experts over ``ep`` and names them: units the sharding wraps
@@ -125,6 +149,10 @@ class ExpertParallel(Parallelism[MoEParallelizerConfig]):
                 gradient_divide_factor=build.gradient_divide_factor,
                 pipeline_stage=build.pipeline_stage,  # a stage may hold dense layers only
             )
+
+    def step_meter(self, mesh: MeshContext, *, size: int) -> StepMeter | None:
+        """The routed load of the ep group's busiest rank (the estimate's expert load factor)."""
+        return _ExpertLoadMeter(mesh.get_mesh("ep").get_group()) if size > 1 else None
 
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """Divisors of the experts that divide the dp x cp ranks left (ep_shard = dp*cp / ep)."""
@@ -139,7 +167,7 @@ class ExpertParallel(Parallelism[MoEParallelizerConfig]):
         if size == 1:
             return []
         return [
-            f"expert load factor {setup.expert_load:g} (the busiest ep rank's routed tokens "
+            f"expert load factor {expert_load(setup):g} (the busiest ep rank's routed tokens "
             "over the mean; --moe-load-factor)"
         ]
 
@@ -162,11 +190,15 @@ class ExpertParallel(Parallelism[MoEParallelizerConfig]):
         return [f"  moe: {{reshard_after_forward: {'true' if setup.reshard_after_forward else 'false'}}}"]
 
     def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
-        """The experts' weights over ep; the busiest rank computes `StepSetup.expert_load` times
+        """The experts' weights over ep; the busiest rank computes `expert_load` times
         its balanced share of the routed slots (the router decides it at run time)."""
         if size == 1:
             return MemoryShares()
-        return MemoryShares(experts=size, expert_load=setup.expert_load)
+        return MemoryShares(experts=size, expert_load=expert_load(setup))
+
+    def expert_shard_ranks(self, *, size: int, setup: StepSetup) -> int | None:
+        """The experts it splits off are sharded over ``ep_shard``: the other dp x cp ranks."""
+        return setup.dp_cp // size if size > 1 else None
 
     def layer_activation_terms(
         self, *, size: int, setup: StepSetup, shape: ModelShape, shares: MemoryShares, moe: bool
@@ -182,6 +214,13 @@ class ExpertParallel(Parallelism[MoEParallelizerConfig]):
         if not (s.ep > 1 and shape.is_moe):
             return 0.0
         moved = (
-            4 * t.mb_tokens * shape.top_k * shape.hidden * s.compute_bytes * (s.ep - 1) / s.ep * s.expert_load
+            4
+            * t.mb_tokens
+            * shape.top_k
+            * shape.hidden
+            * s.compute_bytes
+            * (s.ep - 1)
+            / s.ep
+            * expert_load(s)
         )
         return shape.moe_layers / s.pp * t.micro_batches * moved / t.bandwidth(s.ep * s.cp * s.tp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from automodel.mesh import ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import text_config
@@ -21,6 +21,7 @@ from automodel.recipes.parallelisms.base import (
     PlanColumn,
     RankPosition,
     RankReport,
+    Resolved,
     SearchPoint,
     checked_once,
     config_error,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from automodel.pipeline import PipelineConfig
+    from automodel.pipeline import PipelineConfig, PipelineModel
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
@@ -64,12 +65,14 @@ def build_pipeline_config(pipeline: Options | None, *, local_batch_size: int) ->
 
 
 def pipeline_stages(cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig) -> int:
-    """Total pipeline stages for the configured schedule (validates the ``pipeline`` section)."""
+    """Total pipeline stages for the configured schedule (validates the ``pipeline`` section); 1
+    without pp (the model is one stage)."""
+    pcfg = cfg.distributed.pipeline_config
+    if pcfg is None:  # pp_size > 1 always has a pipeline config
+        return 1
     # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
     from automodel.pipeline import num_stages_for
 
-    pcfg = cfg.distributed.pipeline_config
-    assert pcfg is not None, "pp_size > 1 always has a pipeline config"
     if pcfg.module_fqns_per_model_part is not None:
         return len(pcfg.module_fqns_per_model_part)
     try:
@@ -207,7 +210,7 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
             errors=PipelineSplitError,
         )
         if error is not None:
-            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+            raise self.cannot_apply(size, error)
 
     def check_files(self, *, cfg: RecipeConfig) -> None:
         pcfg = cfg.distributed.pipeline_config
@@ -221,13 +224,21 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         except ValueError as e:
             raise ConfigError("distributed.pipeline.pp_schedule_csv", pcfg.pp_schedule_csv, str(e)) from None
 
+    def pipeline(self, resolved: Resolved) -> PipelineModel | None:
+        """The pipeline the strategy built (None without pp)."""
+        return cast("PipelineModel | None", resolved.get(self.name))
+
+    def forward_rows(self, section: DistributedSection) -> int | None:
+        pipe = section.pipeline_config
+        return None if pipe is None else pipe.pp_microbatch_size
+
     def runs_local_batch(self, model: LoopModel) -> bool:
-        return model.pipeline is not None
+        return self.pipeline(model.resolved) is not None
 
     def run_local_batch(self, batch: MicroBatch, *, model: LoopModel, train: bool) -> torch.Tensor:
         """The schedule runs every micro-batch's forward (and backward) itself; the loss (already
         over the step's tokens) summed over the pp group."""
-        pipe = model.pipeline
+        pipe = self.pipeline(model.resolved)
         assert pipe is not None
         fields = batch.fields
         args = {"labels": fields["labels"], "position_ids": fields["position_ids"], **batch.extra}
@@ -236,8 +247,18 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         return pipe.reduce_loss(loss)
 
     def finish_backward(self, model: LoopModel) -> None:
-        if model.pipeline is not None:  # tied embedding/head copies on the first and last stage
-            model.pipeline.sync_tied_gradients()
+        pipe = self.pipeline(model.resolved)
+        if pipe is not None:  # tied embedding/head copies on the first and last stage
+            pipe.sync_tied_gradients()
+
+    def norm_parameter_ids(self, model: LoopModel) -> set[int] | None:
+        """One copy of each tied weight (`PipelineModel.norm_parameters`)."""
+        pipe = self.pipeline(model.resolved)
+        return None if pipe is None else {id(p) for p in pipe.norm_parameters()}
+
+    def part_stage_ids(self, resolved: Resolved) -> list[int] | None:
+        pipe = self.pipeline(resolved)
+        return None if pipe is None else list(pipe.stage_ids)
 
     def search_sizes(self, point: SearchPoint) -> list[dict[str, int]]:
         """At least two layers per stage."""

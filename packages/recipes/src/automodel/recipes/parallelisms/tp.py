@@ -104,7 +104,7 @@ class TensorParallel(Parallelism[None]):
 
         error = checked_once(memo, ("tp", repr(d.tp_plan), d.sequence_parallel), check)
         if error is not None:
-            raise ConfigError(f"distributed.{self.size_key}", size, f"cannot be applied: {error}")
+            raise self.cannot_apply(size, error)
 
     def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
         """The packed-sequence patch, then TP/SP over ``tp`` (automodel.fsdp2's first half)."""

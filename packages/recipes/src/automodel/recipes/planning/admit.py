@@ -14,6 +14,7 @@ from automodel.recipes.api import load_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.planning.search import Candidate
 from automodel.recipes.planning.table import yaml_block
+from automodel.recipes.planning.terms import batch_ranks_of
 from automodel.recipes.resolved_run import resolve_run
 from automodel.recipes.rules import ModelChecks
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 def global_batch_of(c: Candidate) -> int:
     """The global batch of a candidate: local batch x data-parallel ranks x accumulation."""
     s = c.setup
-    return s.local_batch * s.dp_shard * s.dp_replicate * s.grad_accum
+    return s.local_batch * batch_ranks_of(s) * s.grad_accum
 
 
 def layout_key(c: Candidate) -> tuple:

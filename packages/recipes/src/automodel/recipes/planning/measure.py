@@ -15,15 +15,15 @@ not hand such copies to the collectives (DDP's flattened initial broadcast did, 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from automodel.moe import ExpertLoad
 from automodel.recipes.config.recipe import RecipeConfig
+from automodel.recipes.parallelisms import parallelisms
 from automodel.recipes.trainer import Trainer
 
 _STEP_MARK = "automodel.measure.step"
@@ -109,11 +109,17 @@ def step_peaks(prof: Any, *, device_type: str = "cpu") -> list[StepMemory]:
 
 @dataclass(frozen=True)
 class TrainingMeasurement:
-    """Per-step allocator peaks and, with expert parallelism, the last step's expert load factor
-    (the busiest ep rank's received rows over the mean: the estimate's `expert_load_factor`)."""
+    """Per-step allocator peaks and the run-time facts the parallelisms measured over the last
+    step (`Parallelism.step_meter`: with expert parallelism, the busiest ep rank's received rows
+    over the mean, the estimate's `expert_load_factor`), as `StepSetup` fields."""
 
     steps: list[StepMemory]
-    expert_load_factor: float | None
+    fields: dict[str, float]
+
+    @property
+    def expert_load_factor(self) -> float | None:
+        """The measured expert load factor (None: no parallelism measured one)."""
+        return self.fields.get("expert_load_factor")
 
 
 def measure_training(cfg: RecipeConfig, *, steps: int = 2) -> TrainingMeasurement:
@@ -122,20 +128,25 @@ def measure_training(cfg: RecipeConfig, *, steps: int = 2) -> TrainingMeasuremen
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    load = ExpertLoad()
     with profile(activities=activities, profile_memory=True) as prof:
         trainer = Trainer(cfg)
         trainer.build()
         trainer.step = 0
+        layout = trainer.mesh.layout
+        meters = [
+            meter
+            for p in parallelisms()
+            if (meter := p.step_meter(trainer.mesh, size=p.size(cfg.distributed, layout))) is not None
+        ]
         for i in range(1, steps + 1):
             batches = trainer.loader.next_step()
-            with record_function(f"{_STEP_MARK}.{i}"), load if i == steps else nullcontext():
+            with record_function(f"{_STEP_MARK}.{i}"), ExitStack() as last_step:
+                if i == steps:
+                    for meter in meters:
+                        last_step.enter_context(meter)
                 trainer.train_step(batches)
             trainer.step = i
-    factor = None
-    if trainer.mesh.ep_enabled:
-        factor = load.load_factor(group=trainer.mesh.get_mesh("ep").get_group())
+    fields = {key: value for meter in meters for key, value in meter.fields().items()}
     return TrainingMeasurement(
-        steps=step_peaks(prof, device_type="cuda" if torch.cuda.is_available() else "cpu"),
-        expert_load_factor=factor,
+        steps=step_peaks(prof, device_type="cuda" if torch.cuda.is_available() else "cpu"), fields=fields
     )

@@ -28,12 +28,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from automodel.mesh import flattened_axes
 from automodel.recipes.parallelisms import MemoryShares, RankPosition
 from automodel.recipes.planning.shape import ModelShape
 from automodel.recipes.planning.step import StepSetup as StepSetup
 from automodel.recipes.planning.step import StrategyMemory as StrategyMemory
-from automodel.recipes.planning.terms import layer_activation_terms, memory_positions, memory_shares
+from automodel.recipes.planning.terms import (
+    batch_ranks_of,
+    expert_shard_ranks,
+    layer_activation_terms,
+    memory_positions,
+    memory_shares,
+    shard_ranks,
+)
 
 GiB = 2**30
 
@@ -97,7 +103,7 @@ def layer_activation_bytes(
     """Bytes one decoder layer saves for backward for `tokens` tokens on this rank (no AC): the
     layer's own tensors at the rank's `shares`, plus each parallelism's terms where they add up
     (`Parallelism.layer_activation_terms`)."""
-    e, tp = setup.compute_bytes, shares.heads
+    e, heads = setup.compute_bytes, shares.heads
     terms = layer_activation_terms(setup, shape, shares=shares, moe=moe)
     h = shape.hidden
     h_norm = h / shares.norm_width if shares.norm_width > 1 else h
@@ -106,7 +112,7 @@ def layer_activation_bytes(
         per_token += term
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     # q and k after RoPE, v, attention output (compute dtype) and log-sum-exp per head (fp32)
-    per_token += e * (2 * q + 2 * kv) / tp + 4 * shape.heads / tp
+    per_token += e * (2 * q + 2 * kv) / heads + 4 * shape.heads / heads
     for term in terms.get("attention", ()):
         per_token += term
     if moe:
@@ -119,9 +125,9 @@ def layer_activation_bytes(
         for term in terms.get("experts", ()):
             per_token += term
         if shape.shared_intermediate:
-            per_token += 4 * e * shape.shared_intermediate / tp
+            per_token += 4 * e * shape.shared_intermediate / heads
     else:
-        per_token += 4 * e * shape.intermediate / tp
+        per_token += 4 * e * shape.intermediate / heads
     return per_token * tokens
 
 
@@ -144,32 +150,23 @@ def estimate_step_memory(shape: ModelShape, setup: StepSetup) -> MemoryEstimate:
     return max(estimates, key=lambda m: m.peak_bytes)
 
 
-def _shard_group(s: StepSetup, axis: str) -> int:
-    """Ranks of a flattened mesh axis (`automodel.mesh.flattened_axes`) in `s`."""
-    return math.prod(s.size_of(a) for a in flattened_axes()[axis])
-
-
 def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> MemoryEstimate:
     shares = memory_shares(s, shape)
-    tp, e_s, e_c = shares.heads, s.storage_bytes, s.compute_bytes
+    heads, e_s, e_c = shares.heads, s.storage_bytes, s.compute_bytes
     layers = shape.layers / shares.layers  # layers on this rank (all its stages)
     moe_frac = shape.moe_layers / shape.layers if shape.is_moe else 0.0
     first, last = pos.holds_embedding, pos.holds_head
 
     # ---- parameters: model-parallel split, then the data-parallel shard ----------------------
     expert_mp = shape.layer_expert_params / shares.experts
-    layer_mp = shape.layer_dense_params / tp + expert_mp  # elements of one layer on this rank
-    root_mp = (shape.embed_params if first or shape.tied_embeddings and last else 0) / tp
-    root_mp += (shape.head_params if last else 0) / tp
+    layer_mp = shape.layer_dense_params / heads + expert_mp  # elements of one layer on this rank
+    root_mp = (shape.embed_params if first or shape.tied_embeddings and last else 0) / heads
+    root_mp += (shape.head_params if last else 0) / heads
     sh = s.sharding
-    if sh.shard_over == "none":
-        fs_dense = fs_expert = 1
-    elif sh.shard_over == "dp_cp":
-        fs_dense = fs_expert = _shard_group(s, "dp_cp")
-    else:
-        fs_dense = _shard_group(s, "dp_shard_cp")
-        fs_expert = s.ep_shard if s.ep > 1 else fs_dense
-    layer_shard = shape.layer_dense_params / tp / fs_dense + expert_mp / fs_expert
+    # the strategy's shard group; the experts a parallelism split off over theirs (ep_shard)
+    fs_dense = shard_ranks(s, sh.shard_over)
+    fs_expert = (expert_shard_ranks(s) if sh.shard_over != "none" else None) or fs_dense
+    layer_shard = shape.layer_dense_params / heads / fs_dense + expert_mp / fs_expert
     root_shard = root_mp / fs_dense
     unsharded = layers * layer_mp + root_mp  # the model-parallel part, not data-parallel sharded
     params_rank = layers * layer_shard + root_shard if sh.params_sharded else unsharded
@@ -183,7 +180,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> Mem
     if sh.fp32_master:
         opt_b += opt_shard * 4
     static = param_b + opt_b
-    if sh.gradient_buckets and _shard_group(s, "dp") > 1:
+    if sh.gradient_buckets and batch_ranks_of(s) > 1:
         static += grad_shard * e_s * trainable_frac  # flat gradient buckets, allocated once
     for _, extra in s.extra_bytes:  # other parallelisms' own terms (`StepSetup.extra_bytes`)
         static += extra
@@ -218,7 +215,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> Mem
     g_layer_u = layer_mp * e_c * trainable_frac
     g_layer_s = layer_shard * e_s * trainable_frac
     w_root_u = root_mp * e_c
-    head_grad_u = (shape.head_params / tp if last else 0.0) * e_c * trainable_frac
+    head_grad_u = (shape.head_params / heads if last else 0.0) * e_c * trainable_frac
     keep_all = pos.scheduled or s.reshard_after_forward is False
     if sh.gathered_weights == "layers":
         # layers reshard after forward except the last (none when keep_all); the root never
@@ -231,9 +228,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> Mem
         w_layer_u = 0.0
     # the previous layer's reduce-scatter input is still in flight while this layer's grads appear
     rs_in_flight = (
-        layer_mp * s.reduce_bytes * trainable_frac
-        if sh.reduce_scatter_in_flight and _shard_group(s, "dp_shard_cp") > 1
-        else 0.0
+        layer_mp * s.reduce_bytes * trainable_frac if sh.reduce_scatter_in_flight and fs_dense > 1 else 0.0
     )
     p2p = 2 * e_c * shape.hidden * tokens * pos.p2p_stages if pos.p2p_stages else 0.0
 

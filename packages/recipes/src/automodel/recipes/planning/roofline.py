@@ -17,7 +17,13 @@ from automodel.recipes.parallelisms import parallelisms
 from automodel.recipes.planning.shape import ModelShape
 from automodel.recipes.planning.step import Hardware as Hardware
 from automodel.recipes.planning.step import StepSetup, StepTraffic, bandwidth
-from automodel.recipes.planning.terms import memory_positions, memory_shares
+from automodel.recipes.planning.terms import (
+    batch_ranks_of,
+    expert_shard_ranks,
+    memory_positions,
+    memory_shares,
+    shard_ranks,
+)
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,7 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     # weights, pp's micro-batches, each through its own hook
     shares = memory_shares(s, shape)
     position = memory_positions(s)[0]
-    dp = math.prod(s.size_of(a) for a in flattened_axes()["dp"])
-    rows = s.local_batch * s.grad_accum * dp
+    rows = s.local_batch * s.grad_accum * batch_ranks_of(s)
     tokens = rows * s.seq_len
     flops = tokens * training_flops_per_token(shape, s.seq_len, recompute=s.activation_checkpointing)
     # the busiest EP rank computes expert_load times its share of the routed slots
@@ -70,9 +75,9 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     mb_rows = s.local_batch if position.micro_batch_rows is None else position.micro_batch_rows
     mb_tokens = mb_rows * s.seq_len / shares.tokens
     micro_batches = s.grad_accum * position.micro_batches
-    # FSDP over dp_shard_cp: gather bf16 weights for forward and backward of every micro-batch,
-    # reduce-scatter the gradients once per step (reduce dtype)
-    fs = math.prod(s.size_of(a) for a in flattened_axes()["dp_shard_cp"])
+    # FSDP over its shard group (`StrategyMemory.shard_over`): gather bf16 weights for forward and
+    # backward of every micro-batch, reduce-scatter the gradients once per step (reduce dtype)
+    fs = shard_ranks(s, s.sharding.shard_over)
     dense_rank = (shape.layer_dense_params / shares.heads * layers_rank) + (
         shape.embed_params + shape.head_params
     ) / shares.heads / shares.layers
@@ -80,15 +85,17 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     sharded = s.sharding.shard_over != "none"  # else replicated: gradients all-reduced over dp
     fsdp = 0.0
     if sharded and fs > 1:
-        dense = dense_axes()  # the FSDP group spans dp_shard and the dense axes inside it
-        bw = bandwidth(math.prod(s.size_of(a) for a in dense[dense.index("dp_shard") :]), hw)
+        # the FSDP group spans its outermost dense axis and the dense axes inside it
+        dense = dense_axes()
+        outermost = flattened_axes()[s.sharding.shard_over][0]
+        bw = bandwidth(math.prod(s.size_of(a) for a in dense[dense.index(outermost) :]), hw)
         # without PP a layer is gathered for forward and again for backward, unless it stays
         # gathered in between (moe.reshard_after_forward: false)
         per_micro_batch = 1 if s.reshard_after_forward is False else 2
         # a schedule (pp) keeps every layer gathered over its micro-batches
         gathers = 2 * s.grad_accum if position.scheduled else per_micro_batch * micro_batches
         fsdp += (fs - 1) / fs * dense_rank * (gathers * e + s.reduce_bytes) / bw
-    efs = s.ep_shard if s.ep > 1 else fs
+    efs = expert_shard_ranks(s) or fs  # the experts a parallelism split off (ep), over their ranks
     if sharded and efs > 1 and expert_rank:
         expert_gathers = (1 if s.reshard_after_forward is False else 2) * micro_batches
         fsdp += (efs - 1) / efs * expert_rank * (expert_gathers * e + s.reduce_bytes) / bandwidth(world, hw)

@@ -12,9 +12,9 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
-from automodel.mesh import dense_axes, flattened_axes
+from automodel.mesh import dense_axes
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.parallelisms import SearchPoint, searched
+from automodel.recipes.parallelisms import SearchPoint, mesh_roles, searched
 from automodel.recipes.planning.memory import MemoryEstimate, StepSetup, estimate_step_memory
 from automodel.recipes.planning.roofline import Hardware, StepTime, estimate_step_time
 from automodel.recipes.planning.shape import ModelShape
@@ -102,7 +102,7 @@ def _add_batches(
 ) -> None:
     """The candidates of one size assignment: the searched parallelisms' options
     (`Parallelism.search_options`, in search order), then AC, then the local batch sizes."""
-    dp = math.prod(sizes.get(a, 1) for a in flattened_axes()["dp"])
+    rows = math.prod(sizes.get(a, 1) for a in mesh_roles().batch_axes)  # ranks splitting the rows
     order = searched()
     per_axis = [p.search_options(size=sizes.get(p.name, 1), shape=shape) for p in order]
     batches = next(
@@ -113,12 +113,12 @@ def _add_batches(
         overrides = {key: value for option in options for key, value in option.items()}
         for ac in (False, True):
             for lbs in batches:
-                gb = k["global_batch"] or lbs * dp
-                if gb % (lbs * dp):
+                gb = k["global_batch"] or lbs * rows
+                if gb % (lbs * rows):
                     continue
                 base = StepSetup(
                     sizes=tuple(sizes.items()), activation_checkpointing=ac,
-                    seq_len=k["seq_len"], local_batch=lbs, grad_accum=gb // (lbs * dp), pp_microbatch=1,
+                    seq_len=k["seq_len"], local_batch=lbs, grad_accum=gb // (lbs * rows), pp_microbatch=1,
                     storage_bytes=4, compute_bytes=2, reduce_bytes=4, trainable_params=k["trainable"],
                     expert_load_factor=k["expert_load_factor"],
                 )  # fmt: skip

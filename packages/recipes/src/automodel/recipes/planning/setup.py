@@ -12,7 +12,7 @@ from automodel.recipes._dist_setup import resolve_machine_defaults
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.linear_ce import CHUNK_ELEMENTS
 from automodel.recipes.output_head import is_linear_loss
-from automodel.recipes.parallelisms import parallelisms
+from automodel.recipes.parallelisms import batch_ranks, parallelisms
 from automodel.recipes.planning.memory import StepSetup
 from automodel.recipes.strategies import get_strategy
 
@@ -67,7 +67,7 @@ def step_setup(
         activation_checkpointing="activation_checkpointing" in d.strategy_config.enabled_layer_flags,
         seq_len=cfg.seq_length,
         local_batch=ss.local_batch_size,
-        grad_accum=max(1, ss.global_batch_size // (ss.local_batch_size * layout.dp)),
+        grad_accum=max(1, ss.global_batch_size // (ss.local_batch_size * batch_ranks(layout))),
         storage_bytes=storage,
         compute_bytes=compute,
         reduce_bytes=reduce,

@@ -8,10 +8,11 @@ registry, so the value types live apart from both and no import circle forms.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from automodel.mesh import parallel_axes
+from automodel.mesh import flattened_axes, parallel_axes
 
 if TYPE_CHECKING:
     from automodel.recipes.planning.shape import ModelShape
@@ -23,10 +24,11 @@ class StrategyMemory:
     the roofline read it. Each strategy states its own (`Strategy.memory_model`); the defaults are
     FSDP2's, which `recipes plan` proposes."""
 
-    #: The ranks parameters, gradients and optimizer state are sharded over (MeshContext's axis
-    #: names): ``dp_shard_cp`` (experts over ``ep_shard`` under EP), ``dp_cp`` (every data-parallel
-    #: and context-parallel rank, experts too), or ``none`` (replicated: gradients are all-reduced).
-    shard_over: Literal["dp_shard_cp", "dp_cp", "none"] = "dp_shard_cp"
+    #: The ranks parameters, gradients and optimizer state are sharded over: a flattened mesh axis
+    #: of the table (`automodel.mesh.flattened_axes`; FSDP2's ``dp_shard_cp``, megatron-fsdp's
+    #: ``dp_cp``), or ``none`` (replicated: gradients are all-reduced). The experts a parallelism
+    #: splits off may be sharded over ranks of their own (`Parallelism.expert_shard_ranks`).
+    shard_over: str = "dp_shard_cp"
     #: Which of the three are sharded (ZeRO stages: 3 shards all, 2 not the parameters, 1 only the
     #: optimizer state, 0 none).
     params_sharded: bool = True
@@ -99,18 +101,15 @@ class StepSetup:
         return dict(self.sizes).get(name, 1)
 
     def __getattr__(self, name: str) -> int:
-        """A mesh axis's size as an attribute (``setup.tp``), for every axis of the table."""
-        if name.startswith("_") or name not in parallel_axes():
-            raise AttributeError(f"StepSetup has no attribute {name!r}")
-        return self.size_of(name)
-
-    @property
-    def dp_shard_cp(self) -> int:
-        return self.dp_shard * self.cp
-
-    @property
-    def ep_shard(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp // self.ep
+        """A mesh axis's size as an attribute (``setup.tp``), for every axis of the table: a
+        flattened one's is the product of the axes it spans."""
+        if not name.startswith("_"):
+            if name in parallel_axes():
+                return self.size_of(name)
+            spans = flattened_axes().get(name)
+            if spans is not None:
+                return math.prod(self.size_of(a) for a in spans)
+        raise AttributeError(f"StepSetup has no attribute {name!r}")
 
     def __post_init__(self) -> None:
         for name, size in self.sizes:
@@ -126,11 +125,6 @@ class StepSetup:
                 "expert_load_factor must be >= 1 (the busiest EP rank's routed slots over the mean), "
                 f"got {self.expert_load_factor!r}"
             )
-
-    @property
-    def expert_load(self) -> float:
-        """The busiest rank's routed slots over its balanced share: 1 without EP, at most ep."""
-        return min(self.expert_load_factor, self.ep) if self.ep > 1 else 1.0
 
 
 @dataclass(frozen=True)

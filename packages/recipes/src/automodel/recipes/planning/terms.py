@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
-from automodel.mesh import ResolvedLayout
-from automodel.recipes.parallelisms import ActivationSite, MemoryShares, RankPosition, parallelisms
+from automodel.mesh import ResolvedLayout, flattened_axes
+from automodel.recipes.parallelisms import (
+    ActivationSite,
+    MemoryShares,
+    RankPosition,
+    mesh_roles,
+    parallelisms,
+)
 from automodel.recipes.planning.shape import ModelShape
 from automodel.recipes.planning.step import StepSetup
 
@@ -48,6 +55,28 @@ def memory_positions(setup: StepSetup) -> tuple[RankPosition, ...]:
         if positions:
             return positions
     return (RankPosition(),)
+
+
+def batch_ranks_of(setup: StepSetup) -> int:
+    """The ranks that split each batch's rows in `setup` (the data-parallel size: the product of
+    the mesh roles' batch axes, `parallelisms.roles.mesh_roles`)."""
+    return math.prod(setup.size_of(a) for a in mesh_roles().batch_axes)
+
+
+def shard_ranks(setup: StepSetup, axis: str) -> int:
+    """The ranks of flattened mesh axis `axis` (a strategy's `StrategyMemory.shard_over`) in
+    `setup`; 1 for ``none`` (replicated)."""
+    return 1 if axis == "none" else math.prod(setup.size_of(a) for a in flattened_axes()[axis])
+
+
+def expert_shard_ranks(setup: StepSetup) -> int | None:
+    """The ranks the split-off experts' weights are sharded over: the first registered
+    parallelism's that names them (`Parallelism.expert_shard_ranks`), None: with the dense ones."""
+    for p in parallelisms():
+        ranks = p.expert_shard_ranks(size=setup.size_of(p.name), setup=setup)
+        if ranks is not None:
+            return ranks
+    return None
 
 
 def layer_activation_terms(

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from automodel.fsdp2 import grad_sync_context
 from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.recipes.grad_norm import clip_grad_norm
-from automodel.recipes.parallelisms import mesh_roles, role_group
+from automodel.recipes.parallelisms import mesh_roles, parallelisms, role_group
 from automodel.recipes.planning.step import StrategyMemory
 
 if TYPE_CHECKING:
@@ -46,8 +46,9 @@ class ParallelModel:
 
     parts: list[nn.Module]
     strategy: Strategy
-    pipeline: Any = None  # the built pipeline (with `.step`) when pp > 1
-    cp_backend: str = "none"
+    #: What each parallelism resolved when it was applied, by its name (`parallelisms.base.Resolved`:
+    #: cp's attention backend, pp's built pipeline); only that parallelism reads its entry.
+    resolved: dict[str, object] = field(default_factory=dict)
     defer_grad_sync: bool = True
 
     def grad_sync(self, *, is_last_microbatch: bool) -> contextlib.AbstractContextManager:
@@ -59,6 +60,15 @@ class ParallelModel:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, part: nn.Module) -> torch.optim.Optimizer:
         """Hand an optimizer built on ``part.parameters()`` to the strategy (megatron-fsdp drives its step)."""
         return self.strategy.prepare_optimizer(optimizer, part)
+
+    def norm_parameter_ids(self) -> set[int] | None:
+        """The parameters the gradient norm counts (`Parallelism.norm_parameter_ids`: pp counts one
+        copy of each tied weight); None: every one."""
+        for parallelism in parallelisms():
+            ids = parallelism.norm_parameter_ids(self)
+            if ids is not None:
+                return ids
+        return None
 
 
 class PartWrapping:
@@ -196,11 +206,15 @@ class Strategy(PartWrapping, ABC, Generic[C]):
         return optimizer
 
     def clip_grad_norm(
-        self, params: list[nn.Parameter], *, max_norm: float | None, mesh: MeshContext, pipeline: Any
+        self,
+        params: list[nn.Parameter],
+        *,
+        max_norm: float | None,
+        mesh: MeshContext,
+        counted_ids: set[int] | None,
     ) -> torch.Tensor:
-        """The global gradient norm before clipping to `max_norm`; under PP one copy of each tied
-        weight counts (`pipeline.norm_parameters()`)."""
-        counted = None if pipeline is None else {id(p) for p in pipeline.norm_parameters()}
+        """The global gradient norm before clipping to `max_norm`; only `counted_ids` count when
+        given (`ParallelModel.norm_parameter_ids`: one copy of each tied weight under PP)."""
         # the ranks holding different plain parameters (the pipeline's stages: `mesh_roles`)
         norm_group = role_group(mesh, mesh_roles().norm_axes)
-        return clip_grad_norm(params, max_norm=max_norm, pp_group=norm_group, counted_ids=counted)
+        return clip_grad_norm(params, max_norm=max_norm, norm_group=norm_group, counted_ids=counted_ids)

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from automodel.fsdp2 import DDPConfig, DDPManager, apply_activation_checkpointing
 from automodel.mesh import MeshContext
+from automodel.recipes.parallelisms.roles import batch_ranks
 from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
@@ -69,7 +70,7 @@ class DDPStrategy(Strategy[DDPConfig]):
         initialize([model])
         config = section.strategy_config
         assert isinstance(config, DDPConfig)
-        if mesh.layout.dp == 1:  # no wrapper, but the flags still apply (the planner counts them)
+        if batch_ranks(mesh.layout) == 1:  # no wrapper, but the flags still apply (the planner counts them)
             if config.activation_checkpointing:
                 apply_activation_checkpointing(model)
             return ParallelModel(parts=[model], strategy=self, defer_grad_sync=False)

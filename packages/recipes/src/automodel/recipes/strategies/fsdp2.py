@@ -41,15 +41,15 @@ def apply_fsdp2_stack(
     config: FSDP2Config,
     moe_config: MoEParallelizerConfig | None,
     gradient_divide_factor: float | None,
-) -> str:
+) -> dict[str, object]:
     """TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch -> autocast on one model (or PP stage).
 
     The model-parallel phases are the registered parallelisms' (`Parallelism.apply_to_stage`, in
     `apply_phase` order: TP/SP, CP, EP); the sharding after them is automodel.fsdp2's. With EP, automodel.moe
     splits the experts over ``ep`` and names them; the second half then shards them as units of
     their own over ``ep_shard`` and the rest as for a dense model, with the `moe_config` options
-    (router replay, resharding, the root unit, a head precision). Returns the CP attention backend
-    to pass to `make_cp_batch_and_ctx` ("none" without CP).
+    (router replay, resharding, the root unit, a head precision). Returns what the phases resolved,
+    by parallelism name (`StageBuild.resolved`: CP's attention backend).
     """
     layout = mesh.layout
     build = StageBuild(
@@ -67,7 +67,7 @@ def apply_fsdp2_stack(
         apply_sharding_from_config(
             module, mesh=mesh, config=config, gradient_divide_factor=gradient_divide_factor
         )
-        return build.cp_backend
+        return build.resolved
     moe = moe_config if moe_config is not None else MoEParallelizerConfig()
     mp_policy = config.mp_policy if config.mp_policy is not None else moe.mp_policy
     assert mp_policy is None or isinstance(mp_policy, MixedPrecisionPolicy)
@@ -103,7 +103,7 @@ def apply_fsdp2_stack(
         reshard_after_forward=moe.reshard_after_forward,
         wrap_root=moe.wrap_outer_model,
     )
-    return build.cp_backend
+    return build.resolved
 
 
 def sequence_parallel_boundary(
@@ -177,16 +177,17 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
     ) -> ParallelModel:
         config = section.strategy_config
         assert isinstance(config, FSDP2Config)  # parsed by this strategy's config_class
-        cp_backend = "none"
+        resolved: dict[str, object] = {}
 
         def parallelize_stage(module: nn.Module, **_: Any) -> None:
-            nonlocal cp_backend
-            cp_backend = apply_fsdp2_stack(
-                module,
-                mesh=mesh,
-                config=config,
-                moe_config=section.moe_config,
-                gradient_divide_factor=gradient_divide_factor,
+            resolved.update(
+                apply_fsdp2_stack(
+                    module,
+                    mesh=mesh,
+                    config=config,
+                    moe_config=section.moe_config,
+                    gradient_divide_factor=gradient_divide_factor,
+                )
             )
 
         pipe = None
@@ -201,6 +202,7 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
                 boundary_layouts=sequence_parallel_boundary(model, mesh=mesh, config=config),
             )
             parts = list(pipe.model_parts)
+            resolved["pp"] = pipe  # the pp plugin's entry (`PipelineParallel.pipeline`)
         else:
             parallelize_stage(model)
             parts = [model]
@@ -208,8 +210,7 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
         return ParallelModel(
             parts=parts,
             strategy=self,
-            pipeline=pipe,
-            cp_backend=cp_backend,
+            resolved=resolved,
             # A pipeline schedule reduces gradients itself after its last micro-batch.
             defer_grad_sync=pipe is None and config.defer_fsdp_grad_sync,
         )

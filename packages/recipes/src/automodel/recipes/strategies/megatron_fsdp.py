@@ -164,7 +164,12 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
         return shard_optimizer(optimizer, model=part)
 
     def clip_grad_norm(
-        self, params: list[nn.Parameter], *, max_norm: float | None, mesh: MeshContext, pipeline: Any
+        self,
+        params: list[nn.Parameter],
+        *,
+        max_norm: float | None,
+        mesh: MeshContext,
+        counted_ids: set[int] | None,
     ) -> torch.Tensor:
         return clip_grad_norm(params, max_norm=max_norm, tp_size=mesh.layout.tp)
 
