@@ -1,6 +1,7 @@
 """Checks that `recipes train` runs before any rank starts, for mistakes the ranks would otherwise
 meet minutes later, once per rank, as tracebacks: optimizer arguments, the checkpoint it restores,
-the pretrained model directory (`run_files`) and unreadable data files and rows. Each raises `ConfigError` naming the key, or
+the pretrained model directory (`run_files`), unreadable data files and rows, and a training set
+with fewer rows than a global batch (`data.row_counts`). Each raises `ConfigError` naming the key, or
 `DataError` naming the file and line (exit 2, one line).
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
 from automodel.recipes.data.kinds import check_rows
 from automodel.recipes.data.launch_data import check_data_fits_model
+from automodel.recipes.data.row_counts import check_resume_position, check_row_counts
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.model import pretrained_dir
@@ -149,3 +152,7 @@ def check_run_files(cfg: RecipeConfig) -> None:
     if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
         check_model_dir(cfg.model, pretrained_dir(cfg.model))
     check_data_fits_model(cfg)  # rows without text, token ids beyond the model's vocab_size
+    check_resume_position(cfg)  # the global batch size its saved position counts
+    note = check_row_counts(cfg)  # the training set fills a global batch
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)

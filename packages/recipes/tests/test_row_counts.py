@@ -1,0 +1,211 @@
+"""Every row-count rule that refuses is checked before launch (`recipes.data.row_counts`).
+
+A training set with fewer rows than ``step_scheduler.global_batch_size`` was refused inside the
+ranks, after torchrun had started them and each had built its dataset. Now `recipes validate` and
+`recipes train` refuse it before any rank starts (exit 2, one line naming the key and the value,
+the rank's own message), for one-example SFT rows, packed SFT rows, ``packed_sequence.max_packs``,
+pretraining text and a Megatron corpus; the count is the ranks' builder's (checked against
+``len()`` of the dataset the ranks build), and exactly ``global_batch_size`` rows trains.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from automodel.data.megatron_writer import MegatronWriter
+from automodel.data.tokenizer import ByteTokenizer
+from automodel.recipes import load_config
+from automodel.recipes.cli import run_cli
+from automodel.recipes.data.kinds import build_packed_dataset, count_rows
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _recipe_helpers import tiny_config  # noqa: E402
+from _sft_helpers import write_arithmetic_jsonl  # noqa: E402
+
+GBS = 8
+
+
+def _sft(tmp: Path, rows: int) -> dict[str, Any]:
+    return {
+        "source": "instruction",
+        "path_or_dataset_id": str(write_arithmetic_jsonl(tmp / "sft.jsonl", n=rows)),
+        "column_mapping": {"question": "q", "answer": "a"},
+        "answer_only_loss_mask": True,
+        "seq_length": 16,
+    }
+
+
+def _megatron(tmp: Path, docs: int) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    w = MegatronWriter(tmp / "corpus", dtype=np.uint8)
+    for _ in range(docs):
+        w.add_document(rng.integers(32, 127, 30).tolist() + [0])
+    w.finalize()
+    return {"source": "megatron", "paths": str(tmp / "corpus"), "seq_length": 32, "split": "1,0,0"}
+
+
+#: case -> (the dataset section for `tmp`, extra config sections): each holds fewer than 8 rows
+CASES = {
+    "sft_rows": (lambda tmp: _sft(tmp, 5), {}),
+    # 40 short examples packed into rows of 64 tokens: fewer than 8 rows
+    "sft_packed": (lambda tmp: _sft(tmp, 40), {"packed_sequence": {"packed_sequence_size": 64}}),
+    # 200 examples pack into more than 8 rows, but max_packs keeps 6 of them
+    "max_packs": (
+        lambda tmp: _sft(tmp, 200),
+        {"packed_sequence": {"packed_sequence_size": 64, "max_packs": 6}},
+    ),
+    # the built-in corpus's first 1024 characters: 31 rows of 33 tokens, max_rows keeps 5
+    "text": (lambda tmp: {"source": "embedded", "seq_length": 32, "max_bytes": 1024, "max_rows": 5}, {}),
+    # 6 documents of 31 bytes: 5 samples of 33 tokens
+    "megatron": (lambda tmp: _megatron(tmp, 6), {}),
+}
+
+
+def _config(tmp: Path, dataset: dict[str, Any], *, gbs: int = GBS, **sections: Any) -> Path:
+    steps = {"global_batch_size": gbs, "local_batch_size": 2, "max_steps": 1, "val_every_steps": None}
+    cfg = tiny_config(str(tmp / "run"), validation_dataset=None, step_scheduler=steps, **sections)
+    cfg["dataset"] = dataset
+    path = tmp / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _rank_rows(config: Path) -> int:
+    """The rows the ranks train on: `len()` of the dataset their builder gives (max_packs applied)."""
+    cfg = load_config(str(config))
+    ds = build_packed_dataset(
+        cfg.dataset,
+        ByteTokenizer(),
+        packed_sequence_size=cfg.packed_sequence.packed_sequence_size,
+        seed=cfg.seed,
+    )
+    limit = cfg.packed_sequence.max_packs
+    return len(ds) if limit is None else min(len(ds), limit)
+
+
+def _one_error_line(capsys: pytest.CaptureFixture) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_too_few_rows_is_refused_by_validate(case: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    dataset, sections = CASES[case]
+    config = _config(tmp_path, dataset(tmp_path), **sections)
+    assert run_cli(["validate", str(config), "--world-size=2"]) == 2
+    line = _one_error_line(capsys)
+    rows = _rank_rows(config)
+    assert 0 < rows < GBS
+    assert line == (
+        f"error: step_scheduler.global_batch_size={GBS}: the dataset has {rows} rows, "
+        f"fewer than global_batch_size={GBS}"
+    )
+
+
+@pytest.mark.parametrize("case", ["sft_rows", "sft_packed", "megatron"])
+def test_too_few_rows_is_refused_by_train_before_any_rank_starts(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`recipes train --nproc-per-node=2` refuses in the launcher: torchrun is never called and
+    nothing is written (no output_dir, so no rank log)."""
+    import automodel.recipes.launch as launch
+
+    def no_ranks(*args: Any, **kwargs: Any) -> int:
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "launch_torchrun", no_ranks)
+    dataset, sections = CASES[case]
+    config = _config(tmp_path, dataset(tmp_path), **sections)
+    assert run_cli(["train", str(config), "--nproc-per-node=2"]) == 2
+    line = _one_error_line(capsys)
+    assert not (tmp_path / "run").exists()  # nor a Megatron order cached there: none was built
+    rows = _rank_rows(config)
+    assert line.startswith(f"error: step_scheduler.global_batch_size={GBS}: the dataset has {rows} rows")
+
+
+def _packed_examples_for(rows: int, tmp: Path) -> int:
+    """The number of arithmetic examples whose packing into 64-token rows gives exactly `rows`."""
+    for n in range(1, 200):
+        config = _config(tmp, _sft(tmp, n), packed_sequence={"packed_sequence_size": 64})
+        if _rank_rows(config) == rows:
+            return n
+    raise AssertionError(f"no example count packs into {rows} rows")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_exactly_global_batch_size_rows_trains(
+    packed: bool, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The boundary: ``global_batch_size`` rows train one step; one row fewer is refused."""
+    sections: dict[str, Any] = {"packed_sequence": {"packed_sequence_size": 64}} if packed else {}
+    n = _packed_examples_for(GBS, tmp_path) if packed else GBS
+    config = _config(tmp_path, _sft(tmp_path, n), **sections)
+    assert _rank_rows(config) == GBS
+    assert run_cli(["validate", str(config)]) == 0, capsys.readouterr().err
+    assert run_cli(["train", str(config)]) == 0, capsys.readouterr().err
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in records] == [1]
+    capsys.readouterr()  # the run's own lines
+    fewer = _config(tmp_path, _sft(tmp_path, n), gbs=GBS + 2, **sections)  # gbs: a multiple of lbs=2
+    assert run_cli(["validate", str(fewer)]) == 2
+    assert f"the dataset has {GBS} rows, fewer than global_batch_size={GBS + 2}" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("packed", [0, 64])
+@pytest.mark.parametrize("examples", [1, 7, 8, 9, 40])
+def test_count_is_the_builders_length(packed: int, examples: int, tmp_path: Path) -> None:
+    """`count_rows` gives `len()` of the dataset the ranks build, or `at_least` when it has more."""
+    section = load_config(
+        str(_config(tmp_path, _sft(tmp_path, examples), packed_sequence={"packed_sequence_size": packed}))
+    ).dataset
+    rows = len(build_packed_dataset(section, ByteTokenizer(), packed_sequence_size=packed))
+    for at_least in (1, 2, rows, rows + 1, 100):
+        got = count_rows(section, ByteTokenizer(), packed_sequence_size=packed, seed=0, at_least=at_least)
+        assert got == min(rows, at_least)
+
+
+@pytest.mark.parametrize(("max_bytes", "max_rows"), [(1024, None), (1024, 5), (40000, None)])
+def test_text_count_is_the_builders_length(max_bytes: int, max_rows: int | None, tmp_path: Path) -> None:
+    text = {"source": "embedded", "seq_length": 32, "max_bytes": max_bytes, "max_rows": max_rows}
+    section = load_config(str(_config(tmp_path, text))).dataset
+    rows = len(build_packed_dataset(section, ByteTokenizer(), packed_sequence_size=0))
+    for at_least in (1, rows, rows + 1):
+        got = count_rows(section, ByteTokenizer(), packed_sequence_size=0, seed=0, at_least=at_least)
+        assert got == min(rows, at_least)
+
+
+def test_validation_split_without_an_example_is_refused_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The validation split is evaluated whatever its size, but one without a usable example was
+    its builder's refusal in the ranks: its first row is counted before launch too."""
+    empty = tmp_path / "val.jsonl"
+    empty.write_text("".join(json.dumps({"q": f"{i}+0=", "a": ""}) + "\n" for i in range(4)))
+    config = _config(tmp_path, _sft(tmp_path, 16))
+    raw = yaml.safe_load(config.read_text())
+    raw["validation_dataset"] = {**raw["dataset"], "path_or_dataset_id": str(empty)}
+    raw["step_scheduler"]["val_every_steps"] = 1
+    config.write_text(yaml.safe_dump(raw))
+    assert run_cli(["validate", str(config)]) == 2
+    line = _one_error_line(capsys)
+    assert line == (
+        f"error: validation_dataset.path_or_dataset_id={str(empty)!r}: yields no usable example (4 empty answer)"
+    )
+
+
+def test_validate_says_when_the_rows_are_not_on_this_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`recipes validate` plans for machines it may not run on: data missing here is a line, not a refusal."""
+    dataset = {**_sft(tmp_path, 5), "path_or_dataset_id": str(tmp_path / "elsewhere.jsonl")}
+    assert run_cli(["validate", str(_config(tmp_path, dataset))]) == 0
+    out = capsys.readouterr().out
+    assert "rows not counted: the data is not on this machine (dataset.path_or_dataset_id=" in out
