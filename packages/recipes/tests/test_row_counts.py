@@ -97,7 +97,9 @@ def _one_error_line(capsys: pytest.CaptureFixture) -> str:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_too_few_rows_is_refused_by_validate(case: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_too_few_rows_is_refused_by_validate(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     dataset, sections = CASES[case]
     config = _config(tmp_path, dataset(tmp_path), **sections)
     assert run_cli(["validate", str(config), "--world-size=2"]) == 2
@@ -209,3 +211,40 @@ def test_validate_says_when_the_rows_are_not_on_this_machine(
     assert run_cli(["validate", str(_config(tmp_path, dataset))]) == 0
     out = capsys.readouterr().out
     assert "rows not counted: the data is not on this machine (dataset.path_or_dataset_id=" in out
+
+
+def test_resume_under_another_global_batch_size_is_refused_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The saved position counts global batches of 8: resuming under 4 is refused by the launcher
+    (the sampler's rule, read from the checkpoint's rank-0 entry); under 8 it resumes."""
+    import automodel.recipes.launch as launch
+
+    config = _config(tmp_path, _sft(tmp_path, 32), checkpoint={"enabled": True, "save_consolidated": False})
+    assert run_cli(["train", str(config)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    started: list[Any] = []
+    monkeypatch.setattr(launch, "launch_torchrun", lambda *a, **k: started.append(a) or 0)
+    more = ["--resume-with-changes", "--step_scheduler.max_steps=2"]
+    argv = ["train", str(config), "--nproc-per-node=2", *more, "--step_scheduler.global_batch_size=4"]
+    assert run_cli(argv) == 2
+    step = tmp_path / "run" / "checkpoints" / "step_1"
+    assert _one_error_line(capsys) == (
+        f"error: step_scheduler.global_batch_size=4: resuming from {step}: sampler state is for "
+        "global_batch_size=8, this loader's is 4: the same position would name other samples"
+    )
+    assert not started
+    assert run_cli(["train", str(config), "--nproc-per-node=2", *more]) == 0  # the same size: launched
+    assert len(started) == 1
+
+
+def test_a_tokenizer_with_remote_code_is_counted_in_the_ranks(tmp_path: Path) -> None:
+    """Its code runs only in the ranks: the launcher counts nothing and says so in one line."""
+    from automodel.recipes.data.row_counts import check_row_counts
+
+    raw = yaml.safe_load(_config(tmp_path, _sft(tmp_path, 5)).read_text())
+    raw["tokenizer"] = {"trust_remote_code": True}
+    assert check_row_counts(load_config(raw)) == (
+        "note: the dataset's rows are counted in the ranks (tokenizer.trust_remote_code: the tokenizer's "
+        f"own code runs only there); fewer rows than step_scheduler.global_batch_size={GBS} is refused there"
+    )

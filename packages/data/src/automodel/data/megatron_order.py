@@ -92,7 +92,9 @@ def gpt_order(
         separate = num_samples - sans_final < int(SEPARATE_FINAL_EPOCH_BELOW * per_epoch)
     rng = np.random.RandomState(seed)
     doc_index = _document_index(documents, epochs, rng, separate)
-    total = gpt_sample_count(tokens_per_epoch=tokens_per_epoch, seq_length=seq_length, num_samples=num_samples)
+    total = gpt_sample_count(
+        tokens_per_epoch=tokens_per_epoch, seq_length=seq_length, num_samples=num_samples
+    )
     starts = np.zeros(doc_index.shape[0] + 1, dtype=np.int64)
     np.cumsum(np.asarray(lengths, dtype=np.int64)[doc_index], out=starts[1:])
     shuffle = _shuffle_index(sans_final if separate else total, total, rng)

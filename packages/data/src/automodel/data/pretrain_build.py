@@ -264,7 +264,12 @@ def _blend(
 
 
 def count_megatron_rows(
-    section: MegatronPretrainingSection, tokenizer: Any, *, packed_sequence_size: int, seed: int, at_least: int
+    section: MegatronPretrainingSection,
+    tokenizer: Any,
+    *,
+    packed_sequence_size: int,
+    seed: int,
+    at_least: int,
 ) -> int:
     """`build_megatron`'s samples, counted before launch (`megatron_length`: no order is built)."""
     seq = packed_sequence_size or section.seq_length

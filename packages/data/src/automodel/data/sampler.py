@@ -24,9 +24,7 @@ def check_rows_fill_batch(*, num_rows: int, global_batch_size: int) -> None:
     The one home of this rule: the sampler checks it in every rank, and the `recipes` launcher
     checks the same rule on the rows it counts before any rank starts (`count_rows` of the kind)."""
     if num_rows < global_batch_size:
-        raise ValueError(
-            f"the dataset has {num_rows} rows, fewer than global_batch_size={global_batch_size}"
-        )
+        raise ValueError(f"the dataset has {num_rows} rows, fewer than global_batch_size={global_batch_size}")
 
 
 def check_position_rows(state: Mapping[str, Any], *, num_rows: int) -> None:

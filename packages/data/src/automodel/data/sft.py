@@ -536,12 +536,16 @@ def build_sft_dataset(
 ) -> SFTDataset:
     """Read, encode, fit and lay out the section's examples (see the module docstring); `records`
     (role -> value) replace reading the section's columns (a dataset factory's own reader)."""
+    encoder = ExampleEncoder(section, tokenizer)  # first: a template it refuses names its key
     skipped: Counter[str] = Counter()  # bad file rows (bad_rows: skip), then unusable examples
     records = load_records(section, skipped=skipped) if records is None else records
     bad_file_rows = sum(skipped.values())
     packed = packed_sequence_size > 0
     row_length = row_length_of(section, packed_sequence_size=packed_sequence_size)
-    examples = list(fitted_examples(section, tokenizer, records, row_length=row_length, skipped=skipped))
+    fitted = fitted_examples(
+        encoder, records, row_length=row_length, truncate=section.truncate, skipped=skipped
+    )
+    examples = list(fitted)
     if not examples:
         raise no_usable_example(section, skipped)
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -571,19 +575,18 @@ def row_length_of(section: ExampleSection, *, packed_sequence_size: int) -> int:
 
 
 def fitted_examples(
-    section: ExampleSection,
-    tokenizer: Any,
+    encoder: ExampleEncoder,
     records: list[dict[str, Any]],
     *,
     row_length: int,
+    truncate: bool,
     skipped: Counter[str],
 ) -> Iterator[Example]:
     """The usable examples of `records`, in order, each fitted to a row of `row_length` tokens; the
     unusable ones counted into `skipped` by reason (lazily: a count may stop early)."""
-    encoder = ExampleEncoder(section, tokenizer)
     for record in records:
         try:
-            yield fit_to_length(encoder(record), max_tokens=row_length + 1, truncate=section.truncate)
+            yield fit_to_length(encoder(record), max_tokens=row_length + 1, truncate=truncate)
         except SkippedExample as e:
             skipped[str(e)] += 1
 
@@ -610,12 +613,16 @@ def count_sft_rows(
     building them: the same records, encoder, length filter and row rule (`starts_row`), encoding
     examples only until the `at_least`-th row opens (the cost of a pre-launch count: every record
     read, about `at_least` rows of examples tokenized). No usable example is its `ConfigError`."""
+    encoder = ExampleEncoder(section, tokenizer)
     skipped: Counter[str] = Counter()
     records = load_records(section, skipped=skipped) if records is None else records
     packed = packed_sequence_size > 0
     row_length = row_length_of(section, packed_sequence_size=packed_sequence_size)
     rows, used = 0, 0
-    for example in fitted_examples(section, tokenizer, records, row_length=row_length, skipped=skipped):
+    fitted = fitted_examples(
+        encoder, records, row_length=row_length, truncate=section.truncate, skipped=skipped
+    )
+    for example in fitted:
         length = len(example.ids) - 1
         if rows == 0 or starts_row(used=used, length=length, row_length=row_length, packed=packed):
             rows, used = rows + 1, 0

@@ -8,6 +8,7 @@ world size restores. Reading it is one small DCP entry, through the restricted r
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ def saved_data_position(path: Path) -> dict[str, Any] | None:
     if not has_extra(metadata, key):
         return None
     loaded = {key: extra_placeholders(metadata, key)}
-    dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner())
+    with warnings.catch_warnings():  # torch warns that one process loads: the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     state = decode_extra(loaded[key]).get("dataloader")
     return state if isinstance(state, dict) else None
