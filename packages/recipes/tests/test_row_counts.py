@@ -248,3 +248,16 @@ def test_a_tokenizer_with_remote_code_is_counted_in_the_ranks(tmp_path: Path) ->
         "note: the dataset's rows are counted in the ranks (tokenizer.trust_remote_code: the tokenizer's "
         f"own code runs only there); fewer rows than step_scheduler.global_batch_size={GBS} is refused there"
     )
+
+
+def test_a_stream_is_not_counted_and_says_so(tmp_path: Path) -> None:
+    """A stream has no length (its run is max_steps long): nothing is counted, one start-up line."""
+    from automodel.recipes.data.row_counts import check_row_counts
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(4)))
+    stream = {"source": "streaming", "path": str(tmp_path / "docs.jsonl"), "seq_length": 16}
+    note = check_row_counts(load_config(str(_config(tmp_path, stream))))
+    assert note == (
+        "note: dataset (source: streaming) is not counted before launch: a stream has no length; a dp "
+        "rank whose share of it holds no document is refused in the ranks"
+    )

@@ -8,9 +8,12 @@ checks again, here on the rows the section's kind counts with its builder's own 
 - SFT (``instruction``, ``chat``, ``squad``, ``hellaswag``): every record read, examples tokenized
   only until ``global_batch_size`` rows are certain (packed or not);
 - pretraining text: documents tokenized until then;
-- Megatron and nanoGPT corpora: the dataset built as the ranks build it (memory-mapped: its sample
-  order, cached in ``index_mapping_dir`` when set, so the ranks then read it from there);
-- ``streaming``: nothing (a stream has no length: its run is ``max_steps`` long).
+- Megatron corpora and blends: the ``.idx`` headers and pointers (`pretrain_build.megatron_length`:
+  no sample order is built, nothing is written to ``index_mapping_dir``);
+- nanoGPT shards: opened as the ranks open them (memory-mapped; with ``align_to_bos`` and no
+  ``.bos.idx`` beside a shard, one scan of it for BOS tokens);
+- ``streaming``: nothing (a stream has no length: its run is ``max_steps`` long); a start-up line
+  says so, and a dp rank whose share of the stream holds no document is refused in the ranks.
 
 A resume keeps the global batch size its saved position counts (`sampler.check_position_batch`,
 read from the checkpoint it restores: one small entry). Whether the saved position's row count is
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING
 from automodel.data.sampler import check_position_batch, check_rows_fill_batch
 from automodel.recipes.checkpoint.paths import checkpoint_root
 from automodel.recipes.checkpoint.saved_position import restored_checkpoint, saved_data_position
-from automodel.recipes.data.kinds import check_paths, count_rows
+from automodel.recipes.data.kinds import check_paths, count_rows, kind_of
 from automodel.recipes.data.launch_data import run_tokenizer
 from automodel.recipes.errors import ConfigError
 
@@ -59,14 +62,18 @@ def check_row_counts(cfg: RecipeConfig) -> str | None:
         )
         if cfg.validation_dataset is not None:
             count_rows(cfg.validation_dataset, tokenizer, packed_sequence_size=seq, seed=cfg.seed, at_least=1)
-    if rows is not None:
-        limit = cfg.packed_sequence.max_packs
-        try:
-            check_rows_fill_batch(
-                num_rows=rows if limit is None else min(rows, limit), global_batch_size=ss.global_batch_size
-            )
-        except ValueError as e:  # the rank's refusal (`trainer`), word for word
-            raise ConfigError("step_scheduler.global_batch_size", ss.global_batch_size, str(e)) from None
+    if rows is None:
+        return (
+            f"note: dataset (source: {kind_of(cfg.dataset).name}) is not counted before launch: a "
+            "stream has no length; a dp rank whose share of it holds no document is refused in the ranks"
+        )
+    limit = cfg.packed_sequence.max_packs
+    try:
+        check_rows_fill_batch(
+            num_rows=rows if limit is None else min(rows, limit), global_batch_size=ss.global_batch_size
+        )
+    except ValueError as e:  # the rank's refusal (`trainer`), word for word
+        raise ConfigError("step_scheduler.global_batch_size", ss.global_batch_size, str(e)) from None
     return None
 
 
