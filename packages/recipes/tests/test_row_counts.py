@@ -4,7 +4,7 @@ A training set with fewer rows than ``step_scheduler.global_batch_size`` was ref
 ranks, after torchrun had started them and each had built its dataset. Now `recipes validate` and
 `recipes train` refuse it before any rank starts (exit 2, one line naming the key and the value,
 the rank's own message), for one-example SFT rows, packed SFT rows, ``packed_sequence.max_packs``,
-pretraining text and a Megatron corpus; the count is the ranks' builder's (checked against
+AutoModel's SQuAD factory, pretraining text, a Megatron corpus and a nanoGPT shard; the count is the ranks' builder's (checked against
 ``len()`` of the dataset the ranks build), and exactly ``global_batch_size`` rows trains.
 """
 
@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from automodel.data.megatron_writer import MegatronWriter
+from automodel.data.nanogpt_shard import write_nanogpt_shard
 from automodel.data.tokenizer import ByteTokenizer
 from automodel.recipes import load_config
 from automodel.recipes.cli import run_cli
@@ -51,6 +52,18 @@ def _megatron(tmp: Path, docs: int) -> dict[str, Any]:
     return {"source": "megatron", "paths": str(tmp / "corpus"), "seq_length": 32, "split": "1,0,0"}
 
 
+def _squad(tmp: Path, rows: int) -> dict[str, Any]:
+    """NeMo AutoModel's ``make_squad_dataset`` over `rows` SQuAD-format rows in a local file."""
+    row = {"context": "c", "question": "q", "answers": {"text": ["a"], "answer_start": [0]}}
+    (tmp / "squad.jsonl").write_text((json.dumps(row) + "\n") * rows)
+    return {"source": "squad", "dataset_name": str(tmp / "squad.jsonl"), "seq_length": 64}
+
+
+def _nanogpt(tmp: Path, tokens: int) -> dict[str, Any]:
+    write_nanogpt_shard(tmp / "shard.bin", np.arange(tokens) % 200 + 1)
+    return {"source": "nanogpt", "file_pattern": str(tmp / "shard.bin"), "seq_len": 32}
+
+
 #: case -> (the dataset section for `tmp`, extra config sections): each holds fewer than 8 rows
 CASES = {
     "sft_rows": (lambda tmp: _sft(tmp, 5), {}),
@@ -62,6 +75,9 @@ CASES = {
         {"packed_sequence": {"packed_sequence_size": 64, "max_packs": 6}},
     ),
     # the built-in corpus's first 1024 characters: 31 rows of 33 tokens, max_rows keeps 5
+    "squad": (lambda tmp: _squad(tmp, 7), {}),
+    # 200 tokens: 6 windows of 33
+    "nanogpt": (lambda tmp: _nanogpt(tmp, 200), {}),
     "text": (lambda tmp: {"source": "embedded", "seq_length": 32, "max_bytes": 1024, "max_rows": 5}, {}),
     # 6 documents of 31 bytes: 5 samples of 33 tokens
     "megatron": (lambda tmp: _megatron(tmp, 6), {}),
