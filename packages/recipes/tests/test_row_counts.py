@@ -4,8 +4,10 @@ A training set with fewer rows than ``step_scheduler.global_batch_size`` was ref
 ranks, after torchrun had started them and each had built its dataset. Now `recipes validate` and
 `recipes train` refuse it before any rank starts (exit 2, one line naming the key and the value,
 the rank's own message), for one-example SFT rows, packed SFT rows, ``packed_sequence.max_packs``,
-AutoModel's SQuAD factory, pretraining text, a Megatron corpus and a nanoGPT shard; the count is the ranks' builder's (checked against
-``len()`` of the dataset the ranks build), and exactly ``global_batch_size`` rows trains.
+AutoModel's SQuAD factory, pretraining text, a Megatron corpus and a nanoGPT shard; the count is
+the ranks' builder's (checked against ``len()`` of the dataset the ranks build), and exactly
+``global_batch_size`` rows trains. A resume under another global batch size than its checkpoint's
+position is refused before launch too.
 """
 
 from __future__ import annotations
@@ -276,4 +278,21 @@ def test_a_stream_is_not_counted_and_says_so(tmp_path: Path) -> None:
     assert note == (
         "note: dataset (source: streaming) is not counted before launch: a stream has no length; a dp "
         "rank whose share of it holds no document is refused in the ranks"
+    )
+
+
+def test_validation_split_without_a_row_is_refused_before_launch(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A text split shorter than one row gave a validation loss of 0/0 (``val_loss: null``) without
+    a word: refused before launch, naming the file."""
+    (tmp_path / "val.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+    raw = yaml.safe_load(_config(tmp_path, _sft(tmp_path, 16)).read_text())
+    raw["validation_dataset"] = {"source": "json", "path": str(tmp_path / "val.jsonl"), "seq_length": 32}
+    raw["step_scheduler"]["val_every_steps"] = 1
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    assert run_cli(["validate", str(tmp_path / "cfg.yaml")]) == 2
+    assert _one_error_line(capsys) == (
+        f"error: validation_dataset.path={str(tmp_path / 'val.jsonl')!r}: gives no row to evaluate (fewer "
+        "tokens than one row): its validation loss would be 0/0"
     )

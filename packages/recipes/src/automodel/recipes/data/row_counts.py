@@ -21,7 +21,8 @@ still the dataset's (`sampler.check_position_rows`) stays the ranks' check: it n
 counted, for SFT and text every example tokenized once more before launch.
 
 The validation split is evaluated whatever its size; its first row is counted too, so its builder's
-own refusals (no usable example, an empty corpus split) come before launch as well. A tokenizer with
+own refusals (no usable example, an empty corpus split) come before launch as well, and a split
+that gives no row at all (text shorter than one row), whose loss would be 0/0, is refused. A tokenizer with
 ``trust_remote_code`` runs its code only in the ranks: its rows are not counted here (a start-up
 line says so) and the ranks refuse, with the same message.
 """
@@ -40,7 +41,7 @@ from automodel.recipes.data.launch_data import run_tokenizer
 from automodel.recipes.errors import ConfigError
 
 if TYPE_CHECKING:
-    from automodel.recipes.config.recipe import RecipeConfig
+    from automodel.recipes.config.recipe import DatasetConfig, RecipeConfig
 
 
 def check_row_counts(cfg: RecipeConfig) -> str | None:
@@ -61,7 +62,11 @@ def check_row_counts(cfg: RecipeConfig) -> str | None:
             cfg.dataset, tokenizer, packed_sequence_size=seq, seed=cfg.seed, at_least=ss.global_batch_size
         )
         if cfg.validation_dataset is not None:
-            count_rows(cfg.validation_dataset, tokenizer, packed_sequence_size=seq, seed=cfg.seed, at_least=1)
+            val = count_rows(
+                cfg.validation_dataset, tokenizer, packed_sequence_size=seq, seed=cfg.seed, at_least=1
+            )
+            if val == 0:
+                raise _nothing_to_evaluate(cfg.validation_dataset)
     if rows is None:
         return (
             f"note: dataset (source: {kind_of(cfg.dataset).name}) is not counted before launch: a "
@@ -75,6 +80,16 @@ def check_row_counts(cfg: RecipeConfig) -> str | None:
     except ValueError as e:  # the rank's refusal (`trainer`), word for word
         raise ConfigError("step_scheduler.global_batch_size", ss.global_batch_size, str(e)) from None
     return None
+
+
+def _nothing_to_evaluate(section: DatasetConfig) -> ConfigError:
+    """A validation split without a row (text shorter than one row): its loss would be 0/0."""
+    key = getattr(section, "PATH_KEY", "path")
+    return ConfigError(
+        f"{section.SECTION}.{key}",
+        getattr(section, key, None),
+        "gives no row to evaluate (fewer tokens than one row): its validation loss would be 0/0",
+    )
 
 
 @contextmanager
