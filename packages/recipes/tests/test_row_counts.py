@@ -229,6 +229,14 @@ def test_validate_says_when_the_rows_are_not_on_this_machine(
     assert run_cli(["validate", str(_config(tmp_path, dataset))]) == 0
     out = capsys.readouterr().out
     assert "rows not counted: the data is not on this machine (dataset.path_or_dataset_id=" in out
+    raw = yaml.safe_load(_config(tmp_path, _sft(tmp_path, 5)).read_text())
+    raw["tokenizer"] = {"path": str(tmp_path / "cluster_tokenizer")}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    assert run_cli(["validate", str(tmp_path / "cfg.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"rows not counted: tokenizer.path={str(tmp_path / 'cluster_tokenizer')!r} holds no tokenizer" in out
+    )
 
 
 def test_resume_under_another_global_batch_size_is_refused_before_launch(

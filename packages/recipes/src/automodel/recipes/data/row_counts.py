@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from automodel.data.sampler import check_position_batch, check_rows_fill_batch
+from automodel.data.tokenizer import has_tokenizer_files
 from automodel.recipes.checkpoint.paths import checkpoint_root
 from automodel.recipes.checkpoint.saved_position import restored_checkpoint, saved_data_position
 from automodel.recipes.data.kinds import check_paths, count_rows, kind_of
@@ -134,12 +135,15 @@ def check_resume_position(cfg: RecipeConfig) -> None:
 
 
 def validate_row_counts(cfg: RecipeConfig) -> list[str]:
-    """`recipes validate`: `check_row_counts` where the data is on this machine (it refuses the
-    same way), else the report's line saying the rows were not counted."""
+    """`recipes validate`: `check_row_counts` where the data and the tokenizer are on this machine
+    (it refuses the same way), else the report's line saying the rows were not counted."""
     try:
         check_paths(cfg.dataset)
         check_paths(cfg.validation_dataset)
     except ConfigError as e:
         return [f"rows not counted: the data is not on this machine ({e})"]
+    tokenizer = cfg.tokenizer.path
+    if tokenizer is not None and not has_tokenizer_files(tokenizer):
+        return [f"rows not counted: tokenizer.path={tokenizer!r} holds no tokenizer on this machine"]
     note = check_row_counts(cfg)
     return [] if note is None else [note]
