@@ -44,6 +44,7 @@ import torch.distributed as dist
 from automodel.data.errors import ConfigError, DataError, optional
 from automodel.data.file_check import read_good_rows, section_columns
 from automodel.data.hub_cache import resolve_local_or_cached
+from automodel.data.quiet_datasets import no_progress_bars
 from automodel.data.sections import ExampleSection
 from automodel.data.stdlib_docstrings import stdlib_docstring_examples
 from automodel.data.table_rows import read_csv_rows, split_data_files
@@ -615,7 +616,9 @@ def count_sft_rows(
     read, about `at_least` rows of examples tokenized). No usable example is its `ConfigError`."""
     encoder = ExampleEncoder(section, tokenizer)
     skipped: Counter[str] = Counter()
-    records = load_records(section, skipped=skipped) if records is None else records
+    if records is None:
+        with no_progress_bars():
+            records = load_records(section, skipped=skipped)
     packed = packed_sequence_size > 0
     row_length = row_length_of(section, packed_sequence_size=packed_sequence_size)
     rows, used = 0, 0

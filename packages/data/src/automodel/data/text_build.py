@@ -4,6 +4,7 @@ answer-only labels (SFT); and their pre-launch path checks."""
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from automodel.data.errors import ConfigError, optional
 from automodel.data.file_check import check_bad_rows_files
 from automodel.data.hub_cache import resolve_local_or_cached
 from automodel.data.packing import PackedDataset, pack_documents, packed_row_count
+from automodel.data.quiet_datasets import no_progress_bars
 from automodel.data.sft import build_sft_dataset, count_sft_rows
 from automodel.data.text_rows import first_textless, read_texts_skipping
 from automodel.data.text_sections import DatasetSection, SFTDatasetSection
@@ -170,8 +172,10 @@ def count_text_rows(
     tokenized only until `at_least` rows are filled (the cost of a pre-launch count)."""
     seq = packed_sequence_size if packed_sequence_size > 0 else section.seq_length
     want = at_least if section.max_rows is None else min(at_least, section.max_rows)
+    with nullcontext() if section.source == "embedded" else no_progress_bars():  # read by `datasets`
+        docs = _section_documents(section, report=False)
     tokens = 0
-    for doc in _section_documents(section, report=False):
+    for doc in docs:
         tokens += len(tokenizer.encode(doc)) + 1  # + the EOS after it
         if packed_row_count(tokens, seq_length=seq) >= want:
             return want

@@ -29,8 +29,6 @@ line says so) and the ranks refuse, with the same message.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from automodel.data.sampler import check_position_batch, check_rows_fill_batch
@@ -58,16 +56,15 @@ def check_row_counts(cfg: RecipeConfig) -> str | None:
         )
     tokenizer = run_tokenizer(cfg)
     seq = cfg.packed_sequence.packed_sequence_size
-    with _no_progress_bars():
-        rows = count_rows(
-            cfg.dataset, tokenizer, packed_sequence_size=seq, seed=cfg.seed, at_least=ss.global_batch_size
+    rows = count_rows(
+        cfg.dataset, tokenizer, packed_sequence_size=seq, seed=cfg.seed, at_least=ss.global_batch_size
+    )
+    if cfg.validation_dataset is not None:
+        val = count_rows(
+            cfg.validation_dataset, tokenizer, packed_sequence_size=seq, seed=cfg.seed, at_least=1
         )
-        if cfg.validation_dataset is not None:
-            val = count_rows(
-                cfg.validation_dataset, tokenizer, packed_sequence_size=seq, seed=cfg.seed, at_least=1
-            )
-            if val == 0:
-                raise _nothing_to_evaluate(cfg.validation_dataset)
+        if val == 0:
+            raise _nothing_to_evaluate(cfg.validation_dataset)
     if rows is None:
         return (
             f"note: dataset (source: {kind_of(cfg.dataset).name}) is not counted before launch: a "
@@ -91,24 +88,6 @@ def _nothing_to_evaluate(section: DatasetConfig) -> ConfigError:
         getattr(section, key, None),
         "gives no row to evaluate (fewer tokens than one row): its validation loss would be 0/0",
     )
-
-
-@contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """`datasets` draws a progress bar for each split it generates; a count before launch draws
-    none (a refusal is one line)."""
-    try:
-        import datasets  # lazy: optional dependency
-    except ImportError:
-        yield
-        return
-    were_disabled = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not were_disabled:
-            datasets.enable_progress_bars()
 
 
 def check_resume_position(cfg: RecipeConfig) -> None:
