@@ -9,7 +9,9 @@ checks again, here on the rows the section's kind counts with its builder's own 
   only until ``global_batch_size`` rows are certain (packed or not);
 - pretraining text: documents tokenized until then;
 - Megatron corpora and blends: the ``.idx`` headers and pointers (`pretrain_build.megatron_length`:
-  no sample order is built, nothing is written to ``index_mapping_dir``);
+  no sample order is built, nothing is written to ``index_mapping_dir``); whether a weighted blend
+  asks a corpus for more samples than its margin holds stays the ranks' check (it needs the blend's
+  interleave, linear in its size);
 - nanoGPT shards: opened as the ranks open them (memory-mapped; with ``align_to_bos`` and no
   ``.bos.idx`` beside a shard, one scan of it for BOS tokens);
 - ``streaming``: nothing (a stream has no length: its run is ``max_steps`` long); a start-up line
