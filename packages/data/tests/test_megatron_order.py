@@ -18,7 +18,7 @@ from _corpus_helpers import Tok, random_docs, write_corpus  # noqa: E402
 
 from automodel.data.batches import build_sampler  # noqa: E402
 from automodel.data.blend_indices import blending_indices, normalize  # noqa: E402
-from automodel.data.pretrain_build import build_megatron  # noqa: E402
+from automodel.data.pretrain_build import build_megatron, megatron_length  # noqa: E402
 from automodel.data.pretrain_sections import (  # noqa: E402
     MegatronPretrainingSection,
     MegatronPretrainingValidationSection,
@@ -166,3 +166,29 @@ def test_index_mapping_dir_caches_the_order(tmp_path: Path) -> None:
     assert our_rows(loaded) == our_rows(built)
     other_seed = ours(a, split="1,0,0", seed=2, index_mapping_dir=str(cache))
     assert our_rows(other_seed) != our_rows(built) and len(list(cache.iterdir())) == 8
+
+
+@pytest.mark.parametrize(
+    ("which", "kw"),
+    [
+        ("a", {}),
+        ("a", {"num_train_samples": 130}),
+        ("a", {"num_train_samples": 160}),
+        ("a", {"validation": True}),
+        ("weighted", {"num_train_samples": 100}),
+        ("weighted", {}),
+        ("unweighted", {}),
+        ("unweighted", {"num_train_samples": 50}),
+    ],
+)
+def test_length_before_launch_is_the_built_datasets(
+    corpora: tuple[Path, str, str], which: str, kw: dict[str, Any]
+) -> None:
+    """`megatron_length` (the pre-launch count: no sample order built) is `len()` of the dataset."""
+    _, a, b = corpora
+    paths = {"a": a, "weighted": ["30", a, "70", b], "unweighted": [a, b]}[which]
+    validation = kw.pop("validation", False)
+    cls = MegatronPretrainingValidationSection if validation else MegatronPretrainingSection
+    section = cls(paths=paths, seq_length=SEQ, split="90,10,0", seed=3, **kw)
+    built = build_megatron(section, Tok(), packed_sequence_size=0, seed=99)
+    assert megatron_length(section, vocab_size=Tok().vocab_size, seq=SEQ) == len(built) > 0

@@ -403,9 +403,9 @@ def test_transformer_engine_backend_runs_the_models_own_modules(
     raw = automodel_base(model_dir)
     raw["output_dir"] = str(tmp_path / "run")
     raw["dataset"]["dataset_name"] = str(tmp_path / "squad.jsonl")
-    (tmp_path / "squad.jsonl").write_text(
-        json.dumps({"context": "c", "question": "q", "answers": {"text": ["a"], "answer_start": [0]}}) + "\n"
-    )
+    row = json.dumps({"context": "c", "question": "q", "answers": {"text": ["a"], "answer_start": [0]}})
+    # a global batch of rows: `recipes validate` counts them (fewer is refused before launch)
+    (tmp_path / "squad.jsonl").write_text((row + "\n") * raw["step_scheduler"]["global_batch_size"])
     plain = load_config(copy.deepcopy(raw))
     raw["model"]["backend"] = {"attn": "te", "linear": "te", "rms_norm": "torch_fp32", "experts": "te"}
     cfg = load_config(copy.deepcopy(raw))

@@ -47,6 +47,13 @@ def num_epochs_for(*, tokens_per_epoch: int, num_samples: int | None, seq_length
     return max(1, -(-wanted // tokens_per_epoch))
 
 
+def gpt_sample_count(*, tokens_per_epoch: int, seq_length: int, num_samples: int | None) -> int:
+    """The samples (dataset length) of the order `gpt_order` builds: ``(num_epochs * tokens_per_epoch
+    - 1) // seq_length``, at least `num_samples` when given; O(1), so counted before launch too."""
+    epochs = num_epochs_for(tokens_per_epoch=tokens_per_epoch, num_samples=num_samples, seq_length=seq_length)
+    return max(0, (epochs * tokens_per_epoch - 1) // seq_length)
+
+
 def _document_index(
     documents: np.ndarray, epochs: int, rng: np.random.RandomState, separate: bool
 ) -> np.ndarray:
@@ -85,7 +92,9 @@ def gpt_order(
         separate = num_samples - sans_final < int(SEPARATE_FINAL_EPOCH_BELOW * per_epoch)
     rng = np.random.RandomState(seed)
     doc_index = _document_index(documents, epochs, rng, separate)
-    total = max(0, (epochs * tokens_per_epoch - 1) // seq_length)
+    total = gpt_sample_count(
+        tokens_per_epoch=tokens_per_epoch, seq_length=seq_length, num_samples=num_samples
+    )
     starts = np.zeros(doc_index.shape[0] + 1, dtype=np.int64)
     np.cumsum(np.asarray(lengths, dtype=np.int64)[doc_index], out=starts[1:])
     shuffle = _shuffle_index(sans_final if separate else total, total, rng)

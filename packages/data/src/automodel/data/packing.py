@@ -13,6 +13,11 @@ from collections.abc import Iterable
 import torch
 
 
+def packed_row_count(num_tokens: int, *, seq_length: int) -> int:
+    """The rows of ``seq_length + 1`` tokens that `num_tokens` fill (the tail that fills none is dropped)."""
+    return num_tokens // (seq_length + 1)
+
+
 class PackedDataset:
     """Rows of ``seq_length + 1`` tokens; ``row(i)`` -> (input_ids, labels, position_ids)."""
 
@@ -23,7 +28,7 @@ class PackedDataset:
         self.seq_length = seq_length
         self.eos_token_id = eos_token_id
         self.document_boundaries = document_boundaries
-        n = tokens.numel() // (seq_length + 1)
+        n = packed_row_count(tokens.numel(), seq_length=seq_length)
         self.rows = tokens[: n * (seq_length + 1)].view(n, seq_length + 1)
 
     def __len__(self) -> int:

@@ -20,7 +20,7 @@ from automodel.data.corpus_error import CorpusError
 from automodel.data.errors import ConfigError
 from automodel.data.index_cache import cached_arrays
 from automodel.data.megatron_corpus import MegatronCorpus
-from automodel.data.megatron_order import GptOrder, gpt_order
+from automodel.data.megatron_order import GptOrder, gpt_order, gpt_sample_count
 from automodel.data.megatron_paths import resolve_blend, split_range
 from automodel.data.megatron_samples import MegatronSamples
 from automodel.data.nanogpt_shard import NanogptShard
@@ -148,15 +148,7 @@ def build_megatron(
     seq = packed_sequence_size or section.seq_length
     parts, weights = megatron_splits(section, vocab_size=tokenizer.vocab_size)
     data_seed = section.seed if section.seed is not None else seed
-    key = f"{section.SECTION}.paths"
-    for part in parts:
-        if part.num_tokens < seq + 1:
-            raise ConfigError(
-                key,
-                part.name,
-                f"has {part.num_tokens} tokens in split {section.split_name!r}: fewer than one sample "
-                f"of seq_length + 1 = {seq + 1} (an empty corpus or split)",
-            )
+    _check_parts_hold_a_sample(parts, seq=seq, section=section)
     size = section.num_samples
 
     def gpt(part: CorpusSplit, num_samples: int | None) -> MegatronSamples:
@@ -178,6 +170,44 @@ def build_megatron(
     return ds
 
 
+def _check_parts_hold_a_sample(
+    parts: list[CorpusSplit], *, seq: int, section: MegatronPretrainingSection
+) -> None:
+    for part in parts:
+        if part.num_tokens < seq + 1:
+            raise ConfigError(
+                f"{section.SECTION}.paths",
+                part.name,
+                f"has {part.num_tokens} tokens in split {section.split_name!r}: fewer than one sample "
+                f"of seq_length + 1 = {seq + 1} (an empty corpus or split)",
+            )
+
+
+def _one_pass_samples(part: CorpusSplit, *, seq: int) -> int:
+    """The samples of one pass over `part` (its `_gpt_samples` without a sample count)."""
+    return gpt_sample_count(tokens_per_epoch=part.num_tokens, seq_length=seq, num_samples=None)
+
+
+def _weighted_size(size: int | None, *, parts: list[CorpusSplit], seq: int) -> int:
+    """A weighted blend's sample count: `size`, else (megatron-core refuses none) the samples one
+    pass over every corpus gives."""
+    return size if size is not None else sum(_one_pass_samples(p, seq=seq) for p in parts)
+
+
+def megatron_length(section: MegatronPretrainingSection, *, vocab_size: int | None, seq: int) -> int:
+    """`build_megatron`'s length without building a sample order: from the ``.idx`` headers and
+    pointers (O(corpora)); an empty split is refused as `build_megatron` refuses it."""
+    parts, weights = megatron_splits(section, vocab_size=vocab_size)
+    _check_parts_hold_a_sample(parts, seq=seq, section=section)
+    size = section.num_samples
+    if len(parts) == 1 and weights is None:
+        return gpt_sample_count(tokens_per_epoch=parts[0].num_tokens, seq_length=seq, num_samples=size)
+    if weights is not None:  # the blend's size: its corpora's targets
+        return sum(size_per_dataset(normalize(weights), size=_weighted_size(size, parts=parts, seq=seq)))
+    total = sum(_one_pass_samples(p, seq=seq) for p in parts)
+    return total if size is None else min(size, total)
+
+
 def _blend(
     parts: list[CorpusSplit],
     weights: list[float] | None,
@@ -191,8 +221,7 @@ def _blend(
     megatron-core refuses), the count is the samples one pass over every corpus gives."""
     if weights is not None:
         w = normalize(weights)
-        if size is None:
-            size = sum((p.num_tokens - 1) // seq for p in parts)
+        size = _weighted_size(size, parts=parts, seq=seq)
         targets = size_per_dataset(w, size=size)
         margins = size_per_dataset(w, size=size, surplus=MID_LEVEL_SURPLUS)
         sets = [gpt(p, n) for p, n in zip(parts, margins)]
@@ -232,6 +261,19 @@ def _blend(
                 f"is asked for {n} samples of the blend but its split gives {len(sets[d])}",
             )
     return ds
+
+
+def count_megatron_rows(
+    section: MegatronPretrainingSection,
+    tokenizer: Any,
+    *,
+    packed_sequence_size: int,
+    seed: int,
+    at_least: int,
+) -> int:
+    """`build_megatron`'s samples, counted before launch (`megatron_length`: no order is built)."""
+    seq = packed_sequence_size or section.seq_length
+    return megatron_length(section, vocab_size=tokenizer.vocab_size, seq=seq)
 
 
 def check_megatron_paths(section: MegatronPretrainingSection) -> None:
@@ -311,6 +353,14 @@ def build_nanogpt(section: NanogptSection, tokenizer: Any, *, packed_sequence_si
         else SequentialOrder(len(ds))
     )
     return ds
+
+
+def count_nanogpt_rows(
+    section: NanogptSection, tokenizer: Any, *, packed_sequence_size: int, seed: int, at_least: int
+) -> int:
+    """`build_nanogpt`'s windows, counted before launch by building it (memory-mapped shards:
+    headers and sizes, plus one scan for BOS tokens with ``align_to_bos`` and no ``.bos.idx``)."""
+    return len(build_nanogpt(section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed))
 
 
 def check_nanogpt_paths(section: NanogptSection) -> None:

@@ -12,9 +12,36 @@ computed per index for corpora too large to permute in memory), else a ``torch.r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+
+def check_rows_fill_batch(*, num_rows: int, global_batch_size: int) -> None:
+    """A training set holds at least one global batch of rows (a step never repeats a row).
+
+    The one home of this rule: the sampler checks it in every rank, and the `recipes` launcher
+    checks the same rule on the rows it counts before any rank starts (`count_rows` of the kind)."""
+    if num_rows < global_batch_size:
+        raise ValueError(f"the dataset has {num_rows} rows, fewer than global_batch_size={global_batch_size}")
+
+
+def check_position_rows(state: Mapping[str, Any], *, num_rows: int) -> None:
+    """A saved position (`StatefulGlobalBatchSampler.state_dict`) is one in a dataset of `num_rows`."""
+    if state.get("num_rows", num_rows) != num_rows:
+        raise ValueError(f"sampler state is for {state['num_rows']} rows, this dataset has {num_rows}")
+
+
+def check_position_batch(state: Mapping[str, Any], *, global_batch_size: int) -> None:
+    """A saved position counts global batches of `global_batch_size`: under another size the same
+    count names other samples (a state saved before the size was recorded carries no check). The
+    one home of this rule: the ranks' resume and the `recipes` launcher's (`row_counts`)."""
+    if state.get("global_batch_size", global_batch_size) != global_batch_size:
+        raise ValueError(
+            f"sampler state is for global_batch_size={state['global_batch_size']}, this loader's is "
+            f"{global_batch_size}: the same position would name other samples"
+        )
 
 
 class StatefulGlobalBatchSampler:
@@ -36,10 +63,7 @@ class StatefulGlobalBatchSampler:
                 f"global_batch_size={global_batch_size} must be a multiple of local_batch_size*dp = "
                 f"{local_batch_size}*{dp_size}"
             )
-        if num_rows < global_batch_size:
-            raise ValueError(
-                f"the dataset has {num_rows} rows, fewer than global_batch_size={global_batch_size}"
-            )
+        check_rows_fill_batch(num_rows=num_rows, global_batch_size=global_batch_size)
         assert 0 <= dp_rank < dp_size
         self.num_rows = num_rows
         self.global_batch_size = global_batch_size
@@ -89,17 +113,8 @@ class StatefulGlobalBatchSampler:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("num_rows", self.num_rows) != self.num_rows:
-            raise ValueError(
-                f"sampler state is for {state['num_rows']} rows, this dataset has {self.num_rows}"
-            )
-        # the position counts global batches: under another global batch size the same count
-        # names other samples (a state saved before the size was recorded carries no check)
-        if state.get("global_batch_size", self.global_batch_size) != self.global_batch_size:
-            raise ValueError(
-                f"sampler state is for global_batch_size={state['global_batch_size']}, this loader's is "
-                f"{self.global_batch_size}: the same position would name other samples"
-            )
+        check_position_rows(state, num_rows=self.num_rows)
+        check_position_batch(state, global_batch_size=self.global_batch_size)
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])
         self.seed = int(state.get("seed", self.seed))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from automodel.data.errors import ConfigError, DataError, optional
 from automodel.data.file_check import read_good_rows, section_columns
 from automodel.data.hub_cache import resolve_local_or_cached
+from automodel.data.quiet_datasets import no_progress_bars
 from automodel.data.sections import ExampleSection
 from automodel.data.stdlib_docstrings import stdlib_docstring_examples
 from automodel.data.table_rows import read_csv_rows, split_data_files
@@ -355,6 +357,12 @@ def batch_length_rows(dataset: Any, length: BatchLength | None) -> Any:
     return BatchLengthRows(dataset, length)
 
 
+def starts_row(*, used: int, length: int, row_length: int, packed: bool) -> bool:
+    """Whether an example of `length` input tokens opens a new row after a row holding `used`
+    tokens (0: no row open yet): always one example per row, else when it does not fit."""
+    return used > 0 and (not packed or used + length > row_length)
+
+
 def build_rows(
     examples: list[Example], *, row_length: int, pad_token_id: int, packed: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -368,7 +376,7 @@ def build_rows(
     for ex in examples:
         inputs, labels = shifted(ex)
         assert len(inputs) <= row_length
-        if cur[0] and (not packed or len(cur[0]) + len(inputs) > row_length):
+        if starts_row(used=len(cur[0]), length=len(inputs), row_length=row_length, packed=packed):
             rows.append(cur)
             cur = ([], [], [])
         cur[0].extend(inputs)
@@ -529,25 +537,18 @@ def build_sft_dataset(
 ) -> SFTDataset:
     """Read, encode, fit and lay out the section's examples (see the module docstring); `records`
     (role -> value) replace reading the section's columns (a dataset factory's own reader)."""
-    encoder = ExampleEncoder(section, tokenizer)
+    encoder = ExampleEncoder(section, tokenizer)  # first: a template it refuses names its key
     skipped: Counter[str] = Counter()  # bad file rows (bad_rows: skip), then unusable examples
     records = load_records(section, skipped=skipped) if records is None else records
     bad_file_rows = sum(skipped.values())
     packed = packed_sequence_size > 0
-    row_length = packed_sequence_size if packed else section.seq_length
-    examples: list[Example] = []
-    for record in records:
-        try:
-            example = encoder(record)
-            examples.append(fit_to_length(example, max_tokens=row_length + 1, truncate=section.truncate))
-        except SkippedExample as e:
-            skipped[str(e)] += 1
-    s = section.SECTION
+    row_length = row_length_of(section, packed_sequence_size=packed_sequence_size)
+    fitted = fitted_examples(
+        encoder, records, row_length=row_length, truncate=section.truncate, skipped=skipped
+    )
+    examples = list(fitted)
     if not examples:
-        reasons = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "no records"
-        raise ConfigError(
-            f"{s}.{section.PATH_KEY}", section.path_or_dataset_id, f"yields no usable example ({reasons})"
-        )
+        raise no_usable_example(section, skipped)
     pad = getattr(tokenizer, "pad_token_id", None)
     ids, labels, pos = build_rows(
         examples,
@@ -567,3 +568,70 @@ def build_sft_dataset(
     }
     _report(section, stats)
     return SFTDataset(ids, labels, pos, stats=stats, lengths=lengths)
+
+
+def row_length_of(section: ExampleSection, *, packed_sequence_size: int) -> int:
+    """A row's tokens: ``packed_sequence_size`` when packing (> 0), else the section's ``seq_length``."""
+    return packed_sequence_size if packed_sequence_size > 0 else section.seq_length
+
+
+def fitted_examples(
+    encoder: ExampleEncoder,
+    records: list[dict[str, Any]],
+    *,
+    row_length: int,
+    truncate: bool,
+    skipped: Counter[str],
+) -> Iterator[Example]:
+    """The usable examples of `records`, in order, each fitted to a row of `row_length` tokens; the
+    unusable ones counted into `skipped` by reason (lazily: a count may stop early)."""
+    for record in records:
+        try:
+            yield fit_to_length(encoder(record), max_tokens=row_length + 1, truncate=truncate)
+        except SkippedExample as e:
+            skipped[str(e)] += 1
+
+
+def no_usable_example(section: ExampleSection, skipped: Counter[str]) -> ConfigError:
+    """The refusal of a section none of whose records gives an example."""
+    reasons = ", ".join(f"{n} {r}" for r, n in skipped.items()) or "no records"
+    return ConfigError(
+        f"{section.SECTION}.{section.PATH_KEY}",
+        section.path_or_dataset_id,
+        f"yields no usable example ({reasons})",
+    )
+
+
+def count_sft_rows(
+    section: ExampleSection,
+    tokenizer: Any,
+    *,
+    packed_sequence_size: int,
+    at_least: int,
+    records: list[dict[str, Any]] | None = None,
+) -> int:
+    """The rows `build_sft_dataset` gives, or `at_least` once that many are certain, without
+    building them: the same records, encoder, length filter and row rule (`starts_row`), encoding
+    examples only until the `at_least`-th row opens (the cost of a pre-launch count: every record
+    read, about `at_least` rows of examples tokenized). No usable example is its `ConfigError`."""
+    encoder = ExampleEncoder(section, tokenizer)
+    skipped: Counter[str] = Counter()
+    if records is None:
+        with no_progress_bars():
+            records = load_records(section, skipped=skipped)
+    packed = packed_sequence_size > 0
+    row_length = row_length_of(section, packed_sequence_size=packed_sequence_size)
+    rows, used = 0, 0
+    fitted = fitted_examples(
+        encoder, records, row_length=row_length, truncate=section.truncate, skipped=skipped
+    )
+    for example in fitted:
+        length = len(example.ids) - 1
+        if rows == 0 or starts_row(used=used, length=length, row_length=row_length, packed=packed):
+            rows, used = rows + 1, 0
+            if rows == at_least:
+                return rows
+        used += length
+    if rows == 0:
+        raise no_usable_example(section, skipped)
+    return rows

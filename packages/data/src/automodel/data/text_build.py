@@ -4,6 +4,7 @@ answer-only labels (SFT); and their pre-launch path checks."""
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,9 @@ from automodel.data.corpus import embedded_documents
 from automodel.data.errors import ConfigError, optional
 from automodel.data.file_check import check_bad_rows_files
 from automodel.data.hub_cache import resolve_local_or_cached
-from automodel.data.packing import PackedDataset, pack_documents
-from automodel.data.sft import build_sft_dataset
+from automodel.data.packing import PackedDataset, pack_documents, packed_row_count
+from automodel.data.quiet_datasets import no_progress_bars
+from automodel.data.sft import build_sft_dataset, count_sft_rows
 from automodel.data.text_rows import first_textless, read_texts_skipping
 from automodel.data.text_sections import DatasetSection, SFTDatasetSection
 
@@ -45,7 +47,7 @@ def check_text_paths(section: DatasetSection) -> None:
             raise ConfigError(f"{section.SECTION}.path", p, "does not exist (only local files are read)")
 
 
-def _local_documents(section: DatasetSection) -> list[str]:
+def _local_documents(section: DatasetSection, *, report: bool) -> list[str]:
     datasets = optional("datasets", needed_for="json / text / parquet pretraining files")
 
     key = section.SECTION
@@ -55,8 +57,9 @@ def _local_documents(section: DatasetSection) -> list[str]:
     text_key = "text" if builder == "text" else section.text_key
     if section.bad_rows == "skip":  # the good rows only (`datasets` rejects a file on one bad row)
         texts, skipped = read_texts_skipping(section, [Path(p) for p in paths])
-        _report_skipped(section, rows=len(texts), skipped=skipped)
-        return _documents(section, texts)
+        if report:
+            _report_skipped(section, rows=len(texts), skipped=skipped)
+        return _documents(section, texts, report=report)
     try:
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train")
     except Exception as e:  # noqa: BLE001 - a file datasets cannot read is a config problem
@@ -70,12 +73,12 @@ def _local_documents(section: DatasetSection) -> list[str]:
     texts = ds[text_key]
     if any(t is None for t in texts):  # a row without its text (`datasets` reads it as null)
         raise first_textless(section)
-    return _documents(section, texts)
+    return _documents(section, texts, report=report)
 
 
-def _documents(section: DatasetSection, texts: Any) -> list[str]:
+def _documents(section: DatasetSection, texts: Any, *, report: bool) -> list[str]:
     """The non-empty texts, in order; with ``max_bytes`` set, whole documents up to that many
-    characters, and rank 0 says how much of the text that left out."""
+    characters, and (with `report`) rank 0 says how much of the text that left out."""
     docs = [t for t in texts if isinstance(t, str) and t]
     cap = section.max_bytes
     if cap is None:
@@ -84,7 +87,7 @@ def _documents(section: DatasetSection, texts: Any) -> list[str]:
     while kept < len(docs) and total < cap:
         total += len(docs[kept])
         kept += 1
-    if kept < len(docs) and not (dist.is_initialized() and dist.get_rank() != 0):
+    if report and kept < len(docs) and not (dist.is_initialized() and dist.get_rank() != 0):
         print(max_bytes_line(section, docs=docs, kept=kept), file=sys.stderr, flush=True)
     return docs[:kept]
 
@@ -119,16 +122,18 @@ def build_sft_rows(
     return build_sft_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size)
 
 
+def count_sft_section_rows(
+    section: SFTDatasetSection, tokenizer: Any, *, packed_sequence_size: int, seed: int, at_least: int
+) -> int:
+    """`build_sft_rows`'s rows, counted before launch (`sft.count_sft_rows`)."""
+    return count_sft_rows(section, tokenizer, packed_sequence_size=packed_sequence_size, at_least=at_least)
+
+
 def build_text_dataset(
     section: DatasetSection, tokenizer: Any, *, packed_sequence_size: int, seed: int
 ) -> PackedDataset:
     """Read the section's documents, tokenize, and pack into rows (document-aware when packed)."""
-    if section.source == "embedded":
-        # the built-in corpus: the first max_bytes characters of the stdlib split (2,000,000 unset)
-        cap = section.max_bytes
-        docs = embedded_documents(split=section.split, **({} if cap is None else {"max_bytes": cap}))
-    else:
-        docs = _local_documents(section)
+    docs = _section_documents(section, report=True)
     tokens = pack_documents((tokenizer.encode(d) for d in docs), eos_token_id=tokenizer.eos_token_id)
     seq = packed_sequence_size if packed_sequence_size > 0 else section.seq_length
     ds = PackedDataset(
@@ -147,3 +152,32 @@ def build_text_dataset(
             )
         ds.rows = ds.rows[: section.max_rows]
     return ds
+
+
+def _section_documents(section: DatasetSection, *, report: bool) -> list[str]:
+    """The section's documents: the built-in corpus (the first ``max_bytes`` characters of the
+    stdlib split, 2,000,000 unset) or its local files."""
+    if section.source == "embedded":
+        cap = section.max_bytes
+        return embedded_documents(split=section.split, **({} if cap is None else {"max_bytes": cap}))
+    return _local_documents(section, report=report)
+
+
+def count_text_rows(
+    section: DatasetSection, tokenizer: Any, *, packed_sequence_size: int, seed: int, at_least: int
+) -> int:
+    """The rows `build_text_dataset` gives, or `at_least` once that many are certain, without
+    building them: the same documents, tokenizer and row rule (`packing.packed_row_count`, each
+    document followed by EOS as `pack_documents` joins them), ``max_rows`` applied; documents are
+    tokenized only until `at_least` rows are filled (the cost of a pre-launch count)."""
+    seq = packed_sequence_size if packed_sequence_size > 0 else section.seq_length
+    want = at_least if section.max_rows is None else min(at_least, section.max_rows)
+    with nullcontext() if section.source == "embedded" else no_progress_bars():  # read by `datasets`
+        docs = _section_documents(section, report=False)
+    tokens = 0
+    for doc in docs:
+        tokens += len(tokenizer.encode(doc)) + 1  # + the EOS after it
+        if packed_row_count(tokens, seq_length=seq) >= want:
+            return want
+    rows = packed_row_count(tokens, seq_length=seq)
+    return rows if section.max_rows is None else min(rows, section.max_rows)

@@ -408,6 +408,10 @@ def _validate(args: argparse.Namespace, overrides: list[str]) -> int:
     _check_load_factor(args.moe_load_factor)
     # validate plans for any machine: what this one cannot run is reported as a line, not refused
     _, _, lines = plan_layout(cfg, world_size=world, expert_load_factor=args.moe_load_factor)
+    # lazy: start-up, recipes --help: row_counts, among plan's imports ~4 s
+    from automodel.recipes.data.row_counts import validate_row_counts
+
+    lines += validate_row_counts(cfg)  # the rows, where the data is here: refused as train refuses
     print("\n".join(lines))
     if cfg.refusals:  # runs on no machine: refused like train does, after the plan is shown
         # lazy: start-up, recipes --help: environment ~6 s

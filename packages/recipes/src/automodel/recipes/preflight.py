@@ -1,7 +1,8 @@
 """Checks that `recipes train` runs before any rank starts, for mistakes the ranks would otherwise
 meet minutes later, once per rank, as tracebacks: optimizer arguments, the checkpoint it restores,
-the pretrained model directory (`run_files`), the LoRA adapter to start from (``peft.initial_adapter``)
-and unreadable data files and rows. Each raises `ConfigError` naming the key, or
+the pretrained model directory (`run_files`), the LoRA adapter to start from (``peft.initial_adapter``),
+unreadable data files and rows, and a training set with fewer rows than a global batch
+(`data.row_counts`). Each raises `ConfigError` naming the key, or
 `DataError` naming the file and line (exit 2, one line).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.config.sections import OptimizerSection, TokenizerSection
 from automodel.recipes.data.kinds import check_rows
 from automodel.recipes.data.launch_data import check_data_fits_model
+from automodel.recipes.data.row_counts import check_resume_position, check_row_counts
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
 from automodel.recipes.model import build_hf_config, build_meta_model, pretrained_dir
@@ -151,6 +154,10 @@ def check_run_files(cfg: RecipeConfig) -> None:
     if cfg.model.config is None and (cfg.model.pretrained_path or cfg.model.pretrained_source):
         check_model_dir(cfg.model, pretrained_dir(cfg.model))
     check_data_fits_model(cfg)  # rows without text, token ids beyond the model's vocab_size
+    check_resume_position(cfg)  # the global batch size its saved position counts
+    note = check_row_counts(cfg)  # the training set fills a global batch
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     if cfg.peft is not None and cfg.peft.initial_adapter is not None:
         check_initial_adapter_dir(cfg)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from automodel.data.hub_cache import resolve_local_or_cached
-from automodel.data.sft import _load_table, build_sft_dataset
+from automodel.data.quiet_datasets import no_progress_bars
+from automodel.data.sft import _load_table, build_sft_dataset, count_sft_rows
 from automodel.recipes.config.hub_datasets import HellaSwagSection, SquadSection
 from automodel.recipes.errors import ConfigError
 
@@ -74,6 +75,28 @@ def _build(
 ) -> Any:
     rows = records(section, _load_table(section))
     return build_sft_dataset(section, tokenizer, packed_sequence_size=packed_sequence_size, records=rows)
+
+
+def count_squad(
+    section: SquadSection, tokenizer: Any, *, packed_sequence_size: int, seed: int, at_least: int
+) -> int:
+    """`build_squad`'s rows, counted before launch (`data.sft.count_sft_rows`)."""
+    with no_progress_bars():
+        rows = squad_records(section, _load_table(section))
+    return count_sft_rows(
+        section, tokenizer, packed_sequence_size=packed_sequence_size, at_least=at_least, records=rows
+    )
+
+
+def count_hellaswag(
+    section: HellaSwagSection, tokenizer: Any, *, packed_sequence_size: int, seed: int, at_least: int
+) -> int:
+    """`build_hellaswag`'s rows, counted before launch (`data.sft.count_sft_rows`)."""
+    with no_progress_bars():
+        rows = hellaswag_records(section, _load_table(section))
+    return count_sft_rows(
+        section, tokenizer, packed_sequence_size=packed_sequence_size, at_least=at_least, records=rows
+    )
 
 
 def check_paths(section: SquadSection | HellaSwagSection) -> None:

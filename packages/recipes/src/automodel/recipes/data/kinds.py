@@ -12,7 +12,12 @@ dotted name, e.g. ``...megatron_dataset.MegatronPretraining``). Each kind names:
 - ``check_paths``: ``"module:function"`` called as ``f(section)`` in the launching process to
   refuse missing or unreadable files before any rank starts (``recipes validate`` skips it);
 - ``check_rows`` (optional): ``"module:function"`` called as ``f(section)`` where the run's files are
-  read before launch, to refuse the first bad row of its local files.
+  read before launch, to refuse the first bad row of its local files;
+- ``count_rows`` (optional): ``"module:function"`` called as ``f(section, tokenizer, *,
+  packed_sequence_size, seed, at_least)`` before launch -> the rows ``build`` gives, or `at_least`
+  once that many are certain, by the builder's own code (`row_counts` checks the training set's
+  rows against ``global_batch_size`` with it); None: counted only where the ranks build it (a
+  stream has no length).
 
 Builders are named, not imported, so parsing a config imports no data library.
 
@@ -69,6 +74,8 @@ class DatasetKind:
     #: "module:function" called as ``f(section)`` with the run's files (not by ``recipes validate``):
     #: the first bad row of its local files before any rank starts; None: it reads no row files.
     check_rows: str | None = None
+    #: "module:function" counting the rows before launch (see the module docstring); None: not counted.
+    count_rows: str | None = None
 
 
 _KINDS: list[DatasetKind] = []
@@ -155,33 +162,49 @@ def check_rows(section: DatasetConfig | None) -> None:
         _call(ref, section)
 
 
+def count_rows(
+    section: DatasetConfig, tokenizer: Any, *, packed_sequence_size: int, seed: int, at_least: int
+) -> int | None:
+    """The section's kind's row count (`DatasetKind.count_rows`): the rows its dataset has, or
+    `at_least` when it has at least that many; None for a kind counted only in the ranks."""
+    ref = kind_of(section).count_rows
+    if ref is None:
+        return None
+    return _call(
+        ref, section, tokenizer, packed_sequence_size=packed_sequence_size, seed=seed, at_least=at_least
+    )
+
+
 def _register_builtin() -> None:
     loader = "automodel.data.text_build"
     build = "automodel.data.pretrain_build"
     rows = "automodel.data.file_check"
     register(DatasetKind("text", DATA_SOURCES, {}, DatasetSection, ValidationDatasetSection,
                          f"{loader}:build_text_dataset", f"{loader}:check_text_paths",
-                         f"{rows}:check_text_rows"))  # fmt: skip
+                         f"{rows}:check_text_rows", f"{loader}:count_text_rows"))  # fmt: skip
     register(DatasetKind("sft", SFT_SOURCES, SFT_TARGETS,
                          SFTDatasetSection, SFTValidationDatasetSection,
                          f"{loader}:build_sft_rows", f"{loader}:check_sft_paths",
-                         f"{rows}:check_sft_rows"))  # fmt: skip
+                         f"{rows}:check_sft_rows", f"{loader}:count_sft_section_rows"))  # fmt: skip
     register(DatasetKind("megatron", ("megatron",), dict.fromkeys(("MegatronPretraining", "MegatronPretrainingConfig"), "megatron"),
                          MegatronPretrainingSection, MegatronPretrainingValidationSection,
-                         f"{build}:build_megatron", f"{build}:check_megatron_paths"))  # fmt: skip
+                         f"{build}:build_megatron", f"{build}:check_megatron_paths",
+                         count_rows=f"{build}:count_megatron_rows"))  # fmt: skip
     register(DatasetKind("nanogpt", ("nanogpt",), dict.fromkeys(("NanogptDataset", "NanogptDatasetConfig"), "nanogpt"),
                          NanogptSection, NanogptValidationSection,
-                         f"{build}:build_nanogpt", f"{build}:check_nanogpt_paths"))  # fmt: skip
+                         f"{build}:build_nanogpt", f"{build}:check_nanogpt_paths",
+                         count_rows=f"{build}:count_nanogpt_rows"))  # fmt: skip
 
     stream = "automodel.data.streaming"
     register(DatasetKind("streaming", ("streaming",), {}, StreamingSection, StreamingValidationSection,
                          f"{stream}:build_streaming", f"{stream}:check_streaming_paths"))  # fmt: skip
     hub = "automodel.recipes.compat.datasets"  # NeMo AutoModel's make_squad_dataset and HellaSwag
     register(DatasetKind("squad", ("squad",), {"make_squad_dataset": "squad"}, SquadSection,
-                         SquadValidationSection, f"{hub}:build_squad", f"{hub}:check_paths"))  # fmt: skip
+                         SquadValidationSection, f"{hub}:build_squad", f"{hub}:check_paths",
+                         count_rows=f"{hub}:count_squad"))  # fmt: skip
     register(DatasetKind("hellaswag", ("hellaswag",), {"HellaSwag": "hellaswag", "HellaSwagConfig": "hellaswag"},
                          HellaSwagSection, HellaSwagValidationSection, f"{hub}:build_hellaswag",
-                         f"{hub}:check_paths"))  # fmt: skip
+                         f"{hub}:check_paths", count_rows=f"{hub}:count_hellaswag"))  # fmt: skip
 
 
 _register_builtin()
