@@ -5,11 +5,7 @@ from __future__ import annotations
 from automodel.recipes.parallelisms import Parallelism, PlanColumn, parallelisms, searched
 from automodel.recipes.planning.memory import GiB
 from automodel.recipes.planning.search import Candidate
-from automodel.recipes.planning.step import StepSetup
-from automodel.recipes.strategies.registry import get_strategy, strategy_names
-
-#: The strategy whose flags `yaml_block` writes.
-PLANNED_STRATEGY = "fsdp2"
+from automodel.recipes.strategies.registry import planned_strategy
 
 
 def _column(p: Parallelism) -> PlanColumn:
@@ -51,21 +47,10 @@ def format_memory(c: Candidate) -> list[str]:
     return lines
 
 
-def planned_strategy(setup: StepSetup) -> str:
-    """fsdp2, or for a layout using a parallelism it does not list (a registered one), the first
-    registered strategy extending it that lists every parallelism the layout uses."""
-    base = type(get_strategy(PLANNED_STRATEGY))
-    used = {p.name for p in parallelisms() if p.in_use(setup.size_of(p.name))}
-    for name in strategy_names():
-        strategy = get_strategy(name)
-        if isinstance(strategy, base) and used <= set(strategy.supported_axes):
-            return name
-    return PLANNED_STRATEGY  # admission refuses it, naming the size it does not support
-
-
 def yaml_block(c: Candidate, *, global_batch: int) -> list[str]:
     s = c.setup
-    lines = ["distributed:", f"  strategy: {planned_strategy(s)}"]
+    used = [p.name for p in parallelisms() if p.in_use(s.size_of(p.name))]
+    lines = ["distributed:", f"  strategy: {planned_strategy(used)}"]
     for p in searched():
         lines += p.plan_yaml(s)
     if s.sequence_parallel:

@@ -126,6 +126,9 @@ class Strategy(PartWrapping, ABC, Generic[C]):
     #: The strategy a world of one gets when the YAML names no strategy and the default would change
     #: nothing there (`needed_alone`); at most one registered strategy sets it.
     for_world_of_one: ClassVar[bool] = False
+    #: Whether `recipes plan` may write it into the YAML it proposes (its memory model is the
+    #: planner's); a subclass inherits it and may list more parallelisms (`planned_strategy`).
+    planned: ClassVar[bool] = False
     #: Whether the loss may read the LM head's weight outside the model's forward (the chunked
     #: linear cross-entropy, `output_head`); False keeps full logits.
     head_weight_readable: ClassVar[bool] = True

@@ -128,6 +128,7 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
     """automodel.fsdp2's FSDP2 (HSDP with dp_replicate_size), composed with TP/SP, CP, EP and PP."""
 
     name = "fsdp2"
+    planned = True
     supported_axes = ("dp_shard", "dp_replicate", "tp", "pp", "cp", "ep")
     float8_all_gather = True  # fully_shard all-gathers torchao's float8 weights
     machine_keys = ("backend", "mp_policy")

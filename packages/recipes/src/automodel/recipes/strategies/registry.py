@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from automodel.recipes.strategies.base import C, Strategy
@@ -33,3 +34,13 @@ def get_strategy(name: str) -> Strategy[Any]:
 def world_of_one_strategy() -> Strategy[Any] | None:
     """The registered strategy with `Strategy.for_world_of_one` (None if there is none)."""
     return next((s for s in _STRATEGIES.values() if s.for_world_of_one), None)
+
+
+def planned_strategy(used: Collection[str]) -> str:
+    """The strategy `recipes plan` writes for a layout using the parallelisms `used`: the first
+    registered `Strategy.planned` one that lists them all (a registered subclass may list one
+    more), else the first planned one (admission then refuses the size it does not list)."""
+    planned = [name for name, s in _STRATEGIES.items() if s.planned]
+    if not planned:
+        raise ValueError("no registered strategy sets Strategy.planned")
+    return next((n for n in planned if set(used) <= set(_STRATEGIES[n].supported_axes)), planned[0])
