@@ -70,7 +70,10 @@ def test_tp_options_given_apart_follow_the_configs_rules() -> None:
         with pytest.raises(ValueError) as by_check:
             check_tensor_parallel(apart)
         assert str(by_check.value) == str(by_config.value)
-    with pytest.warns(UserWarning, match="sequence_parallel"), pytest.raises(ValueError, match="sequence_parallel=True"):
+    with (
+        pytest.warns(UserWarning, match="sequence_parallel"),
+        pytest.raises(ValueError, match="sequence_parallel=True"),
+    ):
         check_tensor_parallel(TensorParallelConfig(enable_async_tensor_parallel=True))
 
 

@@ -641,7 +641,11 @@ def test_tensor_parallel_keys_are_the_tp_parallelisms_and_mean_what_automodel_me
         {"tp_size": 2, "sequence_parallel": True},
         {"tp_size": 2, "sequence_parallel": True, "tp_plan": _LLAMA_PLAN},
         {"tp_size": 2, "enable_async_tensor_parallel": True},  # turns sequence parallelism on, as AutoModel
-        {"_target_": "nemo_automodel.components.distributed.fsdp2.FSDP2Manager", "tp_size": 2, "sequence_parallel": True},
+        {
+            "_target_": "nemo_automodel.components.distributed.fsdp2.FSDP2Manager",
+            "tp_size": 2,
+            "sequence_parallel": True,
+        },
     ):
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
@@ -660,7 +664,9 @@ def test_tensor_parallel_keys_are_the_tp_parallelisms_and_mean_what_automodel_me
         config = section.strategy_config
         assert isinstance(config, FSDP2Config) and config.tensor_parallel == TensorParallelConfig()
         plan = resolve_tp_plan(model, tp_plan=tp.tp_plan, sequence_parallel=tp.sequence_parallel)
-        assert plan == resolve_tp_plan(model, tp_plan=package.tp_plan, sequence_parallel=package.sequence_parallel)
+        assert plan == resolve_tp_plan(
+            model, tp_plan=package.tp_plan, sequence_parallel=package.sequence_parallel
+        )
         assert plan_has_sequence_parallel(plan) == shards_sequence(model, configs=section.parallelism_configs)
         assert plan_has_sequence_parallel(plan) == tp.sequence_parallel, keys
     # megatron-fsdp takes the plan, not sequence parallelism

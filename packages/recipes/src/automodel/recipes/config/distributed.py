@@ -56,5 +56,6 @@ class DistributedSection:
     def sequence_parallel(self) -> bool:
         """Sequence parallelism is on (``distributed.sequence_parallel``, or async TP, which turns it on)."""
         return any(
-            isinstance(c, TensorParallelConfig) and c.sequence_parallel for c in self.parallelism_configs.values()
+            isinstance(c, TensorParallelConfig) and c.sequence_parallel
+            for c in self.parallelism_configs.values()
         )
