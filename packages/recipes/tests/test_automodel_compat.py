@@ -680,22 +680,40 @@ def test_tensor_parallel_keys_are_refused_as_before_naming_the_key(model_dir: st
     refusals = {
         "megatron_fsdp_with_sp": (
             {"strategy": "megatron_fsdp", "tp_size": 2, "sequence_parallel": True},
-            "MEGATRON_SP",
+            "distributed.sequence_parallel=True: sequence_parallel=True is not supported with strategy megatron_fsdp (megatron-fsdp does not shard the sequence-parallel activations); use strategy fsdp2",
         ),
         "megatron_fsdp_with_async_tp": (
             {"strategy": "megatron_fsdp", "tp_size": 2, "enable_async_tensor_parallel": True},
-            "MEGATRON_ASYNC",
+            "distributed.enable_async_tensor_parallel=True: is not an option of strategy 'megatron_fsdp'",
         ),
         "megatron_fsdp_plan_not_a_path": (
             {"strategy": "megatron_fsdp", "tp_size": 2, "tp_plan": "plan"},
-            "MEGATRON_PLAN",
+            "distributed.tp_plan='plan': tp_plan must be a dict of module FQN -> parallel style, or the import path of one (or of a function returning one), got 'plan'",
         ),
-        "ddp_with_sp": ({"strategy": "ddp", "sequence_parallel": False}, "DDP_SP"),
-        "ddp_with_plan": ({"strategy": "ddp", "sequence_parallel": None, "tp_plan": _LLAMA_PLAN}, "DDP_PLAN"),
-        "sp_without_tp": ({"tp_size": 1, "sequence_parallel": True}, "SP_NO_TP"),
-        "async_without_tp": ({"tp_size": 1, "enable_async_tensor_parallel": True}, "ASYNC_NO_TP"),
-        "sp_not_bool": ({"tp_size": 2, "sequence_parallel": "yes"}, "SP_BOOL"),
-        "plan_not_a_plan": ({"tp_size": 2, "tp_plan": 5}, "PLAN_TYPE"),
+        "ddp_with_sp": (
+            {"strategy": "ddp", "sequence_parallel": False},
+            "distributed.sequence_parallel=False: is not an option of strategy 'ddp'",
+        ),
+        "ddp_with_plan": (
+            {"strategy": "ddp", "sequence_parallel": None, "tp_plan": _LLAMA_PLAN},
+            "distributed.tp_plan=" + repr(_LLAMA_PLAN) + ": is not an option of strategy 'ddp'",
+        ),
+        "sp_without_tp": (
+            {"tp_size": 1, "sequence_parallel": True},
+            "distributed.sequence_parallel=True: needs tp_size > 1 (sequence parallelism splits TP regions)",
+        ),
+        "async_without_tp": (
+            {"tp_size": 1, "enable_async_tensor_parallel": True},
+            "distributed.sequence_parallel=True: needs tp_size > 1 (sequence parallelism splits TP regions)",
+        ),
+        "sp_not_bool": (
+            {"tp_size": 2, "sequence_parallel": "yes"},
+            "distributed.sequence_parallel='yes': sequence_parallel must be a bool, got 'yes'",
+        ),
+        "plan_not_a_plan": (
+            {"tp_size": 2, "tp_plan": 5},
+            "distributed.tp_plan=5: tp_plan must be a dict, an import path string or None, got 5",
+        ),
     }
     import warnings
 
@@ -704,5 +722,8 @@ def test_tensor_parallel_keys_are_refused_as_before_naming_the_key(model_dir: st
         warnings.simplefilter("ignore")
         for name, (keys, _) in refusals.items():
             got[name] = _refusal(model_dir, **keys)
-    print(json.dumps(got, indent=1))
     assert got == {name: expected for name, (_, expected) in refusals.items()}
+    # megatron_fsdp with sequence parallelism at tp_size 1: now the tp parallelism's own rule speaks
+    # first (before: megatron-fsdp's); both name the key
+    message = _refusal(model_dir, strategy="megatron_fsdp", tp_size=1, sequence_parallel=True)
+    assert message.startswith("distributed.sequence_parallel=True: ")
