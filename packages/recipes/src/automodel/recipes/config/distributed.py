@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from automodel.fsdp2 import TensorParallelConfig
 from automodel.mesh import ParallelismSizes, StrategyConfig
 
 if TYPE_CHECKING:  # the pipeline's import costs ~1.7 s of start-up: its type is named only
@@ -19,7 +18,7 @@ if TYPE_CHECKING:  # the pipeline's import costs ~1.7 s of start-up: its type is
 class DistributedSection:
     """The parsed ``distributed:`` section, every part built by its package: the sizes, the
     strategy's config (its flags), automodel.fsdp2's `TensorParallelConfig` (tensor and sequence
-    parallelism's keys), automodel.pipeline's `PipelineConfig` (pp_size > 1) and automodel.moe's
+    parallelism's keys: read through `parallelisms.tp.tensor_parallel_config`), automodel.pipeline's `PipelineConfig` (pp_size > 1) and automodel.moe's
     `MoEParallelizerConfig` (ep_size > 1)."""
 
     strategy: str
@@ -51,11 +50,3 @@ class DistributedSection:
     def moe_config(self) -> MoEParallelizerConfig | None:
         """automodel.moe's config (``distributed.moe``) when ep_size > 1."""
         return cast("MoEParallelizerConfig | None", self.parallelism_configs.get("ep"))
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """Sequence parallelism is on (``distributed.sequence_parallel``, or async TP, which turns it on)."""
-        return any(
-            isinstance(c, TensorParallelConfig) and c.sequence_parallel
-            for c in self.parallelism_configs.values()
-        )
