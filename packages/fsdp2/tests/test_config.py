@@ -80,6 +80,24 @@ def test_async_tp_forces_sequence_parallel_with_warning() -> None:
     assert cfg.sequence_parallel is True
 
 
+def test_tp_options_alone_follow_the_same_rules() -> None:
+    """`TensorParallelConfig` is the one home of the TP fields' rules: FSDP2Config's TP fields
+    resolve to it, and it refuses and resolves them alone the same way."""
+    from automodel.fsdp2 import TensorParallelConfig
+
+    plan = {"model.layers.*.self_attn.q_proj": "colwise"}
+    assert FSDP2Config(tp_plan=plan).tensor_parallel == TensorParallelConfig(tp_plan=plan)
+    assert FSDP2Config().tensor_parallel == TensorParallelConfig()
+    with pytest.warns(UserWarning, match="sequence_parallel"):
+        alone = TensorParallelConfig(enable_async_tensor_parallel=True)
+    assert alone.sequence_parallel is True
+    with pytest.warns(UserWarning):
+        assert FSDP2Config(enable_async_tensor_parallel=True).tensor_parallel == alone
+    for kwargs, key in (({"sequence_parallel": "yes"}, "sequence_parallel"), ({"tp_plan": 3}, "tp_plan")):
+        with pytest.raises(ValueError, match=key):
+            TensorParallelConfig(**kwargs)
+
+
 def test_import_helpers() -> None:
     assert import_class_from_path("torch.optim.AdamW") is torch.optim.AdamW
     assert import_classes_from_paths(["torch.nn.Linear", "torch.optim.SGD"]) == [

@@ -51,6 +51,32 @@ def test_tp_plan_may_be_an_import_path() -> None:
     assert MegatronFSDPConfig(tp_plan="my_pkg.plans.llama_plan").custom_tp_plan == "my_pkg.plans.llama_plan"
 
 
+def test_tp_options_given_apart_follow_the_configs_rules() -> None:
+    """A composer that owns the TP options apart from this config (`TensorParallelConfig`) gets
+    the same refusals, worded the same, as the config's own fields."""
+    from automodel.fsdp2 import TensorParallelConfig
+    from automodel.megatron_fsdp import check_tensor_parallel
+
+    plan = {"model.layers.*.self_attn.q_proj": "colwise"}
+    check_tensor_parallel(TensorParallelConfig(tp_plan=plan))
+    check_tensor_parallel(TensorParallelConfig(tp_plan="my_pkg.plans.llama_plan"))
+    for own, apart in (
+        ({"sequence_parallel": True}, TensorParallelConfig(sequence_parallel=True)),
+        ({"tp_plan": "plan"}, TensorParallelConfig(tp_plan="plan")),
+        ({"tp_plan": {1: "colwise"}}, TensorParallelConfig(tp_plan={1: "colwise"})),
+    ):
+        with pytest.raises(ValueError) as by_config:
+            MegatronFSDPConfig(**own)
+        with pytest.raises(ValueError) as by_check:
+            check_tensor_parallel(apart)
+        assert str(by_check.value) == str(by_config.value)
+    with (
+        pytest.warns(UserWarning, match="sequence_parallel"),
+        pytest.raises(ValueError, match="sequence_parallel=True"),
+    ):
+        check_tensor_parallel(TensorParallelConfig(enable_async_tensor_parallel=True))
+
+
 @pytest.mark.parametrize("level,name", sorted(ZERO_DP_STRATEGIES.items()))
 def test_zero_dp_strategy_levels_and_names(level: int, name: str) -> None:
     by_level, by_name = MegatronFSDPConfig(zero_dp_strategy=level), MegatronFSDPConfig(zero_dp_strategy=name)

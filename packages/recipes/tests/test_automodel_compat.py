@@ -592,3 +592,140 @@ def test_notes_where_automodel_trains_the_same_file_differently(model_dir: str) 
     own["dataset"] = {"source": "squad", "dataset_name": "squad.jsonl"}
     own["dataloader"].pop("collate_fn")
     assert _automodel_notes(own) == []
+
+
+#: AutoModel's tensor-parallel keys, as its recipe files write them (flat in ``distributed:``).
+_LLAMA_PLAN = {
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def _distributed(model_dir: str, **keys: Any) -> Any:
+    """The parsed ``distributed:`` section of the AutoModel-shaped config with `keys` set (None: removed)."""
+    base = automodel_base(model_dir)
+    base["output_dir"] = "/tmp/unused"
+    for key, value in keys.items():
+        base["distributed"].pop(key, None)
+        if value is not None:
+            base["distributed"][key] = value
+    return load_config(base).distributed
+
+
+def _refusal(model_dir: str, **keys: Any) -> str:
+    with pytest.raises(ConfigError) as refused:
+        _distributed(model_dir, **keys)
+    return str(refused.value)
+
+
+def test_tensor_parallel_keys_are_the_tp_parallelisms_and_mean_what_automodel_means(model_dir: str) -> None:
+    """AutoModel's ``distributed.sequence_parallel`` / ``tp_plan`` / ``enable_async_tensor_parallel``
+    keep their YAML places and meaning, and land in the tp parallelism's own typed config: the same
+    values the package's FSDP2Config (AutoModel's API) resolves them to, the same TP plan on the
+    model, none of them among the strategy's flags."""
+    import warnings
+
+    from automodel.fsdp2 import FSDP2Config, TensorParallelConfig
+    from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
+    from automodel.recipes.parallelisms.tp import shards_sequence, tensor_parallel_config
+    from automodel.testing.tiny_model import tiny_llama
+
+    model = tiny_llama()
+    for keys in (
+        {"tp_size": 2, "sequence_parallel": False},  # as 199 of AutoModel's recorded files
+        {"tp_size": 2, "sequence_parallel": True},
+        {"tp_size": 2, "sequence_parallel": True, "tp_plan": _LLAMA_PLAN},
+        {"tp_size": 2, "enable_async_tensor_parallel": True},  # turns sequence parallelism on, as AutoModel
+        {
+            "_target_": "nemo_automodel.components.distributed.fsdp2.FSDP2Manager",
+            "tp_size": 2,
+            "sequence_parallel": True,
+        },
+    ):
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            section = _distributed(model_dir, **keys)
+            package = FSDP2Config(**{k: v for k, v in keys.items() if k not in ("tp_size", "_target_")})
+        tp = tensor_parallel_config(section.parallelism_configs)
+        assert isinstance(tp, TensorParallelConfig) and tp == package.tensor_parallel, keys
+        assert tp.sequence_parallel == package.sequence_parallel, keys
+        assert package.sequence_parallel == (
+            keys.get("sequence_parallel", False) or keys.get("enable_async_tensor_parallel", False)
+        )
+        if "enable_async_tensor_parallel" in keys:
+            assert any("requires sequence_parallel" in str(w.message) for w in warned)
+        # the strategy's flags hold no TP option (its config keeps the package defaults)
+        assert not section.explicit_flags & {"sequence_parallel", "tp_plan", "enable_async_tensor_parallel"}
+        config = section.strategy_config
+        assert isinstance(config, FSDP2Config) and config.tensor_parallel == TensorParallelConfig()
+        plan = resolve_tp_plan(model, tp_plan=tp.tp_plan, sequence_parallel=tp.sequence_parallel)
+        same = resolve_tp_plan(model, tp_plan=package.tp_plan, sequence_parallel=package.sequence_parallel)
+        assert {k: repr(v) for k, v in plan.items()} == {
+            k: repr(v) for k, v in same.items()
+        }  # styles: no __eq__
+        assert plan_has_sequence_parallel(plan) == shards_sequence(model, configs=section.parallelism_configs)
+        if tp.tp_plan is None:  # an explicit plan's own styles decide (AutoModel's rule too)
+            assert plan_has_sequence_parallel(plan) == tp.sequence_parallel, keys
+    # megatron-fsdp takes the plan, not sequence parallelism
+    section = _distributed(model_dir, strategy="megatron_fsdp", tp_size=2, tp_plan=_LLAMA_PLAN)
+    assert tensor_parallel_config(section.parallelism_configs).tp_plan == _LLAMA_PLAN
+
+
+def test_tensor_parallel_keys_are_refused_as_before_naming_the_key(model_dir: str) -> None:
+    """The refusals of AutoModel's TP keys are unchanged, key and message (recorded before the keys
+    moved from the strategies' configs to the tp parallelism's)."""
+    refusals = {
+        "megatron_fsdp_with_sp": (
+            {"strategy": "megatron_fsdp", "tp_size": 2, "sequence_parallel": True},
+            "distributed.sequence_parallel=True: sequence_parallel=True is not supported with strategy megatron_fsdp (megatron-fsdp does not shard the sequence-parallel activations); use strategy fsdp2",
+        ),
+        "megatron_fsdp_with_async_tp": (
+            {"strategy": "megatron_fsdp", "tp_size": 2, "enable_async_tensor_parallel": True},
+            "distributed.enable_async_tensor_parallel=True: is not an option of strategy 'megatron_fsdp'",
+        ),
+        "megatron_fsdp_plan_not_a_path": (
+            {"strategy": "megatron_fsdp", "tp_size": 2, "tp_plan": "plan"},
+            "distributed.tp_plan='plan': tp_plan must be a dict of module FQN -> parallel style, or the import path of one (or of a function returning one), got 'plan'",
+        ),
+        "ddp_with_sp": (
+            {"strategy": "ddp", "sequence_parallel": False},
+            "distributed.sequence_parallel=False: is not an option of strategy 'ddp'",
+        ),
+        "ddp_with_plan": (
+            {"strategy": "ddp", "sequence_parallel": None, "tp_plan": _LLAMA_PLAN},
+            "distributed.tp_plan=" + repr(_LLAMA_PLAN) + ": is not an option of strategy 'ddp'",
+        ),
+        "sp_without_tp": (
+            {"tp_size": 1, "sequence_parallel": True},
+            "distributed.sequence_parallel=True: needs tp_size > 1 (sequence parallelism splits TP regions)",
+        ),
+        "async_without_tp": (
+            {"tp_size": 1, "enable_async_tensor_parallel": True},
+            "distributed.sequence_parallel=True: needs tp_size > 1 (sequence parallelism splits TP regions)",
+        ),
+        "sp_not_bool": (
+            {"tp_size": 2, "sequence_parallel": "yes"},
+            "distributed.sequence_parallel='yes': sequence_parallel must be a bool, got 'yes'",
+        ),
+        "plan_not_a_plan": (
+            {"tp_size": 2, "tp_plan": 5},
+            "distributed.tp_plan=5: tp_plan must be a dict, an import path string or None, got 5",
+        ),
+    }
+    import warnings
+
+    got = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, (keys, _) in refusals.items():
+            got[name] = _refusal(model_dir, **keys)
+    assert got == {name: expected for name, (_, expected) in refusals.items()}
+    # megatron_fsdp with sequence parallelism at tp_size 1: now the tp parallelism's own rule speaks
+    # first (before: megatron-fsdp's); both name the key
+    message = _refusal(model_dir, strategy="megatron_fsdp", tp_size=1, sequence_parallel=True)
+    assert message.startswith("distributed.sequence_parallel=True: ")

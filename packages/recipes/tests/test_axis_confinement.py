@@ -37,9 +37,6 @@ OWNERS = ("parallelisms", "compat")
 ALLOW_LIST = "supported_axes"
 
 #: (module, name) pairs the scan still finds, with why they are not moved yet (issue 50).
-_TP_KEYS = (
-    "TP's keys are still the strategies' flags (FSDP2Config, MegatronFSDPConfig), not the tp plugin's own"
-)
 _DP_OWN = (
     "a data-parallel strategy names the mesh axes it shards or replicates over (its own data parallelism)"
 )
@@ -49,20 +46,6 @@ _PP_FIELDS = (
 )
 _TRAINER = "the trainer's data-parallel rank and batch share (toyaxis's file: to ask the mesh roles)"
 NOT_MOVED_YET: dict[tuple[str, str], str] = {
-    ("config/distributed.py", "custom_tp_plan"): _TP_KEYS,
-    ("config/distributed.py", "tp_plan"): _TP_KEYS,
-    ("strategies/fsdp2.py", "resolve_tp_plan"): _TP_KEYS,
-    ("strategies/fsdp2.py", "tp_plan"): _TP_KEYS,
-    ("strategies/megatron_fsdp.py", "custom_tp_plan"): _TP_KEYS,
-    ("strategies/megatron_fsdp.py", "tp_plan"): _TP_KEYS,
-    (
-        "strategies/megatron_fsdp.py",
-        "tp",
-    ): "megatron-fsdp applies TP inside its own wrapper, over the tp mesh",
-    (
-        "strategies/megatron_fsdp.py",
-        "tp_size",
-    ): "megatron-fsdp applies TP inside its own wrapper, over the tp mesh",
     ("strategies/fsdp2.py", "tp"): "the pipeline's stage boundary layout under TP (fsdp2.py: toyaxis's file)",
     (
         "strategies/fsdp2.py",

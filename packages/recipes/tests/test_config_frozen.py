@@ -340,8 +340,9 @@ def test_machine_defaults_and_resolution_give_new_values(tmp_path: Path) -> None
 
 
 def test_strategy_configs_answer_the_cross_cutting_facts_typed() -> None:
-    """Every strategy's config is a `StrategyConfig`: sequence parallel, compute / reduce dtypes and
-    the per-layer flags are attributes, the same on every strategy (no getattr with a default)."""
+    """Every strategy's config is a `StrategyConfig`: compute / reduce dtypes and the per-layer
+    flags are attributes, the same on every strategy (no getattr with a default); TP's options are
+    not a strategy's (the tp parallelism's `TensorParallelConfig`)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -358,27 +359,24 @@ def test_strategy_configs_answer_the_cross_cutting_facts_typed() -> None:
         activation_checkpointing=True,
         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     )
-    assert fsdp2.sequence_parallel_enabled and fsdp2.enabled_layer_flags == ("activation_checkpointing",)
+    assert fsdp2.enabled_layer_flags == ("activation_checkpointing",)
     assert (fsdp2.compute_dtype, fsdp2.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert fsdp2.tensor_parallel.sequence_parallel  # the package's own users keep NeMo's fields
     ddp = DDPConfig()
-    assert (ddp.sequence_parallel_enabled, ddp.compute_dtype, ddp.reduce_dtype, ddp.enabled_layer_flags) == (
-        False,
-        None,
-        None,
-        (),
-    )
+    assert (ddp.compute_dtype, ddp.reduce_dtype, ddp.enabled_layer_flags) == (None, None, ())
+    assert not hasattr(StrategyConfig(), "sequence_parallel_enabled")
+    assert not hasattr(StrategyConfig(), "custom_tp_plan")
     assert MegatronFSDPConfig(grad_reduce_in_fp32=True).reduce_dtype == torch.float32
     # facts only some strategies have a flag for: a property of the base, a field where they do
     for name in strategy_names():
         config_class = get_strategy(name).config_class()
         assert config_class(backend="gloo").backend == "gloo", name
         assert isinstance(config_class().backend, str), name
-    assert StrategyConfig().backend is None and StrategyConfig().custom_tp_plan is None
+    assert StrategyConfig().backend is None
     assert FSDP2Config(patch_is_packed_sequence=True).patch_is_packed_sequence is True
     assert FSDP2Config().patch_is_packed_sequence is False and ddp.patch_is_packed_sequence is False
-    assert FSDP2Config(tp_plan="m.plan").custom_tp_plan == "m.plan"
+    assert FSDP2Config(tp_plan="m.plan").tensor_parallel.tp_plan == "m.plan"
     assert MegatronFSDPConfig(tp_plan="m.plan").custom_tp_plan == "m.plan"
-    assert ddp.custom_tp_plan is None
 
 
 def test_no_getattr_reads_a_strategy_config() -> None:

@@ -15,6 +15,7 @@ from automodel.fsdp2 import FSDP2Config
 from automodel.megatron_fsdp.config import MegatronFSDPConfig
 from automodel.recipes import load_config
 from automodel.recipes._dist_setup import resolve_machine_defaults
+from automodel.recipes.parallelisms.tp import tensor_parallel_config
 from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -92,11 +93,14 @@ def test_python_api_runs_the_model_dependent_rules(tmp_path: Path) -> None:
 
 
 def test_megatron_machine_defaults_keep_its_tp_plan(tmp_path: Path) -> None:
-    """megatron-fsdp's tp_plan is an init-only argument: resolving the backend must hand it over."""
+    """megatron-fsdp's tp_plan is the tp parallelism's (its `TensorParallelConfig`), not the
+    strategy config's: resolving the backend keeps it, and megatron-fsdp's manager is handed it."""
     plan = {"model.layers.*.self_attn.q_proj": "colwise"}
     raw = tiny_config(str(tmp_path), distributed={"strategy": "megatron_fsdp", "tp_plan": plan})
     section = load_config(raw).distributed
     assert section.machine_keys == {"backend"}
     resolved = resolve_machine_defaults(section, cuda=True)
     assert isinstance(resolved.strategy_config, MegatronFSDPConfig)
-    assert (resolved.strategy_config.backend, resolved.tp_plan) == ("nccl", plan)
+    assert resolved.strategy_config.custom_tp_plan is None  # the strategy's flags hold no TP option
+    tp = tensor_parallel_config(resolved.parallelism_configs)
+    assert (resolved.strategy_config.backend, tp.tp_plan, tp.sequence_parallel) == ("nccl", plan, False)

@@ -8,7 +8,7 @@ from automodel.fsdp2._version import __version__ as __version__
 from automodel.fsdp2.activation_checkpointing import apply_activation_checkpointing, get_lm_ac_layers
 from automodel.fsdp2.autocast import apply_autocast
 from automodel.fsdp2.compile import apply_compile
-from automodel.fsdp2.config import DDPConfig, FSDP2Config, default_mp_policy
+from automodel.fsdp2.config import DDPConfig, FSDP2Config, TensorParallelConfig, default_mp_policy
 from automodel.fsdp2.ddp import DDPManager, apply_ddp
 from automodel.fsdp2.fsdp import (
     SubmoduleSharding,
@@ -40,6 +40,7 @@ __all__ = [
     "FSDP2Config",
     "FSDP2Manager",
     "SubmoduleSharding",
+    "TensorParallelConfig",
     "apply_activation_checkpointing",
     "apply_autocast",
     "apply_compile",

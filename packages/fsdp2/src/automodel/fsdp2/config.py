@@ -1,8 +1,14 @@
-"""Strategy configs: `FSDP2Config` and `DDPConfig` (field names and defaults are those of NeMo AutoModel's configs).
+"""Strategy configs: `FSDP2Config` and `DDPConfig` (field names and defaults are those of NeMo
+AutoModel's configs), and `TensorParallelConfig`, the TP/SP options on their own.
 
 Sizes (dp, tp, pp, cp, ep, dp_replicate) live in `automodel.mesh.ParallelismSizes`; these configs
 carry only the flags unique to each strategy. Values read from YAML (dtype names, policy dicts)
 are normalised here so the appliers only ever see torch objects.
+
+`FSDP2Config` keeps NeMo AutoModel's TP fields (``sequence_parallel``, ``tp_plan``,
+``enable_async_tensor_parallel``) for this package's users; their rules live in
+`TensorParallelConfig` (one home), which a composer that owns TP apart from the strategy (the
+recipes' tp parallelism) builds alone and hands to `apply_tensor_parallel_from_config`.
 """
 
 from __future__ import annotations
@@ -83,6 +89,32 @@ def _check_backend(value: Any) -> None:
 
 
 @dataclass(frozen=True)
+class TensorParallelConfig:
+    """Tensor and sequence parallelism's options (NeMo AutoModel's ``distributed.sequence_parallel``,
+    ``tp_plan``, ``enable_async_tensor_parallel``), validated once; async TP needs sequence
+    parallelism and turns it on (with a warning), as NeMo AutoModel's manager does."""
+
+    sequence_parallel: bool = False
+    #: A custom plan: module FQN -> ParallelStyle or HF style string, or the import path of such a
+    #: dict or of a function returning one (None: the model's own HF plan, else the Llama default).
+    tp_plan: dict | str | None = None
+    enable_async_tensor_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("sequence_parallel", "enable_async_tensor_parallel"):
+            _check_bool(name, getattr(self, name))
+        if self.tp_plan is not None and not isinstance(self.tp_plan, dict | str):
+            raise ValueError(f"tp_plan must be a dict, an import path string or None, got {self.tp_plan!r}")
+        if self.enable_async_tensor_parallel and not self.sequence_parallel:
+            warnings.warn(
+                "enable_async_tensor_parallel=True requires sequence_parallel; setting sequence_parallel=True",
+                UserWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "sequence_parallel", True)
+
+
+@dataclass(frozen=True)
 class FSDP2Config(StrategyConfig):
     """Flags of the FSDP2 strategy (TP/SP plan, precision, offload, AC, compile, prefetch).
 
@@ -113,17 +145,15 @@ class FSDP2Config(StrategyConfig):
 
     def __post_init__(self) -> None:
         for name in (
-            "sequence_parallel",
             "patch_is_packed_sequence",
             "activation_checkpointing",
             "defer_fsdp_grad_sync",
-            "enable_async_tensor_parallel",
             "enable_compile",
             "enable_fsdp2_prefetch",
         ):
             _check_bool(name, getattr(self, name))
-        if self.tp_plan is not None and not isinstance(self.tp_plan, dict | str):
-            raise ValueError(f"tp_plan must be a dict, an import path string or None, got {self.tp_plan!r}")
+        # the TP fields' rules (and async TP turning sequence parallelism on) are TensorParallelConfig's
+        object.__setattr__(self, "sequence_parallel", self.tensor_parallel.sequence_parallel)
         object.__setattr__(self, "mp_policy", _to_mp_policy(self.mp_policy))
         object.__setattr__(self, "offload_policy", _to_offload_policy(self.offload_policy))
         object.__setattr__(self, "autocast_dtype", parse_dtype(self.autocast_dtype, key="autocast_dtype"))
@@ -132,17 +162,15 @@ class FSDP2Config(StrategyConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.enable_async_tensor_parallel and not self.sequence_parallel:
-            warnings.warn(
-                "enable_async_tensor_parallel=True requires sequence_parallel; setting sequence_parallel=True",
-                UserWarning,
-                stacklevel=3,
-            )
-            object.__setattr__(self, "sequence_parallel", True)
 
     @property
-    def sequence_parallel_enabled(self) -> bool:
-        return self.sequence_parallel
+    def tensor_parallel(self) -> TensorParallelConfig:
+        """Its TP fields as the TP applier takes them (`apply_tensor_parallel_from_config`)."""
+        return TensorParallelConfig(
+            sequence_parallel=self.sequence_parallel,
+            tp_plan=self.tp_plan,
+            enable_async_tensor_parallel=self.enable_async_tensor_parallel,
+        )
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -151,10 +179,6 @@ class FSDP2Config(StrategyConfig):
     @property
     def reduce_dtype(self) -> torch.dtype | None:
         return None if self.mp_policy is None else self.mp_policy.reduce_dtype
-
-    @property
-    def custom_tp_plan(self) -> dict | str | None:
-        return self.tp_plan
 
     def to_dict(self) -> dict[str, Any]:
         """Shallow dict of every field (policy objects are kept as objects)."""

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from automodel.fsdp2.activation_checkpointing import apply_activation_checkpointing
 from automodel.fsdp2.autocast import apply_autocast
 from automodel.fsdp2.compile import apply_compile
-from automodel.fsdp2.config import FSDP2Config
+from automodel.fsdp2.config import FSDP2Config, TensorParallelConfig
 from automodel.fsdp2.fsdp import SubmoduleSharding, apply_fsdp2_sharding_recursively
 from automodel.fsdp2.grad_sync import grad_sync_context
 from automodel.fsdp2.packed_sequence import patch_is_packed_sequence
@@ -36,16 +36,21 @@ def apply_tensor_parallel_from_config(
     config: FSDP2Config,
     tp_plan: Mapping[str, Any] | str | None = None,
     sequence_parallel: bool | None = None,
+    tensor_parallel: TensorParallelConfig | None = None,
 ) -> None:
-    """First half: packed-sequence patch, then TP/SP over the ``tp`` axis (a no-op when tp is 1)."""
-    sequence_parallel = config.sequence_parallel if sequence_parallel is None else sequence_parallel
-    tp_plan = config.tp_plan if tp_plan is None else tp_plan
+    """First half: packed-sequence patch, then TP/SP over the ``tp`` axis (a no-op when tp is 1).
+
+    The TP options are `tensor_parallel` when given (a composer that owns them apart from the
+    strategy's flags), else `config`'s TP fields; `tp_plan` / `sequence_parallel` override either."""
+    tp = config.tensor_parallel if tensor_parallel is None else tensor_parallel
+    sequence_parallel = tp.sequence_parallel if sequence_parallel is None else sequence_parallel
+    tp_plan = tp.tp_plan if tp_plan is None else tp_plan
     if config.patch_is_packed_sequence:
         patch_is_packed_sequence()
     tp_mesh = mesh.get_optional_mesh("tp")
     if tp_mesh is not None:
         apply_tp(model, tp_mesh=tp_mesh, tp_plan=tp_plan, sequence_parallel=sequence_parallel)
-        if config.enable_async_tensor_parallel:
+        if tp.enable_async_tensor_parallel:
             enable_async_tp(tp_mesh)
 
 

@@ -8,7 +8,7 @@ of `MegatronFSDPConfig` into megatron-fsdp's arguments.
 
 from automodel.megatron_fsdp._version import __version__ as __version__
 from automodel.megatron_fsdp.checkpointing import apply_mlp_checkpointing
-from automodel.megatron_fsdp.config import ZERO_DP_STRATEGIES, MegatronFSDPConfig
+from automodel.megatron_fsdp.config import ZERO_DP_STRATEGIES, MegatronFSDPConfig, check_tensor_parallel
 from automodel.megatron_fsdp.fully_shard import (
     MegatronFSDPConfigWarning,
     apply_megatron_fsdp,
@@ -42,6 +42,7 @@ __all__ = [
     "apply_mlp_checkpointing",
     "build_fully_shard_call",
     "check_layout",
+    "check_tensor_parallel",
     "clip_grad_norm",
     "full_tensor",
     "is_megatron_fsdp",

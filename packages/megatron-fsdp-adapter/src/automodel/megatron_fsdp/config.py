@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from automodel.fsdp2 import TensorParallelConfig
 from automodel.mesh import StrategyConfig
 
 #: zero_dp_strategy <-> megatron-fsdp's DistributedDataParallelConfig.data_parallel_sharding_strategy.
@@ -79,11 +80,7 @@ class MegatronFSDPConfig(StrategyConfig):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
         object.__setattr__(self, "zero_dp_strategy", _parse_zero_dp_strategy(self.zero_dp_strategy))
-        if self.sequence_parallel:
-            raise ValueError(
-                "sequence_parallel=True is not supported with strategy megatron_fsdp "
-                "(megatron-fsdp does not shard the sequence-parallel activations); use strategy fsdp2"
-            )
+        _check_sequence_parallel(self.sequence_parallel)
         if self.megatron_fsdp_unit_modules is not None:
             object.__setattr__(
                 self, "megatron_fsdp_unit_modules", _parse_unit_modules(self.megatron_fsdp_unit_modules)
@@ -102,19 +99,8 @@ class MegatronFSDPConfig(StrategyConfig):
             raise ValueError(
                 f"backend must be one of {', '.join(map(repr, _BACKENDS))}, got {self.backend!r}"
             )
-        if tp_plan is not None and not (
-            (isinstance(tp_plan, dict) and all(isinstance(k, str) for k in tp_plan))
-            or (isinstance(tp_plan, str) and "." in tp_plan)
-        ):
-            raise ValueError(
-                f"tp_plan must be a dict of module FQN -> parallel style, or the import path of one "
-                f"(or of a function returning one), got {tp_plan!r}"
-            )
+        _check_tp_plan(tp_plan)
         object.__setattr__(self, "custom_tp_plan", tp_plan)
-
-    @property
-    def sequence_parallel_enabled(self) -> bool:
-        return self.sequence_parallel  # always False: refused above
 
     @property
     def reduce_dtype(self) -> torch.dtype | None:
@@ -130,6 +116,34 @@ class MegatronFSDPConfig(StrategyConfig):
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "custom_tp_plan"}
         out["tp_plan"] = self.custom_tp_plan
         return out
+
+
+def check_tensor_parallel(config: TensorParallelConfig) -> None:
+    """The TP options megatron-fsdp's wrapper honours (it applies TP itself, before wrapping):
+    ValueError for sequence parallelism (async TP included) and for a plan it cannot take, worded
+    as `MegatronFSDPConfig`'s own fields are (a composer that owns TP apart from the strategy's
+    flags checks its options here)."""
+    _check_sequence_parallel(config.sequence_parallel)
+    _check_tp_plan(config.tp_plan)
+
+
+def _check_sequence_parallel(value: bool) -> None:
+    if value:
+        raise ValueError(
+            "sequence_parallel=True is not supported with strategy megatron_fsdp "
+            "(megatron-fsdp does not shard the sequence-parallel activations); use strategy fsdp2"
+        )
+
+
+def _check_tp_plan(tp_plan: object) -> None:
+    if tp_plan is not None and not (
+        (isinstance(tp_plan, dict) and all(isinstance(k, str) for k in tp_plan))
+        or (isinstance(tp_plan, str) and "." in tp_plan)
+    ):
+        raise ValueError(
+            f"tp_plan must be a dict of module FQN -> parallel style, or the import path of one "
+            f"(or of a function returning one), got {tp_plan!r}"
+        )
 
 
 def _parse_zero_dp_strategy(value: object) -> int:

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from automodel.fsdp2 import apply_tp
+from automodel.fsdp2 import TensorParallelConfig, apply_tp
 from automodel.megatron_fsdp.checkpointing import apply_mlp_checkpointing
-from automodel.megatron_fsdp.config import MegatronFSDPConfig
+from automodel.megatron_fsdp.config import MegatronFSDPConfig, check_tensor_parallel
 from automodel.megatron_fsdp.fully_shard import apply_megatron_fsdp
 from automodel.megatron_fsdp.layout import MegatronFSDPAxes, check_layout, megatron_fsdp_axes
 from automodel.megatron_fsdp.runtime import import_megatron_fsdp
@@ -24,15 +24,25 @@ class MegatronFSDPManager:
     The order is fixed: TP over ``tp`` (DTensor plan: ``config`` ``tp_plan``, else the model's HF
     plan, else the Llama default), then checkpointing of each unit's MLP, then megatron-fsdp over
     ``dp`` (``dp_cp`` when cp > 1), at every dp size. Only the first two steps run without CUDA
-    (`apply_tp_and_checkpointing`).
+    (`apply_tp_and_checkpointing`). A composer that owns the TP options apart from the strategy's
+    flags passes them as `tensor_parallel` (checked by `check_tensor_parallel`); they replace
+    ``config``'s ``tp_plan``.
     """
 
     def __init__(
-        self, config: MegatronFSDPConfig, mesh: MeshContext, *, gradient_divide_factor: float | None = None
+        self,
+        config: MegatronFSDPConfig,
+        mesh: MeshContext,
+        *,
+        gradient_divide_factor: float | None = None,
+        tensor_parallel: TensorParallelConfig | None = None,
     ) -> None:
         if not isinstance(config, MegatronFSDPConfig):
             raise ValueError(f"config must be a MegatronFSDPConfig, got {type(config).__name__}")
         check_layout(mesh)
+        if tensor_parallel is not None:
+            check_tensor_parallel(tensor_parallel)
+        self.tp_plan = config.custom_tp_plan if tensor_parallel is None else tensor_parallel.tp_plan
         self.config = config
         self.mesh = mesh
         self.gradient_divide_factor = gradient_divide_factor
@@ -66,7 +76,7 @@ class MegatronFSDPManager:
             apply_tp(
                 model,
                 tp_mesh=self.mesh.get_mesh("tp"),
-                tp_plan=self.config.custom_tp_plan,
+                tp_plan=self.tp_plan,
                 sequence_parallel=False,
             )
         if self.config.activation_checkpointing:

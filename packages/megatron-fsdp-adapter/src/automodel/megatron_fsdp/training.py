@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from automodel.mesh import MeshContext
+
 
 def is_megatron_fsdp(module: nn.Module) -> bool:
     """True for the wrapper `apply_megatron_fsdp` returns (checked by its buffer, no import)."""
@@ -63,7 +65,11 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(
-    params: list[torch.nn.Parameter], *, max_norm: float | None, tp_size: int = 1
+    params: list[torch.nn.Parameter],
+    *,
+    max_norm: float | None,
+    tp_size: int | None = None,
+    mesh: MeshContext | None = None,
 ) -> torch.Tensor:
     """Global L2 gradient norm of megatron-fsdp's distributed parameters, clipped to `max_norm`.
 
@@ -71,8 +77,11 @@ def clip_grad_norm(
     when its TP placement is Replicate; a rank may hold no element of a parameter (its ``.grad``
     is None there). So the norm is one all-reduce of per-rank sums of squares over the default
     group, tp-replicated sums divided by `tp_size` — the same number of collectives on every rank,
-    whatever each one holds. Returns the norm before clipping.
+    whatever each one holds. `tp_size` defaults to `mesh`'s tp size (1 without a mesh). Returns
+    the norm before clipping.
     """
+    if tp_size is None:
+        tp_size = 1 if mesh is None else mesh.layout.tp
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cuda", torch.cuda.current_device())
     sums = torch.zeros(2, dtype=torch.float32, device=device)  # [sharded, tp-replicated]

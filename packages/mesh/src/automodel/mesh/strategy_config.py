@@ -6,8 +6,11 @@ no ``getattr(config, "sequence_parallel", False)`` on a config of unknown class.
 flags stay fields of its subclass (whose constructor arguments are the accepted YAML flags); the
 base adds no field, so it accepts no YAML key of its own.
 
-A fact only some strategies have a flag for (`backend`, `patch_is_packed_sequence`,
-`custom_tp_plan`) is a property here answering "none"; a subclass answers it with a field of the
+Tensor and sequence parallelism's options are not a strategy's: they are the recipes' tp
+parallelism's own typed config (`automodel.fsdp2.TensorParallelConfig`).
+
+A fact only some strategies have a flag for (`backend`, `patch_is_packed_sequence`) is a property
+here answering "none"; a subclass answers it with a field of the
 same name and a plain default, whose class attribute hides the property (a field without one would
 leave the property in place and fail loudly in ``__init__``: the property has no setter).
 """
@@ -29,11 +32,6 @@ class StrategyConfig:
     LAYER_FLAGS: ClassVar[tuple[str, ...]] = ()
 
     @property
-    def sequence_parallel_enabled(self) -> bool:
-        """Whether TP shards the activations along the sequence too (SP); False where unsupported."""
-        return False
-
-    @property
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype the forward and backward compute in; None: the model's own parameter dtype."""
         return None
@@ -52,11 +50,6 @@ class StrategyConfig:
     def patch_is_packed_sequence(self) -> bool:
         """Whether transformers' packed-sequence probe is replaced (FSDP2's flag); False elsewhere."""
         return False
-
-    @property
-    def custom_tp_plan(self) -> dict | str | None:
-        """The YAML's custom TP plan (None: the model's own HF plan, else the Llama default)."""
-        return None
 
     @property
     def enabled_layer_flags(self) -> tuple[str, ...]:

@@ -3,10 +3,12 @@
 YAML distributed section
   -> parse_distributed_section()   every registered parallelism's size key and own section
                                    (`automodel.recipes.parallelisms`: pipeline -> PipelineConfig,
-                                   moe -> MoEParallelizerConfig), the strategy's config, built by
-                                   their packages (the same on every machine); the strategy's
-                                   allow-list of parallelisms (`Strategy.supported_axes`), its
-                                   `check_sizes`, then each parallelism's `check_sizes`
+                                   moe -> MoEParallelizerConfig) or own flat keys (sequence_parallel,
+                                   tp_plan -> TensorParallelConfig), the strategy's config from the
+                                   other flags, built by their packages (the same on every machine);
+                                   the strategy's allow-list of parallelisms (`Strategy.supported_axes`),
+                                   its `check_sizes`, then each parallelism's `check_sizes`, then the
+                                   strategy's `check_parallelism_config` of each typed config
   -> resolve_machine_defaults()    at launch: the flags left to the machine (bf16 on CUDA, nccl/gloo)
   -> setup_distributed()           process group and MeshContext
   -> recipes.parallelize           applies them to the model (composition order: see its docstring)
@@ -133,7 +135,10 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
     for key in data:
         if key not in common and key not in flags:
             raise ConfigError(f"distributed.{key}", data[key], f"is not an option of strategy {strategy!r}")
-    options = {k: instantiate(v, key=f"distributed.{k}") for k, v in data.items() if k not in common}
+    given = {k: instantiate(v, key=f"distributed.{k}") for k, v in data.items() if k not in common}
+    # a parallelism's flat keys (tp's sequence_parallel, tp_plan) are its config's, not the strategy's
+    owned = {k for p in parallelisms() for k in p.flag_keys}
+    options = {k: v for k, v in given.items() if k not in owned}
     strategy_config = build_strategy_config(strategy, options)
     sizes = {p.size_key: p.parse_size(data) for p in parallelisms()}
 
@@ -150,10 +155,13 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
     for parallelism in parallelisms():
         key = parallelism.section_key
         own = None if key is None else section_mapping(data, key)
+        if parallelism.flag_keys:
+            own = {**(own or {}), **{k: given[k] for k in parallelism.flag_keys if k in given}}
         built = parallelism.build_config(
             own, size=sizes[parallelism.size_key], local_batch_size=local_batch_size
         )
         if built is not None:
+            get_strategy(strategy).check_parallelism_config(built, options=own or {})
             configs[parallelism.name] = built
     machine_keys = frozenset(k for k in get_strategy(strategy).machine_keys if options.get(k) is None)
     return DistributedSection(
@@ -164,7 +172,7 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
         parallelism_configs=configs,
         other_sizes={k: v or 1 for k, v in sizes.items() if k not in _mesh_size_keys()},
         explicit_flags=frozenset(options),
-        strategy_given="strategy" in data or any(k != "backend" for k in options),
+        strategy_given="strategy" in data or any(k != "backend" for k in given),
     )
 
 

@@ -17,8 +17,9 @@ if TYPE_CHECKING:  # the pipeline's import costs ~1.7 s of start-up: its type is
 @dataclass(frozen=True)
 class DistributedSection:
     """The parsed ``distributed:`` section, every part built by its package: the sizes, the
-    strategy's config (its flags), automodel.pipeline's `PipelineConfig` (pp_size > 1) and
-    automodel.moe's `MoEParallelizerConfig` (ep_size > 1)."""
+    strategy's config (its flags), automodel.fsdp2's `TensorParallelConfig` (tensor and sequence
+    parallelism's keys: read through `parallelisms.tp.tensor_parallel_config`), automodel.pipeline's `PipelineConfig` (pp_size > 1) and automodel.moe's
+    `MoEParallelizerConfig` (ep_size > 1)."""
 
     strategy: str
     sizes: ParallelismSizes
@@ -26,8 +27,9 @@ class DistributedSection:
     #: Strategy flags the YAML left to the machine; `resolve_machine_defaults` fills them at launch
     #: (empty afterwards).
     machine_keys: frozenset[str] = frozenset()
-    #: Each registered parallelism's typed config from its own section, by parallelism name
-    #: (``pp``: `PipelineConfig` when pp_size > 1, ``ep``: `MoEParallelizerConfig` when ep_size > 1).
+    #: Each registered parallelism's typed config from its own section or keys, by parallelism
+    #: name (``tp``: `TensorParallelConfig`, ``pp``: `PipelineConfig` when pp_size > 1, ``ep``:
+    #: `MoEParallelizerConfig` when ep_size > 1).
     parallelism_configs: Mapping[str, object] = field(default_factory=dict)
     #: Sizes of registered parallelisms that form no mesh axis (size key -> size; 1 when unset).
     other_sizes: Mapping[str, int] = field(default_factory=dict)
@@ -48,12 +50,3 @@ class DistributedSection:
     def moe_config(self) -> MoEParallelizerConfig | None:
         """automodel.moe's config (``distributed.moe``) when ep_size > 1."""
         return cast("MoEParallelizerConfig | None", self.parallelism_configs.get("ep"))
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.strategy_config.sequence_parallel_enabled
-
-    @property
-    def tp_plan(self) -> dict | str | None:
-        """The YAML's custom TP plan (None: the model's own HF plan, else the Llama default)."""
-        return self.strategy_config.custom_tp_plan

@@ -137,7 +137,7 @@ class StageBuild:
     sharding that follows: what the strategy handed them, and what they leave it."""
 
     mesh: MeshContext
-    #: The strategy's flags (the TP plan and sequence parallelism are FSDP2's).
+    #: The strategy's flags (FSDP2's, for the phases that run inside its stack).
     strategy_config: StrategyConfig
     #: The ``distributed.moe`` options (`automodel.moe.MoEParallelizerConfig`), None without EP.
     moe_config: MoEParallelizerConfig | None
@@ -149,6 +149,9 @@ class StageBuild:
     resolved: dict[str, object] = field(default_factory=dict)
     #: ... and the expert units EP split off, which the sharding wraps apart (None: EP did not run).
     expert_units: list[ExpertShardUnit] | None = None
+    #: Each parallelism's typed config, by its name (`DistributedSection.parallelism_configs`): a
+    #: phase reads its own (tp: its `TensorParallelConfig`).
+    parallelism_configs: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -289,6 +292,12 @@ class Parallelism(ABC, Generic[C]):
     size_key: ClassVar[str]
     #: Its own options section, ``distributed.<section_key>`` (None: it has none).
     section_key: ClassVar[str | None] = None
+    #: Its options written as flat keys of ``distributed:`` (NeMo AutoModel's YAML: tp's
+    #: ``sequence_parallel``, ``tp_plan``): the section parser hands them to `build_config` instead
+    #: of to the strategy. A strategy accepts one when its config class takes it (its package's
+    #: config keeps AutoModel's fields for the package's own users); others refuse it as not their
+    #: option.
+    flag_keys: ClassVar[tuple[str, ...]] = ()
     #: An unset size (``none`` / ``auto``) is derived from the world size (data parallel).
     derived_when_unset: ClassVar[bool] = False
     #: What a strategy that does not support it accepts (for the refusal's message).
@@ -338,7 +347,8 @@ class Parallelism(ABC, Generic[C]):
         return None
 
     def build_config(self, options: Options | None, *, size: int | None, local_batch_size: int) -> C | None:
-        """Its typed config from its own section (None: it has none, or it is off)."""
+        """Its typed config from its own section, or from its `flag_keys` that the YAML set (None:
+        it has none, or it is off)."""
         return None
 
     # ---- rules ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from automodel.recipes.parallelisms.base import (
     config_error,
     section_mapping,
 )
+from automodel.recipes.parallelisms.tp import tensor_parallel_config
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +137,8 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
     def sequence_divisor(self, *, section: DistributedSection, layout: ResolvedLayout, size: int) -> int:
         """With sequence parallelism, a stage sends each tp rank's equal share of its cp share."""
         tp, cp = layout.axis_size("tp"), layout.axis_size("cp")
-        return cp * tp if size > 1 and tp > 1 and section.sequence_parallel else 1
+        sequence_parallel = tensor_parallel_config(section.parallelism_configs).sequence_parallel
+        return cp * tp if size > 1 and tp > 1 and sequence_parallel else 1
 
     def check_model(
         self, *, cfg: RecipeConfig, layout: ResolvedLayout, hf_config: PretrainedConfig, size: int

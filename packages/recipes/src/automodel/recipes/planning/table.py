@@ -53,8 +53,6 @@ def yaml_block(c: Candidate, *, global_batch: int) -> list[str]:
     lines = ["distributed:", f"  strategy: {planned_strategy(used)}"]
     for p in searched():
         lines += p.plan_yaml(s)
-    if s.sequence_parallel:
-        lines.append("  sequence_parallel: true")
     lines.append(f"  activation_checkpointing: {'true' if s.activation_checkpointing else 'false'}")
     lines.append(
         "  mp_policy: {_target_: torch.distributed.fsdp.MixedPrecisionPolicy, param_dtype: bfloat16, "

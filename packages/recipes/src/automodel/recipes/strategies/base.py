@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -165,6 +165,12 @@ class Strategy(PartWrapping, ABC, Generic[C]):
 
     def check_sizes(self, sizes: dict[str, int | None], options: dict[str, Any], config: C) -> None:
         """Rules across this strategy and the layout sizes (`ConfigError` naming the key); none by default."""
+        return None
+
+    def check_parallelism_config(self, config: object, *, options: Mapping[str, object]) -> None:
+        """Refuse an option of a parallelism's typed config (`Parallelism.build_config`, from
+        `options`) that this strategy cannot honour, as a `ConfigError` naming the key (megatron_fsdp,
+        which applies TP inside its own wrapper: sequence parallelism); none by default."""
         return None
 
     def check_layout(self, layout: ResolvedLayout) -> None:

@@ -6,7 +6,7 @@ as units of their own over ``ep_shard``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,11 +21,11 @@ from automodel.fsdp2 import (
     default_mp_policy,
 )
 from automodel.fsdp2.fsdp import offload_policy_refusal
-from automodel.fsdp2.tp_plan import plan_has_sequence_parallel, resolve_tp_plan
 from automodel.mesh import MeshContext
 from automodel.moe import MoEParallelizerConfig
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.parallelisms import StageBuild, in_apply_order
+from automodel.recipes.parallelisms.tp import shards_sequence
 from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
@@ -41,6 +41,7 @@ def apply_fsdp2_stack(
     config: FSDP2Config,
     moe_config: MoEParallelizerConfig | None,
     gradient_divide_factor: float | None,
+    parallelism_configs: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch -> autocast on one model (or PP stage).
 
@@ -49,7 +50,8 @@ def apply_fsdp2_stack(
     splits the experts over ``ep`` and names them; the second half then shards them as units of
     their own over ``ep_shard`` and the rest as for a dense model, with the `moe_config` options
     (router replay, resharding, the root unit, a head precision). Returns what the phases resolved,
-    by parallelism name (`StageBuild.resolved`: CP's attention backend).
+    by parallelism name (`StageBuild.resolved`: CP's attention backend). `parallelism_configs`
+    are the phases' own typed configs (`DistributedSection.parallelism_configs`: TP's).
     """
     layout = mesh.layout
     build = StageBuild(
@@ -58,6 +60,7 @@ def apply_fsdp2_stack(
         moe_config=moe_config,
         gradient_divide_factor=gradient_divide_factor,
         pipeline_stage=layout.pp_enabled,
+        parallelism_configs=parallelism_configs or {},
     )
     for parallelism in in_apply_order():  # the model-parallel phases, in their declared order
         axis = parallelism.mesh_axis
@@ -107,7 +110,7 @@ def apply_fsdp2_stack(
 
 
 def sequence_parallel_boundary(
-    model: nn.Module, *, mesh: MeshContext, config: FSDP2Config
+    model: nn.Module, *, mesh: MeshContext, parallelism_configs: Mapping[str, object]
 ) -> BoundaryLayout | None:
     """The layout of the hidden states between pipeline stages when the TP plan shards the sequence
     (its residual stream is a ``Shard(1)`` DTensor over tp): the stages send local shards and the
@@ -118,8 +121,7 @@ def sequence_parallel_boundary(
     # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
     from automodel.pipeline import BoundaryLayout
 
-    plan = resolve_tp_plan(model, tp_plan=config.tp_plan, sequence_parallel=config.sequence_parallel)
-    if not plan_has_sequence_parallel(plan):
+    if not shards_sequence(model, configs=parallelism_configs):
         return None
     return BoundaryLayout(mesh=mesh.get_mesh("tp"), placements=(Shard(1),))
 
@@ -188,6 +190,7 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
                     config=config,
                     moe_config=section.moe_config,
                     gradient_divide_factor=gradient_divide_factor,
+                    parallelism_configs=section.parallelism_configs,
                 )
             )
 
@@ -200,7 +203,9 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
                 model,
                 loss_fn=pipeline_loss_fn,
                 parallelize_fn=parallelize_stage,
-                boundary_layouts=sequence_parallel_boundary(model, mesh=mesh, config=config),
+                boundary_layouts=sequence_parallel_boundary(
+                    model, mesh=mesh, parallelism_configs=section.parallelism_configs
+                ),
             )
             parts = list(pipe.model_parts)
             resolved["pp"] = pipe  # the pp plugin's entry (`PipelineParallel.pipeline`)

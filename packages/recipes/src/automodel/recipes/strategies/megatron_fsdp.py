@@ -4,18 +4,19 @@ only, at every dp size); megatron-fsdp drives the optimizer step, the gradient s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from automodel.fsdp2 import TensorParallelConfig
 from automodel.megatron_fsdp import (
     MegatronFSDPConfig,
     MegatronFSDPManager,
     MegatronFSDPUnavailableError,
+    check_tensor_parallel,
     clip_grad_norm,
     import_megatron_fsdp,
     is_megatron_fsdp,
@@ -26,6 +27,8 @@ from automodel.megatron_fsdp import (
 from automodel.megatron_fsdp import full_tensor as megatron_full_tensor
 from automodel.mesh import MeshContext
 from automodel.recipes.errors import ConfigError
+from automodel.recipes.parallelisms import config_error
+from automodel.recipes.parallelisms.tp import tensor_parallel_config
 from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
@@ -49,13 +52,6 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
 
     def config_class(self) -> type[MegatronFSDPConfig]:
         return MegatronFSDPConfig
-
-    def with_machine_defaults(
-        self, config: MegatronFSDPConfig, *, keys: frozenset[str], cuda: bool
-    ) -> MegatronFSDPConfig:
-        values = self.machine_defaults({}, cuda=cuda)
-        # tp_plan is an init-only argument, kept as custom_tp_plan: hand it over again
-        return dataclasses.replace(config, tp_plan=config.custom_tp_plan, **{k: values[k] for k in keys})
 
     def memory_model(self, config: MegatronFSDPConfig) -> StrategyMemory:
         """Sharded over every dp and cp rank by ZeRO stage (``zero_dp_strategy``); fp32 gradients
@@ -101,6 +97,15 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
                 "before megatron-fsdp wraps the model, identically to fsdp2; set it to false",
             )
 
+    def check_parallelism_config(self, config: object, *, options: Mapping[str, object]) -> None:
+        """megatron-fsdp applies TP inside its own wrapper, without sequence parallelism: the TP
+        options it cannot honour are refused by the adapter's rule, naming the key."""
+        if isinstance(config, TensorParallelConfig):
+            try:
+                check_tensor_parallel(config)
+            except ValueError as e:
+                raise config_error("distributed", options, e) from None
+
     def parallelize(
         self,
         model: nn.Module,
@@ -112,8 +117,12 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
         gradient_divide_factor: float | None,
         pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     ) -> ParallelModel:
+        """TP (with the tp parallelism's own config) -> MLP checkpointing -> weights -> megatron-fsdp."""
         manager = MegatronFSDPManager(
-            section.strategy_config, mesh, gradient_divide_factor=gradient_divide_factor
+            section.strategy_config,
+            mesh,
+            gradient_divide_factor=gradient_divide_factor,
+            tensor_parallel=tensor_parallel_config(section.parallelism_configs),
         )
         try:
             wrapped, _ = manager.parallelize(model, materialize=lambda m: initialize([m]))
@@ -171,7 +180,7 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
         mesh: MeshContext,
         counted_ids: set[int] | None,
     ) -> torch.Tensor:
-        return clip_grad_norm(params, max_norm=max_norm, tp_size=mesh.layout.tp)
+        return clip_grad_norm(params, max_norm=max_norm, mesh=mesh)
 
 
 def _parameter_buffers(part: nn.Module) -> list[dict[str, Any]] | None:
