@@ -54,23 +54,12 @@ _PP_FIELDS = (
 NOT_MOVED_YET: dict[tuple[str, str], str] = {
     ("config/distributed.py", "custom_tp_plan"): _TP_KEYS,
     ("config/distributed.py", "tp_plan"): _TP_KEYS,
-    ("strategies/fsdp2.py", "resolve_tp_plan"): _TP_KEYS,
-    ("strategies/fsdp2.py", "tp_plan"): _TP_KEYS,
     ("strategies/megatron_fsdp.py", "custom_tp_plan"): _TP_KEYS,
     ("strategies/megatron_fsdp.py", "tp_plan"): _TP_KEYS,
     (
         "strategies/megatron_fsdp.py",
         "tp",
     ): "megatron-fsdp applies TP inside its own wrapper, over the tp mesh",
-    ("strategies/fsdp2.py", "tp"): "the pipeline's stage boundary layout under TP (fsdp2.py: toyaxis's file)",
-    (
-        "strategies/fsdp2.py",
-        "tp_enabled",
-    ): "the pipeline's stage boundary layout under TP (fsdp2.py: toyaxis's file)",
-    (
-        "strategies/fsdp2.py",
-        "pp_enabled",
-    ): "FSDP2 builds the pipeline around its stack (fsdp2.py: toyaxis's file)",
     (
         "config/distributed.py",
         "pp",
@@ -91,7 +80,6 @@ NOT_MOVED_YET: dict[tuple[str, str], str] = {
     ("strategies/megatron_fsdp.py", "dp_replicate"): _REFUSAL,
     ("strategies/megatron_fsdp.py", "dp_world_size"): "megatron-fsdp's own API (a keyword it takes)",
     ("strategies/megatron_fsdp.py", "zero_dp_strategy"): "megatron-fsdp's own API (a keyword it takes)",
-    ("strategies/fsdp2.py", "pp"): "FSDP2 builds the pipeline around its stack (fsdp2.py: toyaxis's file)",
 }
 
 

@@ -16,6 +16,7 @@ from automodel.recipes.parallelisms.base import (
     MetaModel,
     MicroBatch,
     ModelChecks,
+    ModelSplit,
     Options,
     Parallelism,
     PlanColumn,
@@ -27,12 +28,13 @@ from automodel.recipes.parallelisms.base import (
     config_error,
     section_mapping,
 )
+from automodel.recipes.parallelisms.registry import parallelisms
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from automodel.pipeline import PipelineConfig, PipelineModel
+    from automodel.pipeline import BoundaryLayout, PipelineConfig, PipelineModel
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
@@ -224,6 +226,28 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         except ValueError as e:
             raise ConfigError("distributed.pipeline.pp_schedule_csv", pcfg.pp_schedule_csv, str(e)) from None
 
+    def split_model(
+        self, model: torch.nn.Module, *, split: ModelSplit, size: int
+    ) -> tuple[list[torch.nn.Module], object] | None:
+        """The stages this rank holds (automodel.pipeline's `AutoPipeline`), each through the
+        strategy's per-part composition; the hidden states cross with the other parallelisms'
+        `part_boundary` (tp's sequence-parallel shards)."""
+        if size == 1:
+            return None
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+        from automodel.pipeline import AutoPipeline
+
+        def build_stage(module: torch.nn.Module, **_: object) -> None:
+            split.build_part(module)
+
+        pipe = AutoPipeline(mesh=split.mesh, config=split.section.pipeline_config, device=split.device).build(
+            model,
+            loss_fn=split.loss_fn,
+            parallelize_fn=build_stage,
+            boundary_layouts=_part_boundary(model, split=split),
+        )
+        return list(pipe.model_parts), pipe
+
     def pipeline(self, resolved: Resolved) -> PipelineModel | None:
         """The pipeline the strategy built (None without pp)."""
         return cast("PipelineModel | None", resolved.get(self.name))
@@ -348,3 +372,15 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         layers = [i for part in parts for i in part["layers"]]
         span = f"layers {min(layers)}-{max(layers)}" if layers else "no decoder layers"
         return [f"[rank {report['rank']}] pp ({axis_sizes.get('pp', 1)} ranks): stages {stages}, {span}"]
+
+
+def _part_boundary(model: torch.nn.Module, *, split: ModelSplit) -> BoundaryLayout | None:
+    """The first parallelism's layout of the hidden states between stages (`part_boundary`)."""
+    layout = split.mesh.layout
+    for p in parallelisms():
+        found = p.part_boundary(
+            model, mesh=split.mesh, section=split.section, size=p.size(split.section, layout)
+        )
+        if found is not None:
+            return found
+    return None

@@ -6,10 +6,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import Shard
 
 from automodel.fsdp2 import FSDP2Config, apply_tensor_parallel_from_config
-from automodel.fsdp2.tp_plan import check_plan_matches_model, check_plan_shards_every_layer, resolve_tp_plan
-from automodel.mesh import ResolvedLayout, StrategyConfig
+from automodel.fsdp2.tp_plan import (
+    check_plan_matches_model,
+    check_plan_shards_every_layer,
+    plan_has_sequence_parallel,
+    resolve_tp_plan,
+)
+from automodel.mesh import MeshContext, ResolvedLayout, StrategyConfig
 from automodel.mesh.model_parts import positive_ints, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
@@ -30,6 +36,7 @@ from automodel.recipes.parallelisms.base import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.pipeline import BoundaryLayout
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
@@ -111,6 +118,23 @@ class TensorParallel(Parallelism[None]):
         config = build.strategy_config
         assert isinstance(config, FSDP2Config), "the per-part phases run under the FSDP2 strategy"
         apply_tensor_parallel_from_config(module, mesh=build.mesh, config=config)
+
+    def part_boundary(
+        self, model: torch.nn.Module, *, mesh: MeshContext, section: DistributedSection, size: int
+    ) -> BoundaryLayout | None:
+        """When the TP plan shards the sequence, the residual stream between model parts is a
+        ``Shard(1)`` DTensor over tp; None without sequence parallelism (plain tensors cross)."""
+        if size == 1:
+            return None
+        config = section.strategy_config
+        assert isinstance(config, FSDP2Config), "model parts are split under the FSDP2 strategy"
+        plan = resolve_tp_plan(model, tp_plan=config.tp_plan, sequence_parallel=config.sequence_parallel)
+        if not plan_has_sequence_parallel(plan):
+            return None
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+        from automodel.pipeline import BoundaryLayout
+
+        return BoundaryLayout(mesh=mesh.get_mesh(self.name), placements=(Shard(1),))
 
     def kernel_refusal(self, kernel: KernelKind) -> tuple[str, str] | None:
         if kernel == "liger":
