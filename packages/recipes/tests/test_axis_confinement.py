@@ -60,14 +60,6 @@ NOT_MOVED_YET: dict[tuple[str, str], str] = {
         "strategies/megatron_fsdp.py",
         "tp",
     ): "megatron-fsdp applies TP inside its own wrapper, over the tp mesh",
-    (
-        "config/distributed.py",
-        "pp",
-    ): "the typed section's pipeline_config (config is a leaf: it cannot ask the registry)",
-    (
-        "config/distributed.py",
-        "ep",
-    ): "the typed section's moe_config (config is a leaf: it cannot ask the registry)",
     ("planning/step.py", "pp_microbatch"): _PP_FIELDS,
     ("planning/step.py", "pp_schedule"): _PP_FIELDS,
     ("planning/search.py", "pp_microbatch"): _PP_FIELDS,
