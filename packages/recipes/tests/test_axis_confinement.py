@@ -48,9 +48,6 @@ _DP_OWN = (
     "a data-parallel strategy names the mesh axes it shards or replicates over (its own data parallelism)"
 )
 _REFUSAL = "a strategy's own refusal message for a parallelism its allow-list leaves out (axis_refusal)"
-_PP_FIELDS = (
-    "pp's StepSetup fields (set through Parallelism.step_fields; keyed options would rewrite StepSetup)"
-)
 NOT_MOVED_YET: dict[tuple[str, str], str] = {
     ("config/distributed.py", "custom_tp_plan"): _TP_KEYS,
     ("config/distributed.py", "tp_plan"): _TP_KEYS,
@@ -60,10 +57,6 @@ NOT_MOVED_YET: dict[tuple[str, str], str] = {
         "strategies/megatron_fsdp.py",
         "tp",
     ): "megatron-fsdp applies TP inside its own wrapper, over the tp mesh",
-    ("planning/step.py", "pp_microbatch"): _PP_FIELDS,
-    ("planning/step.py", "pp_schedule"): _PP_FIELDS,
-    ("planning/search.py", "pp_microbatch"): _PP_FIELDS,
-    ("planning/admit.py", "pp_schedule"): _PP_FIELDS,
     ("planning/step.py", "dp_shard_cp"): "StrategyMemory's defaults are FSDP2's, whose shard group this is",
     ("strategies/fsdp2.py", "dp_shard_cp"): _DP_OWN,
     ("strategies/megatron_fsdp.py", "dp_cp"): _DP_OWN,

@@ -89,9 +89,23 @@ def pipeline_stages(cfg: RecipeConfig, layout: ResolvedLayout, hf_config: Pretra
         raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
 
 
+#: Its `StepSetup` options (`StepSetup.option`): the micro-batch rows and the schedule.
+MICROBATCH, SCHEDULE = "pp_microbatch", "pp_schedule"
+
+
+def microbatch_of(setup: StepSetup) -> int:
+    """Rows of one pipeline micro-batch in `setup` (1 unless the run or the search set it)."""
+    return setup.option(MICROBATCH, 1)
+
+
+def schedule_of(setup: StepSetup) -> str:
+    """The pipeline schedule of `setup` (1F1B unless the run or the search set it)."""
+    return setup.option(SCHEDULE, "1f1b")
+
+
 def in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
     """Stage-micro-batches whose activations the first pipeline rank holds at once."""
-    name = setup.pp_schedule.lower().replace("_", "")
+    name = schedule_of(setup).lower().replace("_", "")
     v, pp = setup.stages_per_rank, setup.pp
     if "gpipe" in name or "loopedbfs" in name:
         return n_mb * v
@@ -301,7 +315,7 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         fields: dict[str, object] = {"stages_per_rank": max(1, stages // size) if size > 1 else 1}
         pipe = section.pipeline_config
         if pipe is not None:
-            fields.update(pp_microbatch=pipe.pp_microbatch_size, pp_schedule=pipe.pp_schedule)
+            fields.update({MICROBATCH: pipe.pp_microbatch_size, SCHEDULE: pipe.pp_schedule})
         return fields
 
     def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
@@ -309,22 +323,22 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         if size == 1:
             return [{}]
         schedules = (("1f1b", 1), ("interleaved1f1b", 2))
-        return [{"pp_schedule": s, "stages_per_rank": v} for s, v in schedules if shape.layers >= size * v]
+        return [{SCHEDULE: s, "stages_per_rank": v} for s, v in schedules if shape.layers >= size * v]
 
     def search_local_batches(self, *, size: int) -> tuple[int, ...] | None:
         """Enough micro-batches (of one row) to fill the pipeline."""
         return (size, 2 * size, 4 * size) if size > 1 else None
 
     def plan_cell(self, setup: StepSetup) -> str:
-        return f"{setup.pp}" if setup.pp == 1 else f"{setup.pp} {setup.pp_schedule}"
+        return f"{setup.pp}" if setup.pp == 1 else f"{setup.pp} {schedule_of(setup)}"
 
     def plan_yaml_section(self, setup: StepSetup) -> list[str]:
         if setup.pp == 1:
             return []
         return [
             "  pipeline:",
-            f"    pp_schedule: {setup.pp_schedule}",
-            f"    pp_microbatch_size: {setup.pp_microbatch}",
+            f"    pp_schedule: {schedule_of(setup)}",
+            f"    pp_microbatch_size: {microbatch_of(setup)}",
         ]
 
     def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
@@ -337,11 +351,11 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         if size == 1:
             return None
         v = setup.stages_per_rank
-        n_mb = max(1, setup.local_batch // setup.pp_microbatch)
-        v_shape = any(k in setup.pp_schedule.lower() for k in ("zbv", "dualpipe"))
+        n_mb = max(1, setup.local_batch // microbatch_of(setup))
+        v_shape = any(k in schedule_of(setup).lower() for k in ("zbv", "dualpipe"))
         common = {
             "scheduled": True,
-            "micro_batch_rows": setup.pp_microbatch,
+            "micro_batch_rows": microbatch_of(setup),
             "micro_batches": n_mb,
             "in_flight": in_flight_chunks(setup, n_mb) / v,
             "p2p_stages": v,
@@ -353,7 +367,7 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
     def bubble_s(self, *, compute_s: float, setup: StepSetup) -> float:
         """(pp - 1) of the stages' slots idle, over the stages per rank times the micro-batches."""
         s = setup
-        n_mb = max(1, s.local_batch // s.pp_microbatch)
+        n_mb = max(1, s.local_batch // microbatch_of(s))
         return compute_s * (s.pp - 1) / (s.stages_per_rank * n_mb) if s.pp > 1 else 0.0
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:

@@ -9,13 +9,17 @@ registry, so the value types live apart from both and no import circle forms.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from automodel.mesh import flattened_axes, parallel_axes
 
 if TYPE_CHECKING:
     from automodel.recipes.planning.shape import ModelShape
+
+#: An option's type (`StepSetup.option`).
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,10 @@ class StepSetup:
     seq_len: int = 2048
     local_batch: int = 1  # rows of one local batch (one pipeline step under PP)
     grad_accum: int = 1  # local batches per optimizer step
-    pp_microbatch: int = 1
-    pp_schedule: str = "1f1b"
+    #: A parallelism's own options by name, read back by it with `option` (pp's micro-batch rows
+    #: and schedule): set through `with_fields` from its `step_fields` / `search_options`. Kept
+    #: sorted, so two setups of one run compare equal.
+    options: tuple[tuple[str, object], ...] = ()
     stages_per_rank: int = 1
     storage_bytes: int = 4  # model.dtype: sharded parameters and their gradients
     compute_bytes: int = 4  # mp_policy.param_dtype: unsharded weights and activations
@@ -96,6 +102,23 @@ class StepSetup:
     # axes' terms above, by name (`automodel.recipes.parallelisms.memory_terms`)
     extra_bytes: tuple[tuple[str, float], ...] = ()
 
+    def option(self, name: str, default: T) -> T:
+        """The option `name` a parallelism set (`options`), else `default`."""
+        value = dict(self.options).get(name, default)
+        assert isinstance(value, type(default)), (name, value)
+        return value
+
+    def with_fields(self, values: Mapping[str, object]) -> StepSetup:
+        """This setup with `values` set: a field of the dataclass by its name, any other name as a
+        parallelism's option (`option`)."""
+        own = {f.name for f in fields(self)}
+        options = dict(self.options) | {k: v for k, v in values.items() if k not in own}
+        return replace(
+            self,
+            **{k: v for k, v in values.items() if k in own},  # pyright: ignore[reportArgumentType]
+            options=tuple(sorted(options.items())),
+        )
+
     def size_of(self, name: str) -> int:
         """The size of parallelism or mesh axis `name` (1: not used)."""
         return dict(self.sizes).get(name, 1)
@@ -116,6 +139,7 @@ class StepSetup:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {size!r}")
         object.__setattr__(self, "sizes", tuple(sorted((n, v) for n, v in dict(self.sizes).items() if v > 1)))
+        object.__setattr__(self, "options", tuple(sorted(dict(self.options).items())))
         for key in ("seq_len", "local_batch", "grad_accum"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
