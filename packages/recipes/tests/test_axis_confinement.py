@@ -44,10 +44,6 @@ ALLOW_LIST = "supported_axes"
 _TP_KEYS = (
     "TP's keys are still the strategies' flags (FSDP2Config, MegatronFSDPConfig), not the tp plugin's own"
 )
-_DP_OWN = (
-    "a data-parallel strategy names the mesh axes it shards or replicates over (its own data parallelism)"
-)
-_REFUSAL = "a strategy's own refusal message for a parallelism its allow-list leaves out (axis_refusal)"
 NOT_MOVED_YET: dict[tuple[str, str], str] = {
     ("config/distributed.py", "custom_tp_plan"): _TP_KEYS,
     ("config/distributed.py", "tp_plan"): _TP_KEYS,
@@ -57,12 +53,6 @@ NOT_MOVED_YET: dict[tuple[str, str], str] = {
         "strategies/megatron_fsdp.py",
         "tp",
     ): "megatron-fsdp applies TP inside its own wrapper, over the tp mesh",
-    ("planning/step.py", "dp_shard_cp"): "StrategyMemory's defaults are FSDP2's, whose shard group this is",
-    ("strategies/fsdp2.py", "dp_shard_cp"): _DP_OWN,
-    ("strategies/megatron_fsdp.py", "dp_cp"): _DP_OWN,
-    ("strategies/ddp.py", "dp_replicate"): _REFUSAL,
-    ("strategies/megatron_fsdp.py", "cp"): _REFUSAL,
-    ("strategies/megatron_fsdp.py", "dp_replicate"): _REFUSAL,
     ("strategies/megatron_fsdp.py", "dp_world_size"): "megatron-fsdp's own API (a keyword it takes)",
     ("strategies/megatron_fsdp.py", "zero_dp_strategy"): "megatron-fsdp's own API (a keyword it takes)",
 }

@@ -45,6 +45,7 @@ from automodel.recipes.parallelisms.roles import (
     mesh_roles,
     role_group,
     sequence_length_divisor,
+    shard_axis,
 )
 from automodel.recipes.parallelisms.tp import TensorParallel
 
@@ -86,6 +87,7 @@ __all__ = [
     "searched",
     "sequence_length_divisor",
     "section_keys",
+    "shard_axis",
     "size_keys",
     "unregister_parallelism",
 ]

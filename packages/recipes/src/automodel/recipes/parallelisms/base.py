@@ -318,6 +318,9 @@ class Parallelism(ABC, Generic[C]):
     splits_rows: ClassVar[bool] = False
     splits_tokens: ClassVar[bool] = False
     holds_distinct_parameters: ClassVar[bool] = False
+    #: Its axis splits the rows and its ranks hold whole copies of what a sharding strategy shards
+    #: over the other row-splitting axes (HSDP's replicas: `roles.shard_axis`).
+    holds_whole_copies: ClassVar[bool] = False
 
     # ---- the YAML ------------------------------------------------------------------------
     @property

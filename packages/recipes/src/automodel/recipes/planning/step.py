@@ -22,17 +22,23 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+#: Which ranks a data-parallel strategy shards its state over (`StrategyMemory.shard_over`).
+ShardGroup = Literal["copies", "rows", "none"]
+
+
 @dataclass(frozen=True)
 class StrategyMemory:
     """What a data-parallel strategy keeps on each rank and moves between them, as the estimate and
     the roofline read it. Each strategy states its own (`Strategy.memory_model`); the defaults are
     FSDP2's, which `recipes plan` proposes."""
 
-    #: The ranks parameters, gradients and optimizer state are sharded over: a flattened mesh axis
-    #: of the table (`automodel.mesh.flattened_axes`; FSDP2's ``dp_shard_cp``, megatron-fsdp's
-    #: ``dp_cp``), or ``none`` (replicated: gradients are all-reduced). The experts a parallelism
-    #: splits off may be sharded over ranks of their own (`Parallelism.expert_shard_ranks`).
-    shard_over: str = "dp_shard_cp"
+    #: The ranks parameters, gradients and optimizer state are sharded over, by role: ``copies``
+    #: (inside each whole copy HSDP's replicas hold: FSDP2) or ``rows`` (every rank splitting the
+    #: rows: megatron-fsdp), with the ranks holding parameter replicas (cp) each time, which is a
+    #: flattened mesh axis of the table (`planning.terms.shard_axis_of`); or ``none`` (replicated:
+    #: gradients are all-reduced). The experts a parallelism splits off may be sharded over ranks
+    #: of their own (`Parallelism.expert_shard_ranks`).
+    shard_over: ShardGroup = "copies"
     #: Which of the three are sharded (ZeRO stages: 3 shards all, 2 not the parameters, 1 only the
     #: optimizer state, 0 none).
     params_sharded: bool = True

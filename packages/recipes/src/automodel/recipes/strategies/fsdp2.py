@@ -144,7 +144,7 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
         """Sharded over dp_shard x cp (experts over ep_shard), one unit per layer; deferred sync
         accumulates unsharded gradients."""
         return StrategyMemory(
-            shard_over="dp_shard_cp", defer_unsharded_grads=bool(config.defer_fsdp_grad_sync)
+            shard_over="copies", defer_unsharded_grads=bool(config.defer_fsdp_grad_sync)
         )
 
     def parallelize(

@@ -62,7 +62,7 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
         and master weights when asked; two layers' buckets unsharded."""
         zero = int(config.zero_dp_strategy)
         return StrategyMemory(
-            shard_over="dp_cp",
+            shard_over="rows",
             params_sharded=zero >= 3,
             grads_sharded=zero >= 2,
             optimizer_sharded=zero >= 1,
@@ -81,12 +81,13 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
             raise ConfigError("distributed.strategy", self.name, str(e)) from None
 
     def axis_refusal(self, parallelism: Parallelism) -> str:
-        if parallelism.name == "dp_replicate":
+        if parallelism.holds_whole_copies:  # HSDP's replicas of a sharded model
             return f"is FSDP2-only (strategy={self.name})"
-        if parallelism.name == "cp":
+        if parallelism.splits_tokens:  # cp: its attention hooks are applied by fsdp2's stack only
             return (
-                f"strategy {self.name} applies no context-parallel attention here (each cp rank would "
-                "attend over the whole sequence); use strategy fsdp2 for cp_size > 1"
+                f"strategy {self.name} splits no attention over {parallelism.name} here (each "
+                f"{parallelism.name} rank would attend over the whole sequence); use strategy fsdp2 "
+                f"for {parallelism.size_key} > 1"
             )
         return "megatron_fsdp does not support it (must be 1)"
 
