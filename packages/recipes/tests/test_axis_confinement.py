@@ -53,8 +53,6 @@ NOT_MOVED_YET: dict[tuple[str, str], str] = {
         "strategies/megatron_fsdp.py",
         "tp",
     ): "megatron-fsdp applies TP inside its own wrapper, over the tp mesh",
-    ("strategies/megatron_fsdp.py", "dp_world_size"): "megatron-fsdp's own API (a keyword it takes)",
-    ("strategies/megatron_fsdp.py", "zero_dp_strategy"): "megatron-fsdp's own API (a keyword it takes)",
 }
 
 
