@@ -143,9 +143,7 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
     def memory_model(self, config: FSDP2Config) -> StrategyMemory:
         """Sharded over dp_shard x cp (experts over ep_shard), one unit per layer; deferred sync
         accumulates unsharded gradients."""
-        return StrategyMemory(
-            shard_over="copies", defer_unsharded_grads=bool(config.defer_fsdp_grad_sync)
-        )
+        return StrategyMemory(shard_over="copies", defer_unsharded_grads=bool(config.defer_fsdp_grad_sync))
 
     def parallelize(
         self,

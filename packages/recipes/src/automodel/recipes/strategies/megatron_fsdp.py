@@ -174,4 +174,3 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
         counted_ids: set[int] | None,
     ) -> torch.Tensor:
         return clip_grad_norm(params, max_norm=max_norm, tp_size=mesh.layout.tp)
-
