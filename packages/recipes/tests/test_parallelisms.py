@@ -204,7 +204,10 @@ def test_a_strategys_shard_group_is_a_flattened_axis_found_by_role() -> None:
     assert shard_axis(over_copies=False) == "dp_shard_cp"
     assert shard_axis(over_copies=True) == "dp_cp"
     assert flattened_axes()["dp_shard_cp"] == ("dp_shard", "cp")
-    memory = {name: get_strategy(name).memory_model(get_strategy(name).config_class()()) for name in ("fsdp2", "megatron_fsdp", "ddp")}
+    memory = {
+        name: get_strategy(name).memory_model(get_strategy(name).config_class()())
+        for name in ("fsdp2", "megatron_fsdp", "ddp")
+    }
     assert {name: shard_axis_of(m) for name, m in memory.items()} == {
         "fsdp2": "dp_shard_cp",
         "megatron_fsdp": "dp_cp",
@@ -223,8 +226,15 @@ def test_pp_options_are_keyed_step_setup_options() -> None:
     fields = pp.step_fields(section=section, size=2, stages=4)
     setup = StepSetup(sizes=sized(pp=2), local_batch=4).with_fields(fields)
     assert setup.stages_per_rank == 2 and setup.options == (("pp_microbatch", 2), ("pp_schedule", "gpipe"))
-    assert setup.option("pp_schedule", "1f1b") == "gpipe" and StepSetup().option("pp_schedule", "1f1b") == "1f1b"
-    assert setup == StepSetup(sizes=sized(pp=2), local_batch=4, options=(("pp_schedule", "gpipe"), ("pp_microbatch", 2)), stages_per_rank=2)
+    assert (
+        setup.option("pp_schedule", "1f1b") == "gpipe" and StepSetup().option("pp_schedule", "1f1b") == "1f1b"
+    )
+    assert setup == StepSetup(
+        sizes=sized(pp=2),
+        local_batch=4,
+        options=(("pp_schedule", "gpipe"), ("pp_microbatch", 2)),
+        stages_per_rank=2,
+    )
     assert pp.plan_cell(setup) == "2 gpipe"
     assert pp.plan_yaml_section(setup)[1:] == ["    pp_schedule: gpipe", "    pp_microbatch_size: 2"]
 
@@ -254,7 +264,9 @@ def test_strategies_refuse_what_they_do_not_list() -> None:
         parse_distributed_section({"strategy": "ddp", "dp_replicate_size": 1})
     with pytest.raises(ConfigError, match=r"distributed.ep_size=2: megatron_fsdp does not support it"):
         parse_distributed_section({"strategy": "megatron_fsdp", "ep_size": 2})
-    with pytest.raises(ConfigError, match=r"distributed.dp_replicate_size=2: is FSDP2-only \(strategy=megatron_fsdp\)"):
+    with pytest.raises(
+        ConfigError, match=r"distributed.dp_replicate_size=2: is FSDP2-only \(strategy=megatron_fsdp\)"
+    ):
         parse_distributed_section({"strategy": "megatron_fsdp", "dp_replicate_size": 2})
     with pytest.raises(
         ConfigError,
