@@ -47,8 +47,8 @@ from automodel.recipes.planning.roofline import Hardware
 from automodel.recipes.planning.search import enumerate_layouts
 from automodel.recipes.planning.shape import model_shape
 from automodel.recipes.planning.step import sized
-from automodel.recipes.planning.terms import shard_axis_of
 from automodel.recipes.planning.table import format_table, yaml_block
+from automodel.recipes.planning.terms import shard_axis_of
 from automodel.recipes.strategies import get_strategy, register_strategy, registry, strategy_names
 from automodel.recipes.strategies.fsdp2 import FSDP2Strategy
 

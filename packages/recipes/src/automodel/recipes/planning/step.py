@@ -121,7 +121,7 @@ class StepSetup:
         options = dict(self.options) | {k: v for k, v in values.items() if k not in own}
         return replace(
             self,
-            **{k: v for k, v in values.items() if k in own},  # pyright: ignore[reportArgumentType]
+            **{k: v for k, v in values.items() if k in own},
             options=tuple(sorted(options.items())),
         )
 
