@@ -15,16 +15,20 @@ roles (`parallelisms.roles`), the axis table's functions. What is scanned: the c
 (names, attributes, parameters, keyword arguments, definitions, imports, and string literals that
 are one identifier, as in ``get_mesh("cp")`` or ``sizes["tp_size"]``), where an axis name is a whole
 ``_``-separated part of the word (``cp_backend`` names cp, ``kept`` names nothing). Docstrings,
-comments and prose strings (messages with spaces) are not code and may say anything.
+comments and prose strings (messages with spaces) are not code and may say anything. Neither are
+the keywords of a call to another package's function (imported from outside `automodel.recipes`,
+as ``build_loader(dp_rank=...)`` of `automodel.data`, not the standard library's): they are that
+package's API, which the recipes call, not a name the recipes choose.
 
-What the scan still finds is listed in `NOT_MOVED_YET`, each with its reason, so that a new name
-fails and a moved one must leave the list.
+The scan finds nothing: every name it found when it was written has moved behind a hook, a flag or
+a role.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 from automodel.mesh import axes
@@ -35,53 +39,6 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "automodel" / "recipes"
 OWNERS = ("parallelisms", "compat")
 #: The class attribute of a strategy that lists the parallelisms it composes.
 ALLOW_LIST = "supported_axes"
-
-#: (module, name) pairs the scan still finds, with why they are not moved yet (issue 50).
-_DP_OWN = (
-    "a data-parallel strategy names the mesh axes it shards or replicates over (its own data parallelism)"
-)
-_REFUSAL = "a strategy's own refusal message for a parallelism its allow-list leaves out (axis_refusal)"
-_PP_FIELDS = (
-    "pp's StepSetup fields (set through Parallelism.step_fields; keyed options would rewrite StepSetup)"
-)
-_TRAINER = "the trainer's data-parallel rank and batch share (toyaxis's file: to ask the mesh roles)"
-NOT_MOVED_YET: dict[tuple[str, str], str] = {
-    ("strategies/fsdp2.py", "tp"): "the pipeline's stage boundary layout under TP (fsdp2.py: toyaxis's file)",
-    (
-        "strategies/fsdp2.py",
-        "tp_enabled",
-    ): "the pipeline's stage boundary layout under TP (fsdp2.py: toyaxis's file)",
-    (
-        "strategies/fsdp2.py",
-        "pp_enabled",
-    ): "FSDP2 builds the pipeline around its stack (fsdp2.py: toyaxis's file)",
-    (
-        "config/distributed.py",
-        "pp",
-    ): "the typed section's pipeline_config (config is a leaf: it cannot ask the registry)",
-    (
-        "config/distributed.py",
-        "ep",
-    ): "the typed section's moe_config (config is a leaf: it cannot ask the registry)",
-    ("planning/step.py", "pp_microbatch"): _PP_FIELDS,
-    ("planning/step.py", "pp_schedule"): _PP_FIELDS,
-    ("planning/search.py", "pp_microbatch"): _PP_FIELDS,
-    ("planning/admit.py", "pp_schedule"): _PP_FIELDS,
-    ("planning/step.py", "dp_shard_cp"): "StrategyMemory's defaults are FSDP2's, whose shard group this is",
-    ("strategies/fsdp2.py", "dp_shard_cp"): _DP_OWN,
-    ("strategies/megatron_fsdp.py", "dp_cp"): _DP_OWN,
-    ("strategies/ddp.py", "dp_replicate"): _REFUSAL,
-    ("strategies/megatron_fsdp.py", "cp"): _REFUSAL,
-    ("strategies/megatron_fsdp.py", "dp_replicate"): _REFUSAL,
-    ("strategies/megatron_fsdp.py", "dp_world_size"): "megatron-fsdp's own API (a keyword it takes)",
-    ("strategies/megatron_fsdp.py", "zero_dp_strategy"): "megatron-fsdp's own API (a keyword it takes)",
-    ("strategies/fsdp2.py", "pp"): "FSDP2 builds the pipeline around its stack (fsdp2.py: toyaxis's file)",
-    ("trainer.py", "_cp_shard"): "the trainer's batch transforms (toyaxis's file)",
-    ("trainer.py", "dp"): _TRAINER,
-    ("trainer.py", "dp_rank"): _TRAINER,
-    ("trainer.py", "dp_rank_of"): _TRAINER,
-    ("trainer.py", "dp_size"): _TRAINER,
-}
 
 
 def axis_words() -> frozenset[str]:
@@ -131,10 +88,50 @@ def _allow_list_values(tree: ast.AST) -> set[int]:
     return found
 
 
+def _imported_from_elsewhere(tree: ast.AST) -> set[str]:
+    """The names a module binds by importing from another package: outside `automodel.recipes` and
+    outside the standard library (whose generic helpers, like ``dataclasses.replace``, take the
+    recipes' own names as keywords)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            if _another_package(node.module):
+                names |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {
+                alias.asname or alias.name.split(".")[0]
+                for alias in node.names
+                if _another_package(alias.name)
+            }
+    return names
+
+
+def _another_package(module: str) -> bool:
+    top = module.split(".")[0]
+    in_recipes = module == "automodel.recipes" or module.startswith("automodel.recipes.")
+    return not in_recipes and top not in sys.stdlib_module_names
+
+
+def _foreign_call_keywords(tree: ast.AST) -> set[int]:
+    """The keywords of calls to another package's function (`_imported_from_elsewhere`, called by
+    its name or as an attribute of its module): that package's API, not the recipes' names."""
+    foreign = _imported_from_elsewhere(tree)
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        root = node.func
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in foreign:
+            found |= {id(k) for k in node.keywords}
+    return found
+
+
 def code_words(source: str) -> list[str]:
     """The identifiers a module's code uses, and its one-identifier string literals (see above)."""
     tree = ast.parse(source)
-    skipped = _docstrings(tree) | _allow_list_values(tree)
+    skipped = _docstrings(tree) | _allow_list_values(tree) | _foreign_call_keywords(tree)
     words: list[str] = []
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -175,8 +172,7 @@ def named_axes(root: Path) -> dict[tuple[str, str], str]:
 def test_outside_the_parallelisms_no_module_names_a_mesh_axis() -> None:
     found = named_axes(SRC)
     assert len(list(SRC.rglob("*.py"))) > 100  # the scan reads the package
-    assert sorted(set(found) - set(NOT_MOVED_YET)) == []  # a new name: ask the registry instead
-    assert sorted(set(NOT_MOVED_YET) - set(found)) == []  # moved: take it off the list
+    assert sorted(found) == []  # ask the registry (a hook, a flag, a role) instead
 
 
 def test_the_scan_finds_axis_names_in_code_and_not_in_prose() -> None:
@@ -200,6 +196,12 @@ def test_the_scan_finds_axis_names_in_code_and_not_in_prose() -> None:
     assert names_an_axis("kept", words) is None
     source = '''
 """A module that says tp and cp in its docstring."""
+from automodel.data.api import build_loader
+from automodel.recipes.mine import own
+import dataclasses
+build_loader(dp_rank=0)
+own(tp_rank=0)
+dataclasses.replace(own, pp_rank=0)
 class S:
     supported_axes = ("dp_shard", "tp")
     def f(self, layout, mesh):
@@ -209,4 +211,4 @@ class S:
         return mesh.get_mesh("cp"), cp_size, {"dp_shard_cp": n}
 '''
     hits = {w for w in code_words(source) if names_an_axis(w, words)}
-    assert hits == {"tp", "ep", "cp", "cp_size", "dp_shard_cp"}
+    assert hits == {"tp", "tp_rank", "pp_rank", "ep", "cp", "cp_size", "dp_shard_cp"}

@@ -37,6 +37,7 @@ from automodel.recipes.parallelisms import (
     register_parallelism,
     searched,
     sequence_length_divisor,
+    shard_axis,
     unregister_parallelism,
 )
 from automodel.recipes.plan import plan_layout
@@ -47,6 +48,7 @@ from automodel.recipes.planning.search import enumerate_layouts
 from automodel.recipes.planning.shape import model_shape
 from automodel.recipes.planning.step import sized
 from automodel.recipes.planning.table import format_table, yaml_block
+from automodel.recipes.planning.terms import shard_axis_of
 from automodel.recipes.strategies import get_strategy, register_strategy, registry, strategy_names
 from automodel.recipes.strategies.fsdp2 import FSDP2Strategy
 
@@ -191,8 +193,50 @@ def test_the_mesh_roles_come_from_the_parallelisms_flags() -> None:
     assert roles.batch_axes == ("dp_replicate", "dp_shard")
     assert roles.loss_axes == ("dp_replicate", "dp_shard", "cp")
     assert roles.norm_axes == ("pp",)
+    assert roles.copy_axes == ("dp_replicate",)
     hsdp = parse_distributed_section({"strategy": "fsdp2", "dp_replicate_size": 2, "cp_size": 2})
     assert batch_ranks(hsdp.sizes.resolve(16)) == 8  # dp = 16 / cp
+
+
+def test_a_strategys_shard_group_is_a_flattened_axis_found_by_role() -> None:
+    """FSDP2 shards inside HSDP's copies, megatron-fsdp over every row-splitting rank, each with
+    the cp ranks (which hold parameter replicas): the table's flattened axes, found by role."""
+    assert shard_axis(over_copies=False) == "dp_shard_cp"
+    assert shard_axis(over_copies=True) == "dp_cp"
+    assert flattened_axes()["dp_shard_cp"] == ("dp_shard", "cp")
+    memory = {
+        name: get_strategy(name).memory_model(get_strategy(name).config_class()())
+        for name in ("fsdp2", "megatron_fsdp", "ddp")
+    }
+    assert {name: shard_axis_of(m) for name, m in memory.items()} == {
+        "fsdp2": "dp_shard_cp",
+        "megatron_fsdp": "dp_cp",
+        "ddp": None,
+    }
+
+
+def test_pp_options_are_keyed_step_setup_options() -> None:
+    """A name a parallelism's `step_fields` / `search_options` gives that is not a `StepSetup`
+    field is its own option (pp's micro-batch and schedule); setups of one run compare equal."""
+    pp = get_parallelism("pp")
+    section = parse_distributed_section(
+        {"strategy": "fsdp2", "pp_size": 2, "pipeline": {"pp_schedule": "gpipe", "pp_microbatch_size": 2}},
+        local_batch_size=4,
+    )
+    fields = pp.step_fields(section=section, size=2, stages=4)
+    setup = StepSetup(sizes=sized(pp=2), local_batch=4).with_fields(fields)
+    assert setup.stages_per_rank == 2 and setup.options == (("pp_microbatch", 2), ("pp_schedule", "gpipe"))
+    assert (
+        setup.option("pp_schedule", "1f1b") == "gpipe" and StepSetup().option("pp_schedule", "1f1b") == "1f1b"
+    )
+    assert setup == StepSetup(
+        sizes=sized(pp=2),
+        local_batch=4,
+        options=(("pp_schedule", "gpipe"), ("pp_microbatch", 2)),
+        stages_per_rank=2,
+    )
+    assert pp.plan_cell(setup) == "2 gpipe"
+    assert pp.plan_yaml_section(setup)[1:] == ["    pp_schedule: gpipe", "    pp_microbatch_size: 2"]
 
 
 @pytest.mark.parametrize(
@@ -220,6 +264,16 @@ def test_strategies_refuse_what_they_do_not_list() -> None:
         parse_distributed_section({"strategy": "ddp", "dp_replicate_size": 1})
     with pytest.raises(ConfigError, match=r"distributed.ep_size=2: megatron_fsdp does not support it"):
         parse_distributed_section({"strategy": "megatron_fsdp", "ep_size": 2})
+    with pytest.raises(
+        ConfigError, match=r"distributed.dp_replicate_size=2: is FSDP2-only \(strategy=megatron_fsdp\)"
+    ):
+        parse_distributed_section({"strategy": "megatron_fsdp", "dp_replicate_size": 2})
+    with pytest.raises(
+        ConfigError,
+        match=r"distributed.cp_size=2: strategy megatron_fsdp splits no attention over cp here \(each cp rank "
+        r"would attend over the whole sequence\); use strategy fsdp2 for cp_size > 1",
+    ):
+        parse_distributed_section({"strategy": "megatron_fsdp", "cp_size": 2})
     assert set(get_strategy("fsdp2").supported_axes) == {p.name for p in parallelisms()}
 
 

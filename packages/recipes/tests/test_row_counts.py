@@ -27,6 +27,8 @@ from automodel.data.tokenizer import ByteTokenizer
 from automodel.recipes import load_config
 from automodel.recipes.cli import run_cli
 from automodel.recipes.data.kinds import build_packed_dataset, count_rows
+from automodel.recipes.errors import ConfigError
+from automodel.testing.ranks import run_on_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _recipe_helpers import tiny_config  # noqa: E402
@@ -289,18 +291,51 @@ def test_a_stream_is_not_counted_and_says_so(tmp_path: Path) -> None:
     )
 
 
+def _short_validation_split(tmp_path: Path) -> dict[str, Any]:
+    """A config whose validation split (text shorter than one row) gives no row."""
+    (tmp_path / "val.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+    raw = yaml.safe_load(_config(tmp_path, _sft(tmp_path, 16)).read_text())
+    raw["validation_dataset"] = {"source": "json", "path": str(tmp_path / "val.jsonl"), "seq_length": 32}
+    raw["step_scheduler"]["val_every_steps"] = 1
+    return raw
+
+
 def test_validation_split_without_a_row_is_refused_before_launch(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """A text split shorter than one row gave a validation loss of 0/0 (``val_loss: null``) without
     a word: refused before launch, naming the file."""
-    (tmp_path / "val.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
-    raw = yaml.safe_load(_config(tmp_path, _sft(tmp_path, 16)).read_text())
-    raw["validation_dataset"] = {"source": "json", "path": str(tmp_path / "val.jsonl"), "seq_length": 32}
-    raw["step_scheduler"]["val_every_steps"] = 1
+    raw = _short_validation_split(tmp_path)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
     assert run_cli(["validate", str(tmp_path / "cfg.yaml")]) == 2
     assert _one_error_line(capsys) == (
         f"error: validation_dataset.path={str(tmp_path / 'val.jsonl')!r}: gives no row to evaluate (fewer "
+        "tokens than one row): its validation loss would be 0/0"
+    )
+
+
+def _build_on_rank(raw: dict[str, Any]) -> str:
+    """Rank function: build the run (no training); the `ConfigError` it raises, as its one line."""
+    from automodel.recipes.trainer import Trainer
+
+    try:
+        Trainer(load_config(raw)).build()
+    except ConfigError as e:
+        return str(e)
+    return "built"
+
+
+def test_validation_split_without_a_row_is_refused_in_the_ranks(tmp_path: Path) -> None:
+    """Rows counted only in the ranks (a tokenizer whose own code runs only there): a split without
+    a row ended with ``val_loss: null``; the ranks refuse it with the pre-launch message (one rule,
+    `row_counts.check_rows_to_evaluate`)."""
+    raw = _short_validation_split(tmp_path)
+    raw["tokenizer"] = {"trust_remote_code": True}
+    from automodel.recipes.data.row_counts import check_row_counts
+
+    assert check_row_counts(load_config(raw)) is not None  # not counted before launch: the ranks' check
+    (got,) = run_on_ranks(_build_on_rank, world_size=1, args=(raw,), timeout_s=300)
+    assert got == (
+        f"validation_dataset.path={str(tmp_path / 'val.jsonl')!r}: gives no row to evaluate (fewer "
         "tokens than one row): its validation loss would be 0/0"
     )

@@ -24,6 +24,7 @@ from automodel.megatron_fsdp.training import (
     is_megatron_fsdp,
     microbatch_grad_sync,
     model_state_dict,
+    parameter_buffers,
     prepare_state_dict_for_dcp,
 )
 from automodel.megatron_fsdp.translate import FIELD_DESTINATIONS, FullyShardCall, build_fully_shard_call
@@ -52,6 +53,7 @@ __all__ = [
     "import_megatron_fsdp",
     "megatron_fsdp_axes",
     "neutral_state_init",
+    "parameter_buffers",
     "rebind_param_groups",
     "resolve_unit_modules",
     "shard_optimizer",

@@ -102,3 +102,24 @@ def clip_grad_norm(
             local = g.to_local() if isinstance(g, DTensor) else g
             local.mul_(coef.to(local.dtype))
     return norm
+
+
+def parameter_buffers(part: nn.Module) -> list[dict[str, Any]] | None:
+    """megatron-fsdp's parameter groups of a wrapped part, each with its buffers (distributed or
+    not, this rank's elements, the ranks it spans), for the layout report; None: not wrapped."""
+    buffer = getattr(part, "param_and_grad_buffer", None)
+    if buffer is None:
+        return None
+    groups = []
+    for group in buffer.parameter_groups:
+        entry: dict[str, Any] = {"num_params": len(group.params)}
+        for kind in ("model_weight_buffer", "main_weight_buffer", "main_grad_buffer"):
+            buf = getattr(group, kind, None)
+            if buf is not None:
+                entry[kind] = {
+                    "distributed": bool(buf.is_data_distributed),
+                    "local_numel": int(buf.data_size),
+                    "dp_world_size": int(buf.dp_world_size),
+                }
+        groups.append(entry)
+    return groups

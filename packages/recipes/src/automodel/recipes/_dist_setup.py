@@ -160,9 +160,9 @@ def parse_distributed_section(data: Any, *, local_batch_size: int = 1) -> Distri
         built = parallelism.build_config(
             own, size=sizes[parallelism.size_key], local_batch_size=local_batch_size
         )
-        if built is not None:
+        if built is not None:  # under its YAML section's key (`DistributedSection.parallelism_configs`)
             get_strategy(strategy).check_parallelism_config(built, options=own or {})
-            configs[parallelism.name] = built
+            configs[key if key is not None else parallelism.name] = built
     machine_keys = frozenset(k for k in get_strategy(strategy).machine_keys if options.get(k) is None)
     return DistributedSection(
         strategy=strategy,

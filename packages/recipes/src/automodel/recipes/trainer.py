@@ -35,6 +35,7 @@ from automodel.recipes.checkpoint.paths import CONSOLIDATED_DIR
 from automodel.recipes.config.recipe import RecipeConfig
 from automodel.recipes.data import build_packed_dataset
 from automodel.recipes.data.launch_data import model_vocab, run_tokenizer
+from automodel.recipes.data.row_counts import check_rows_to_evaluate
 from automodel.recipes.elastic import announce_start
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.instantiate import locate
@@ -55,6 +56,7 @@ from automodel.recipes.parallelisms import (
     Parallelism,
     axis_sizes,
     batch_rank,
+    batch_ranks,
     mesh_roles,
     parallelisms,
     role_group,
@@ -143,7 +145,7 @@ def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return t
 
 
-def dp_rank_of(mesh: MeshContext) -> int:
+def batch_share(mesh: MeshContext) -> int:
     """This rank's share of each batch's rows (`roles.batch_rank` over the row-splitting axes)."""
     return batch_rank(mesh, mesh_roles().batch_axes)
 
@@ -194,7 +196,7 @@ class Trainer:
             print("\n".join([*kernel_lines, self.head_loss.describe()]), file=sys.stderr, flush=True)
         self._report_layout()
         if cfg.rng.ranked:  # dropout masks per data-parallel replica (AutoModel's StatefulRNG ranked)
-            torch.manual_seed(cfg.seed + dp_rank_of(self.mesh))
+            torch.manual_seed(cfg.seed + batch_share(self.mesh))
         if self.rank == 0 and cfg.notes:
             print("\n".join(f"note: {line}" for line in cfg.notes), file=sys.stderr, flush=True)
 
@@ -235,8 +237,8 @@ class Trainer:
                 dataset if hasattr(dataset, "loader") else first_rows(dataset, limit),
                 global_batch_size=ss.global_batch_size,
                 local_batch_size=ss.local_batch_size,
-                dp_rank=dp_rank_of(self.mesh),
-                dp_size=self.mesh.layout.dp,
+                dp_rank=batch_share(self.mesh),
+                dp_size=batch_ranks(self.mesh.layout),
                 seed=cfg.seed,
                 shuffle=cfg.dataloader.shuffle,
                 vocab_size=self.vocab_size,
@@ -256,6 +258,9 @@ class Trainer:
                 limit,
             )
         )
+        if cfg.validation_dataset is not None and self.val_dataset is not None:
+            # counted before launch unless its kind or tokenizer is counted only here: one rule
+            check_rows_to_evaluate(cfg.validation_dataset, rows=len(self.val_dataset))
         if self.val_dataset is not None and len(self.val_dataset) < ss.global_batch_size and self.rank == 0:
             print(
                 f"note: validation_dataset has {len(self.val_dataset)} rows, fewer than "
@@ -367,7 +372,7 @@ class Trainer:
             "labels": batch.labels.to(self.device),
             "position_ids": batch.position_ids.to(self.device),
         }
-        ctx, fields, extra = self._cp_shard(fields)
+        ctx, fields, extra = self._shard_batch(fields)
         with ctx(), self.head_loss.capturing():
             logits = model(
                 input_ids=fields["input_ids"],
@@ -394,12 +399,12 @@ class Trainer:
             "labels": batch.labels.to(self.device),
             "position_ids": batch.position_ids.to(self.device),
         }
-        ctx, fields, extra = self._cp_shard(fields)
+        ctx, fields, extra = self._shard_batch(fields)
         fields["position_ids"] = fields["position_ids"] + self.position_offset
         with ctx(), self.head_loss.capturing():
             return runner.run_local_batch(MicroBatch(fields=fields, extra=extra), model=self.pm, train=train)
 
-    def _cp_shard(
+    def _shard_batch(
         self, fields: dict[str, torch.Tensor]
     ) -> tuple[Callable[[], Any], dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's share of `fields` after every parallelism's batch transform
@@ -473,12 +478,12 @@ class Trainer:
         ss = self.cfg.step_scheduler
         for part in self.pm.parts:
             part.eval()
-        gbs, dp, lbs = ss.global_batch_size, self.mesh.layout.dp, ss.local_batch_size
+        gbs, lbs = ss.global_batch_size, ss.local_batch_size
         rows = len(self.val_dataset)
         n_batches = -(-rows // gbs)
         if ss.val_batches is not None:
             n_batches = min(ss.val_batches, n_batches)
-        per_rank, rank = gbs // dp, dp_rank_of(self.mesh)
+        per_rank, rank = gbs // batch_ranks(self.mesh.layout), batch_share(self.mesh)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         self.pipeline_loss.set_divisor(1.0)

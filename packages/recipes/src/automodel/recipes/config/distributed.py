@@ -27,9 +27,11 @@ class DistributedSection:
     #: Strategy flags the YAML left to the machine; `resolve_machine_defaults` fills them at launch
     #: (empty afterwards).
     machine_keys: frozenset[str] = frozenset()
-    #: Each registered parallelism's typed config from its own section or keys, by parallelism
-    #: name (``tp``: `TensorParallelConfig`, ``pp``: `PipelineConfig` when pp_size > 1, ``ep``:
-    #: `MoEParallelizerConfig` when ep_size > 1).
+    #: Each registered parallelism's typed config, by the key of its own YAML section
+    #: (`Parallelism.section_key`: ``pipeline``, `PipelineConfig` when pp_size > 1; ``moe``,
+    #: `MoEParallelizerConfig` when ep_size > 1), else by its name when its keys are flat
+    #: ``distributed:`` keys (``tp``: `TensorParallelConfig`), so the accessors below name the
+    #: section they read, not a parallelism (this leaf module cannot ask the registry).
     parallelism_configs: Mapping[str, object] = field(default_factory=dict)
     #: Sizes of registered parallelisms that form no mesh axis (size key -> size; 1 when unset).
     other_sizes: Mapping[str, int] = field(default_factory=dict)
@@ -44,9 +46,9 @@ class DistributedSection:
     @property
     def pipeline_config(self) -> PipelineConfig | None:
         """automodel.pipeline's config (``distributed.pipeline``) when pp_size > 1."""
-        return cast("PipelineConfig | None", self.parallelism_configs.get("pp"))
+        return cast("PipelineConfig | None", self.parallelism_configs.get("pipeline"))
 
     @property
     def moe_config(self) -> MoEParallelizerConfig | None:
         """automodel.moe's config (``distributed.moe``) when ep_size > 1."""
-        return cast("MoEParallelizerConfig | None", self.parallelism_configs.get("ep"))
+        return cast("MoEParallelizerConfig | None", self.parallelism_configs.get("moe"))

@@ -24,9 +24,10 @@ counted, for SFT and text every example tokenized once more before launch.
 
 The validation split is evaluated whatever its size; its first row is counted too, so its builder's
 own refusals (no usable example, an empty corpus split) come before launch as well, and a split
-that gives no row at all (text shorter than one row), whose loss would be 0/0, is refused. A tokenizer with
+that gives no row at all (text shorter than one row), whose loss would be 0/0, is refused
+(`check_rows_to_evaluate`, which the ranks check again on the rows they built). A tokenizer with
 ``trust_remote_code`` runs its code only in the ranks: its rows are not counted here (a start-up
-line says so) and the ranks refuse, with the same message.
+line says so) and the ranks refuse, with the same messages.
 """
 
 from __future__ import annotations
@@ -65,8 +66,7 @@ def check_row_counts(cfg: RecipeConfig) -> str | None:
         val = count_rows(
             cfg.validation_dataset, tokenizer, packed_sequence_size=seq, seed=cfg.seed, at_least=1
         )
-        if val == 0:
-            raise _nothing_to_evaluate(cfg.validation_dataset)
+        check_rows_to_evaluate(cfg.validation_dataset, rows=val)
     if rows is None:
         return (
             f"note: dataset (source: {kind_of(cfg.dataset).name}) is not counted before launch: a "
@@ -82,10 +82,14 @@ def check_row_counts(cfg: RecipeConfig) -> str | None:
     return None
 
 
-def _nothing_to_evaluate(section: DatasetConfig) -> ConfigError:
-    """A validation split without a row (text shorter than one row): its loss would be 0/0."""
+def check_rows_to_evaluate(section: DatasetConfig, *, rows: int | None) -> None:
+    """Refuse a validation split without a row (text shorter than one row): its loss would be 0/0.
+    Checked here on the count and again by every rank on the rows it built (`trainer`), for a run
+    whose rows were not counted before launch; None (not counted) passes."""
+    if rows != 0:
+        return
     key = getattr(section, "PATH_KEY", "path")
-    return ConfigError(
+    raise ConfigError(
         f"{section.SECTION}.{key}",
         getattr(section, key, None),
         "gives no row to evaluate (fewer tokens than one row): its validation loss would be 0/0",

@@ -12,6 +12,7 @@ from automodel.recipes.parallelisms.base import (
     BatchRun,
     MemoryShares,
     MicroBatch,
+    ModelSplit,
     Parallelism,
     PlanColumn,
     RankPosition,
@@ -45,6 +46,7 @@ from automodel.recipes.parallelisms.roles import (
     mesh_roles,
     role_group,
     sequence_length_divisor,
+    shard_axis,
 )
 from automodel.recipes.parallelisms.tp import TensorParallel
 
@@ -65,6 +67,7 @@ __all__ = [
     "MemoryShares",
     "MeshRoles",
     "MicroBatch",
+    "ModelSplit",
     "Parallelism",
     "PlanColumn",
     "RankPosition",
@@ -86,6 +89,7 @@ __all__ = [
     "searched",
     "sequence_length_divisor",
     "section_keys",
+    "shard_axis",
     "size_keys",
     "unregister_parallelism",
 ]

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from automodel.moe import ExpertShardUnit, MoEParallelizerConfig
+    from automodel.pipeline import BoundaryLayout
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
@@ -142,7 +143,8 @@ class StageBuild:
     #: The ``distributed.moe`` options (`automodel.moe.MoEParallelizerConfig`), None without EP.
     moe_config: MoEParallelizerConfig | None
     gradient_divide_factor: float | None
-    #: The part is one pipeline stage (it may hold dense layers only).
+    #: The part is one of the parts a parallelism split the model into (`Parallelism.split_model`:
+    #: a pipeline stage, which may hold dense layers only).
     pipeline_stage: bool
     #: Left by the phases: what each resolved for the loop, by its name (`Resolved`: cp's attention
     #: backend) ...
@@ -152,6 +154,20 @@ class StageBuild:
     #: Each parallelism's typed config, by its name (`DistributedSection.parallelism_configs`): a
     #: phase reads its own (tp: its `TensorParallelConfig`).
     parallelism_configs: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelSplit:
+    """What the strategy hands the parallelism that splits the model into parts over its ranks
+    (`Parallelism.split_model`: the pipeline's stages), built on the meta device."""
+
+    mesh: MeshContext
+    section: DistributedSection
+    device: torch.device
+    #: The loss a schedule that runs the micro-batches itself calls (None: none given).
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    #: The strategy's per-part composition (the phases, then the sharding), applied to each part.
+    build_part: Callable[[torch.nn.Module], None]
 
 
 @dataclass(frozen=True)
@@ -311,6 +327,9 @@ class Parallelism(ABC, Generic[C]):
     splits_rows: ClassVar[bool] = False
     splits_tokens: ClassVar[bool] = False
     holds_distinct_parameters: ClassVar[bool] = False
+    #: Its axis splits the rows and its ranks hold whole copies of what a sharding strategy shards
+    #: over the other row-splitting axes (HSDP's replicas: `roles.shard_axis`).
+    holds_whole_copies: ClassVar[bool] = False
 
     # ---- the YAML ------------------------------------------------------------------------
     @property
@@ -515,6 +534,23 @@ class Parallelism(ABC, Generic[C]):
     def apply_to_stage(self, module: torch.nn.Module, *, build: StageBuild, size: int) -> None:
         """Apply it to one model part on the meta device (`size`: its size in the layout), leaving
         what the sharding needs in `build`; nothing by default."""
+        return None
+
+    def split_model(
+        self, model: torch.nn.Module, *, split: ModelSplit, size: int
+    ) -> tuple[list[torch.nn.Module], object] | None:
+        """The parts of `model` this rank holds when it splits the model over its ranks (pp: the
+        pipeline's stages), each through `split.build_part`, and what it resolved (its `Resolved`
+        entry: the pipeline); None: it does not split (by default; the strategy asks each in
+        registration order, the first that splits decides)."""
+        return None
+
+    def part_boundary(
+        self, model: torch.nn.Module, *, mesh: MeshContext, section: DistributedSection, size: int
+    ) -> BoundaryLayout | None:
+        """The layout of the hidden states its regions leave between model parts, when they are not
+        plain tensors (tp with sequence parallelism: ``Shard(1)`` over its axis): a part sends its
+        local shard, the next rebuilds the DTensor with it. None by default; the first decides."""
         return None
 
     # ---- the training loop ---------------------------------------------------------------

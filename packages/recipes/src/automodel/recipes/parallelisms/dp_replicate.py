@@ -20,6 +20,7 @@ class DataParallelReplicate(Parallelism[None]):
     size_key = "dp_replicate_size"
     derived_when_unset = True
     splits_rows = True
+    holds_whole_copies = True
     unused = "unset"
     report_axes = ("dp_replicate",)
     search_order = 5

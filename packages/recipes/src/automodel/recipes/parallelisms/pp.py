@@ -16,6 +16,7 @@ from automodel.recipes.parallelisms.base import (
     MetaModel,
     MicroBatch,
     ModelChecks,
+    ModelSplit,
     Options,
     Parallelism,
     PlanColumn,
@@ -27,13 +28,14 @@ from automodel.recipes.parallelisms.base import (
     config_error,
     section_mapping,
 )
+from automodel.recipes.parallelisms.registry import parallelisms
 from automodel.recipes.parallelisms.tp import tensor_parallel_config
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from automodel.pipeline import PipelineConfig, PipelineModel
+    from automodel.pipeline import BoundaryLayout, PipelineConfig, PipelineModel
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
@@ -88,9 +90,23 @@ def pipeline_stages(cfg: RecipeConfig, layout: ResolvedLayout, hf_config: Pretra
         raise ConfigError("distributed.pp_size", layout.pp, str(e)) from None
 
 
+#: Its `StepSetup` options (`StepSetup.option`): the micro-batch rows and the schedule.
+MICROBATCH, SCHEDULE = "pp_microbatch", "pp_schedule"
+
+
+def microbatch_of(setup: StepSetup) -> int:
+    """Rows of one pipeline micro-batch in `setup` (1 unless the run or the search set it)."""
+    return setup.option(MICROBATCH, 1)
+
+
+def schedule_of(setup: StepSetup) -> str:
+    """The pipeline schedule of `setup` (1F1B unless the run or the search set it)."""
+    return setup.option(SCHEDULE, "1f1b")
+
+
 def in_flight_chunks(setup: StepSetup, n_mb: int) -> int:
     """Stage-micro-batches whose activations the first pipeline rank holds at once."""
-    name = setup.pp_schedule.lower().replace("_", "")
+    name = schedule_of(setup).lower().replace("_", "")
     v, pp = setup.stages_per_rank, setup.pp
     if "gpipe" in name or "loopedbfs" in name:
         return n_mb * v
@@ -226,6 +242,28 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         except ValueError as e:
             raise ConfigError("distributed.pipeline.pp_schedule_csv", pcfg.pp_schedule_csv, str(e)) from None
 
+    def split_model(
+        self, model: torch.nn.Module, *, split: ModelSplit, size: int
+    ) -> tuple[list[torch.nn.Module], object] | None:
+        """The stages this rank holds (automodel.pipeline's `AutoPipeline`), each through the
+        strategy's per-part composition; the hidden states cross with the other parallelisms'
+        `part_boundary` (tp's sequence-parallel shards)."""
+        if size == 1:
+            return None
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+        from automodel.pipeline import AutoPipeline
+
+        def build_stage(module: torch.nn.Module, **_: object) -> None:
+            split.build_part(module)
+
+        pipe = AutoPipeline(mesh=split.mesh, config=split.section.pipeline_config, device=split.device).build(
+            model,
+            loss_fn=split.loss_fn,
+            parallelize_fn=build_stage,
+            boundary_layouts=_part_boundary(model, split=split),
+        )
+        return list(pipe.model_parts), pipe
+
     def pipeline(self, resolved: Resolved) -> PipelineModel | None:
         """The pipeline the strategy built (None without pp)."""
         return cast("PipelineModel | None", resolved.get(self.name))
@@ -279,7 +317,7 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         fields: dict[str, object] = {"stages_per_rank": max(1, stages // size) if size > 1 else 1}
         pipe = section.pipeline_config
         if pipe is not None:
-            fields.update(pp_microbatch=pipe.pp_microbatch_size, pp_schedule=pipe.pp_schedule)
+            fields.update({MICROBATCH: pipe.pp_microbatch_size, SCHEDULE: pipe.pp_schedule})
         return fields
 
     def search_options(self, *, size: int, shape: ModelShape) -> list[dict[str, object]]:
@@ -287,22 +325,22 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         if size == 1:
             return [{}]
         schedules = (("1f1b", 1), ("interleaved1f1b", 2))
-        return [{"pp_schedule": s, "stages_per_rank": v} for s, v in schedules if shape.layers >= size * v]
+        return [{SCHEDULE: s, "stages_per_rank": v} for s, v in schedules if shape.layers >= size * v]
 
     def search_local_batches(self, *, size: int) -> tuple[int, ...] | None:
         """Enough micro-batches (of one row) to fill the pipeline."""
         return (size, 2 * size, 4 * size) if size > 1 else None
 
     def plan_cell(self, setup: StepSetup) -> str:
-        return f"{setup.pp}" if setup.pp == 1 else f"{setup.pp} {setup.pp_schedule}"
+        return f"{setup.pp}" if setup.pp == 1 else f"{setup.pp} {schedule_of(setup)}"
 
     def plan_yaml_section(self, setup: StepSetup) -> list[str]:
         if setup.pp == 1:
             return []
         return [
             "  pipeline:",
-            f"    pp_schedule: {setup.pp_schedule}",
-            f"    pp_microbatch_size: {setup.pp_microbatch}",
+            f"    pp_schedule: {schedule_of(setup)}",
+            f"    pp_microbatch_size: {microbatch_of(setup)}",
         ]
 
     def memory_shares(self, *, size: int, setup: StepSetup, shape: ModelShape) -> MemoryShares:
@@ -315,11 +353,11 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         if size == 1:
             return None
         v = setup.stages_per_rank
-        n_mb = max(1, setup.local_batch // setup.pp_microbatch)
-        v_shape = any(k in setup.pp_schedule.lower() for k in ("zbv", "dualpipe"))
+        n_mb = max(1, setup.local_batch // microbatch_of(setup))
+        v_shape = any(k in schedule_of(setup).lower() for k in ("zbv", "dualpipe"))
         common = {
             "scheduled": True,
-            "micro_batch_rows": setup.pp_microbatch,
+            "micro_batch_rows": microbatch_of(setup),
             "micro_batches": n_mb,
             "in_flight": in_flight_chunks(setup, n_mb) / v,
             "p2p_stages": v,
@@ -331,7 +369,7 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
     def bubble_s(self, *, compute_s: float, setup: StepSetup) -> float:
         """(pp - 1) of the stages' slots idle, over the stages per rank times the micro-batches."""
         s = setup
-        n_mb = max(1, s.local_batch // s.pp_microbatch)
+        n_mb = max(1, s.local_batch // microbatch_of(s))
         return compute_s * (s.pp - 1) / (s.stages_per_rank * n_mb) if s.pp > 1 else 0.0
 
     def exposed_comm_s(self, traffic: StepTraffic) -> float:
@@ -350,3 +388,15 @@ class PipelineParallel(Parallelism["PipelineConfig"]):
         layers = [i for part in parts for i in part["layers"]]
         span = f"layers {min(layers)}-{max(layers)}" if layers else "no decoder layers"
         return [f"[rank {report['rank']}] pp ({axis_sizes.get('pp', 1)} ranks): stages {stages}, {span}"]
+
+
+def _part_boundary(model: torch.nn.Module, *, split: ModelSplit) -> BoundaryLayout | None:
+    """The first parallelism's layout of the hidden states between stages (`part_boundary`)."""
+    layout = split.mesh.layout
+    for p in parallelisms():
+        found = p.part_boundary(
+            model, mesh=split.mesh, section=split.section, size=p.size(split.section, layout)
+        )
+        if found is not None:
+            return found
+    return None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from automodel.mesh import MeshContext, ResolvedLayout, dense_axes
+from automodel.mesh import MeshContext, ResolvedLayout, axes, dense_axes
 from automodel.recipes.parallelisms.registry import parallelisms
 
 if TYPE_CHECKING:
@@ -33,6 +33,8 @@ class MeshRoles:
     loss_axes: tuple[str, ...]
     #: Axes whose ranks hold different plain (not DTensor) parameters: the gradient norm's sum.
     norm_axes: tuple[str, ...]
+    #: Row-splitting axes whose ranks hold whole copies of a sharding strategy's state (HSDP's).
+    copy_axes: tuple[str, ...] = ()
 
 
 def _axes(flag: str) -> tuple[str, ...]:
@@ -48,7 +50,22 @@ def mesh_roles() -> MeshRoles:
         batch_axes=rows,
         loss_axes=tuple(a for a in dense_axes() if a in rows or a in tokens),
         norm_axes=_axes("holds_distinct_parameters"),
+        copy_axes=_axes("holds_whole_copies"),
     )
+
+
+def shard_axis(*, over_copies: bool) -> str:
+    """The flattened mesh axis of the table a data-parallel strategy's sharded state spans: the
+    axes that split the rows (`MeshRoles.batch_axes`, but for the `MeshRoles.copy_axes` unless
+    `over_copies`) and every axis whose ranks hold parameter replicas (`Axis.spans_replicas`: cp,
+    whose gradients are summed with the rows'). FSDP2 shards inside the copies (``dp_shard_cp``),
+    megatron-fsdp over every row-splitting axis (``dp_cp``)."""
+    roles = mesh_roles()
+    rows = {a for a in roles.batch_axes if over_copies or a not in roles.copy_axes}
+    for row in axes():
+        if row.mesh == "flattened" and row.spans_replicas and set(row.spans) == rows:
+            return row.name
+    raise ValueError(f"the axis table has no flattened axis spanning {sorted(rows)} and the replica axes")
 
 
 def role_group(mesh: MeshContext, axes: tuple[str, ...]) -> dist.ProcessGroup | None:

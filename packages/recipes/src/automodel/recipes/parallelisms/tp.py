@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import Shard
 
 from automodel.fsdp2 import FSDP2Config, TensorParallelConfig, apply_tensor_parallel_from_config
 from automodel.fsdp2.tp_plan import (
@@ -21,7 +22,7 @@ from automodel.fsdp2.tp_plan import (
     plan_has_sequence_parallel,
     resolve_tp_plan,
 )
-from automodel.mesh import ResolvedLayout
+from automodel.mesh import MeshContext, ResolvedLayout
 from automodel.mesh.model_parts import positive_ints, text_config
 from automodel.recipes.errors import ConfigError
 from automodel.recipes.model import num_experts
@@ -44,6 +45,7 @@ from automodel.recipes.parallelisms.base import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from automodel.pipeline import BoundaryLayout
     from automodel.recipes.config.distributed import DistributedSection
     from automodel.recipes.config.recipe import RecipeConfig
     from automodel.recipes.planning.shape import ModelShape
@@ -157,6 +159,18 @@ class TensorParallel(Parallelism[TensorParallelConfig]):
             config=config,
             tensor_parallel=tensor_parallel_config(build.parallelism_configs),
         )
+
+    def part_boundary(
+        self, model: torch.nn.Module, *, mesh: MeshContext, section: DistributedSection, size: int
+    ) -> BoundaryLayout | None:
+        """When the TP plan shards the sequence, the residual stream between model parts is a
+        ``Shard(1)`` DTensor over tp; None without sequence parallelism (plain tensors cross)."""
+        if size == 1 or not shards_sequence(model, configs=section.parallelism_configs):
+            return None
+        # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
+        from automodel.pipeline import BoundaryLayout
+
+        return BoundaryLayout(mesh=mesh.get_mesh(self.name), placements=(Shard(1),))
 
     def kernel_refusal(self, kernel: KernelKind) -> tuple[str, str] | None:
         if kernel == "liger":

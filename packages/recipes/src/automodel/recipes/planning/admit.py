@@ -29,8 +29,9 @@ def global_batch_of(c: Candidate) -> int:
 
 
 def layout_key(c: Candidate) -> tuple:
+    """A candidate's layout: its sizes and the parallelisms' options (pp's schedule)."""
     s = c.setup
-    return (s.sizes, s.pp_schedule)
+    return (s.sizes, s.options)
 
 
 def _model_section(hf_config: PretrainedConfig) -> dict[str, Any]:

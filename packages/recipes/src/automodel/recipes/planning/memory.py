@@ -164,7 +164,7 @@ def _estimate_rank(shape: ModelShape, s: StepSetup, *, pos: RankPosition) -> Mem
     root_mp += (shape.head_params if last else 0) / heads
     sh = s.sharding
     # the strategy's shard group; the experts a parallelism split off over theirs (ep_shard)
-    fs_dense = shard_ranks(s, sh.shard_over)
+    fs_dense = shard_ranks(s, sh)
     fs_expert = (expert_shard_ranks(s) if sh.shard_over != "none" else None) or fs_dense
     layer_shard = shape.layer_dense_params / heads / fs_dense + expert_mp / fs_expert
     root_shard = root_mp / fs_dense

@@ -22,6 +22,7 @@ from automodel.recipes.planning.terms import (
     expert_shard_ranks,
     memory_positions,
     memory_shares,
+    shard_axis_of,
     shard_ranks,
 )
 
@@ -77,7 +78,7 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     micro_batches = s.grad_accum * position.micro_batches
     # FSDP over its shard group (`StrategyMemory.shard_over`): gather bf16 weights for forward and
     # backward of every micro-batch, reduce-scatter the gradients once per step (reduce dtype)
-    fs = shard_ranks(s, s.sharding.shard_over)
+    fs = shard_ranks(s, s.sharding)
     dense_rank = (shape.layer_dense_params / shares.heads * layers_rank) + (
         shape.embed_params + shape.head_params
     ) / shares.heads / shares.layers
@@ -87,7 +88,9 @@ def estimate_step_time(shape: ModelShape, s: StepSetup, hw: Hardware, *, world: 
     if sharded and fs > 1:
         # the FSDP group spans its outermost dense axis and the dense axes inside it
         dense = dense_axes()
-        outermost = flattened_axes()[s.sharding.shard_over][0]
+        spanned = shard_axis_of(s.sharding)
+        assert spanned is not None  # sharded
+        outermost = flattened_axes()[spanned][0]
         bw = bandwidth(math.prod(s.size_of(a) for a in dense[dense.index(outermost) :]), hw)
         # without PP a layer is gathered for forward and again for backward, unless it stays
         # gathered in between (moe.reshard_after_forward: false)

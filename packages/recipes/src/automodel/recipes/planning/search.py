@@ -118,11 +118,11 @@ def _add_batches(
                     continue
                 base = StepSetup(
                     sizes=tuple(sizes.items()), activation_checkpointing=ac,
-                    seq_len=k["seq_len"], local_batch=lbs, grad_accum=gb // (lbs * rows), pp_microbatch=1,
+                    seq_len=k["seq_len"], local_batch=lbs, grad_accum=gb // (lbs * rows),
                     storage_bytes=4, compute_bytes=2, reduce_bytes=4, trainable_params=k["trainable"],
                     expert_load_factor=k["expert_load_factor"],
                 )  # fmt: skip
-                base = replace(base, **overrides)
+                base = base.with_fields(overrides)
                 mem = estimate_step_memory(shape, base)
                 if mem.peak_bytes > capacity:
                     continue

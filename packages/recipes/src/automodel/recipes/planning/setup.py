@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -83,7 +82,7 @@ def step_setup(
         for p in parallelisms()
         for key, value in p.step_fields(section=d, size=p.size(d, layout), stages=stages).items()
     }
-    return replace(setup, **own)
+    return setup.with_fields(own)
 
 
 def _loss_fields(cfg: RecipeConfig, *, on_gpu: bool, head_weight_readable: bool) -> dict:

@@ -9,13 +9,21 @@ registry, so the value types live apart from both and no import circle forms.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from automodel.mesh import flattened_axes, parallel_axes
 
 if TYPE_CHECKING:
     from automodel.recipes.planning.shape import ModelShape
+
+#: An option's type (`StepSetup.option`).
+T = TypeVar("T")
+
+
+#: Which ranks a data-parallel strategy shards its state over (`StrategyMemory.shard_over`).
+ShardGroup = Literal["copies", "rows", "none"]
 
 
 @dataclass(frozen=True)
@@ -24,11 +32,13 @@ class StrategyMemory:
     the roofline read it. Each strategy states its own (`Strategy.memory_model`); the defaults are
     FSDP2's, which `recipes plan` proposes."""
 
-    #: The ranks parameters, gradients and optimizer state are sharded over: a flattened mesh axis
-    #: of the table (`automodel.mesh.flattened_axes`; FSDP2's ``dp_shard_cp``, megatron-fsdp's
-    #: ``dp_cp``), or ``none`` (replicated: gradients are all-reduced). The experts a parallelism
-    #: splits off may be sharded over ranks of their own (`Parallelism.expert_shard_ranks`).
-    shard_over: str = "dp_shard_cp"
+    #: The ranks parameters, gradients and optimizer state are sharded over, by role: ``copies``
+    #: (inside each whole copy HSDP's replicas hold: FSDP2) or ``rows`` (every rank splitting the
+    #: rows: megatron-fsdp), with the ranks holding parameter replicas (cp) each time, which is a
+    #: flattened mesh axis of the table (`planning.terms.shard_axis_of`); or ``none`` (replicated:
+    #: gradients are all-reduced). The experts a parallelism splits off may be sharded over ranks
+    #: of their own (`Parallelism.expert_shard_ranks`).
+    shard_over: ShardGroup = "copies"
     #: Which of the three are sharded (ZeRO stages: 3 shards all, 2 not the parameters, 1 only the
     #: optimizer state, 0 none).
     params_sharded: bool = True
@@ -73,8 +83,10 @@ class StepSetup:
     seq_len: int = 2048
     local_batch: int = 1  # rows of one local batch (one pipeline step under PP)
     grad_accum: int = 1  # local batches per optimizer step
-    pp_microbatch: int = 1
-    pp_schedule: str = "1f1b"
+    #: A parallelism's own options by name, read back by it with `option` (pp's micro-batch rows
+    #: and schedule): set through `with_fields` from its `step_fields` / `search_options`. Kept
+    #: sorted, so two setups of one run compare equal.
+    options: tuple[tuple[str, object], ...] = ()
     stages_per_rank: int = 1
     storage_bytes: int = 4  # model.dtype: sharded parameters and their gradients
     compute_bytes: int = 4  # mp_policy.param_dtype: unsharded weights and activations
@@ -96,6 +108,23 @@ class StepSetup:
     # axes' terms above, by name (`automodel.recipes.parallelisms.memory_terms`)
     extra_bytes: tuple[tuple[str, float], ...] = ()
 
+    def option(self, name: str, default: T) -> T:
+        """The option `name` a parallelism set (`options`), else `default`."""
+        value = dict(self.options).get(name, default)
+        assert isinstance(value, type(default)), (name, value)
+        return value
+
+    def with_fields(self, values: Mapping[str, object]) -> StepSetup:
+        """This setup with `values` set: a field of the dataclass by its name, any other name as a
+        parallelism's option (`option`)."""
+        own = {f.name for f in fields(self)}
+        options = dict(self.options) | {k: v for k, v in values.items() if k not in own}
+        return replace(
+            self,
+            **{k: v for k, v in values.items() if k in own},
+            options=tuple(sorted(options.items())),
+        )
+
     def size_of(self, name: str) -> int:
         """The size of parallelism or mesh axis `name` (1: not used)."""
         return dict(self.sizes).get(name, 1)
@@ -116,6 +145,7 @@ class StepSetup:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {size!r}")
         object.__setattr__(self, "sizes", tuple(sorted((n, v) for n, v in dict(self.sizes).items() if v > 1)))
+        object.__setattr__(self, "options", tuple(sorted(dict(self.options).items())))
         for key in ("seq_len", "local_batch", "grad_accum"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:

@@ -13,9 +13,10 @@ from automodel.recipes.parallelisms import (
     RankPosition,
     mesh_roles,
     parallelisms,
+    shard_axis,
 )
 from automodel.recipes.planning.shape import ModelShape
-from automodel.recipes.planning.step import StepSetup
+from automodel.recipes.planning.step import StepSetup, StrategyMemory
 
 if TYPE_CHECKING:
     from automodel.recipes.config.distributed import DistributedSection
@@ -63,10 +64,18 @@ def batch_ranks_of(setup: StepSetup) -> int:
     return math.prod(setup.size_of(a) for a in mesh_roles().batch_axes)
 
 
-def shard_ranks(setup: StepSetup, axis: str) -> int:
-    """The ranks of flattened mesh axis `axis` (a strategy's `StrategyMemory.shard_over`) in
-    `setup`; 1 for ``none`` (replicated)."""
-    return 1 if axis == "none" else math.prod(setup.size_of(a) for a in flattened_axes()[axis])
+def shard_axis_of(sharding: StrategyMemory) -> str | None:
+    """The flattened mesh axis a strategy's `StrategyMemory.shard_over` is (`roles.shard_axis`);
+    None for ``none`` (replicated)."""
+    if sharding.shard_over == "none":
+        return None
+    return shard_axis(over_copies=sharding.shard_over == "rows")
+
+
+def shard_ranks(setup: StepSetup, sharding: StrategyMemory) -> int:
+    """The ranks a strategy shards its state over in `setup` (`shard_axis_of`); 1 when replicated."""
+    axis = shard_axis_of(sharding)
+    return 1 if axis is None else math.prod(setup.size_of(a) for a in flattened_axes()[axis])
 
 
 def expert_shard_ranks(setup: StepSetup) -> int | None:

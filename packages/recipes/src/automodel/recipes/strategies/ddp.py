@@ -31,7 +31,7 @@ class DDPStrategy(Strategy[DDPConfig]):
         return DDPConfig
 
     def axis_refusal(self, parallelism: Parallelism) -> str:
-        if parallelism.name == "dp_replicate":
+        if parallelism.holds_whole_copies:  # HSDP's replicas of a sharded model
             return f"is FSDP2-only (strategy={self.name})"
         return "ddp is data parallelism only (must be 1)"
 

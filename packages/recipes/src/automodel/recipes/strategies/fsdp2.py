@@ -1,5 +1,6 @@
 """The FSDP2 strategy: per stage TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch ->
-autocast, the pipeline split around it when pp > 1, then materialize (parameters are sharded on
+autocast, the pipeline split around it when pp > 1 (the parallelism that splits the model into
+parts, `Parallelism.split_model`), then materialize (parameters are sharded on
 the meta device and filled in place). Dense and MoE models take the same path: EP (automodel.moe)
 splits the experts and names them; automodel.fsdp2 checkpoints and shards everything, the experts
 as units of their own over ``ep_shard``."""
@@ -12,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import Shard
 
 from automodel.fsdp2 import (
     FSDP2Config,
@@ -24,13 +24,11 @@ from automodel.fsdp2.fsdp import offload_policy_refusal
 from automodel.mesh import MeshContext
 from automodel.moe import MoEParallelizerConfig
 from automodel.recipes.errors import ConfigError
-from automodel.recipes.parallelisms import StageBuild, in_apply_order
-from automodel.recipes.parallelisms.tp import shards_sequence
+from automodel.recipes.parallelisms import ModelSplit, StageBuild, in_apply_order, parallelisms
 from automodel.recipes.planning.step import StrategyMemory
 from automodel.recipes.strategies.base import Initialize, ParallelModel, Strategy
 
 if TYPE_CHECKING:
-    from automodel.pipeline import BoundaryLayout
     from automodel.recipes.config.distributed import DistributedSection
 
 
@@ -42,6 +40,7 @@ def apply_fsdp2_stack(
     moe_config: MoEParallelizerConfig | None,
     gradient_divide_factor: float | None,
     parallelism_configs: Mapping[str, object] | None = None,
+    model_part: bool = False,
 ) -> dict[str, object]:
     """TP/SP -> CP hooks -> EP -> AC -> compile -> FSDP2 -> prefetch -> autocast on one model (or PP stage).
 
@@ -49,9 +48,11 @@ def apply_fsdp2_stack(
     `apply_phase` order: TP/SP, CP, EP); the sharding after them is automodel.fsdp2's. With EP, automodel.moe
     splits the experts over ``ep`` and names them; the second half then shards them as units of
     their own over ``ep_shard`` and the rest as for a dense model, with the `moe_config` options
-    (router replay, resharding, the root unit, a head precision). Returns what the phases resolved,
-    by parallelism name (`StageBuild.resolved`: CP's attention backend). `parallelism_configs`
-    are the phases' own typed configs (`DistributedSection.parallelism_configs`: TP's).
+    (router replay, resharding, the root unit, a head precision). `parallelism_configs` are the phases'
+    own typed configs (`DistributedSection.parallelism_configs`: TP's). `model_part`: `module` is one of
+    the parts a parallelism split the model into (`Parallelism.split_model`: a pipeline stage).
+    Returns what the phases resolved, by parallelism name (`StageBuild.resolved`: CP's attention
+    backend).
     """
     layout = mesh.layout
     build = StageBuild(
@@ -59,7 +60,7 @@ def apply_fsdp2_stack(
         strategy_config=config,
         moe_config=moe_config,
         gradient_divide_factor=gradient_divide_factor,
-        pipeline_stage=layout.pp_enabled,
+        pipeline_stage=model_part,
         parallelism_configs=parallelism_configs or {},
     )
     for parallelism in in_apply_order():  # the model-parallel phases, in their declared order
@@ -109,23 +110,6 @@ def apply_fsdp2_stack(
     return build.resolved
 
 
-def sequence_parallel_boundary(
-    model: nn.Module, *, mesh: MeshContext, parallelism_configs: Mapping[str, object]
-) -> BoundaryLayout | None:
-    """The layout of the hidden states between pipeline stages when the TP plan shards the sequence
-    (its residual stream is a ``Shard(1)`` DTensor over tp): the stages send local shards and the
-    next stage rebuilds them with it. None without sequence parallelism (plain tensors cross)."""
-    if not mesh.layout.tp_enabled:
-        return None
-
-    # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
-    from automodel.pipeline import BoundaryLayout
-
-    if not shards_sequence(model, configs=parallelism_configs):
-        return None
-    return BoundaryLayout(mesh=mesh.get_mesh("tp"), placements=(Shard(1),))
-
-
 class FSDP2Strategy(Strategy[FSDP2Config]):
     """automodel.fsdp2's FSDP2 (HSDP with dp_replicate_size), composed with TP/SP, CP, EP and PP."""
 
@@ -163,9 +147,7 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
     def memory_model(self, config: FSDP2Config) -> StrategyMemory:
         """Sharded over dp_shard x cp (experts over ep_shard), one unit per layer; deferred sync
         accumulates unsharded gradients."""
-        return StrategyMemory(
-            shard_over="dp_shard_cp", defer_unsharded_grads=bool(config.defer_fsdp_grad_sync)
-        )
+        return StrategyMemory(shard_over="copies", defer_unsharded_grads=bool(config.defer_fsdp_grad_sync))
 
     def parallelize(
         self,
@@ -182,7 +164,7 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
         assert isinstance(config, FSDP2Config)  # parsed by this strategy's config_class
         resolved: dict[str, object] = {}
 
-        def parallelize_stage(module: nn.Module, **_: Any) -> None:
+        def parallelize_part(module: nn.Module, *, model_part: bool) -> None:
             resolved.update(
                 apply_fsdp2_stack(
                     module,
@@ -191,32 +173,33 @@ class FSDP2Strategy(Strategy[FSDP2Config]):
                     moe_config=section.moe_config,
                     gradient_divide_factor=gradient_divide_factor,
                     parallelism_configs=section.parallelism_configs,
+                    model_part=model_part,
                 )
             )
 
-        pipe = None
-        if mesh.layout.pp_enabled:
-            # lazy: start-up, automodel.pipeline (torch pipelining) ~1.7 s, only with pp
-            from automodel.pipeline import AutoPipeline
-
-            pipe = AutoPipeline(mesh=mesh, config=section.pipeline_config, device=device).build(
-                model,
-                loss_fn=pipeline_loss_fn,
-                parallelize_fn=parallelize_stage,
-                boundary_layouts=sequence_parallel_boundary(
-                    model, mesh=mesh, parallelism_configs=section.parallelism_configs
-                ),
-            )
-            parts = list(pipe.model_parts)
-            resolved["pp"] = pipe  # the pp plugin's entry (`PipelineParallel.pipeline`)
-        else:
-            parallelize_stage(model)
-            parts = [model]
+        split = ModelSplit(
+            mesh=mesh,
+            section=section,
+            device=device,
+            loss_fn=pipeline_loss_fn,
+            build_part=lambda module: parallelize_part(module, model_part=True),
+        )
+        parts = [model]
+        splitter = None
+        for parallelism in parallelisms():  # the first that splits the model into parts (pp's stages)
+            found = parallelism.split_model(model, split=split, size=parallelism.size(section, mesh.layout))
+            if found is not None:
+                parts, resolved[parallelism.name] = found  # its own entry (`PipelineParallel.pipeline`)
+                splitter = parallelism
+                break
+        if splitter is None:
+            parallelize_part(model, model_part=False)
         initialize(parts)
         return ParallelModel(
             parts=parts,
             strategy=self,
             resolved=resolved,
-            # A pipeline schedule reduces gradients itself after its last micro-batch.
-            defer_grad_sync=pipe is None and config.defer_fsdp_grad_sync,
+            # A split model's schedule (the pipeline's) reduces gradients itself after its last
+            # micro-batch.
+            defer_grad_sync=splitter is None and config.defer_fsdp_grad_sync,
         )

@@ -22,6 +22,7 @@ from automodel.megatron_fsdp import (
     is_megatron_fsdp,
     microbatch_grad_sync,
     model_state_dict,
+    parameter_buffers,
     shard_optimizer,
 )
 from automodel.megatron_fsdp import full_tensor as megatron_full_tensor
@@ -56,12 +57,12 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
     def memory_model(self, config: MegatronFSDPConfig) -> StrategyMemory:
         """Sharded over every dp and cp rank by ZeRO stage (``zero_dp_strategy``); fp32 gradients
         and master weights when asked; two layers' buckets unsharded."""
-        zero = int(config.zero_dp_strategy)
+        shards = config.data_parallel_sharding_strategy.split("_")  # megatron-fsdp's name: what it shards
         return StrategyMemory(
-            shard_over="dp_cp",
-            params_sharded=zero >= 3,
-            grads_sharded=zero >= 2,
-            optimizer_sharded=zero >= 1,
+            shard_over="rows",
+            params_sharded="params" in shards,
+            grads_sharded="grads" in shards,
+            optimizer_sharded="optim" in shards,
             grad_bytes=4 if config.grad_reduce_in_fp32 else None,
             fp32_master=bool(config.preserve_fp32_weights),
             gathered_weights="two_layers",
@@ -77,12 +78,13 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
             raise ConfigError("distributed.strategy", self.name, str(e)) from None
 
     def axis_refusal(self, parallelism: Parallelism) -> str:
-        if parallelism.name == "dp_replicate":
+        if parallelism.holds_whole_copies:  # HSDP's replicas of a sharded model
             return f"is FSDP2-only (strategy={self.name})"
-        if parallelism.name == "cp":
+        if parallelism.splits_tokens:  # cp: its attention hooks are applied by fsdp2's stack only
             return (
-                f"strategy {self.name} applies no context-parallel attention here (each cp rank would "
-                "attend over the whole sequence); use strategy fsdp2 for cp_size > 1"
+                f"strategy {self.name} splits no attention over {parallelism.name} here (each "
+                f"{parallelism.name} rank would attend over the whole sequence); use strategy fsdp2 "
+                f"for {parallelism.size_key} > 1"
             )
         return "megatron_fsdp does not support it (must be 1)"
 
@@ -151,7 +153,7 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
 
     def describe_wrapper(self, part: nn.Module) -> dict[str, Any]:
         """megatron-fsdp's parameter groups and their buffers (what each rank holds of them)."""
-        groups = _parameter_buffers(part)
+        groups = parameter_buffers(part)
         return {} if groups is None else {"megatron_fsdp": {"parameter_groups": groups}}
 
     def wrapper_lines(self, part: dict[str, Any], *, rank: int) -> list[str]:
@@ -181,22 +183,3 @@ class MegatronFSDPStrategy(Strategy[MegatronFSDPConfig]):
         counted_ids: set[int] | None,
     ) -> torch.Tensor:
         return clip_grad_norm(params, max_norm=max_norm, mesh=mesh)
-
-
-def _parameter_buffers(part: nn.Module) -> list[dict[str, Any]] | None:
-    buffer = getattr(part, "param_and_grad_buffer", None)
-    if buffer is None:
-        return None
-    groups = []
-    for group in buffer.parameter_groups:
-        entry: dict[str, Any] = {"num_params": len(group.params)}
-        for kind in ("model_weight_buffer", "main_weight_buffer", "main_grad_buffer"):
-            buf = getattr(group, kind, None)
-            if buf is not None:
-                entry[kind] = {
-                    "distributed": bool(buf.is_data_distributed),
-                    "local_numel": int(buf.data_size),
-                    "dp_world_size": int(buf.dp_world_size),
-                }
-        groups.append(entry)
-    return groups
