@@ -308,7 +308,7 @@ def test_a_new_kind_is_one_registration() -> None:
     """The registry is the only place a kind is wired: parse, build and the path check go through it."""
     from automodel.recipes.data import kinds
 
-    kind = kinds.DatasetKind(
+    kind: kinds.DatasetKind[ConstSection, ConstValidation] = kinds.DatasetKind(  # typed by its sections
         "const", ("const",), {"ConstDataset": "const"}, ConstSection, ConstValidation,
         f"{__name__}:_const_build", f"{__name__}:_const_check",
     )  # fmt: skip

@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from automodel.data.pretrain_sections import (
     MegatronPretrainingSection,
@@ -61,14 +61,20 @@ from automodel.recipes.config.recipe import DatasetConfig
 from automodel.recipes.config.sections import build_section
 from automodel.recipes.errors import ConfigError
 
+#: A kind's training and validation section classes (each a `DatasetConfig`).
+S = TypeVar("S", bound=DatasetConfig)
+V = TypeVar("V", bound=DatasetConfig)
+
 
 @dataclass(frozen=True)
-class DatasetKind:
+class DatasetKind(Generic[S, V]):
+    """One kind, generic over its section classes: its hooks are called with an instance of one."""
+
     name: str
     sources: tuple[str, ...]  # ``source:`` values that select this kind
     targets: Mapping[str, str]  # NeMo AutoModel ``_target_`` class name -> the ``source`` it means
-    section: type
-    validation_section: type
+    section: type[S]
+    validation_section: type[V]
     build: str  # "module:function"
     check_paths: str  # "module:function"
     #: "module:function" called as ``f(section)`` with the run's files (not by ``recipes validate``):
@@ -78,10 +84,11 @@ class DatasetKind:
     count_rows: str | None = None
 
 
-_KINDS: list[DatasetKind] = []
+#: Each kind over its own section classes: `DatasetKind[Any, Any]`.
+_KINDS: list[DatasetKind[Any, Any]] = []
 
 
-def register(kind: DatasetKind) -> DatasetKind:
+def register(kind: DatasetKind[S, V]) -> DatasetKind[S, V]:
     """Add `kind`; its sources and targets must not be claimed by another kind."""
     for other in _KINDS:
         clash = (set(kind.sources) & set(other.sources)) | (set(kind.targets) & set(other.targets))
@@ -91,7 +98,7 @@ def register(kind: DatasetKind) -> DatasetKind:
     return kind
 
 
-def kinds() -> tuple[DatasetKind, ...]:
+def kinds() -> tuple[DatasetKind[Any, Any], ...]:
     return tuple(_KINDS)
 
 
@@ -100,7 +107,7 @@ def _call(ref: str, *args: Any, **kwargs: Any) -> Any:
     return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
-def kind_for(data: Any, *, key: str) -> tuple[DatasetKind, Any]:
+def kind_for(data: Any, *, key: str) -> tuple[DatasetKind[Any, Any], Any]:
     """The kind a raw section selects, and the section with ``_target_`` replaced by its ``source``."""
     if isinstance(data, dict) and "_target_" in data:
         target = data["_target_"]
@@ -131,7 +138,7 @@ def parse_section(data: object, *, validation: bool) -> DatasetConfig:
     return build_section(kind.validation_section if validation else kind.section, data)
 
 
-def kind_of(section: DatasetConfig) -> DatasetKind:
+def kind_of(section: DatasetConfig) -> DatasetKind[Any, Any]:
     for kind in _KINDS:
         if isinstance(section, kind.section | kind.validation_section):
             return kind
