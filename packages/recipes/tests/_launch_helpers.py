@@ -67,6 +67,21 @@ def start_train(
         )
 
 
+def finish(procs: list[subprocess.Popen], logs: list[Path], *, timeout: float = 300) -> list[str]:
+    """Wait for every launcher (killing any left when one times out), assert each exited 0 (the
+    logs' tails in the message), and return the logs' texts."""
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    texts = [log.read_text() for log in logs]
+    tails = "\n".join(f"--- {log.name}:\n{text[-3000:]}" for log, text in zip(logs, texts))
+    assert codes == [0] * len(procs), tails
+    return texts
+
+
 def losses(output_dir: Path) -> dict[int, float]:
     """step -> loss of `output_dir`/metrics.jsonl."""
     path = output_dir / "metrics.jsonl"

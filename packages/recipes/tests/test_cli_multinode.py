@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _launch_helpers import clean_env, free_port, losses, start_train, write_config  # noqa: E402
+from _launch_helpers import clean_env, finish, free_port, losses, start_train, write_config  # noqa: E402
 from _recipe_helpers import RTOL, preload, tiny_config  # noqa: E402
 
 from automodel.recipes.lifetime import descendants_of, is_alive  # noqa: E402
@@ -75,24 +75,13 @@ def _nodes(config: Path, tmp: Path, *, nproc: int, extra: tuple[str, ...] = ()) 
     ]
 
 
-def _finish(procs: list[subprocess.Popen], logs: list[Path]) -> None:
-    try:
-        codes = [p.wait(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    texts = "\n".join(f"--- {log.name}:\n{log.read_text()[-3000:]}" for log in logs)
-    assert codes == [0] * len(procs), texts
-
-
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two `recipes train` launchers on loopback, one rank each, sharing one output_dir."""
     tmp = tmp_path_factory.mktemp("two_nodes")
     out = tmp / "run"
     procs = _nodes(write_config(tmp, out, steps=STEPS), tmp, nproc=1)
-    _finish(procs, [tmp / "node0.stderr", tmp / "node1.stderr"])
+    finish(procs, [tmp / "node0.stderr", tmp / "node1.stderr"])
     return out
 
 
@@ -110,7 +99,7 @@ def test_two_node_checkpoint_resumes_in_one_process(
     restore = str(two_nodes / "checkpoints" / "step_2")
     config = write_config(tmp_path, out, steps=STEPS, checkpoint={"restore_from": restore})
     proc = start_train(config, log=tmp_path / "resume.stderr")
-    _finish([proc], [tmp_path / "resume.stderr"])
+    finish([proc], [tmp_path / "resume.stderr"])
     got = losses(out)
     assert sorted(got) == [3, 4], got
     for step in (3, 4):
@@ -138,7 +127,7 @@ def test_srun_tasks_equal_one_node(tmp_path: Path, reference_2: list[float]) -> 
     job_id = free_port(20000, 40000) - 20000
     logs = [tmp_path / f"task{t}.stderr" for t in range(2)]
     procs = [start_train(config, log=logs[t], env=_srun_env(t, tasks=2, job_id=job_id)) for t in range(2)]
-    _finish(procs, logs)
+    finish(procs, logs)
     _assert_equal(losses(out), reference_2)
 
 
@@ -146,7 +135,7 @@ def test_srun_tasks_equal_one_node(tmp_path: Path, reference_2: list[float]) -> 
 def test_two_nodes_two_ranks_each_equal_one_node(tmp_path: Path) -> None:
     out = tmp_path / "run"
     procs = _nodes(write_config(tmp_path, out, steps=STEPS), tmp_path, nproc=2)
-    _finish(procs, [tmp_path / "node0.stderr", tmp_path / "node1.stderr"])
+    finish(procs, [tmp_path / "node0.stderr", tmp_path / "node1.stderr"])
     _assert_equal(losses(out), _reference(tmp_path, 4))
 
 
@@ -158,9 +147,9 @@ def test_one_node_checkpoint_resumes_on_two_nodes(tmp_path: Path, reference_2: l
     first = start_train(
         config, "--nproc-per-node=2", "--step_scheduler.max_steps=2", log=tmp_path / "first.stderr"
     )
-    _finish([first], [tmp_path / "first.stderr"])
+    finish([first], [tmp_path / "first.stderr"])
     procs = _nodes(config, tmp_path, nproc=1)
-    _finish(procs, [tmp_path / "node0.stderr", tmp_path / "node1.stderr"])
+    finish(procs, [tmp_path / "node0.stderr", tmp_path / "node1.stderr"])
     assert (
         "resumed from step 2 ("
         in (tmp_path / "node0.stderr").read_text() + (tmp_path / "node1.stderr").read_text()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _launch_helpers import clean_env, free_port, losses, start_train, write_config  # noqa: E402
+from _launch_helpers import clean_env, finish, free_port, losses, start_train, write_config  # noqa: E402
 from _recipe_helpers import preload, tiny_config  # noqa: E402
 
 from automodel.recipes.launch_plan import LaunchOptions, plan_launch  # noqa: E402
@@ -148,14 +148,7 @@ def test_two_pods_train_as_one_node_of_four(tmp_path: Path) -> None:
             config, *written_flags(pai_env(1, port=port)), log=logs[1], env=clean_env(**pai_env(1, port=port))
         ),
     ]
-    try:
-        codes = [p.wait(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    texts = [log.read_text() for log in logs]
-    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+    texts = finish(procs, logs, timeout=TIMEOUT)
     assert "recipes train: a Kubeflow PyTorchJob pod (PET_NNODES=2 PET_NODE_RANK=0" in texts[0], texts[0][
         -3000:
     ]

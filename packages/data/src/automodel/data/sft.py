@@ -198,31 +198,29 @@ class ExampleEncoder:
             self.use_template = has_template if use is None else use
         self.bos = [] if self.use_template else bos_prefix(tokenizer)
 
+    def _chat(self, messages: list[dict[str, Any]], *, answer_only: bool, tools: Any = None) -> Example:
+        """`messages` rendered with the chat template, labelled as this section asks."""
+        return encode_chat(
+            self.tokenizer,
+            messages,
+            answer_only=answer_only,
+            key=self.key,
+            tools=tools,
+            mask_generation_prompt=self.mask_generation_prompt,
+        )
+
     def __call__(self, record: dict[str, Any]) -> Example:
         answer_only = self.section.answer_only_loss_mask
         if self.section.source == "chat":
             messages = _check_messages(record.get("messages"))
-            return encode_chat(
-                self.tokenizer,
-                messages,
-                answer_only=answer_only,
-                key=self.key,
-                tools=record.get("tools"),
-                mask_generation_prompt=self.mask_generation_prompt,
-            )
+            return self._chat(messages, answer_only=answer_only, tools=record.get("tools"))
         if "prompt" in record:  # a dataset factory's own prompt text (SQuAD, HellaSwag): verbatim
             prompt, answer = _text(record["prompt"]), _text(record.get("answer"))
             if not answer.strip():
                 raise SkippedExample("empty answer")
             if self.use_template:
                 messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-                return encode_chat(
-                    self.tokenizer,
-                    messages,
-                    answer_only=answer_only,
-                    key=self.key,
-                    mask_generation_prompt=self.mask_generation_prompt,
-                )
+                return self._chat(messages, answer_only=answer_only)
             return encode_plain(
                 self.tokenizer, prompt=prompt, answer=answer, answer_only=answer_only, bos=self.bos
             )
@@ -237,13 +235,7 @@ class ExampleEncoder:
                 messages.append({"role": "system", "content": context})
             messages.append({"role": "user", "content": question or context})
             messages.append({"role": "assistant", "content": answer})
-            return encode_chat(
-                self.tokenizer,
-                messages,
-                answer_only=answer_only,
-                key=self.key,
-                mask_generation_prompt=self.mask_generation_prompt,
-            )
+            return self._chat(messages, answer_only=answer_only)
         prompt = format_plain_prompt(context=context, question=question)
         return encode_plain(
             self.tokenizer, prompt=prompt, answer=answer, answer_only=answer_only, bos=self.bos
