@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 from datetime import timedelta
 
@@ -28,6 +29,12 @@ def _rank_two_raises() -> None:
 def _rank_one_hangs(seconds: float) -> None:
     if dist.get_rank() == 1:
         time.sleep(seconds)
+
+
+def _rank_one_aborts() -> None:
+    if dist.get_rank() == 1:
+        os.abort()  # as glibc does when it finds the heap corrupted
+    dist.barrier()
 
 
 def _collect_garbage() -> int:
@@ -63,6 +70,17 @@ def test_a_hanging_rank_fails_within_the_time_out() -> None:
     # The hung rank's own stack names where it hangs, so a CI log is enough to diagnose it.
     stacks = str(err.value).split("--- rank 1 stacks at the time-out ---", 1)[1]
     assert "in _rank_one_hangs" in stacks
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_the_signal_and_its_stack() -> None:
+    """A native crash sends nothing back; the failure still names the signal and where Python was."""
+    with pytest.raises(RankFailure) as err:
+        run_on_ranks(_rank_one_aborts, world_size=2, timeout_s=60)
+    assert err.value.rank == 1
+    message = str(err.value)
+    assert "rank 1 died without reporting (exit code -6, SIGABRT)" in message
+    stacks = message.split("--- rank 1 stacks at its fatal signal ---", 1)[1]
+    assert "Fatal Python error: Aborted" in stacks and "in _rank_one_aborts" in stacks
 
 
 def test_bad_world_size_is_rejected() -> None:

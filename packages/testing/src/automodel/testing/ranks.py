@@ -88,9 +88,12 @@ def _rank_main(
     # child does not have, and the rank hangs "Garbage-collecting" (seen on CI, late in a full run).
     gc.freeze()
     try:
-        # Kept open for the life of the process: faulthandler writes to its descriptor on SIGUSR1.
+        # Kept open for the life of the process: faulthandler writes to its descriptor on SIGUSR1
+        # (the parent asks for a hung rank's stacks) and on a fatal signal (a native crash: SIGABRT
+        # from glibc's heap checks, SIGSEGV), so a rank that dies without reporting still says where.
         dump_file = open(stack_dump, "w")  # noqa: SIM115
         faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True)
+        faulthandler.enable(file=dump_file, all_threads=True)
         torch.set_num_threads(1)
         # Rank 0 binds port 0 (the OS picks a free one, no race with other jobs) and tells the parent,
         # which only then forks the other ranks with that port.
@@ -172,7 +175,7 @@ def run_on_ranks(
             if rank == 0:
                 port = _receive_store_port(procs[0], conns[0], timeout_s)
         try:
-            return _collect(procs, conns, timeout_s)
+            return _collect(procs, conns, timeout_s, dumps)
         except RankTimeout as exc:
             raise RankTimeout(f"{exc}\n{_hung_stacks(procs, dumps)}") from None
     finally:
@@ -210,7 +213,24 @@ def _receive_store_port(proc: Any, conn: Any, timeout_s: float) -> int:
     return value
 
 
-def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
+def _died_without_reporting(rank: int, proc: Any, dump: str) -> str:
+    """What is known of a rank that exited before sending its result: its exit code (a negative
+    code is the signal that ended it) and the Python stacks faulthandler wrote at a fatal signal."""
+    proc.join(timeout=1)
+    code = proc.exitcode
+    how = f"exit code {code}"
+    if code is not None and code < 0:
+        try:
+            how += f", {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    text = Path(dump).read_text(errors="replace").strip() if Path(dump).exists() else ""
+    return f"rank {rank} died without reporting ({how})" + (
+        f"\n--- rank {rank} stacks at its fatal signal ---\n{text}" if text else ""
+    )
+
+
+def _collect(procs: list, conns: list, timeout_s: float, dumps: list[str]) -> list[Any]:
     world_size = len(procs)
     results: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
@@ -230,11 +250,7 @@ def _collect(procs: list, conns: list, timeout_s: float) -> list[Any]:
             try:
                 status, _, payload = conns[rank].recv()
             except EOFError:
-                code = procs[rank].exitcode
-                procs[rank].join(timeout=1)
-                failures.append(
-                    (rank, f"rank {rank} died without reporting (exit code {procs[rank].exitcode or code})")
-                )
+                failures.append((rank, _died_without_reporting(rank, procs[rank], dumps[rank])))
                 break
             if status == "ok":
                 results[rank] = pickle.loads(payload)
