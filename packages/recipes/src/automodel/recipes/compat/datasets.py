@@ -81,19 +81,25 @@ def count_squad(
     section: SquadSection, tokenizer: Any, *, packed_sequence_size: int, seed: int, at_least: int
 ) -> int:
     """`build_squad`'s rows, counted before launch (`data.sft.count_sft_rows`)."""
-    with no_progress_bars():
-        rows = squad_records(section, _load_table(section))
-    return count_sft_rows(
-        section, tokenizer, packed_sequence_size=packed_sequence_size, at_least=at_least, records=rows
-    )
+    return _count(section, tokenizer, packed_sequence_size, at_least, squad_records)
 
 
 def count_hellaswag(
     section: HellaSwagSection, tokenizer: Any, *, packed_sequence_size: int, seed: int, at_least: int
 ) -> int:
     """`build_hellaswag`'s rows, counted before launch (`data.sft.count_sft_rows`)."""
+    return _count(section, tokenizer, packed_sequence_size, at_least, hellaswag_records)
+
+
+def _count(
+    section: SquadSection | HellaSwagSection,
+    tokenizer: Any,
+    packed_sequence_size: int,
+    at_least: int,
+    records: Any,
+) -> int:
     with no_progress_bars():
-        rows = hellaswag_records(section, _load_table(section))
+        rows = records(section, _load_table(section))
     return count_sft_rows(
         section, tokenizer, packed_sequence_size=packed_sequence_size, at_least=at_least, records=rows
     )
