@@ -63,6 +63,13 @@ def _squad(tmp: Path, rows: int) -> dict[str, Any]:
     return {"source": "squad", "dataset_name": str(tmp / "squad.jsonl"), "seq_length": 64}
 
 
+def _hellaswag(tmp: Path, rows: int) -> dict[str, Any]:
+    """NeMo AutoModel's ``HellaSwag`` over `rows` HellaSwag-format rows in a local file."""
+    row = {"ctx": "c", "endings": ["a", "b"], "label": "1"}
+    (tmp / "hellaswag.jsonl").write_text((json.dumps(row) + "\n") * rows)
+    return {"source": "hellaswag", "path_or_dataset": str(tmp / "hellaswag.jsonl"), "seq_length": 64}
+
+
 def _nanogpt(tmp: Path, tokens: int) -> dict[str, Any]:
     write_nanogpt_shard(tmp / "shard.bin", np.arange(tokens) % 200 + 1)
     return {"source": "nanogpt", "file_pattern": str(tmp / "shard.bin"), "seq_len": 32}
@@ -80,6 +87,7 @@ CASES = {
     ),
     # the built-in corpus's first 1024 characters: 31 rows of 33 tokens, max_rows keeps 5
     "squad": (lambda tmp: _squad(tmp, 7), {}),
+    "hellaswag": (lambda tmp: _hellaswag(tmp, 6), {}),
     # 200 tokens: 6 windows of 33
     "nanogpt": (lambda tmp: _nanogpt(tmp, 200), {}),
     "text": (lambda tmp: {"source": "embedded", "seq_length": 32, "max_bytes": 1024, "max_rows": 5}, {}),
